@@ -1,0 +1,65 @@
+"""EngineConfig: every knob of the engine in one validated dataclass.
+
+Names and defaults follow vLLM's `LLM(...)` / `vllm serve` so users can switch without
+rewriting code. `LLM`, `AsyncLLM` and the CLI all build one of these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF dir, hub id, .gguf file; None = the built-in SmolLM2
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str | None = None  # None = cuda when available, else cpu
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # overrides the memory-based sizing when given
+    cpu_kv_cache_space: float = 1.0  # GiB of KV cache on the CPU (vLLM: VLLM_CPU_KVCACHE_SPACE)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True = no CUDA graphs
+    quantization: str | None = None  # None (auto-detect) | "awq"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    chat_template: str | None = None  # a Jinja template string overriding the model's
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            positive(name)
+        for name in ("max_model_len", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                positive(name)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.cpu_kv_cache_space <= 0:
+            raise ValueError(f"cpu_kv_cache_space must be > 0 GiB, got {self.cpu_kv_cache_space}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}"
+            )
+        if self.quantization not in (None, "awq"):
+            raise ValueError(f"quantization must be None or 'awq', got {self.quantization!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from keyword arguments, naming any unknown one in the error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)

@@ -1,0 +1,31 @@
+"""What generate() returns, with vLLM's names: RequestOutput holding n CompletionOutputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the request's n samples
+    text: str  # cumulative decoded text (stop string excluded)
+    token_ids: list[int]  # cumulative generated token ids
+    cumulative_logprob: float | None = None
+    # Per generated token: {token_id: logprob} for the sampled token and the top-k (when asked).
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # None while running, then "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
