@@ -1,1 +1,40 @@
-"""tinypaged."""
+"""tinypaged: a pure-Triton LLM inference engine with a paged KV cache.
+
+    from tinypaged import LLM, SamplingParams
+    llm = LLM()  # the built-in SmolLM2-135M-Instruct
+    print(llm.generate("The capital of France is")[0].outputs[0].text)
+
+Importing the package loads nothing heavy: torch, triton and transformers are imported when a
+name below is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "tinypaged.llm",
+    "AsyncLLM": "tinypaged.async_llm",
+    "SamplingParams": "tinypaged.sampling",
+    "EngineConfig": "tinypaged.config",
+    "RequestOutput": "tinypaged.outputs",
+    "CompletionOutput": "tinypaged.outputs",
+}
+
+__all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:
+    from tinypaged.async_llm import AsyncLLM
+    from tinypaged.config import EngineConfig
+    from tinypaged.llm import LLM
+    from tinypaged.outputs import CompletionOutput, RequestOutput
+    from tinypaged.sampling import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tinypaged' has no attribute {name!r}")
