@@ -28,6 +28,8 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     chat_template: str | None = None  # a Jinja template string overriding the model's
+    load_format: str = "auto"  # "auto" = the checkpoint; "dummy" = random weights (benchmarks)
+    skip_tokenizer_init: bool = False  # token ids in and out only (benchmarks)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -52,6 +54,8 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}"
             )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.quantization not in (None, "awq"):
             raise ValueError(f"quantization must be None or 'awq', got {self.quantization!r}")
 
