@@ -1,0 +1,307 @@
+"""Scheduler: continuous batching over the paged KV cache, with chunked prefill and preemption.
+
+Each step has a budget of `max_num_batched_tokens` new tokens (vLLM v1 style: there is no separate
+prefill or decode phase, a step is a list of (sequence, num_new_tokens)). `schedule()` spends it:
+
+1. Running sequences, decodes first (1 token each), then those still in a chunked prefill (their
+   next chunk: as many prompt tokens as the budget and the free blocks allow). Decodes go first so
+   a long prompt never starves them. When a running sequence needs a block and none is free, the
+   most recently admitted running sequence not yet scheduled this step is preempted: its blocks are
+   freed, its computed count reset to 0, and it goes back to the *front* of the waiting queue, to
+   recompute prompt + generated tokens later (prefix-cache hits usually make that cheap).
+2. Waiting sequences, FIFO, while the budget lasts and fewer than `max_num_seqs` run. A sequence is
+   admitted only when its whole chunk fits in the free blocks (else admission stops, so a newcomer
+   never forces a preemption). Prefix-cache hits are taken at admission. No admission happens in a
+   step that preempted. Siblings of an n>1 request wait while one of them prefills the shared
+   prompt, then hit its cached blocks instead of computing the prompt n times.
+
+A sequence is sampled in a step when that step computes up to its last token:
+`num_computed_tokens + num_new_tokens == len(token_ids)`.
+
+The engine's step (every call O(batch)):
+
+    out = scheduler.schedule()                       # SchedulerOutput
+    # model runs out.scheduled: for item in it, the new tokens are
+    # item.seq.token_ids[item.num_computed_tokens : item.num_computed_tokens + item.num_new_tokens]
+    sampled = {item.seq.seq_id: token for item in out.scheduled if item.sample}
+    for seq in scheduler.update(out, sampled):       # advances, caches full blocks, appends tokens
+        if stop condition(seq):                      # eos / stop ids / stop strings / max_tokens
+            scheduler.finish(seq, "stop" or "length")
+    scheduler.abort(request_id)                      # any time between steps
+
+Submission: `add(seq)` raises ValueError for a sequence that could never run: prompt + max_tokens
+over `max_model_len`, or more KV blocks than the whole cache. The engine must finish a sequence at
+its max_tokens; the admission check relies on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinypaged.scheduler.block_manager import BlockManager
+from tinypaged.scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+    num_computed_tokens: int  # tokens already in the cache: the new ones start at this position
+    sample: bool  # this step reaches the last token, so its logits give a sampled token
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)  # decodes first
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        return [item.seq for item in self.scheduled if item.sample]
+
+
+class Scheduler:
+    """`config` needs max_num_seqs, max_num_batched_tokens, max_model_len (an int by now),
+    block_size and enable_prefix_caching (an EngineConfig does)."""
+
+    def __init__(self, config: Any, num_blocks: int) -> None:
+        self.max_num_seqs: int = config.max_num_seqs
+        self.max_num_batched_tokens: int = config.max_num_batched_tokens
+        self.max_model_len: int = config.max_model_len
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+            raise ValueError(
+                f"max_model_len must be resolved to a positive int before building the "
+                f"scheduler, got {self.max_model_len!r}"
+            )
+        self.block_size: int = config.block_size
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}  # seq_id -> seq, in admission order
+        self.requests: dict[str, list[Sequence]] = {}  # request_id -> its unfinished sequences
+        self._arrival = itertools.count()
+
+    # ---- stats ---------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- submission ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence, rejecting at once one that could never run."""
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_output_tokens:
+            raise ValueError(f"seq {seq.seq_id} was already scheduled; add fresh Sequences only")
+        siblings = self.requests.setdefault(seq.request_id, [])
+        if any(s.seq_id == seq.seq_id for s in siblings):
+            raise ValueError(f"seq_id {seq.seq_id} is already queued for {seq.request_id!r}")
+        try:
+            self._check_fits(seq)
+        except ValueError:
+            if not siblings:
+                del self.requests[seq.request_id]
+            raise
+        seq.arrival_order = next(self._arrival)
+        siblings.append(seq)
+        self.waiting.append(seq)
+
+    def _check_fits(self, seq: Sequence) -> None:
+        num_prompt, limit = seq.num_prompt_tokens, self.max_model_len
+        max_tokens = seq.max_tokens
+        if max_tokens is None:  # generate until max_model_len
+            if num_prompt >= limit:
+                raise ValueError(
+                    f"request {seq.request_id!r}: the prompt has {num_prompt} tokens, leaving no "
+                    f"room to generate within max_model_len={limit}; shorten the prompt"
+                )
+            total, what = limit, f"max_model_len={limit}"
+        else:
+            if max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+            total = num_prompt + max_tokens
+            if total > limit:
+                raise ValueError(
+                    f"request {seq.request_id!r}: prompt ({num_prompt} tokens) + max_tokens "
+                    f"({max_tokens}) = {total} tokens exceeds max_model_len={limit}; shorten the "
+                    f"prompt or lower max_tokens"
+                )
+            what = f"prompt ({num_prompt}) + max_tokens ({max_tokens})"
+        # The last sampled token never enters the cache.
+        needed = self.block_manager.blocks_needed(total - 1)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request {seq.request_id!r}: {what} needs up to {needed} KV-cache blocks of "
+                f"{self.block_size} tokens, but the whole cache has "
+                f"{self.block_manager.num_blocks}; lower max_tokens or shorten the prompt, or give "
+                f"the cache more memory (gpu_memory_utilization / num_kv_blocks)"
+            )
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        scheduled_ids: set[int] = set()
+
+        def take(seq: Sequence, n: int) -> None:
+            nonlocal budget
+            computed = seq.num_computed_tokens
+            sample = computed + n == len(seq.token_ids)
+            out.scheduled.append(ScheduledSequence(seq, n, computed, sample))
+            scheduled_ids.add(seq.seq_id)
+            budget -= n
+
+        # 1. Running sequences: decodes, then chunked prefills.
+        running = list(self.running.values())
+        order = [s for s in running if not s.is_prefill] + [s for s in running if s.is_prefill]
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            want = min(seq.num_uncomputed_tokens, budget)
+            while (n := min(want, bm.num_allocatable_tokens(seq))) == 0:
+                victim = self._newest_unscheduled(scheduled_ids)
+                if victim is seq and len(self.running) == 1:
+                    raise RuntimeError(
+                        f"seq {seq.seq_id} cannot grow although it is alone in the cache; the "
+                        f"admission check should have rejected it (bug)"
+                    )
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                bm.allocate(seq, n)
+                take(seq, n)
+
+        # 2. Waiting sequences, FIFO.
+        deferred: list[Sequence] = []
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not out.preempted
+        ):
+            seq = self.waiting[0]
+            if self._sibling_prefilling(seq):
+                deferred.append(self.waiting.popleft())
+                continue
+            hits = bm.find_cached_prefix(seq)
+            n = min(len(seq.token_ids) - len(hits) * self.block_size, budget)
+            if not bm.allocate(seq, n, hits):
+                break
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running[seq.seq_id] = seq
+            take(seq, n)
+        self.waiting.extendleft(reversed(deferred))
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _newest_unscheduled(self, scheduled_ids: set[int]) -> Sequence:
+        for seq in reversed(self.running.values()):
+            if seq.seq_id not in scheduled_ids:
+                return seq
+        raise RuntimeError("no running sequence left to preempt (bug)")
+
+    def _preempt(self, seq: Sequence) -> None:
+        del self.running[seq.seq_id]
+        self.block_manager.free(seq)  # also resets num_computed_tokens: recompute everything
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _sibling_prefilling(self, seq: Sequence) -> bool:
+        """True when another sample of seq's request is computing the prompt seq could share."""
+        if not self.block_manager.enable_prefix_caching or seq.num_prompt_tokens <= self.block_size:
+            return False
+        return any(
+            s is not seq
+            and s.status is SequenceStatus.RUNNING
+            and s.num_computed_tokens < s.num_prompt_tokens
+            for s in self.requests[seq.request_id]
+        )
+
+    def update(self, out: SchedulerOutput, sampled_tokens: Mapping[int, int]) -> list[Sequence]:
+        """Record a finished model step: advance computed counts, register newly full blocks in
+        the prefix cache, append each sampled token (`sampled_tokens[seq_id]`, for every item with
+        `sample`). Returns the sequences that got a token, for the engine's stop checks.
+        Sequences finished or aborted since `schedule()` are skipped."""
+        grown = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.mark_computed(seq)
+            if item.sample:
+                seq.append_token(sampled_tokens[seq.seq_id])
+                grown.append(seq)
+        return grown
+
+    # ---- ending --------------------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: str = "stop") -> None:
+        """End a sequence (running or waiting) and free its blocks at once."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            del self.running[seq.seq_id]
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        siblings = self.requests[seq.request_id]
+        siblings.remove(seq)
+        if not siblings:
+            del self.requests[seq.request_id]
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of a request with reason "abort"; unknown ids are a no-op."""
+        seqs = list(self.requests.get(request_id, ()))
+        for seq in seqs:
+            self.finish(seq, "abort")
+        return seqs
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when queues and the cache disagree (for tests)."""
+        for seq in self.waiting:
+            if seq.status is not SequenceStatus.WAITING or seq.block_table:
+                raise AssertionError(f"waiting {seq} holds blocks or has the wrong status")
+        if len(self.running) > self.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running > max_num_seqs")
+        queued = len(self.running) + len(self.waiting)
+        if queued != sum(len(v) for v in self.requests.values()):
+            raise AssertionError("request map out of sync with the queues")
+        self.block_manager.check_invariants(self.running.values())
