@@ -1,0 +1,225 @@
+"""Prometheus metrics of the server, measured from the stream of outputs each request sees.
+
+Names follow vLLM's with a `tinypaged:` prefix and a `model_name` label:
+
+    gauges (read from engine.get_stats() at scrape time)
+        tinypaged:num_requests_running, tinypaged:num_requests_waiting,
+        tinypaged:kv_cache_usage_perc             fraction of KV blocks in use, 0..1
+    counters
+        tinypaged:prompt_tokens_total             counted when a request's first output arrives
+        tinypaged:generation_tokens_total         counted as tokens arrive (aborted ones too)
+        tinypaged:request_success_total{finished_reason=stop|length|abort}   one per engine request
+                                                  (length if any sample hit it)
+    histograms (seconds)
+        tinypaged:time_to_first_token_seconds     submission -> first generated token
+        tinypaged:inter_token_latency_seconds     one observation per token after a sample's first
+        tinypaged:e2e_request_latency_seconds     submission -> last output, finished requests only
+
+Bookkeeping identities (what the tests check): the TTFT count is the number of requests that got a
+token; the inter-token count is generation tokens minus samples that got a token.
+
+Each app gets its own CollectorRegistry, so many apps (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from tinypaged.outputs import RequestOutput
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
+
+
+class _EngineGauges:
+    """A custom collector: asks the engine for its queue lengths and cache usage on each scrape."""
+
+    def __init__(self, engine: Any, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        stats = self.engine.get_stats()
+        for name, key, doc in (
+            ("num_requests_running", "num_running", "Requests in the running batch."),
+            ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+            ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0-1)."),
+        ):
+            gauge = GaugeMetricFamily(f"tinypaged:{name}", doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield gauge
+
+
+class ServerMetrics:
+    def __init__(self, engine: Any, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        reg, labels = self.registry, ["model_name"]
+        self.prompt_tokens = Counter(
+            "tinypaged:prompt_tokens", "Prompt tokens processed.", labels, registry=reg
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "tinypaged:generation_tokens", "Tokens generated.", labels, registry=reg
+        ).labels(model_name)
+        self._finished = Counter(
+            "tinypaged:request_success",
+            "Requests ended, by finish reason.",
+            labels + ["finished_reason"],
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "tinypaged:time_to_first_token_seconds",
+            "Time to the first generated token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "tinypaged:inter_token_latency_seconds",
+            "Time between consecutive tokens of a sample.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "tinypaged:e2e_request_latency_seconds",
+            "Submission to last token, finished requests.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        reg.register(_EngineGauges(engine, model_name))
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self) -> "RequestMetrics":
+        return RequestMetrics(self)
+
+
+class RequestMetrics:
+    """The timing of one engine request, fed every cumulative RequestOutput it yields."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+        self.start = time.perf_counter()
+        self.seen_prompt = False
+        self.first_token = False
+        self.num_tokens: dict[int, int] = {}  # sample index -> tokens counted so far
+        self.last_time: dict[int, float] = {}  # sample index -> when its newest token arrived
+        self.done = False
+
+    def observe(self, out: RequestOutput) -> None:
+        t = time.perf_counter()
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            self.m.prompt_tokens.inc(len(out.prompt_token_ids))
+        for c in out.outputs:
+            new = len(c.token_ids) - self.num_tokens.get(c.index, 0)
+            if new <= 0:
+                continue
+            if not self.first_token:
+                self.first_token = True
+                self.m.ttft.observe(t - self.start)
+            self.m.generation_tokens.inc(new)
+            if c.index in self.last_time:
+                # Several tokens in one output share the gap since this sample's last token.
+                gap = (t - self.last_time[c.index]) / new
+                for _ in range(new):
+                    self.m.itl.observe(gap)
+            else:
+                for _ in range(new - 1):  # tokens that arrived together with the first
+                    self.m.itl.observe(0.0)
+            self.num_tokens[c.index] = len(c.token_ids)
+            self.last_time[c.index] = t
+        if out.finished and not self.done:
+            self.done = True
+            reasons = {c.finish_reason for c in out.outputs}
+            reason = next((r for r in ("abort", "length") if r in reasons), "stop")
+            if reason != "abort":
+                self.m.e2e.observe(t - self.start)
+            self.m.finished(reason)
+
+    def aborted(self) -> None:
+        """The request ended without a final output (client gone, error, shutdown)."""
+        if not self.done:
+            self.done = True
+            self.m.finished("abort")

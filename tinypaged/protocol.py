@@ -1,0 +1,565 @@
+"""The OpenAI wire format: request validation and response bodies, free of HTTP and engine code.
+
+Every parser takes the decoded JSON body and either returns a plain description of the request or
+raises `APIError`, whose body is OpenAI's error shape:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens",
+               "code": "invalid_value"}}
+
+`param` names the offending field (dotted / indexed for nested ones, e.g. `messages[1].content`),
+so a client can point at it. Sampling fields keep their OpenAI names here and are handed to
+`SamplingParams` under vLLM's names (the same, apart from chat's `top_logprobs` -> `logprobs`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+_MISSING = object()
+
+
+class APIError(Exception):
+    """An error that ends one HTTP request with an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---------------------------------------------------------------------------------- field checks
+
+_TYPE_NAMES = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string"}
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # JSON true is not the number 1
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "number":
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, str)
+
+
+def field_value(
+    body: dict,
+    name: str,
+    kind: str,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    required: bool = False,
+) -> Any:
+    """The value of `body[name]` checked for type and range; None when absent (or null)."""
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        if required:
+            raise bad_request(name, f"'{name}' is a required field", code="missing_field")
+        return None
+    if not _is(value, kind):
+        raise bad_request(
+            name, f"'{name}' must be {_TYPE_NAMES[kind]}, got {value!r}", code="invalid_type"
+        )
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        bound = f"> {lo}" if lo_open else f">= {lo}"
+        raise bad_request(name, f"'{name}' must be {bound}, got {value!r}")
+    if hi is not None and value > hi:
+        raise bad_request(name, f"'{name}' must be <= {hi}, got {value!r}")
+    return value
+
+
+def _stop_list(body: dict) -> list[str] | None:
+    stop = body.get("stop")
+    if stop is None:
+        return None
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad_request(
+            "stop",
+            f"'stop' must be a string or a list of non-empty strings, got {stop!r}",
+            code="invalid_type",
+        )
+    return stop
+
+
+def _int_list(body: dict, name: str) -> list[int] | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(_is(v, "int") and v >= 0 for v in value):
+        raise bad_request(
+            name,
+            f"'{name}' must be a list of token ids (integers >= 0), got {value!r}",
+            code="invalid_type",
+        )
+    return value
+
+
+# --------------------------------------------------------------------------- generation requests
+
+
+@dataclass
+class GenerationRequest:
+    """What the server needs of a /v1/completions or /v1/chat/completions body."""
+
+    model: str | None
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions
+    messages: list[dict] | None = None  # chat: [{"role", "content": str}]
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs (vLLM names)
+    max_tokens: int | None = None  # None = the rest of the context
+    max_tokens_param: str = "max_tokens"  # the field name to blame when it does not fit
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # completions: top-k count; chat: top_logprobs (0 = sampled only)
+    n: int = 1
+
+
+def _common(body: dict, req: GenerationRequest) -> None:
+    """Fields shared by completions and chat: sampling knobs, vLLM extras, streaming."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model", f"'model' must be a string, got {model!r}", code="invalid_type")
+    req.model = model
+    s = req.sampling
+    s["n"] = req.n = field_value(body, "n", "int", lo=1, hi=128) or 1
+    checks = {
+        "temperature": ("number", 0.0, None, False),
+        "top_p": ("number", 0.0, 1.0, True),
+        "top_k": ("int", -1, None, False),
+        "min_p": ("number", 0.0, 1.0, False),
+        "presence_penalty": ("number", -2.0, 2.0, False),
+        "frequency_penalty": ("number", -2.0, 2.0, False),
+        "repetition_penalty": ("number", 0.0, None, True),
+        "seed": ("int", None, None, False),
+        "min_tokens": ("int", 0, None, False),
+    }
+    for name, (kind, lo, hi, lo_open) in checks.items():
+        value = field_value(body, name, kind, lo=lo, hi=hi, lo_open=lo_open)
+        if value is not None:
+            s[name] = value
+    for name in ("ignore_eos", "skip_special_tokens"):
+        value = field_value(body, name, "bool")
+        if value is not None:
+            s[name] = value
+    if (stop := _stop_list(body)) is not None:
+        s["stop"] = stop
+    if (ids := _int_list(body, "stop_token_ids")) is not None:
+        s["stop_token_ids"] = ids
+    field_value(body, "user", "str")  # accepted and ignored, but it must be a string
+
+    req.stream = bool(field_value(body, "stream", "bool"))
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request(
+                "stream_options", "'stream_options' must be an object", code="invalid_type"
+            )
+        if not req.stream:
+            raise bad_request(
+                "stream_options", "'stream_options' is only allowed when 'stream' is true"
+            )
+        usage = options.get("include_usage", False)
+        if not isinstance(usage, bool):
+            raise bad_request(
+                "stream_options.include_usage",
+                "'include_usage' must be a boolean",
+                code="invalid_type",
+            )
+        req.include_usage = usage
+    for name in ("logit_bias", "tools", "functions", "response_format", "suffix"):
+        if body.get(name):
+            raise bad_request(name, f"'{name}' is not supported by this server", code="unsupported")
+
+
+def _max_tokens(body: dict, req: GenerationRequest, names: tuple[str, ...]) -> None:
+    for name in names:  # the first one given wins (chat: max_completion_tokens over max_tokens)
+        value = field_value(body, name, "int", lo=1)
+        if value is not None:
+            req.max_tokens, req.max_tokens_param = value, name
+            break
+    if req.max_tokens is not None and req.sampling.get("min_tokens", 0) > req.max_tokens:
+        raise bad_request(
+            "min_tokens",
+            f"'min_tokens' ({req.sampling['min_tokens']}) must not exceed "
+            f"'{req.max_tokens_param}' ({req.max_tokens})",
+        )
+
+
+def parse_completion_request(body: Any) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad_request("body", "the request body must be a JSON object", code="invalid_type")
+    req = GenerationRequest(model=None)
+    _common(body, req)
+    _max_tokens(body, req, ("max_tokens",))
+    prompt = body.get("prompt", _MISSING)
+    if prompt is _MISSING or prompt is None:
+        raise bad_request("prompt", "'prompt' is a required field", code="missing_field")
+    req.prompts = _prompts(prompt)
+    if body.get("echo"):
+        raise bad_request("echo", "'echo' is not supported by this server", code="unsupported")
+    best_of = field_value(body, "best_of", "int", lo=1)
+    if best_of is not None and best_of != req.n:
+        raise bad_request(
+            "best_of", "'best_of' other than 'n' is not supported", code="unsupported"
+        )
+    req.logprobs = field_value(body, "logprobs", "int", lo=0, hi=20)
+    if req.logprobs is not None:
+        req.sampling["logprobs"] = req.logprobs
+    return req
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """`prompt` as a list: a string, list of strings, token ids, or a list of token-id lists."""
+    wrong = bad_request(
+        "prompt",
+        "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+        f"token-id lists, got {str(prompt)[:80]!r}",
+        code="invalid_type",
+    )
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is(t, "int") for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise wrong
+    for p in prompts:
+        ok = isinstance(p, str) or (isinstance(p, list) and p and all(_is(t, "int") for t in p))
+        if not ok:
+            raise wrong
+    if any(isinstance(p, list) and min(p) < 0 for p in prompts):
+        raise bad_request("prompt", "token ids in 'prompt' must be >= 0")
+    return prompts
+
+
+def parse_chat_request(body: Any) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad_request("body", "the request body must be a JSON object", code="invalid_type")
+    req = GenerationRequest(model=None)
+    _common(body, req)
+    _max_tokens(body, req, ("max_completion_tokens", "max_tokens"))
+    req.messages = parse_messages(body.get("messages", _MISSING))
+    want = field_value(body, "logprobs", "bool")
+    top = field_value(body, "top_logprobs", "int", lo=0, hi=20)
+    if top is not None and not want:
+        raise bad_request("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
+    if want:
+        req.logprobs = top or 0
+        req.sampling["logprobs"] = req.logprobs
+    return req
+
+
+def parse_messages(messages: Any) -> list[dict]:
+    """Messages reduced to {"role", "content": str}; list-of-parts content is joined as text."""
+    if messages is _MISSING or messages is None:
+        raise bad_request("messages", "'messages' is a required field", code="missing_field")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(
+            "messages",
+            "'messages' must be a non-empty list of message objects",
+            code="invalid_type",
+        )
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(
+                where, f"'{where}' must be an object with 'role' and 'content'", code="invalid_type"
+            )
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad_request(
+                f"{where}.role",
+                f"'{where}.role' must be a non-empty string, got {role!r}",
+                code="invalid_type",
+            )
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise bad_request(
+                        f"{where}.content",
+                        f"'{where}.content' parts must be {{'type': 'text', 'text': str}}; "
+                        "only text is supported",
+                        code="unsupported",
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise bad_request(
+                f"{where}.content",
+                f"'{where}.content' must be a string or a list of text parts, got {content!r}",
+                code="invalid_type",
+            )
+        out.append({"role": role, "content": content})
+    return out
+
+
+# ------------------------------------------------------------------------- tokenize / detokenize
+
+
+def parse_tokenize_request(body: Any) -> tuple[str | None, str | None, list[dict] | None, bool]:
+    """(model, prompt, messages, return_token_strs): vLLM's /tokenize takes a prompt or messages."""
+    if not isinstance(body, dict):
+        raise bad_request("body", "the request body must be a JSON object", code="invalid_type")
+    model = field_value(body, "model", "str")
+    strs = bool(field_value(body, "return_token_strs", "bool"))
+    if "messages" in body:
+        return model, None, parse_messages(body["messages"]), strs
+    return model, field_value(body, "prompt", "str", required=True), None, strs
+
+
+def parse_detokenize_request(body: Any) -> tuple[str | None, list[int]]:
+    if not isinstance(body, dict):
+        raise bad_request("body", "the request body must be a JSON object", code="invalid_type")
+    model = field_value(body, "model", "str")
+    tokens = _int_list(body, "tokens")
+    if tokens is None:
+        raise bad_request("tokens", "'tokens' is a required field", code="missing_field")
+    return model, tokens
+
+
+# ------------------------------------------------------------------------------- response bodies
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: `data: {json}` and a blank line."""
+    import json
+
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf: impossible tokens get OpenAI's floor of -9999.0."""
+    return max(float(logprob), -9999.0)
+
+
+def completion_logprobs(
+    token_strs: list[str],
+    logprobs: list[dict[int, float]],
+    token_ids: list[int],
+    decode_one,
+    text_offset: int,
+) -> dict:
+    """Completions format: parallel lists of tokens, their logprobs, top alternatives, offsets."""
+    offsets, pos = [], text_offset
+    for s in token_strs:
+        offsets.append(pos)
+        pos += len(s)
+    return {
+        "tokens": token_strs,
+        "token_logprobs": [finite(lp.get(t, -math.inf)) for t, lp in zip(token_ids, logprobs)],
+        "top_logprobs": [
+            {decode_one(k): finite(v) for k, v in sorted(lp.items(), key=lambda kv: -kv[1])}
+            for lp in logprobs
+        ],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, float]], decode_one, top: int
+) -> dict:
+    """Chat format: one entry per token with its bytes and its `top` best alternatives."""
+
+    def entry(tid: int, lp: float) -> dict:
+        s = decode_one(tid)
+        return {"token": s, "logprob": finite(lp), "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for tid, lp in zip(token_ids, logprobs):
+        best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+        top_entries = [entry(k, v) for k, v in best]
+        content.append({**entry(tid, lp.get(tid, -math.inf)), "top_logprobs": top_entries})
+    return {"content": content}
+
+
+class ResponseFormat:
+    """Turns a request's cumulative RequestOutputs into OpenAI bodies and stream chunks.
+
+    Choice `i * n + j` is sample j of prompt i. For streaming it remembers, per choice, how much
+    text and how many tokens it already sent, so each chunk carries only the new part.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        request_id: str,
+        model: str,
+        req: GenerationRequest,
+        prompts: list[list[int]],
+        tokenizer: Any,
+    ):
+        self.kind = kind  # "completion" | "chat"
+        self.request_id = request_id
+        self.model = model
+        self.n = req.n
+        self.num_prompts = len(prompts)
+        self.top_logprobs = req.logprobs
+        self.include_usage = req.include_usage
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.tokenizer = tokenizer
+        self.created = now()
+        self.sent_text: dict[int, int] = {}  # choice index -> characters sent
+        self.sent_tokens: dict[int, int] = {}  # choice index -> tokens sent
+        self.done: set[int] = set()
+
+    def decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, c: Any, first_token: int, text_offset: int) -> dict | None:
+        if self.top_logprobs is None or c.logprobs is None:
+            return None
+        ids, lps = c.token_ids[first_token:], c.logprobs[first_token:]
+        if self.kind == "chat":
+            return chat_logprobs(ids, lps, self.decode_one, self.top_logprobs)
+        strs = [self.decode_one(t) for t in ids]
+        return completion_logprobs(strs, lps, ids, self.decode_one, text_offset)
+
+    # ------------------------------------------------------------------------------ streaming
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        chunk = {**self._head(obj), "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def start_chunks(self) -> list[dict]:
+        """Chat streams open with one chunk per choice carrying the assistant role."""
+        if self.kind != "chat":
+            return []
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for i in range(self.num_prompts * self.n)
+        ]
+
+    def delta_chunks(self, prompt_index: int, out: Any) -> list[dict]:
+        """One chunk per choice that has new text, new logprobs or has just finished."""
+        chunks = []
+        for c in out.outputs:
+            index = prompt_index * self.n + c.index
+            if index in self.done:
+                continue
+            t0, k0 = self.sent_text.get(index, 0), self.sent_tokens.get(index, 0)
+            text, new_tokens = c.text[t0:], len(c.token_ids) - k0
+            wants_logprobs = self.top_logprobs is not None and new_tokens > 0
+            if not text and not c.finish_reason and not wants_logprobs:
+                continue
+            logprobs = self._logprobs(c, k0, t0)
+            self.sent_text[index], self.sent_tokens[index] = len(c.text), len(c.token_ids)
+            if c.finish_reason:
+                self.done.add(index)
+            choice: dict = {"index": index}
+            if self.kind == "chat":
+                choice["delta"] = {"content": text} if text else {}
+            else:
+                choice["text"] = text
+            choice.update(logprobs=logprobs, finish_reason=c.finish_reason)
+            if self.kind == "completion":
+                choice["stop_reason"] = c.stop_reason
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        completion_tokens = sum(self.sent_tokens.values())
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {
+            **self._head(obj),
+            "choices": [],
+            "usage": usage(self.prompt_tokens, completion_tokens),
+        }
+
+    # ------------------------------------------------------------------------------ whole response
+
+    def response(self, outs: list[Any]) -> dict:
+        """The non-streaming body from each prompt's final RequestOutput."""
+        choices, completion_tokens = [], 0
+        for i, out in enumerate(outs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                completion_tokens += len(c.token_ids)
+                choice: dict = {"index": i * self.n + c.index}
+                if self.kind == "chat":
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    choice["text"] = c.text
+                choice.update(logprobs=self._logprobs(c, 0, 0), finish_reason=c.finish_reason)
+                if self.kind == "completion":
+                    choice["stop_reason"] = c.stop_reason
+                choices.append(choice)
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {
+            **self._head(obj),
+            "choices": choices,
+            "usage": usage(self.prompt_tokens, completion_tokens),
+        }
