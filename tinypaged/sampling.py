@@ -1,0 +1,399 @@
+"""SamplingParams (vLLM's names and defaults) and the batched sampler.
+
+One engine step hands the sampler `logits [N, V]` (one row per sequence that samples this step)
+and a `SamplingBatch` describing each row. Per row, in vLLM's order:
+
+1. logprobs (when asked) = log_softmax(raw logits), before anything below touches them;
+2. min_tokens: while fewer than min_tokens tokens are out, eos and stop_token_ids get -inf;
+3. penalties, with c(t) = count of t in the output so far and `seen` = in prompt or output:
+   l = l / r if l > 0 else l * r        for seen tokens            (repetition_penalty r)
+   l = l - f * c(t) - p * [c(t) > 0]                               (frequency f, presence p)
+4. greedy rows (temperature 0) take argmax(l) here and skip the rest;
+5. l = l / temperature; min_p drops tokens with prob < min_p * max prob; top_k keeps the k
+   largest; top_p keeps the smallest set of most likely tokens whose mass reaches top_p;
+6. sample from softmax(l) with the exponential trick: argmax(prob / q), q ~ Exp(1), which is an
+   exact draw from prob. A seeded row draws q from its own torch.Generator, so its tokens depend
+   only on its seed and its logits, never on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+_GREEDY_EPS = 1e-5  # vLLM: temperatures below this are greedy
+
+
+def _check_number(name: str, value, kind: type) -> None:
+    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    if not ok or (kind is float and not math.isfinite(value)):
+        want = "a finite number" if kind is float else "an integer"
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request; the same fields, defaults and ranges as vLLM."""
+
+    n: int = 1  # number of completions for the prompt
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # in (0, 1]; 1 = off
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0  # in [0, 1]; 0 = off
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None  # stop strings, left out of the text
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None = up to the model's context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # top logprobs to return besides the sampled token's
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            _check_number(name, getattr(self, name), float)
+        for name in ("n", "top_k", "min_tokens"):
+            _check_number(name, getattr(self, name), int)
+        for name in ("max_tokens", "logprobs", "seed"):
+            if getattr(self, name) is not None:
+                _check_number(name, getattr(self, name), int)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        if self.n < 1:
+            raise bad("n", "at least 1")
+        if self.temperature < 0:
+            raise bad("temperature", ">= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", "0 or -1 (off) or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "> 0 (1 means off)")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "at least 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+                f"and max_tokens={self.max_tokens}"
+            )
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", ">= 0")
+
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise bad("stop", "a non-empty string or a list of non-empty strings")
+        self.stop = list(stop)
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple, set)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
+            raise bad("stop_token_ids", "a list of non-negative token ids")
+        self.stop_token_ids = list(ids)
+
+        if self.top_k == -1:
+            self.top_k = 0  # one spelling of "off" downstream
+        if self.temperature < _GREEDY_EPS:
+            # Greedy ignores the filters; clearing them keeps the sampler's fast path simple.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def new_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """The per-sequence generator of a seeded request (keep it for the sequence's lifetime)."""
+    return torch.Generator(device=device).manual_seed(seed % 2**64)
+
+
+def _pad(rows: list, pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out.to(device, non_blocking=True)
+
+
+@dataclass
+class SamplingBatch:
+    """Device-side description of the N rows sampled in one step (build with `build`)."""
+
+    num_rows: int
+    all_greedy: bool
+    greedy: torch.Tensor | None = None  # [N] bool, only for mixed greedy/random batches
+    temperature: torch.Tensor | None = None  # [N, 1] (1.0 on greedy rows)
+    min_p: torch.Tensor | None = None  # [N, 1], None when no row uses it
+    top_k: torch.Tensor | None = None  # [N] int64, 0 = off; None when no row uses it
+    max_top_k: int = 0
+    top_p: torch.Tensor | None = None  # [N, 1], None when no row uses it
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> generator
+    # Penalties, only on the rows that use them:
+    penalty_rows: torch.Tensor | None = None  # [P] int64
+    penalties: torch.Tensor | None = None  # [P, 3]: repetition, frequency, presence
+    prompt_ids: torch.Tensor | None = None  # [P, Lp] int64, padded with -1
+    output_ids: torch.Tensor | None = None  # [P, Lo] int64, padded with -1
+    # min_tokens: (row, token) pairs to set to -inf
+    banned_rows: torch.Tensor | None = None  # [M] int64
+    banned_ids: torch.Tensor | None = None  # [M] int64
+    num_logprobs: list[int | None] = field(default_factory=list)
+    max_num_logprobs: int = -1  # -1 = no row asked
+
+    @property
+    def argmax_only(self) -> bool:
+        """True when one argmax over the raw logits is the whole job."""
+        return (
+            self.all_greedy
+            and self.penalty_rows is None
+            and self.banned_rows is None
+            and self.max_num_logprobs < 0
+        )
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: set[int] | frozenset[int],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """Row i samples for a sequence with `params[i]`, whose prompt and output so far are
+        `prompt_token_ids[i]` and `output_token_ids[i]`; `generators[i]` is its own generator
+        when `params[i].seed` is set (see `new_generator`), else None. Token lists are read only
+        for rows with penalties or still under min_tokens, so per-step work stays O(N)."""
+        device = torch.device(device)
+        n = len(params)
+        greedy = [p.is_greedy for p in params]
+        batch = cls(num_rows=n, all_greedy=all(greedy))
+        batch.num_logprobs = [p.logprobs for p in params]
+        batch.max_num_logprobs = max((k for k in batch.num_logprobs if k is not None), default=-1)
+        batch.generators = {
+            i: g for i, g in enumerate(generators) if g is not None and not greedy[i]
+        }
+
+        if not batch.all_greedy:
+            # One host->device copy carries every per-row scalar.
+            values = [
+                (1.0 if p.is_greedy else p.temperature, p.min_p, float(p.top_k), p.top_p)
+                for p in params
+            ]
+            packed = torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+            batch.temperature = packed[:, 0:1]
+            if any(greedy):
+                batch.greedy = torch.tensor(greedy).to(device, non_blocking=True)
+            if any(p.min_p > 0.0 for p in params):
+                batch.min_p = packed[:, 1:2]
+            if any(p.top_k > 0 for p in params):
+                batch.top_k = packed[:, 2].long()
+                batch.max_top_k = max(p.top_k for p in params)
+            if any(p.top_p < 1.0 for p in params):
+                batch.top_p = packed[:, 3:4]
+
+        rows = [i for i, p in enumerate(params) if p.uses_penalties]
+        if rows:
+            batch.penalty_rows = torch.tensor(rows).to(device, non_blocking=True)
+            batch.penalties = torch.tensor(
+                [
+                    (
+                        params[i].repetition_penalty,
+                        params[i].frequency_penalty,
+                        params[i].presence_penalty,
+                    )
+                    for i in rows
+                ],
+                dtype=torch.float32,
+            ).to(device, non_blocking=True)
+            batch.prompt_ids = _pad([prompt_token_ids[i] for i in rows], -1, device)
+            batch.output_ids = _pad([output_token_ids[i] for i in rows], -1, device)
+
+        banned: list[tuple[int, int]] = []
+        for i, p in enumerate(params):
+            if len(output_token_ids[i]) < p.min_tokens:
+                banned += [(i, t) for t in set(eos_token_ids) | set(p.stop_token_ids)]
+        if banned:
+            pairs = torch.tensor(banned, dtype=torch.int64).to(device, non_blocking=True)
+            batch.banned_rows, batch.banned_ids = pairs[:, 0], pairs[:, 1]
+        return batch
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # [N] the sampled token of each row
+    # Per row: {token_id: logprob} for the sampled token and the top `logprobs` tokens, or None
+    # when that row did not ask for logprobs.
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Turns one step's logits into tokens. Call once per step: `sampler(logits, batch)`.
+
+    `seed` seeds the engine generator shared by unseeded rows. The logits tensor may be changed
+    in place (it is the model's fresh output, used once).
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _engine_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = new_generator(self.seed, device)
+        return self._generators[device]
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        # logits: [N, V] float32
+        if logits.shape[0] != batch.num_rows:
+            raise ValueError(
+                f"logits has {logits.shape[0]} rows but the SamplingBatch describes "
+                f"{batch.num_rows}; build one batch row per sampled sequence"
+            )
+        if batch.argmax_only:
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
+
+        raw_logprobs = None
+        if batch.max_num_logprobs >= 0:
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+        logits = logits.float()
+        if batch.banned_rows is not None:
+            logits[batch.banned_rows, batch.banned_ids] = -math.inf
+        if batch.penalty_rows is not None:
+            logits[batch.penalty_rows] = apply_penalties(
+                logits[batch.penalty_rows], batch.prompt_ids, batch.output_ids, batch.penalties
+            )
+
+        if batch.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
+            logits.div_(batch.temperature)
+            if batch.min_p is not None:
+                probs = torch.softmax(logits, dim=-1)
+                too_rare = probs < batch.min_p * probs.amax(dim=-1, keepdim=True)
+                logits.masked_fill_(too_rare, -math.inf)
+            if batch.top_k is not None or batch.top_p is not None:
+                logits = apply_top_k_top_p(logits, batch.top_k, batch.max_top_k, batch.top_p)
+            probs = torch.softmax(logits, dim=-1)
+            sampled = self._draw(probs, batch.generators)
+            if greedy_ids is not None:
+                sampled = torch.where(batch.greedy, greedy_ids, sampled)
+
+        token_ids = sampled.tolist()  # the step's one device -> host sync
+        logprobs: list[dict[int, float] | None] = [None] * batch.num_rows
+        if raw_logprobs is not None:
+            top_vals, top_ids = raw_logprobs.topk(max(batch.max_num_logprobs, 1), dim=-1)
+            chosen = raw_logprobs.gather(1, sampled.view(-1, 1)).squeeze(1).tolist()
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+            for i, k in enumerate(batch.num_logprobs):
+                if k is None:
+                    continue
+                row = {token_ids[i]: chosen[i]}  # the sampled token first, as vLLM does
+                row.update(zip(top_ids[i][:k], top_vals[i][:k]))
+                logprobs[i] = row
+        return SamplerOutput(token_ids, logprobs)
+
+    def _draw(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        # probs: [N, V]. argmax(probs / q) with q ~ Exp(1) picks token t with probability
+        # probs[t] (the exponential race), with no cumulative sums and no sync.
+        q = torch.empty_like(probs)
+        q.exponential_(generator=self._engine_generator(probs.device))
+        for row, generator in generators.items():
+            q[row].exponential_(generator=generator)
+        # q can round to 0; that would make 0/0 = nan, which argmax would pick.
+        return probs.div_(q.clamp_(min=1e-30)).argmax(dim=-1)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    output_ids: torch.Tensor,
+    penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition / frequency / presence penalties (vLLM semantics, see module docstring).
+
+    logits [P, V]; prompt_ids [P, Lp], output_ids [P, Lo] padded with -1;
+    penalties [P, 3] = (repetition, frequency, presence). Returns the new logits [P, V].
+    """
+    num_rows, vocab = logits.shape
+
+    def counts(ids: torch.Tensor) -> torch.Tensor:
+        # Padding (and any id beyond the logits) lands in an extra column that is dropped.
+        ids = torch.where(ids < 0, vocab, ids).clamp_(max=vocab)
+        bins = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
+        return bins.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))[:, :vocab]
+
+    output_counts = counts(output_ids)  # [P, V]
+    seen = (counts(prompt_ids) > 0) | (output_counts > 0)
+    repetition, frequency, presence = penalties.unbind(dim=1)
+    r = torch.where(seen, repetition.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / r, logits * r)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    return logits - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    max_top_k: int,
+    top_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """Mask to -inf every token outside the row's top-k, then outside its top-p nucleus.
+
+    logits [N, V]; top_k [N] int64 (0 = off) or None; top_p [N, 1] (1 = off) or None.
+    """
+    vocab = logits.shape[1]
+    if top_p is None:
+        # Top-k alone needs only the max_top_k largest values, not a full sort.
+        k = top_k.clamp(min=1, max=min(max_top_k, vocab))
+        largest = logits.topk(min(max_top_k, vocab), dim=-1).values  # [N, max_k]
+        kth = largest.gather(1, (k - 1).unsqueeze(1))  # [N, 1]
+        kth = torch.where(top_k.unsqueeze(1) > 0, kth, -math.inf)
+        return logits.masked_fill_(logits < kth, -math.inf)
+
+    ascending, order = logits.sort(dim=-1)  # [N, V], largest last
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        kth = ascending.gather(1, (vocab - k).unsqueeze(1))
+        ascending.masked_fill_(ascending < kth, -math.inf)
+    # A token is dropped when all the mass up to and including it, from the least likely
+    # end, is <= 1 - top_p: what remains is the smallest head with mass >= top_p.
+    mass_below = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
+    drop = mass_below <= 1.0 - top_p
+    drop[:, -1] = False  # always keep the most likely token
+    ascending.masked_fill_(drop, -math.inf)
+    return logits.scatter_(1, order, ascending)
