@@ -1,0 +1,273 @@
+"""The decoder-only transformer every supported architecture is an instance of.
+
+    h = embed(input_ids)                                   # [T, hidden]
+    per layer:  a = attention(rms_norm(h)); (Glm4: a = rms_norm(a))
+                h = h + a
+                m = down(silu(gate(x)) * up(x)), x = rms_norm(h); (Glm4: m = rms_norm(m))
+                h = h + m
+    out = rms_norm(h)                                      # logits = out[rows] @ lm_head^T
+
+attention(x): q, k, v = x Wqkv (+ bias) split by heads; (Qwen3: rms_norm per head on q and k);
+rotary on the first rotary_dim dims of q and k (halves or adjacent pairs); paged attention over
+the KV cache; output projection.
+
+Architectures differ only in the data of a `DecoderSpec` (sizes, biases, q/k norm, extra norms,
+rotary style) and in their checkpoint's tensor names; the model files (llama.py, qwen.py,
+glm.py) declare those. Residual adds are fused into the next RMSNorm (`rms_norm(x, w, eps, r)`
+returns the normalized sum and the sum). `load_weights` fuses QKV and gate-up at load time and
+refuses any missing, unexpected or mis-shaped tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from tinypaged import kernels
+from tinypaged.models.batch import AttentionMetadata
+from tinypaged.models.layers import (
+    Attention,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+from tinypaged.models.rope import RopeSpec, read_rope
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2, GLM
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    sandwich_norms: bool = False  # Glm4: RMSNorm on the attention and MLP outputs too
+
+
+def spec_from_hf_config(hf_config, *, interleaved_rope: bool = False,
+                        default_partial_rotary: float = 1.0, **flags) -> DecoderSpec:
+    """The spec of a transformers-style config (LlamaConfig, Qwen2Config, GlmConfig, ...);
+    `flags` are the architecture's DecoderSpec switches (qkv_bias, qk_norm, ...)."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} in config.json is not supported; only 'silu' is")
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    return DecoderSpec(
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        rope=read_rope(hf_config, head_dim, interleaved_rope, default_partial_rotary),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        **flags,
+    )
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: DecoderSpec, rotary_emb: RotaryEmbedding, quant_config=None) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads,
+                                          spec.num_kv_heads, spec.qkv_bias, quant_config)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size,
+                                        spec.o_bias, quant_config)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.num_kv_heads, spec.head_dim,
+                              scale=spec.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, (num_heads + 2 num_kv_heads) * head_dim]
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, attn_metadata)  # [T, num_heads, head_dim]
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(x W_gate) * (x W_up)), gate and up in one GEMM."""
+
+    def __init__(self, spec: DecoderSpec, quant_config=None) -> None:
+        super().__init__()
+        inter = spec.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [inter, inter],
+                                                       spec.mlp_bias, quant_config)
+        self.down_proj = RowParallelLinear(inter, spec.hidden_size, spec.mlp_bias, quant_config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, rotary_emb: RotaryEmbedding, quant_config=None) -> None:
+        super().__init__()
+        eps = spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps)
+        self.self_attn = SelfAttention(spec, rotary_emb, quant_config)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
+        self.mlp = MLP(spec, quant_config)
+        self.sandwich_norms = spec.sandwich_norms
+        if spec.sandwich_norms:
+            self.post_self_attn_layernorm = RMSNorm(spec.hidden_size, eps)
+            self.post_mlp_layernorm = RMSNorm(spec.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, attn_metadata: AttentionMetadata):
+        # `residual` is the running sum h; `hidden` the last block's output not yet added to it.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
+        if self.sandwich_norms:
+            hidden = self.post_self_attn_layernorm(hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden = self.mlp(hidden)
+        if self.sandwich_norms:
+            hidden = self.post_mlp_layernorm(hidden)
+        return hidden, residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: DecoderSpec, quant_config=None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size)
+        rotary_emb = RotaryEmbedding(spec.rope.cos_sin_cache(), spec.rope.rotary_dim,
+                                     spec.rope.interleaved)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, rotary_emb, quant_config) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of every model class: `cls(hf_config, quant_config)` -> subclasses build the spec."""
+
+    # Checkpoint modules packed into one of our fused GEMMs: name -> (fused module, shard id).
+    packed_modules: ClassVar[dict[str, tuple[str, object]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, spec: DecoderSpec, quant_config=None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec, quant_config)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        first = self.model.layers[0].self_attn
+        self.num_layers = spec.num_layers
+        self.num_kv_heads = first.num_kv_heads  # on this tensor-parallel rank
+        self.head_dim = spec.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [N, vocab] float32
+
+    def map_name(self, checkpoint_name: str) -> str | None:
+        """Checkpoint tensor name -> our parameter name (before QKV / gate-up packing), or None
+        for tensors to skip. Subclasses with other naming schemes override this."""
+        if checkpoint_name.endswith("rotary_emb.inv_freq"):  # recomputed, not a weight
+            return None
+        if self.spec.tie_word_embeddings and checkpoint_name == "lm_head.weight":
+            return None  # a tied checkpoint may still carry the copy
+        return checkpoint_name
+
+    def checkpoint_name(self, name: str) -> str:
+        """Inverse of `map_name`, for naming a missing tensor the way the checkpoint would."""
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: dict[str, set] = {name: set() for name in params}
+        for checkpoint_name, tensor in weights:
+            name = self.map_name(checkpoint_name)
+            if name is None:
+                continue
+            parts, shard_id = name.split("."), None
+            if len(parts) >= 2 and parts[-2] in self.packed_modules:
+                parts[-2], shard_id = self.packed_modules[parts[-2]]
+                name = ".".join(parts)
+            param = params.get(name)
+            if param is None:
+                raise ValueError(
+                    f"unexpected tensor {checkpoint_name!r} in the checkpoint: "
+                    f"{type(self).__name__} has no parameter {name!r}; check that config.json "
+                    "belongs to these weights"
+                )
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {checkpoint_name!r}: {e}") from None
+            shard_ids = getattr(param, "shard_ids", (None,))
+            loaded[name].update(shard_ids if shard_id is None else (shard_id,))
+        missing = list(dict.fromkeys(
+            self._missing_name(name, shard)
+            for name, param in params.items()
+            for shard in getattr(param, "shard_ids", (None,))
+            if shard not in loaded[name]
+        ))
+        if missing:
+            shown = ", ".join(missing[:8])
+            raise ValueError(
+                f"{len(missing)} tensor(s) missing from the checkpoint for "
+                f"{type(self).__name__}: {shown}{' ...' if len(missing) > 8 else ''}"
+            )
+
+    def _missing_name(self, name: str, shard_id) -> str:
+        parts = name.split(".")
+        for source, (fused, sid) in self.packed_modules.items():
+            if len(parts) >= 2 and parts[-2] == fused and sid == shard_id:
+                parts[-2] = source
+                break
+        return self.checkpoint_name(".".join(parts))
