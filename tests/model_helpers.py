@@ -1,0 +1,224 @@
+"""Shared test utilities: tiny random transformers models, and the flat paged batch the engine runs.
+
+- `tiny_hf_model(kind)`: a 2-layer random transformers model (fp32, eager attention) of one of
+  `HF_KINDS`, with every parameter (biases and norm weights too) drawn at random, so that a
+  mis-loaded tensor cannot hide behind a zero bias or a unit norm.
+- `chatglm_checkpoint(glm_model)`: the same GLM weights renamed into the original chatglm layout,
+  with a chatglm-style config.
+- `greedy_reference(hf_model, prompt, steps)`: transformers' greedy continuation and its
+  full-sequence logits.
+- `PagedRunner`: what the engine does for a batch, on a small scale: a paged KV cache per layer,
+  blocks handed out from a random permutation, and `step({seq: new_tokens})` building the flat
+  batch (`build_flat_batch`) and returning the logits of every new token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import transformers
+from torch import nn
+
+from tinypaged.models.batch import AttentionMetadata
+from tinypaged.models.layers import Attention
+from tinypaged.models.registry import get_model_class
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+)
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}
+
+HF_KINDS = {
+    # kind: (config class, extra config fields)
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "llama3_scaling": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling=_LLAMA3_ROPE)),
+    "llama_untied": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=1000.0)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
+    "glm": ("GlmConfig", dict(head_dim=16, pad_token_id=0, eos_token_id=1)),
+    "glm4": ("Glm4Config", dict(head_dim=16, pad_token_id=0, eos_token_id=1)),
+}
+
+
+def randomize_(model: nn.Module, seed: int) -> nn.Module:
+    """Every parameter random: weights N(0, 0.1^2), norm weights in [0.5, 1.5], biases N(0, 0.1^2)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+def tiny_hf_model(kind: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    class_name, extra = HF_KINDS[kind]
+    config = getattr(transformers, class_name)(**{**TINY, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    return randomize_(model, seed).eval()
+
+
+def chatglm_checkpoint(glm: transformers.PreTrainedModel):
+    """(config, state dict) of `glm` (a GlmForCausalLM) in the original chatglm format."""
+    c = glm.config
+    rope = c.rope_parameters
+    config = transformers.PretrainedConfig(
+        architectures=["ChatGLMModel"], model_type="chatglm",
+        num_layers=c.num_hidden_layers, padded_vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        ffn_hidden_size=c.intermediate_size, kv_channels=c.head_dim,
+        num_attention_heads=c.num_attention_heads, multi_query_attention=True,
+        multi_query_group_num=c.num_key_value_heads, layernorm_epsilon=c.rms_norm_eps,
+        add_qkv_bias=True, add_bias_linear=False, rope_ratio=rope["rope_theta"] / 10000.0,
+        seq_length=c.max_position_embeddings, rmsnorm=True,
+        apply_residual_connection_post_layernorm=False, post_layer_norm=True, original_rope=True,
+        tie_word_embeddings=False,
+    )
+    sd = glm.state_dict()
+    out = {
+        "transformer.embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+        "transformer.encoder.final_layernorm.weight": sd["model.norm.weight"],
+        "transformer.output_layer.weight": sd["lm_head.weight"],
+        "transformer.rotary_pos_emb.inv_freq": torch.ones(c.head_dim // 4),
+    }
+    for i in range(c.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"transformer.encoder.layers.{i}."
+        attn = src + "self_attn."
+        for kind in ("weight", "bias"):
+            out[dst + f"self_attention.query_key_value.{kind}"] = torch.cat(
+                [sd[attn + f"{p}_proj.{kind}"] for p in "qkv"]
+            )
+        out[dst + "self_attention.dense.weight"] = sd[attn + "o_proj.weight"]
+        out[dst + "mlp.dense_h_to_4h.weight"] = sd[src + "mlp.gate_up_proj.weight"]
+        out[dst + "mlp.dense_4h_to_h.weight"] = sd[src + "mlp.down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[dst + f"{norm}.weight"] = sd[src + f"{norm}.weight"]
+    return config, out
+
+
+def build_model(hf_config, weights: dict[str, torch.Tensor], dtype=torch.float32,
+                device: str = "cpu") -> nn.Module:
+    """What the loader does, from in-memory tensors: pick the class, build it, load the weights."""
+    cls = get_model_class(hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.load_weights(weights.items())
+    return model.eval()
+
+
+@torch.no_grad()
+def greedy_reference(hf_model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation (`steps` tokens) and the logits [len + steps, vocab] of
+    one full forward over prompt + continuation."""
+    ids = list(prompt)
+    for _ in range(steps):
+        logits = hf_model(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):], hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def build_flat_batch(new_tokens: list[list[int]], num_cached: list[int],
+                     block_tables: list[list[int]], block_size: int, device="cpu"):
+    """(input_ids [T], positions [T], AttentionMetadata) for B sequences whose first
+    `num_cached[b]` tokens are already in the cache and `new_tokens[b]` follow."""
+    ids, positions, slots, starts, seq_lens = [], [], [], [0], []
+    for toks, cached, table in zip(new_tokens, num_cached, block_tables):
+        total = cached + len(toks)
+        if len(table) < math.ceil(total / block_size):
+            raise ValueError(f"block table {table} too short for {total} tokens")
+        for p in range(cached, total):
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        ids += toks
+        starts.append(starts[-1] + len(toks))
+        seq_lens.append(total)
+    width = max(len(t) for t in block_tables)
+    tables = [t + [0] * (width - len(t)) for t in block_tables]
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        max_query_len=max(len(t) for t in new_tokens),
+        max_seq_len=max(seq_lens),
+    )
+    ids_t = torch.tensor(ids, dtype=torch.int64, device=device)
+    return ids_t, torch.tensor(positions, dtype=torch.int64, device=device), md
+
+
+def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype=None,
+                      device=None, fill: float = float("nan")) -> int:
+    """Give every Attention layer its k_cache / v_cache; returns the number of layers. Unused
+    slots hold `fill` (NaN by default) so that reading a slot never written shows up."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for attn in layers:
+        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        like = next(model.parameters())
+        kw = dict(dtype=dtype or like.dtype, device=device or like.device)
+        attn.k_cache = torch.full(shape, fill, **kw)
+        attn.v_cache = torch.full(shape, fill, **kw)
+    return len(layers)
+
+
+class PagedRunner:
+    """Runs a model over sequences the way the engine does: blocks from a random permutation,
+    one flat batch per step, any mix of prefill, chunked prefill and decode."""
+
+    def __init__(self, model: nn.Module, block_size: int = 16, num_blocks: int = 64,
+                 seed: int = 0) -> None:
+        self.model, self.block_size = model, block_size
+        allocate_kv_cache(model, num_blocks, block_size)
+        gen = torch.Generator().manual_seed(seed)
+        self.free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
+        self.num_cached: list[int] = []
+        self.block_tables: list[list[int]] = []
+
+    def add_sequence(self) -> int:
+        self.num_cached.append(0)
+        self.block_tables.append([])
+        return len(self.num_cached) - 1
+
+    @torch.no_grad()
+    def step(self, new_tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Run the new tokens of each listed sequence in one flat batch; returns each
+        sequence's logits [num_new, vocab] (float32)."""
+        seqs = list(new_tokens)
+        for s in seqs:
+            total = self.num_cached[s] + len(new_tokens[s])
+            while len(self.block_tables[s]) * self.block_size < total:
+                self.block_tables[s].append(self.free_blocks.pop())
+        device = next(self.model.parameters()).device
+        ids, positions, md = build_flat_batch(
+            [new_tokens[s] for s in seqs], [self.num_cached[s] for s in seqs],
+            [self.block_tables[s] for s in seqs], self.block_size, device,
+        )
+        logits = self.model.compute_logits(self.model(ids, positions, md))  # [T, vocab]
+        out, start = {}, 0
+        for s in seqs:
+            n = len(new_tokens[s])
+            out[s] = logits[start : start + n]
+            start += n
+            self.num_cached[s] += n
+        return out
+
+
+def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-4,
+                        what: str = "") -> None:
+    """max |ours - ref| <= rtol * max |ref|."""
+    assert ours.shape == ref.shape, f"{what}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    err = (ours.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    assert err <= rtol * scale, f"{what}: max abs error {err:.3g} > {rtol} * {scale:.3g}"
