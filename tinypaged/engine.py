@@ -1,0 +1,296 @@
+"""Engine: one step = schedule -> run the model -> sample -> update, over many requests.
+
+    engine = Engine(EngineConfig(model=...))
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step():  # RequestOutputs of the requests that moved this step
+            ...
+
+A request with n samples becomes n Sequences for the scheduler (they share the prompt's cached
+blocks). After each step every sampled sequence gets its token, its text grows through an
+incremental detokenizer, and the stop conditions are checked in this order: stop token (eos unless
+ignore_eos, or stop_token_ids) -> stop string -> max_tokens -> max_model_len. A finished
+sequence's blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+from tinypaged.config import EngineConfig
+from tinypaged.outputs import CompletionOutput, RequestOutput
+from tinypaged.runner import ModelRunner
+from tinypaged.sampling import Sampler, SamplingBatch, SamplingParams, new_generator
+from tinypaged.scheduler import Scheduler, Sequence
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[Any]  # one IncrementalDetokenizer per sample (None without a tokenizer)
+    generators: list[torch.Generator | None]
+    logprobs: list[list[dict[int, float]] | None]
+    cumulative_logprob: list[float]
+    stop_reasons: list[int | str | None] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text=d.output_text if d is not None else "",
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=self.cumulative_logprob[i] if self.logprobs[i] is not None else None,
+                logprobs=self.logprobs[i],
+                finish_reason=s.finish_reason,
+                stop_reason=self.stop_reasons[i],
+            )
+            for i, (s, d) in enumerate(zip(self.seqs, self.detoks))
+        ]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=self.finished,
+            num_cached_tokens=self.seqs[0].num_cached_tokens,
+        )
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        from tinypaged.models.loader import load_model
+
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        model, hf_config, model_dir = load_model(config, self.device)
+        self.hf_config = hf_config
+        self.model_dir = model_dir
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = hf_config.vocab_size if hasattr(hf_config, "vocab_size") else None
+        config.max_model_len = self._resolve_max_model_len(hf_config)
+
+        self.tokenizer = None
+        eos: set[int] = set()
+        if not config.skip_tokenizer_init:
+            from tinypaged.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(model_dir, chat_template=config.chat_template)
+            eos = set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.vocab_size = model.vocab_size if hasattr(model, "vocab_size") else self.vocab_size
+
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, model, self.device, self.dtype)
+        self.scheduler = Scheduler(config, self.runner.kv_cache_info.num_blocks)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, _Request] = {}
+        self._errors: list[tuple[str, BaseException]] = []
+        info = self.runner.kv_cache_info
+        logger.info(
+            "model %s on %s (%s); KV cache %d blocks x %d tokens = %d tokens, %.2f GiB",
+            self.model_name, self.device, str(self.dtype).removeprefix("torch."),
+            info.num_blocks, info.block_size, info.num_tokens, info.bytes / 2**30,
+        )
+
+    def _resolve_max_model_len(self, hf_config) -> int:
+        limit = None
+        for name in ("max_position_embeddings", "seq_length", "max_sequence_length"):
+            if getattr(hf_config, name, None):
+                limit = int(getattr(hf_config, name))
+                break
+        wanted = self.config.max_model_len
+        if wanted is None:
+            if limit is None:
+                raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
+            return limit
+        if limit is not None and wanted > limit:
+            raise ValueError(
+                f"max_model_len={wanted} is larger than the model's max_position_embeddings "
+                f"({limit}); pass a value <= {limit}"
+            )
+        return wanted
+
+    @property
+    def kv_cache_info(self) -> dict:
+        return self.runner.kv_cache_info.as_dict()
+
+    # ------------------------------------------------------------------ requests
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        """Queue a request; raises ValueError now if it could never run."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or (vocab is not None and not 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+        seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
+        for seq in seqs:
+            try:
+                self.scheduler.add(seq)
+            except Exception:
+                self.scheduler.abort(request_id)
+                raise
+        detoks = [self._detokenizer(ids, params) for _ in seqs]
+        generators = [
+            new_generator(params.seed + i, self.device) if params.seed is not None else None
+            for i in range(params.n)
+        ]
+        want_lp = params.logprobs is not None
+        self.requests[request_id] = _Request(
+            request_id, text, ids, params, seqs, detoks, generators,
+            [[] if want_lp else None for _ in seqs], [0.0] * params.n, [None] * params.n,
+        )
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        from tinypaged.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request at once, freeing its KV blocks; unknown ids are a no-op."""
+        self.scheduler.abort(request_id)
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_cache_usage": s.kv_cache_usage,
+            "num_free_blocks": s.num_free_blocks,
+            "num_total_blocks": s.num_total_blocks,
+        }
+
+    def fail_running(self, exc: BaseException) -> list[str]:
+        """After a failed step: abort every request that was scheduled; return their ids."""
+        failed = [rid for rid, r in self.requests.items() if any(s.num_computed_tokens or s.block_table for s in r.seqs)]
+        for rid in failed:
+            self.abort_request(rid)
+        return failed
+
+    def pop_request_errors(self) -> list[tuple[str, BaseException]]:
+        errors, self._errors = self._errors, []
+        return errors
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if self.requests and not self.scheduler.has_unfinished():
+                raise RuntimeError("requests are pending but the scheduler holds none")
+            return []
+        items = out.scheduled
+        sampled_items = [it for it in items if it.sample]
+        logits = self.runner.execute(
+            [it.seq for it in items], [it.num_new_tokens for it in items], [it.sample for it in items]
+        )
+        tokens: dict[int, int] = {}
+        logprobs: list = []
+        if sampled_items:
+            seqs = [it.seq for it in sampled_items]
+            reqs = [self.requests[s.request_id] for s in seqs]
+            batch = SamplingBatch.build(
+                [r.params for r in reqs],
+                [s.prompt_token_ids for s in seqs],
+                [s.output_token_ids for s in seqs],
+                [r.generators[s.index] for r, s in zip(reqs, seqs)],
+                self.eos_token_ids,
+                logits.device,
+            )
+            result = self.sampler(logits, batch)
+            tokens = {s.seq_id: t for s, t in zip(seqs, result.token_ids)}
+            logprobs = result.logprobs
+        lp_by_seq = {it.seq.seq_id: lp for it, lp in zip(sampled_items, logprobs)}
+
+        touched: dict[str, _Request] = {}
+        for seq in self.scheduler.update(out, tokens):
+            req = self.requests[seq.request_id]
+            touched[req.request_id] = req
+            try:
+                self._after_token(req, seq, lp_by_seq.get(seq.seq_id))
+            except Exception as exc:  # a fault in one request (e.g. detokenizing) ends only it
+                logger.exception("request %s failed", req.request_id)
+                self._errors.append((req.request_id, exc))
+                self.abort_request(req.request_id)
+                touched.pop(req.request_id, None)
+        outputs = []
+        for req in touched.values():
+            outputs.append(req.output())
+            if req.finished:
+                del self.requests[req.request_id]
+        return outputs
+
+    def _after_token(self, req: _Request, seq: Sequence, logprobs: dict[int, float] | None) -> None:
+        token = seq.last_token_id
+        params = req.params
+        if logprobs is not None and req.logprobs[seq.index] is not None:
+            req.logprobs[seq.index].append(logprobs)
+            req.cumulative_logprob[seq.index] += logprobs[token]
+        detok = req.detoks[seq.index]
+        num_out = seq.num_output_tokens
+        reason: str | None = None
+        stop_reason: int | str | None = None
+        min_done = num_out >= params.min_tokens
+        if min_done and not params.ignore_eos and token in self.eos_token_ids:
+            reason, stop_reason = "stop", None
+        elif min_done and params.stop_token_ids and token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        if detok is not None:
+            # The stop token itself is not part of the text (vLLM drops eos / stop ids).
+            stop_str = detok.update(token, skip=reason is not None, check_stop=min_done)
+            if reason is None and stop_str is not None:
+                reason, stop_reason = "stop", stop_str
+        if reason is None and num_out >= params.max_tokens:
+            reason = "length"
+        if reason is None and len(seq) >= self.config.max_model_len:
+            reason = "length"
+        if reason is not None:
+            req.stop_reasons[seq.index] = stop_reason
+            self.scheduler.finish(seq, reason)
