@@ -1,0 +1,102 @@
+"""Triton, when it is there, and the rule that decides who runs an op.
+
+Every kernel module does `from tinypaged.kernels._triton import jit, tl, use_triton`:
+
+- `HAS_TRITON` is False when triton cannot be imported (macOS, Windows, a bare CPU install); then
+  `jit` leaves the function undecorated and `tl` only offers `constexpr`, so the kernel modules
+  still import and their torch references run.
+- On a machine without a CUDA device, triton is imported and `jit` builds kernels for the Triton
+  interpreter (CPU tensors) whatever TRITON_INTERPRET said at import time: there is nothing else
+  they could run on, and tests need not care which module imported triton first.
+- `use_triton(x)` is the dispatch rule of every public op: Triton when `x` is on CUDA, or when
+  TRITON_INTERPRET=1 (read at call time); otherwise the torch reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+
+import torch
+
+
+def _import_triton():
+    """Import triton; without a CUDA device, import it the way TRITON_INTERPRET=1 would.
+
+    triton.language's own helpers (tl.sum, tl.sigmoid, tl.cdiv, ...) are built for the interpreter
+    only when TRITON_INTERPRET=1 at triton's import, and the interpreter is the one place kernels
+    can run without a GPU. The variable is restored afterwards: it still means "dispatch to
+    Triton on CPU" (see `use_triton`), which only the caller decides.
+    """
+    if "triton" in sys.modules or torch.cuda.is_available():
+        import triton
+    else:
+        previous = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            import triton
+            import triton.runtime.interpreter
+
+            # imported lazily by the interpreter, and it checks the flag at import
+            with contextlib.suppress(ImportError):
+                import triton.experimental.gluon
+        finally:
+            if previous is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = previous
+    import triton.language as tl
+
+    return triton, tl
+
+
+try:
+    triton, tl = _import_triton()
+    HAS_TRITON = True
+except ImportError:  # no triton wheel for this platform: references only
+    triton = None
+    HAS_TRITON = False
+
+    class _NoTritonLanguage:
+        """Just enough of `triton.language` for kernel signatures to be evaluated."""
+
+        constexpr = object
+
+    tl = _NoTritonLanguage()
+
+
+def jit(fn):
+    """`triton.jit`, building interpreter kernels on CPU-only machines (see module docstring)."""
+    if not HAS_TRITON:
+        return fn
+    if not torch.cuda.is_available():
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(fn)
+    return triton.jit(fn)
+
+
+def interpreting() -> bool:
+    """True when TRITON_INTERPRET=1 asks for Triton kernels on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """The dispatch rule: Triton for CUDA tensors (or under the interpreter), else the reference."""
+    return HAS_TRITON and (x.is_cuda or interpreting())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H200); cached, no host sync."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -1,0 +1,115 @@
+"""RMSNorm, optionally fused with the residual add in front of it.
+
+    rms_norm(x)[t, :] = x[t, :] / sqrt(mean_j(x[t, j]^2) + eps) * weight
+
+With `residual` the skip connection of the transformer block is folded into the same pass:
+
+    r = x + residual
+    returns (rms_norm(r), r)
+
+The sum `r` is returned in x's dtype (it is the residual stream the next block adds to), while the
+normalization reads the fp32 sum before that rounding. All math is fp32; the output is cast once.
+
+Shapes: x [..., H] (every leading dim is a row, e.g. [T, H] or [T, num_heads, head_dim] for
+per-head q/k norms), weight [H], residual like x. One program normalizes one row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinypaged.kernels._triton import jit, next_power_of_2, tl, use_triton
+
+
+@jit
+def _rms_norm_kernel(
+    X, RES, W, OUT, RES_OUT,  # row-major [rows, H] views (last dim contiguous)
+    stride_x, stride_res, stride_out, stride_res_out,  # row strides
+    H, eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next power of two >= H
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H]
+    if HAS_RESIDUAL:
+        x += tl.load(RES + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(RES_OUT + row * stride_res_out + cols, x.to(RES_OUT.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_out + cols, (x * rstd * w).to(OUT.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., H] -> [rows, H] with a contiguous last dim (a view when the layout allows)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The Triton launcher; arguments as checked by `rms_norm`."""
+    hidden = x.shape[-1]
+    x2 = _rows(x)  # [rows, H]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, hidden)
+    if residual is not None:
+        res2 = _rows(residual)
+        res_out = torch.empty_like(out)
+        res_out2 = res_out.view(-1, hidden)
+    else:  # unused pointers: any tensor will do
+        res2, res_out, res_out2 = x2, None, out2
+    if x2.shape[0] > 0:
+        block_h = next_power_of_2(hidden)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, res2, weight, out2, res_out2,
+            x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
+            hidden, eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_H=block_h,
+            num_warps=4 if block_h <= 1024 else (8 if block_h <= 4096 else 16),
+        )
+    return out if residual is None else (out, res_out)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference: same arguments, same results, same rounding points."""
+    r = x.float()
+    if residual is not None:
+        r = r + residual.float()
+    out = r * torch.rsqrt(r.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+    out = out.to(x.dtype)
+    return out if residual is None else (out, r.to(x.dtype))
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    if x.dim() < 1 or not x.is_floating_point():
+        raise ValueError(
+            f"x must be a float tensor [..., H]; got {x.dtype} of shape {tuple(x.shape)}"
+        )
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"weight must have shape [H] = [{x.shape[-1]}] (x's last dim); "
+            f"got {tuple(weight.shape)}"
+        )
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"residual must match x ({tuple(x.shape)}, {x.dtype}); "
+            f"got {tuple(residual.shape)}, {residual.dtype}"
+        )
+    if weight.device != x.device or (residual is not None and residual.device != x.device):
+        raise ValueError(f"weight and residual must be on x's device {x.device}")
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over x's last dim; with `residual`: `(rms_norm(x + residual), x + residual)`."""
+    _check_args(x, weight, residual)
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
