@@ -1,0 +1,221 @@
+"""Paged attention: one entry point for prefill, chunked prefill, decode and mixed batches.
+
+A batch holds B sequences. Sequence b brings q_len_b new tokens, laid end to end in q (rows
+query_start_loc[b] : query_start_loc[b+1]); its whole context is seq_lens[b] tokens, the new ones
+last, and the K/V of all of them (new ones included) are already stored in the paged cache. New
+token i of sequence b sits at position p_i = seq_lens[b] - q_len_b + i and attends causally:
+
+    out[t, h] = sum_{j <= p_i} softmax_j(scale * q[t, h] . K[j, h // GROUP]) V[j, h // GROUP]
+
+with GROUP = Hq / Hk query heads per KV head (GQA; 1 = multi-head). Key j of sequence b lives in
+row j % block_size of physical block block_tables[b, j // block_size].
+
+Shapes: q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D]; block_tables
+[B, max_blocks] int32; seq_lens [B] int32; query_start_loc [B + 1] int32; out [T, Hq, D] in q's
+dtype. A prefill is q_len = seq_len; a chunked prefill q_len < seq_len; a decode q_len = 1.
+
+Two Triton kernels (see their files): batches with a query longer than 1 run the varlen kernel
+(attention_varlen.py); pure-decode batches (max_query_len == 1) the split-KV flash-decoding
+kernel (attention_decode.py). Neither reads a tensor on the host when max_query_len and
+max_seq_len are passed, so a step stays asynchronous and graph-capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinypaged.kernels._triton import num_sms, use_triton
+from tinypaged.kernels.attention_decode import decode_attention_triton, decode_num_splits
+from tinypaged.kernels.attention_varlen import varlen_attention_triton
+
+# Tile configurations, overridable per call through `config=`. Prefill on Hopper: 128 x 64 tiles
+# and 8 warps keep the tensor cores busy; decode streams K/V in 64-key tiles with 4 warps.
+VARLEN_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
+DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+
+
+def _varlen_config(max_query_len: int, group: int) -> dict:
+    """Shrink the query tile for short queries (decode-heavy mixed batches) to waste fewer rows."""
+    config = dict(VARLEN_CONFIG)
+    rows = max_query_len * group
+    if rows <= 16:
+        config.update(block_m=16, num_warps=4)
+    elif rows <= 64:
+        config.update(block_m=64, num_warps=4)
+    return config
+
+
+def _override(defaults: dict, config: dict | None) -> dict:
+    """The defaults, updated by the entries of `config` that this kernel knows."""
+    return {key: (config or {}).get(key, value) for key, value in defaults.items()}
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The Triton launcher; arguments as checked by `paged_attention`."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0 or seq_lens.shape[0] == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    if max_query_len is None:  # host sync: callers on the hot path pass these
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    if max_query_len == 1:
+        if num_splits is None:
+            if max_seq_len is None:
+                max_seq_len = int(seq_lens.max().item())
+            sms = num_sms(q.device.index or 0) if q.is_cuda else 8
+            num_splits = decode_num_splits(seq_lens.shape[0], k_cache.shape[2], max_seq_len, sms)
+        return decode_attention_triton(*args, num_splits=num_splits,
+                                       **_override(DECODE_CONFIG, config))
+    group = q.shape[1] // k_cache.shape[2]
+    return varlen_attention_triton(*args, **_override(_varlen_config(max_query_len, group), config))
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch reference: per sequence, gather its K/V through the block table, fp32 softmax."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // num_kv_heads
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_rows = k_cache.reshape(-1, num_kv_heads, head_dim)  # [num_blocks * block_size, Hk, D]
+    v_rows = v_cache.reshape(-1, num_kv_heads, head_dim)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_begin, q_end = starts[b], starts[b + 1]
+        if q_end == q_begin:
+            continue
+        pos = torch.arange(seq_len, device=q.device)
+        slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
+        k = k_rows[slots].float().repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
+        v = v_rows[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[q_begin:q_end].float(), k) * scale
+        q_pos = seq_len - (q_end - q_begin) + torch.arange(q_end - q_begin, device=q.device)
+        scores.masked_fill_(pos[None, :] > q_pos[:, None], float("-inf"))
+        out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(out.dtype)
+    return out
+
+
+def _check_int_tensor(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if t.is_floating_point() or t.is_complex() or t.dim() != len(shape) or any(
+        want is not None and got != want for got, want in zip(t.shape, shape)
+    ):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(
+            f"{name} must be an integer tensor of shape {want}; "
+            f"got {t.dtype} of shape {tuple(t.shape)}"
+        )
+
+
+def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, config):
+    if q.dim() != 3 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"q must be a [T, Hq, D] float16/bfloat16/float32 tensor; "
+            f"got {q.dtype} of shape {tuple(q.shape)}"
+        )
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    if k_cache.dim() != 4 or k_cache.shape[3] != head_dim or k_cache.dtype != q.dtype:
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, Hk, D={head_dim}] in q's dtype {q.dtype}; "
+            f"got {k_cache.dtype} of shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"v_cache must match k_cache ({tuple(k_cache.shape)}, {k_cache.dtype}); "
+            f"got {v_cache.dtype} of shape {tuple(v_cache.shape)}"
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same strides, last dim contiguous")
+    num_kv_heads = k_cache.shape[2]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q's head count ({num_q_heads}) must be a multiple of k_cache's KV head count "
+            f"({num_kv_heads}); check num_attention_heads / num_key_value_heads"
+        )
+    _check_int_tensor("seq_lens", seq_lens, (None,))
+    num_seqs = seq_lens.shape[0]
+    _check_int_tensor("query_start_loc", query_start_loc, (num_seqs + 1,))
+    _check_int_tensor("block_tables", block_tables, (num_seqs, None))
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} like q; got {tuple(out.shape)} {out.dtype}"
+        )
+    tensors = (k_cache, v_cache, block_tables, seq_lens, query_start_loc) + (
+        () if out is None else (out,)
+    )
+    if any(t.device != q.device for t in tensors):
+        raise ValueError(f"every tensor must be on q's device {q.device}")
+    unknown = set(config or {}) - set(VARLEN_CONFIG) - set(DECODE_CONFIG)
+    if unknown:
+        raise ValueError(
+            f"config has unknown keys {sorted(unknown)}; "
+            f"known: {sorted(set(VARLEN_CONFIG) | set(DECODE_CONFIG))}"
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Causal attention of each new token over its paged context; returns [T, Hq, D].
+
+    max_query_len / max_seq_len: pass them (host ints) to keep the call free of host syncs;
+    max_query_len == 1 selects the split-KV decode kernel. num_splits: fixed split count for
+    decode (e.g. under CUDA-graph capture); default from batch, heads, context and SM count.
+    config: tile overrides, keys of VARLEN_CONFIG / DECODE_CONFIG (block_m, block_n, num_warps,
+    num_stages). num_splits and config only affect the Triton path.
+    """
+    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, config)
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 or None; got {num_splits}")
+    if use_triton(q):
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, out=out,
+            num_splits=num_splits, config=config,
+        )
+    return paged_attention_ref(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, out=out,
+    )

@@ -1,0 +1,165 @@
+"""Split-KV ("flash-decoding") paged attention for batches of one new token per sequence.
+
+See attention.py for the math. With one query token per sequence, a program per (sequence, KV
+head) gives B * Hk programs, too few to keep 132 SMs streaming K/V when the batch is small. So each
+sequence's context is cut into NUM_SPLITS ranges of whole BLOCK_N tiles, one program per
+(sequence, KV head, split):
+
+    pass 1, grid (B, Hk, NUM_SPLITS): o_s = softmax over split s of q k^T, times V   [GROUP, D]
+                                      lse_s = log2 of that split's sum of exp2 scores [GROUP]
+    pass 2, grid (B, Hq):              out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),
+                                       M = max_s lse_s
+
+The GROUP = Hq / Hk query heads sharing a KV head are the M rows of `tl.dot` (padded to
+BLOCK_H >= 16, the smallest MMA), so every K/V row is read from memory once. Splits that start past
+a sequence's end write lse = -inf and o = 0 and weigh nothing in the merge: a fixed NUM_SPLITS is
+valid for any lengths (CUDA-graph capture). With NUM_SPLITS == 1, pass 1 writes the output itself.
+Partial results are fp32: o_part [B, Hq, NUM_SPLITS, D], lse_part [B, Hq, NUM_SPLITS].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl
+from tinypaged.kernels.attention_varlen import attention_tile
+
+
+@jit
+def _decode_split_kernel(
+    Q, K_CACHE, V_CACHE, OUT, O_PART, LSE_PART, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_pb, stride_ph, stride_ps,  # o_part strides (lse_part is o_part's without D)
+    stride_lb, stride_lh,
+    block_size, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    token = tl.load(QUERY_START_LOC + seq).to(tl.int64)
+    has_query = tl.load(QUERY_START_LOC + seq + 1) > token  # False for a 0-token padding entry
+    seq_len = tl.load(SEQ_LENS + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + rows  # [BLOCK_H] query heads of this KV head
+    row_valid = (rows < GROUP) & has_query
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(Q + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    q_pos = tl.full((BLOCK_H,), 0, dtype=tl.int32) + seq_len - 1  # the new token is the last
+    block_table = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
+    kv_head_offset = kv_head.to(tl.int64) * stride_ch
+
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        acc, m_i, l_i = attention_tile(
+            acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
+            stride_cs, block_size, start_n, q_pos, end, offs_d, d_mask, qk_scale,
+            True, BLOCK_N, DOT_PRECISION)
+
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 for an empty split
+    mask = row_valid[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(OUT + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        part = seq.to(tl.int64) * stride_pb + head[:, None] * stride_ph + split * stride_ps
+        tl.store(O_PART + part + offs_d[None, :], o, mask=mask)
+        tl.store(LSE_PART + seq.to(tl.int64) * stride_lb + head * stride_lh + split, lse,
+                 mask=row_valid)
+
+
+@jit
+def _decode_merge_kernel(
+    OUT, O_PART, LSE_PART, QUERY_START_LOC,
+    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    token = tl.load(QUERY_START_LOC + seq).to(tl.int64)
+    if tl.load(QUERY_START_LOC + seq + 1) <= token:
+        return
+    splits = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse = tl.load(LSE_PART + seq * stride_lb + head * stride_lh + splits,
+                  mask=splits < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
+    mask = (splits[:, None] < NUM_SPLITS) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(O_PART + seq * stride_pb + head * stride_ph + splits[:, None] * stride_ps
+                + offs_d[None, :], mask=mask, other=0.0)  # [BLOCK_S, BLOCK_D]
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(OUT + token * stride_ot + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits per sequence so that ~4 programs per SM stream K/V, each over >= 256 keys."""
+    wanted = cdiv(4 * num_sms, max(num_seqs * num_kv_heads, 1))
+    return max(1, min(wanted, max_seq_len // 256, 64))
+
+
+def decode_attention_triton(
+    q: torch.Tensor,  # [B, Hq, D], one token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hk, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    query_start_loc: torch.Tensor,  # [B + 1]
+    scale: float,
+    out: torch.Tensor,  # [B, Hq, D]
+    *,
+    num_splits: int,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """Launch split-KV decode (and the merge when num_splits > 1); checked arguments."""
+    num_seqs = seq_lens.shape[0]
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    block_d = next_power_of_2(head_dim)
+    if num_splits > 1:
+        o_part = torch.empty((num_seqs, num_q_heads, num_splits, head_dim),
+                             dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((num_seqs, num_q_heads, num_splits),
+                               dtype=torch.float32, device=q.device)
+    else:  # pass 1 writes `out` directly; the partial buffers are not touched
+        o_part = lse_part = out
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, o_part, lse_part, block_tables, seq_lens, query_start_loc,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        k_cache.shape[1], scale * 1.4426950408889634,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_H=max(16, next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_q_heads)](
+            out, o_part, lse_part, query_start_loc,
+            out.stride(0), out.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
