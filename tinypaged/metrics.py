@@ -171,7 +171,7 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def track(self) -> "RequestMetrics":
+    def track(self) -> RequestMetrics:
         return RequestMetrics(self)
 
 

@@ -22,7 +22,8 @@ import contextlib
 import hmac
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -81,7 +82,7 @@ async def _wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
 class Generation:
     """The engine requests of one HTTP request (one per prompt), merged into one output stream."""
 
-    def __init__(self, server: "OpenAIServer", request_id: str, prompts: list[list[int]], params):
+    def __init__(self, server: OpenAIServer, request_id: str, prompts: list[list[int]], params):
         self.server = server
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.finished = [False] * len(prompts)
@@ -102,7 +103,7 @@ class Generation:
                 self.trackers[i].observe(out)
                 self.finished[i] = out.finished
                 self.queue.put_nowait((i, out))
-        except Exception as exc:  # handed to the reader, who decides 400 / 500 / error event
+        except Exception as exc:  # noqa: BLE001 - the reader decides: 400, 500 or an error event
             self.queue.put_nowait((i, exc))
 
     async def next(self) -> tuple[int, Any] | None:
@@ -386,7 +387,7 @@ class OpenAIServer:
             return list(
                 self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             )
-        except Exception as exc:  # the template rejects the conversation (roles out of order, ...)
+        except Exception as exc:  # noqa: BLE001 - e.g. the template's own raise_exception()
             raise bad_request(
                 "messages", f"the chat template cannot render these messages: {exc}"
             ) from None
@@ -411,7 +412,7 @@ class OpenAIServer:
         self.check_model(model)
         try:
             text = self.engine.tokenizer.decode(tokens, skip_special_tokens=False)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - ids outside the vocabulary
             raise bad_request("tokens", f"cannot decode these token ids: {exc}") from None
         return JSONResponse({"prompt": text})
 

@@ -1,0 +1,142 @@
+"""Shared helpers of the server tests (no tests here): a uvicorn server in a thread, SSE and
+Prometheus text parsing, and FakeEngine, a test double of AsyncLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import re
+import threading
+import time
+from types import SimpleNamespace
+
+import uvicorn
+
+from tinypaged.outputs import CompletionOutput, RequestOutput
+
+
+@contextlib.contextmanager
+def running_server(app):
+    """Serve `app` on 127.0.0.1 on a free port in a background thread; yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def sse_events(raw: str) -> list:
+    """Split an SSE body into its data payloads (JSON decoded, '[DONE]' kept as a string),
+    checking the framing: every event is exactly `data: ...` followed by a blank line."""
+    assert raw.endswith("\n\n"), raw[-50:]
+    events = []
+    for block in raw[:-2].split("\n\n"):
+        assert block.startswith("data: ") and "\n" not in block, block
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text format (labels must match exactly)."""
+    for line in text.splitlines():
+        m = re.match(r"^([^\s{]+)(?:\{(.*)\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            return float(m.group(3))
+    raise KeyError(f"{name} {labels} not in the metrics")
+
+
+class FakeTokenizer:
+    """Test double of the tokenizer: one token per character, id = code point."""
+
+    eos_token_ids = frozenset({0})
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) for ch in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, ids))
+
+    def apply_chat_template(self, messages, add_generation_prompt=True) -> list[int]:
+        if messages[0]["role"] == "assistant":
+            raise ValueError("conversation roles must start with system or user")
+        text = "".join(f"[{m['role']}]{m['content']}" for m in messages)
+        return self.encode(text + ("[assistant]" if add_generation_prompt else ""))
+
+
+class FakeEngine:
+    """Test double of AsyncLLM. Sample j of a request writes letters starting at
+    (first prompt id + j) mod 26, one per step. Markers in the prompt: REFUSE (ValueError at
+    submission), FAIL-EARLY / FAIL-LATE (RuntimeError before the first / at the third token),
+    SLOW (0.5 s per step)."""
+
+    def __init__(self, max_model_len: int = 64, max_num_seqs: int = 2):
+        self.config = SimpleNamespace(max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        self.model_name = "fake-model"
+        self.tokenizer = FakeTokenizer()
+        self.live: set[str] = set()
+        self.aborted: list[str] = []
+        self.seen_params: list = []
+
+    def get_stats(self) -> dict:
+        return {"num_running": len(self.live), "num_waiting": 0, "kv_cache_usage": 0.0}
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def generate(self, prompt, params, request_id):
+        ids = prompt["prompt_token_ids"]
+        text = self.tokenizer.decode(ids)
+        if "REFUSE" in text:
+            raise ValueError("the fake engine refuses this prompt")
+        self.seen_params.append(params)
+        self.live.add(request_id)
+        samples = [CompletionOutput(j, "", []) for j in range(params.n)]
+        try:
+            for k in range(params.max_tokens):
+                await asyncio.sleep(0.5 if "SLOW" in text else 0.001)
+                if "FAIL-EARLY" in text or ("FAIL-LATE" in text and k == 2):
+                    raise RuntimeError("injected engine failure")
+                for c in samples:
+                    if not c.finish_reason:
+                        self._step(c, ord("a") + (ids[0] + c.index + k) % 26, params)
+                done = all(c.finish_reason for c in samples)
+                snapshot = [
+                    dataclasses.replace(
+                        c, token_ids=list(c.token_ids), logprobs=c.logprobs and list(c.logprobs)
+                    )
+                    for c in samples
+                ]
+                yield RequestOutput(request_id, None, ids, snapshot, finished=done)
+                if done:
+                    return
+        finally:
+            self.live.discard(request_id)
+
+    @staticmethod
+    def _step(c: CompletionOutput, token: int, params) -> None:
+        c.token_ids.append(token)
+        c.text += chr(token)
+        if params.logprobs is not None:
+            alternatives = {ord("A") + i: -2.0 - i for i in range(params.logprobs)}
+            c.logprobs = (c.logprobs or []) + [{token: -0.5, **alternatives}]
+        for stop in params.stop:
+            if stop in c.text:
+                c.text = c.text[: c.text.index(stop)]
+                c.finish_reason, c.stop_reason = "stop", stop
+        if not c.finish_reason and len(c.token_ids) == params.max_tokens:
+            c.finish_reason = "length"
