@@ -70,12 +70,21 @@ def test_completion_shapes(client):
 
 def test_completion_batch_n2_stop_and_params(fake, client):
     r = client.completions.create(
-        model="fake-model", prompt=["ab", [ord("c")]], n=2, max_tokens=4, temperature=0.7,
-        top_p=0.9, seed=3, extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1},
+        model="fake-model",
+        prompt=["ab", [ord("c")]],
+        n=2,
+        max_tokens=4,
+        temperature=0.7,
+        top_p=0.9,
+        seed=3,
+        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1},
     )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.text for c in r.choices] == [
-        expected("ab", 4), expected("ab", 4, 1), expected("c", 4), expected("c", 4, 1)
+        expected("ab", 4),
+        expected("ab", 4, 1),
+        expected("c", 4),
+        expected("c", 4, 1),
     ]
     assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 16
     p = fake[0].seen_params[-1]
@@ -116,14 +125,22 @@ def test_chat_shapes_and_logprobs(fake, client):
     assert entry.bytes == list(msg.content[0].encode())
     assert [(t.token, t.logprob) for t in entry.top_logprobs] == [(msg.content[0], -0.5)]
     # list-of-parts content is joined as text
-    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}
+    ]
     r2 = client.chat.completions.create(model="fake-model", messages=parts, max_tokens=2)
     assert r2.usage.prompt_tokens == len("[user]hi[assistant]")
 
 
 def test_completion_stream_framing_and_usage(fake):
-    body = {"prompt": "hey", "max_tokens": 4, "n": 2, "stream": True,
-            "stream_options": {"include_usage": True}, "logprobs": 1}
+    body = {
+        "prompt": "hey",
+        "max_tokens": 4,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logprobs": 1,
+    }
     r = post(fake[1], "/v1/completions", body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
@@ -143,8 +160,11 @@ def test_completion_stream_framing_and_usage(fake):
 
 def test_chat_stream_role_first(fake, client):
     stream = client.chat.completions.create(
-        model="fake-model", messages=[{"role": "user", "content": "yo"}], max_tokens=5,
-        stream=True, stream_options={"include_usage": True},
+        model="fake-model",
+        messages=[{"role": "user", "content": "yo"}],
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -157,8 +177,12 @@ def test_chat_stream_role_first(fake, client):
 
 def test_tokenize_detokenize(fake):
     r = post(fake[1], "/tokenize", {"prompt": "abc", "return_token_strs": True})
-    assert r.json() == {"count": 3, "max_model_len": 64, "tokens": [97, 98, 99],
-                        "token_strs": ["a", "b", "c"]}
+    assert r.json() == {
+        "count": 3,
+        "max_model_len": 64,
+        "tokens": [97, 98, 99],
+        "token_strs": ["a", "b", "c"],
+    }
     r = post(fake[1], "/tokenize", {"messages": [{"role": "user", "content": "q"}]})
     assert r.json()["count"] == len("[user]q[assistant]")
     assert post(fake[1], "/detokenize", {"tokens": [104, 105]}).json() == {"prompt": "hi"}

@@ -89,15 +89,27 @@ CHAT_400 = [
     ({"messages": ["hi"]}, "messages[0]", "object"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role", "role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content", "only text"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "messages[0].content",
+        "only text",
+    ),
     ({"messages": [{"role": "assistant", "content": "x"}]}, "messages", "chat template"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
-     "logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
-     "max_completion_tokens", ">= 1"),
-    ({"messages": [{"role": "user", "content": "x" * 30}], "max_tokens": 30}, "max_tokens",
-     "max_model_len"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        "top_logprobs",
+        "logprobs",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+        "max_completion_tokens",
+        ">= 1",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x" * 30}], "max_tokens": 30},
+        "max_tokens",
+        "max_model_len",
+    ),
     ({"messages": [{"role": "user", "content": "x" * 60}]}, "messages", "max_model_len"),
 ]
 
@@ -120,9 +132,11 @@ def test_tokenize_errors(fake):
 
 
 def test_unknown_model_404(fake):
-    for path, body in [("/v1/completions", {"prompt": "a"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}),
-                       ("/tokenize", {"prompt": "a"})]:
+    for path, body in [
+        ("/v1/completions", {"prompt": "a"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}),
+        ("/tokenize", {"prompt": "a"}),
+    ]:
         err = assert_error(post(fake[1], path, {**body, "model": "gpt-9"}), 404, "model", "gpt-9")
         assert err["code"] == "model_not_found"
     r = httpx.get(fake[1] + "/v1/nothing-here")
@@ -144,8 +158,10 @@ def test_oversized_body_refused_before_parsing(fake):
     # A Content-Length far over the limit is refused without sending the body at all.
     host, port = fake[1].removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
-                  b"\r\ncontent-length: 1000000000\r\n\r\n")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+            b"\r\ncontent-length: 1000000000\r\n\r\n"
+        )
         head = s.recv(65536).decode()
     assert head.startswith("HTTP/1.1 413"), head
 
@@ -166,8 +182,12 @@ def test_api_key():
 
 
 def test_engine_failure_is_500_and_server_keeps_serving(fake):
-    err = assert_error(post(fake[1], "/v1/completions", {"prompt": "FAIL-EARLY"}), 500, None,
-                       "injected engine failure")
+    err = assert_error(
+        post(fake[1], "/v1/completions", {"prompt": "FAIL-EARLY"}),
+        500,
+        None,
+        "injected engine failure",
+    )
     assert err["type"] == "server_error"
     # Failing after the stream began: an error event, then [DONE].
     r = post(fake[1], "/v1/completions", {"prompt": "FAIL-LATE", "stream": True})
@@ -183,8 +203,14 @@ def test_engine_failure_is_500_and_server_keeps_serving(fake):
 
 def test_stream_disconnect_aborts_at_once(fake):
     engine, url = fake
-    with httpx.Client(timeout=10) as c, c.stream("POST", url + "/v1/completions",
-                  json={"prompt": "SLOW one", "max_tokens": 50, "stream": True}) as r:
+    with (
+        httpx.Client(timeout=10) as c,
+        c.stream(
+            "POST",
+            url + "/v1/completions",
+            json={"prompt": "SLOW one", "max_tokens": 50, "stream": True},
+        ) as r,
+    ):
         lines = r.iter_lines()  # (dropping a half-read iterator closes the connection)
         assert next(lines).startswith("data: ")
         (rid,) = engine.live
@@ -219,9 +245,12 @@ def test_queue_full_503_with_retry_after():
 
         async def go() -> None:
             async with httpx.AsyncClient(timeout=10) as c:
-                hold = [asyncio.create_task(c.post(url + "/v1/completions",
-                                                   json={"prompt": "SLOW", "max_tokens": 50}))
-                        for _ in range(3)]  # 2 running + 1 queued fill the server
+                hold = [
+                    asyncio.create_task(
+                        c.post(url + "/v1/completions", json={"prompt": "SLOW", "max_tokens": 50})
+                    )
+                    for _ in range(3)
+                ]  # 2 running + 1 queued fill the server
                 await asyncio.sleep(0.2)
                 r = await c.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
                 assert_error(r, 503, None, "--max-queue 1")

@@ -43,7 +43,7 @@ def sse_events(raw: str) -> list:
     events = []
     for block in raw[:-2].split("\n\n"):
         assert block.startswith("data: ") and "\n" not in block, block
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
