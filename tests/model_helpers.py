@@ -17,17 +17,17 @@ from __future__ import annotations
 import math
 
 import torch
-import transformers
 from torch import nn
 
 from tinypaged.models.batch import AttentionMetadata
 from tinypaged.models.layers import Attention
 from tinypaged.models.registry import get_model_class
 
-TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-)
+TINY = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+}
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -35,18 +35,18 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
 
 HF_KINDS = {
     # kind: (config class, extra config fields)
-    "llama": ("LlamaConfig", dict(tie_word_embeddings=True)),
-    "llama3_scaling": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling=_LLAMA3_ROPE)),
-    "llama_untied": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=1000.0)),
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
-    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
-    "glm": ("GlmConfig", dict(head_dim=16, pad_token_id=0, eos_token_id=1)),
-    "glm4": ("Glm4Config", dict(head_dim=16, pad_token_id=0, eos_token_id=1)),
+    "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama3_scaling": ("LlamaConfig", {"tie_word_embeddings": True, "rope_scaling": _LLAMA3_ROPE}),
+    "llama_untied": ("LlamaConfig", {"tie_word_embeddings": False, "rope_theta": 1000.0}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 32}),
+    "glm": ("GlmConfig", {"head_dim": 16, "pad_token_id": 0, "eos_token_id": 1}),
+    "glm4": ("Glm4Config", {"head_dim": 16, "pad_token_id": 0, "eos_token_id": 1}),
 }
 
 
 def randomize_(model: nn.Module, seed: int) -> nn.Module:
-    """Every parameter random: weights N(0, 0.1^2), norm weights in [0.5, 1.5], biases N(0, 0.1^2)."""
+    """Every parameter random: norm weights in [0.5, 1.5], all others N(0, 0.1^2)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -57,7 +57,10 @@ def randomize_(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
-def tiny_hf_model(kind: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+def tiny_hf_model(kind: str, seed: int = 0, **overrides):
+    """A random transformers model of `kind` (a key of HF_KINDS), fp32, eager attention."""
+    import transformers  # imported here so that subprocess tests can use this file without it
+
     class_name, extra = HF_KINDS[kind]
     config = getattr(transformers, class_name)(**{**TINY, **extra, **overrides})
     torch.manual_seed(seed)
@@ -67,8 +70,10 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides) -> transformers.PreTrai
     return randomize_(model, seed).eval()
 
 
-def chatglm_checkpoint(glm: transformers.PreTrainedModel):
+def chatglm_checkpoint(glm):
     """(config, state dict) of `glm` (a GlmForCausalLM) in the original chatglm format."""
+    import transformers
+
     c = glm.config
     rope = c.rope_parameters
     config = transformers.PretrainedConfig(
@@ -167,7 +172,7 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype=
     for attn in layers:
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
         like = next(model.parameters())
-        kw = dict(dtype=dtype or like.dtype, device=device or like.device)
+        kw = {"dtype": dtype or like.dtype, "device": device or like.device}
         attn.k_cache = torch.full(shape, fill, **kw)
         attn.v_cache = torch.full(shape, fill, **kw)
     return len(layers)

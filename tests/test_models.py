@@ -24,6 +24,15 @@ PROMPT_LENS = (5, 19, 35)
 DECODE_STEPS = 8
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls: on a shared 2-core machine torch's thread pool costs 10x more than it saves.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def random_prompt(length: int, seed: int, vocab: int = 256) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (length,), generator=gen).tolist()
@@ -77,7 +86,7 @@ def test_chunked_prefill_over_cached_prefix():
 
 
 def test_model_exposes_cache_geometry():
-    hf, model = model_pair("qwen3")
+    _, model = model_pair("qwen3")
     assert (model.num_layers, model.num_kv_heads, model.head_dim) == (2, 2, 32)
     hidden = torch.randn(3, 64)
     assert model.compute_logits(hidden).dtype == torch.float32

@@ -104,7 +104,8 @@ def chatglm_spec(cfg) -> DecoderSpec:
 
 
 class ChatGLMForConditionalGeneration(GlmForCausalLM):
-    packed_modules: ClassVar[dict[str, tuple[str, object]]] = {}  # q/k/v and gate/up are both stored fused
+    # q/k/v and gate/up are both stored fused: nothing to pack.
+    packed_modules: ClassVar[dict[str, tuple[str, object]]] = {}
 
     def __init__(self, hf_config, quant_config=None) -> None:
         DecoderForCausalLM.__init__(self, chatglm_spec(hf_config), quant_config)
