@@ -53,7 +53,9 @@ class _Request:
         outputs = [
             CompletionOutput(
                 index=i,
-                text=d.output_text if d is not None else "",
+                text=d.get_next_output_text(s.finish_reason is not None, delta=False)
+                if d is not None
+                else "",
                 token_ids=list(s.output_token_ids),
                 cumulative_logprob=self.cumulative_logprob[i] if self.logprobs[i] is not None else None,
                 logprobs=self.logprobs[i],
