@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -43,6 +44,16 @@ HF_KINDS = {
     "glm": ("GlmConfig", {"head_dim": 16, "pad_token_id": 0, "eos_token_id": 1}),
     "glm4": ("Glm4Config", {"head_dim": 16, "pad_token_id": 0, "eos_token_id": 1}),
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Import into a test module to run it on one torch thread: for tiny matmuls on a shared
+    2-core machine the thread pool costs ten times what it saves."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def randomize_(model: nn.Module, seed: int) -> nn.Module:

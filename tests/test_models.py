@@ -17,20 +17,12 @@ from model_helpers import (
     build_model,
     chatglm_checkpoint,
     greedy_reference,
+    single_thread,  # noqa: F401 - autouse fixture
     tiny_hf_model,
 )
 
 PROMPT_LENS = (5, 19, 35)
 DECODE_STEPS = 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: on a shared 2-core machine torch's thread pool costs 10x more than it saves.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def random_prompt(length: int, seed: int, vocab: int = 256) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from model_helpers import build_model, chatglm_checkpoint, tiny_hf_model
+from model_helpers import build_model, chatglm_checkpoint, single_thread, tiny_hf_model  # noqa: F401
 
 from tinypaged.models.registry import get_model_class
 
