@@ -50,6 +50,12 @@ def find_stop_string(
 
 
 class IncrementalDetokenizer:
+    """One sequence's streaming text. Per sampled token (engine side):
+
+    stop_str = detok.update(token, skip=token_ends_sequence, check_stop=past_min_tokens)
+    text = detok.get_next_output_text(finished, delta=False)  # what the client may see
+    """
+
     def __init__(
         self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:

@@ -227,17 +227,13 @@ class SamplingBatch:
         rows = [i for i, p in enumerate(params) if p.uses_penalties]
         if rows:
             batch.penalty_rows = torch.tensor(rows).to(device, non_blocking=True)
-            batch.penalties = torch.tensor(
-                [
-                    (
-                        params[i].repetition_penalty,
-                        params[i].frequency_penalty,
-                        params[i].presence_penalty,
-                    )
-                    for i in rows
-                ],
-                dtype=torch.float32,
-            ).to(device, non_blocking=True)
+            chosen = [params[i] for i in rows]
+            values = [
+                (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in chosen
+            ]
+            batch.penalties = torch.tensor(values, dtype=torch.float32).to(
+                device, non_blocking=True
+            )
             batch.prompt_ids = _pad([prompt_token_ids[i] for i in rows], -1, device)
             batch.output_ids = _pad([output_token_ids[i] for i in rows], -1, device)
 
