@@ -73,7 +73,7 @@ def _decode_split_kernel(
         tl.store(OUT + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(OUT.dtype.element_ty), mask=mask)
     else:
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        lse = m_i + tl.log2(l_i)  # -inf for an empty split (m_i = -inf, l_i = 0)
         part = seq.to(tl.int64) * stride_pb + head[:, None] * stride_ph + split * stride_ps
         tl.store(O_PART + part + offs_d[None, :], o, mask=mask)
         tl.store(LSE_PART + seq.to(tl.int64) * stride_lb + head * stride_lh + split, lse,

@@ -1,0 +1,224 @@
+"""Paged attention under the Triton interpreter: kernels vs the torch reference, and the reference
+vs a dense float64 softmax built from the unpaged keys and values.
+
+On a machine without a GPU, tinypaged.kernels builds its kernels for the interpreter by itself
+(kernels/_triton.py), so the launchers `*_triton` run on CPU tensors without TRITON_INTERPRET.
+"""
+
+import pytest
+import torch
+
+from tinypaged.kernels import attention
+from tinypaged.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
+
+# Triton 3.6's interpreter turns loop bounds into ints through 1-element arrays (numpy < 2.4 warns),
+# and an empty decode split takes log2(0) = -inf on purpose
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0"),
+    pytest.mark.filterwarnings("ignore:divide by zero encountered in log2"),
+]
+
+# (dtype, head_dim, query heads per KV head, block_size, key tile): every value of every axis the
+# kernels must handle appears at least once; key tiles smaller, equal and larger than a block
+COMBOS = [
+    (torch.float32, 64, 1, 16, 32),
+    (torch.float16, 128, 3, 32, 16),
+    (torch.float16, 64, 8, 16, 64),
+    (torch.float32, 128, 8, 32, 32),
+]
+COMBO_IDS = [f"{str(c[0])[6:]}-d{c[1]}-g{c[2]}-bs{c[3]}-n{c[4]}" for c in COMBOS]
+
+
+class Batch:
+    """B sequences of random dense K/V, scattered into randomly permuted cache blocks."""
+
+    def __init__(self, q_lens, seq_lens, group, head_dim, block_size, dtype, num_kv_heads=2, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.num_q_heads, self.scale = group * num_kv_heads, head_dim**-0.5
+        blocks = [-(-s // block_size) for s in seq_lens]
+        num_blocks = sum(blocks) + 2
+        # every slot no sequence owns holds NaN: reading one unmasked poisons the output
+        self.k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"),
+                                  dtype=dtype)
+        self.v_cache = self.k_cache.clone()
+        poison_block = num_blocks - 1
+        self.block_tables = torch.full((len(seq_lens), max(blocks) + 2), poison_block,
+                                       dtype=torch.int32)
+        perm = torch.randperm(num_blocks - 1, generator=g).tolist()  # not 0..n
+        self.k, self.v = [], []  # dense [seq_len, Hk, D] per sequence
+        for b, seq_len in enumerate(seq_lens):
+            table = [perm.pop() for _ in range(blocks[b])]
+            self.block_tables[b, : blocks[b]] = torch.tensor(table, dtype=torch.int32)
+            k = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+            v = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+            for pos in range(seq_len):
+                self.k_cache[table[pos // block_size], pos % block_size] = k[pos]
+                self.v_cache[table[pos // block_size], pos % block_size] = v[pos]
+            self.k.append(k)
+            self.v.append(v)
+        self.q = torch.randn(sum(q_lens), self.num_q_heads, head_dim, generator=g).to(dtype)
+        self.q_lens, self.seq_lens_list = q_lens, seq_lens
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        self.query_start_loc = torch.tensor(starts, dtype=torch.int32)
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc, self.scale)
+
+    def run(self, fn, **kwargs):
+        kwargs.setdefault("max_query_len", max(self.q_lens))
+        kwargs.setdefault("max_seq_len", max(self.seq_lens_list))
+        return fn(*self.args(), **kwargs)
+
+    def dense_float64(self):
+        """Causal softmax attention per sequence, from the dense K/V, in float64."""
+        out = torch.empty(self.q.shape, dtype=torch.float64)
+        start = 0
+        for q_len, seq_len, k, v in zip(self.q_lens, self.seq_lens_list, self.k, self.v):
+            group = self.num_q_heads // k.shape[1]
+            for i in range(q_len):
+                pos = seq_len - q_len + i
+                for h in range(self.num_q_heads):
+                    keys, values = k[: pos + 1, h // group].double(), v[: pos + 1, h // group].double()
+                    weights = torch.softmax(keys @ self.q[start + i, h].double() * self.scale, dim=0)
+                    out[start + i, h] = weights @ values
+            start += q_len
+        return out
+
+
+def assert_close(actual, expected, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual.double(), expected.double(), atol=tol, rtol=tol)
+
+
+def check_kernel(q_lens, seq_lens, combo, **kwargs):
+    dtype, head_dim, group, block_size, block_n = combo
+    batch = Batch(q_lens, seq_lens, group, head_dim, block_size, dtype)
+    config = {"block_n": block_n, "block_m": 64, **kwargs.pop("config", {})}
+    out = batch.run(paged_attention_triton, config=config, **kwargs)
+    assert out.shape == batch.q.shape and out.dtype == dtype
+    assert_close(out, batch.run(paged_attention_ref), dtype)
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+def test_prefill(combo):
+    check_kernel([1, 17, 40], [1, 17, 40], combo)
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+def test_chunked_prefill_over_cached_prefix(combo):
+    check_kernel([9, 16, 1], [40, 50, 33], combo)
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+def test_decode_split_kv(combo):
+    # 4 splits: the length-1 sequence leaves 3 of them empty
+    check_kernel([1, 1, 1, 1], [1, 16, 33, 70], combo, num_splits=4)
+
+
+@pytest.mark.parametrize("combo", COMBOS[:2], ids=COMBO_IDS[:2])
+def test_decode_one_split(combo):
+    check_kernel([1, 1, 1], [1, 33, 70], combo, num_splits=1)
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+def test_mixed_batch(combo):
+    # a decode, a prefill and a chunk over a prefix in one launch
+    check_kernel([1, 20, 5, 1], [37, 20, 45, 16], combo)
+
+
+def test_mixed_batch_default_tiles_and_splits():
+    batch = Batch([1, 20, 1], [37, 20, 16], 4, 64, 16, torch.float32)
+    assert_close(batch.run(paged_attention_triton), batch.run(paged_attention_ref), torch.float32)
+    decode = Batch([1, 1], [37, 300], 4, 64, 16, torch.float32)
+    assert_close(decode.run(paged_attention_triton), decode.run(paged_attention_ref), torch.float32)
+
+
+def test_sequence_without_new_tokens_is_skipped():
+    # varlen and decode paths: a sequence with 0 new tokens writes nothing, others are unharmed
+    for q_lens, seq_lens in (([3, 0, 2], [3, 16, 20]), ([1, 0, 1], [5, 9, 17])):
+        batch = Batch(q_lens, seq_lens, 2, 64, 16, torch.float32)
+        out = batch.run(paged_attention_triton, num_splits=2, config={"block_n": 16})
+        assert_close(out, batch.dense_float64(), torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_empty_context_gives_zeros_not_nan(num_splits):
+    # a padding entry of a CUDA-graph decode batch: one query, no keys at all
+    batch = Batch([1, 1, 1], [20, 0, 7], 2, 64, 16, torch.float32)
+    out = batch.run(paged_attention_triton, num_splits=num_splits, config={"block_n": 16})
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_close(out[[0, 2]], batch.dense_float64()[[0, 2]], torch.float32)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", [([1, 17, 40], [1, 17, 40]), ([9, 1, 4], [40, 33, 4])])
+@pytest.mark.parametrize("group", [1, 3])
+def test_reference_matches_dense_float64(q_lens, seq_lens, group):
+    batch = Batch(q_lens, seq_lens, group, 64, 16, torch.float32)
+    torch.testing.assert_close(batch.run(paged_attention_ref).double(), batch.dense_float64(),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_no_host_sync_when_maxima_are_passed(monkeypatch):
+    batch = Batch([1, 1], [20, 33], 2, 64, 16, torch.float32)
+    expected = batch.run(paged_attention_ref)
+
+    def sync(*args, **kwargs):
+        raise AssertionError("host sync in the Triton launcher")
+
+    monkeypatch.setattr(torch.Tensor, "item", sync)
+    monkeypatch.setattr(torch.Tensor, "tolist", sync)
+    out = torch.empty_like(batch.q)
+    result = batch.run(paged_attention_triton, out=out, config={"block_n": 16})
+    assert result is out
+    monkeypatch.undo()
+    assert_close(out, expected, torch.float32)
+
+
+def test_public_op_dispatches_to_triton_under_interpreter(monkeypatch):
+    batch = Batch([3, 1], [3, 20], 2, 64, 16, torch.float32)
+    calls = []
+    real = attention.paged_attention_triton
+    monkeypatch.setattr(attention, "paged_attention_triton",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ref = batch.run(paged_attention)
+    assert calls == []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert_close(batch.run(paged_attention, config={"block_n": 16}), ref, torch.float32)
+    assert calls == [1]
+
+
+def replace(args, index, value):
+    return args[:index] + (value,) + args[index + 1:]
+
+
+def test_bad_arguments_name_the_argument():
+    batch = Batch([2, 1], [2, 20], 2, 64, 16, torch.float32)
+    args = batch.args()
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, _ = args
+    cases = [
+        ("q", replace(args, 0, q[:, 0])),
+        ("q", replace(args, 0, q.to(torch.int32))),
+        ("k_cache", replace(args, 1, k_cache[..., :32])),
+        ("k_cache", replace(args, 1, k_cache.half())),
+        ("v_cache", replace(args, 2, v_cache[:, :8])),
+        ("multiple", replace(args, 0, q[:, :3])),  # 3 query heads, 2 KV heads
+        ("block_tables", replace(args, 3, block_tables[:1])),
+        ("block_tables", replace(args, 3, block_tables.float())),
+        ("seq_lens", replace(args, 4, seq_lens.float())),
+        ("query_start_loc", replace(args, 5, query_start_loc[:2])),
+    ]
+    for name, bad in cases:
+        with pytest.raises(ValueError, match=name):
+            paged_attention(*bad)
+    with pytest.raises(ValueError, match="out"):
+        paged_attention(*args, out=torch.empty_like(q).half())
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention(*args, num_splits=0)
+    with pytest.raises(ValueError, match="config"):
+        paged_attention(*args, config={"blockm": 64})
