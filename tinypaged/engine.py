@@ -289,7 +289,7 @@ class Engine:
             stop_str = detok.update(token, skip=reason is not None, check_stop=min_done)
             if reason is None and stop_str is not None:
                 reason, stop_reason = "stop", stop_str
-        if reason is None and num_out >= params.max_tokens:
+        if reason is None and params.max_tokens is not None and num_out >= params.max_tokens:
             reason = "length"
         if reason is None and len(seq) >= self.config.max_model_len:
             reason = "length"

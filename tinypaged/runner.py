@@ -77,8 +77,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.pin = device.type == "cuda"
+        self.graphs = None  # eager while profiling; captured after the cache exists
         self.kv_cache_info = self._allocate_kv_cache()
-        self.graphs = None
         if device.type == "cuda" and not config.enforce_eager:
             from tinypaged.cuda_graphs import DecodeGraphs
 
