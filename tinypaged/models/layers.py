@@ -86,7 +86,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         for param in self.parameters(recurse=False):
-            param.weight_loader = self.weight_loader
+            if not hasattr(param, "weight_loader"):  # a quant method may bring its own
+                param.weight_loader = self.weight_loader
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_config is None:
