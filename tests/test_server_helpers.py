@@ -140,3 +140,39 @@ class FakeEngine:
                 c.finish_reason, c.stop_reason = "stop", stop
         if not c.finish_reason and len(c.token_ids) == params.max_tokens:
             c.finish_reason = "length"
+
+
+def build_tiny_model(path):
+    """A tiny random llama (2 layers, hidden 64) that speaks the default model's tokenizer and
+    chat template, saved as an HF directory at `path`; returns `path`."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tinypaged.default_model import ensure_default_model
+
+    source = ensure_default_model()
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "special_tokens_map.json",
+    ):
+        if (source / name).is_file():
+            shutil.copy(source / name, path / name)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
