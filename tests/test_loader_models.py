@@ -154,3 +154,17 @@ def test_quantization_mismatch_is_rejected(llama_dir):
     (llama_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="'gptq'"):
         _load(llama_dir)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_dtype_on_gpu_runs_an_fp32_checkpoint_in_bf16(tmp_path):
+    hf_model = tiny_hf_model("qwen3")
+    hf_model.save_pretrained(tmp_path)  # float32 weights and torch_dtype
+    model, _, _ = load_model(EngineConfig(model=str(tmp_path)), "cuda")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(p.is_cuda for p in model.parameters())
+    prompt = PROMPTS[1]
+    runner = PagedRunner(model, block_size=4, num_blocks=16)
+    ours = runner.step({runner.add_sequence(): prompt})[0].cpu()
+    _, ref = greedy_reference(hf_model, prompt, 0)
+    assert_logits_close(ours, ref, rtol=3e-2, what="bf16 prefill on the GPU")
