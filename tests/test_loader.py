@@ -45,6 +45,9 @@ def test_local_directory_resolves_to_itself(tmp_path):
 def test_directory_without_config_is_rejected(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         loader.resolve_model(str(tmp_path))
+    (tmp_path / "model.Q4_0.gguf").write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=r"model\.Q4_0\.gguf: pass that file itself"):
+        loader.resolve_model(str(tmp_path))
 
 
 def test_non_gguf_file_is_rejected(tmp_path):

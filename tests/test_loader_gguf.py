@@ -52,7 +52,8 @@ def _gguf_name(hf_name: str) -> str:
 
 def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter order for Q/K rows: per head, interleave the two rotary halves."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _head_dim(config) -> int:

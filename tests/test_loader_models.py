@@ -115,7 +115,8 @@ def test_extra_tensor_is_named(llama_dir):
 
 def test_wrong_shape_is_named(llama_dir):
     def shrink(w):
-        w["model.layers.0.self_attn.k_proj.weight"] = w["model.layers.0.self_attn.k_proj.weight"][1:]
+        name = "model.layers.0.self_attn.k_proj.weight"
+        w[name] = w[name][1:]
 
     _edit_checkpoint(llama_dir, shrink)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*shape"):

@@ -61,9 +61,11 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     path = Path(text).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            hint = f" (it holds {', '.join(ggufs)}: pass that file itself)" if ggufs else ""
             raise FileNotFoundError(
-                f"model directory {text!r} has no config.json; pass a Hugging Face model directory "
-                "(config.json, *.safetensors, tokenizer files) or a .gguf file"
+                f"model directory {text!r} has no config.json{hint}; pass a Hugging Face model "
+                "directory (config.json, *.safetensors, tokenizer files) or a .gguf file"
             )
         return path.resolve()
     if path.is_file():
