@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -191,8 +192,13 @@ def serve(args: argparse.Namespace) -> int:
     userver = uvicorn.Server(config)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     logger.info("serving the OpenAI API at http://%s:%d/v1 (Ctrl-C to stop)", shown, args.port)
+    # uvicorn handles SIGINT / SIGTERM itself (stop accepting, let requests finish, run the
+    # app's shutdown which aborts stragglers), then re-raises the signal to the handler it found
+    # installed. Installing a no-op one lets us shut the engine down and exit 0 afterwards.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
     try:
-        userver.run()  # SIGINT / SIGTERM: stop accepting, let requests finish, then return
+        userver.run()
     finally:
         asyncio.run(engine.shutdown())
     logger.info("server stopped")
