@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 
+import numpy as np
 import torch
 
 from tinypaged.models.batch import AttentionMetadata
@@ -48,6 +49,8 @@ class DecodeGraphs:
         # One pinned staging buffer: all per-step inputs travel in a single host-to-device copy.
         self.staging = torch.zeros((4 + runner.max_blocks_per_seq, max_bs), dtype=torch.int64)
         self.staging = self.staging.pin_memory()
+        self.staging_np = self.staging.numpy()
+        self.row_keys: list[tuple[int, int] | None] = [None] * max_bs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self._capture()
@@ -88,17 +91,22 @@ class DecodeGraphs:
         b = len(seqs)
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
         block_size = self.runner.block_size
-        stage = self.staging.numpy()  # rows: ids, positions, slots, seq_lens, block table...
-        stage[:, :bs] = 0
-        stage[2, b:bs] = -1
-        stage[3, b:bs] = 1
+        stage = self.staging_np  # rows: ids, positions, slots, seq_lens, block table...
+        # Block tables change rarely (a new block every block_size tokens): rewrite only the
+        # rows whose sequence or table length differs from the last step's.
         for i, s in enumerate(seqs):
-            pos = len(s.token_ids) - 1
-            stage[0, i] = s.token_ids[pos]
-            stage[1, i] = pos
-            stage[2, i] = s.block_table[pos // block_size] * block_size + pos % block_size
-            stage[3, i] = pos + 1
-            stage[4 : 4 + len(s.block_table), i] = s.block_table
+            key = (s.seq_id, len(s.block_table))
+            if self.row_keys[i] != key:
+                self.row_keys[i] = key
+                stage[4 : 4 + len(s.block_table), i] = s.block_table
+        pos = np.fromiter((len(s.token_ids) - 1 for s in seqs), np.int64, b)
+        stage[0, :b] = [s.token_ids[-1] for s in seqs]
+        stage[1, :b] = pos
+        stage[2, :b] = stage[4 + pos // block_size, np.arange(b)] * block_size + pos % block_size
+        stage[3, :b] = pos + 1
+        stage[0:2, b:bs] = 0
+        stage[2, b:bs] = -1  # padding rows store nothing and attend to one (ignored) key
+        stage[3, b:bs] = 1
         dev = self.staging[:, :bs].to(self.input_ids.device, non_blocking=True)
         self.input_ids[:bs] = dev[0]
         self.positions[:bs] = dev[1]
@@ -107,4 +115,3 @@ class DecodeGraphs:
         self.block_tables[:bs] = dev[4:].T
         self.graphs[bs].replay()
         return self.logits[bs][:b]
-

@@ -222,7 +222,9 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests that moved (only the finished ones
+        with `finished_only`, which spares building cumulative outputs every step)."""
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.requests and not self.scheduler.has_unfinished():
@@ -238,10 +240,12 @@ class Engine:
         if sampled_items:
             seqs = [it.seq for it in sampled_items]
             reqs = [self.requests[s.request_id] for s in seqs]
+            # Token histories are read only by penalties and min_tokens: skip the copies.
+            hist = [r.params.uses_penalties or r.params.min_tokens > 0 for r in reqs]
             batch = SamplingBatch.build(
                 [r.params for r in reqs],
-                [s.prompt_token_ids for s in seqs],
-                [s.output_token_ids for s in seqs],
+                [s.prompt_token_ids if h else [] for s, h in zip(seqs, hist)],
+                [s.output_token_ids if h else [] for s, h in zip(seqs, hist)],
                 [r.generators[s.index] for r, s in zip(reqs, seqs)],
                 self.eos_token_ids,
                 logits.device,
@@ -264,8 +268,10 @@ class Engine:
                 touched.pop(req.request_id, None)
         outputs = []
         for req in touched.values():
-            outputs.append(req.output())
-            if req.finished:
+            finished = req.finished
+            if finished or not finished_only:
+                outputs.append(req.output())
+            if finished:
                 del self.requests[req.request_id]
         return outputs
 

@@ -96,7 +96,7 @@ class LLM:
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, unit="req")
         generated = 0
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step(finished_only=True):
                 if out.finished:
                     results[order[out.request_id]] = out
                     generated += sum(len(c.token_ids) for c in out.outputs)

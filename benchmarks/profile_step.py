@@ -1,0 +1,82 @@
+"""Where does a step's time go? Wall time per engine phase over the offline workload, then the
+CUDA kernel time of a few eager decode steps from torch.profiler.
+
+    PYTHONPATH=. python benchmarks/profile_step.py --model-shape qwen3-0.6b [--num-prompts 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+from tinypaged import LLM, SamplingParams
+from tinypaged.bench import SHAPES, sample_requests, shape_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-shape", default="qwen3-0.6b")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    args = parser.parse_args()
+    cfg = SHAPES[args.model_shape]
+    llm = LLM(str(shape_dir(args.model_shape)), load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=2048,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = llm.engine
+    prompts = sample_requests(args.num_prompts, 100, 1024, cfg["vocab_size"])
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+
+    phases: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            torch.cuda.synchronize()
+            phases[name] += time.perf_counter() - t
+            counts[name] += 1
+            return out
+        return wrapper
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.scheduler.update = timed("scheduler.update", engine.scheduler.update)
+    engine.sampler.__class__.__call__ = timed("sample", engine.sampler.__class__.__call__)
+    runner = engine.runner
+    execute = runner.execute
+
+    def execute_split(seqs, num_new, do_sample):
+        kind = "decode (graph)" if max(num_new) == 1 else "mixed/prefill (eager)"
+        return timed(kind, execute)(seqs, num_new, do_sample)
+
+    runner.execute = execute_split
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    start = time.perf_counter()
+    llm.generate(reqs, params, use_tqdm=False)
+    total = time.perf_counter() - start
+    print(f"total {total:.2f} s (synchronizing after every phase)")
+    print("| phase | calls | total s | ms per call |")
+    print("|---|---|---|---|")
+    for name, secs in sorted(phases.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {counts[name]} | {secs:.2f} | {1000 * secs / counts[name]:.2f} |")
+    print(f"| other (python) | | {total - sum(phases.values()):.2f} | |")
+
+    # Kernel breakdown of eager decode steps at batch 256, context ~ 600.
+    runner.execute = execute
+    graphs, runner.graphs = runner.graphs, None
+    batch = [{"prompt_token_ids": p[:600]} for p in prompts if len(p) >= 600][:128]
+    few = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate(batch, few, use_tqdm=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate(batch, few, use_tqdm=False)
+    runner.graphs = graphs
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
