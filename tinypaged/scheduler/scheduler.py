@@ -243,13 +243,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _sibling_prefilling(self, seq: Sequence) -> bool:
-        """True when another sample of seq's request is computing the prompt seq could share."""
-        if not self.block_manager.enable_prefix_caching or seq.num_prompt_tokens <= self.block_size:
+        """True while another sample of seq's request is computing prompt blocks seq could hit."""
+        if not self.block_manager.enable_prefix_caching:
             return False
+        shareable = (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
         return any(
             s is not seq
             and s.status is SequenceStatus.RUNNING
-            and s.num_computed_tokens < s.num_prompt_tokens
+            and s.num_computed_tokens < shareable
             for s in self.requests[seq.request_id]
         )
 
