@@ -93,7 +93,7 @@ class Scheduler:
 
     # ---- stats ---------------------------------------------------------------------------
     @property
-    def num_running(self) -> int:
+    def num_running(self) -> int:  # sequences, so a request with n=3 counts 3
         return len(self.running)
 
     @property
@@ -192,8 +192,9 @@ class Scheduler:
                 victim = self._newest_unscheduled(scheduled_ids)
                 if victim is seq and len(self.running) == 1:
                     raise RuntimeError(
-                        f"seq {seq.seq_id} cannot grow although it is alone in the cache; the "
-                        f"admission check should have rejected it (bug)"
+                        f"seq {seq.seq_id} ({len(seq)} tokens) cannot grow although it is alone "
+                        f"in the cache: the admission check should have rejected it, or the "
+                        f"engine did not finish it at max_tokens (bug)"
                     )
                 self._preempt(victim)
                 out.preempted.append(victim)
