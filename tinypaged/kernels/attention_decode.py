@@ -13,8 +13,9 @@ sequence's context is cut into NUM_SPLITS ranges of whole BLOCK_N tiles, one pro
 The GROUP = Hq / Hk query heads sharing a KV head are the M rows of `tl.dot` (padded to
 BLOCK_H >= 16, the smallest MMA), so every K/V row is read from memory once. Splits that start past
 a sequence's end write lse = -inf and o = 0 and weigh nothing in the merge: a fixed NUM_SPLITS is
-valid for any lengths (CUDA-graph capture). With NUM_SPLITS == 1, pass 1 writes the output itself.
-Partial results are fp32: o_part [B, Hq, NUM_SPLITS, D], lse_part [B, Hq, NUM_SPLITS].
+valid for any lengths (CUDA-graph capture). NUM_SPLITS is a runtime argument, so a new split count
+compiles nothing new; with NUM_SPLITS == 1, pass 1 writes the output itself. Partial results are
+fp32: o_part [B, Hq, NUM_SPLITS, D], lse_part [B, Hq, NUM_SPLITS].
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ def _decode_split_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     stride_pb, stride_ph, stride_ps,  # o_part strides (lse_part is o_part's without D)
     stride_lb, stride_lh,
-    block_size, qk_scale,
+    qk_scale, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output, skip the partials
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -43,7 +45,7 @@ def _decode_split_kernel(
     token = tl.load(QUERY_START_LOC + seq).to(tl.int64)
     has_query = tl.load(QUERY_START_LOC + seq + 1) > token  # False for a 0-token padding entry
     seq_len = tl.load(SEQ_LENS + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -64,12 +66,12 @@ def _decode_split_kernel(
     for start_n in range(start, end, BLOCK_N):
         acc, m_i, l_i = attention_tile(
             acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
-            stride_cs, block_size, start_n, q_pos, end, offs_d, d_mask, qk_scale,
-            True, BLOCK_N, DOT_PRECISION)
+            stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale,
+            True, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 for an empty split
     mask = row_valid[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         tl.store(OUT + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(OUT.dtype.element_ty), mask=mask)
     else:
@@ -84,8 +86,9 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     OUT, O_PART, LSE_PART, QUERY_START_LOC,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next power of two >= num_splits
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -95,10 +98,10 @@ def _decode_merge_kernel(
     splits = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     lse = tl.load(LSE_PART + seq * stride_lb + head * stride_lh + splits,
-                  mask=splits < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S]
+                  mask=splits < num_splits, other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
-    mask = (splits[:, None] < NUM_SPLITS) & (offs_d[None, :] < HEAD_DIM)
+    mask = (splits[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM)
     o = tl.load(O_PART + seq * stride_pb + head * stride_ph + splits[:, None] * stride_ps
                 + offs_d[None, :], mask=mask, other=0.0)  # [BLOCK_S, BLOCK_D]
     total = tl.sum(weight, 0)
@@ -147,9 +150,10 @@ def decode_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        k_cache.shape[1], scale * 1.4426950408889634,
+        scale * 1.4426950408889634, num_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(16, next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
+        SINGLE_SPLIT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -157,9 +161,8 @@ def decode_attention_triton(
         _decode_merge_kernel[(num_seqs, num_q_heads)](
             out, o_part, lse_part, query_start_loc,
             out.stride(0), out.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
+            lse_part.stride(0), lse_part.stride(1), num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits),
             num_warps=4,
         )
     return out

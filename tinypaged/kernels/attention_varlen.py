@@ -30,13 +30,14 @@ def attention_tile(
     acc, m_i, l_i,  # running state: [BLOCK_M, BLOCK_D] fp32 sum of p * v, [BLOCK_M] max, sum of p
     q,  # [BLOCK_M, BLOCK_D]
     K_CACHE, V_CACHE, block_table,  # block_table: this sequence's row of block_tables
-    kv_head_offset, stride_cb, stride_cs, block_size,
+    kv_head_offset, stride_cb, stride_cs,
     start_n,  # first key position of the tile
     q_pos,  # [BLOCK_M] absolute position of each query row (keys <= q_pos are visible)
     key_end,  # keys >= key_end are not part of this tile's range
     offs_d, d_mask,  # [BLOCK_D]
     qk_scale,  # softmax scale * log2(e): scores in base 2
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
+    BLOCK_SIZE: tl.constexpr,  # of the cache blocks: a power of two makes // and % shifts
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -44,12 +45,12 @@ def attention_tile(
     k_pos = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     if MASKED:
         k_in = k_pos < key_end
-        block = tl.load(block_table + k_pos // block_size, mask=k_in, other=0).to(tl.int64)
+        block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)
         kv_mask = k_in[:, None] & d_mask[None, :]
     else:
-        block = tl.load(block_table + k_pos // block_size).to(tl.int64)
+        block = tl.load(block_table + k_pos // BLOCK_SIZE).to(tl.int64)
         kv_mask = d_mask[None, :]
-    row = block * stride_cb + (k_pos % block_size) * stride_cs + kv_head_offset  # [BLOCK_N]
+    row = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head_offset  # [BLOCK_N]
     kv_offsets = row[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
     k = tl.load(K_CACHE + kv_offsets, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
@@ -86,11 +87,11 @@ def _varlen_attention_kernel(
     Q, K_CACHE, V_CACHE, OUT, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    num_seqs, block_size, qk_scale,
+    num_seqs, qk_scale,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,  # rows per program, tokens per program
-    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,  # cache block, key tile
     DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -127,13 +128,13 @@ def _varlen_attention_kernel(
     for start_n in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = attention_tile(
             acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
-            stride_cs, block_size, start_n, q_pos, key_end, offs_d, d_mask, qk_scale,
-            False, BLOCK_N, DOT_PRECISION)
+            stride_cs, start_n, q_pos, key_end, offs_d, d_mask, qk_scale,
+            False, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
     for start_n in range(unmasked_end, key_end, BLOCK_N):
         acc, m_i, l_i = attention_tile(
             acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
-            stride_cs, block_size, start_n, q_pos, key_end, offs_d, d_mask, qk_scale,
-            True, BLOCK_N, DOT_PRECISION)
+            stride_cs, start_n, q_pos, key_end, offs_d, d_mask, qk_scale,
+            True, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(OUT + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -166,9 +167,9 @@ def varlen_attention_triton(
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        seq_lens.shape[0], k_cache.shape[1], scale * 1.4426950408889634,
+        seq_lens.shape[0], scale * 1.4426950408889634,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
