@@ -1,0 +1,417 @@
+"""Kernel benchmark on one GPU: correctness first, then speed beside ceilings and torch peers.
+
+    PYTHONPATH=. python benchmarks/kernels.py            # checks, then timings, then a table
+    PYTHONPATH=. python benchmarks/kernels.py --awq      # also the AWQ int4 GEMM / GEMV
+    PYTHONPATH=. python benchmarks/kernels.py --tune     # also sweep attention tiles (~2 min)
+
+1. Every Triton kernel is compared with its torch reference in bf16 and fp16 (max error printed);
+   any mismatch stops the script with exit code 1 before a single timing.
+2. Each op is timed with `triton.testing.do_bench` (median; it flushes L2 between runs) and
+   reported as achieved GB/s (memory-bound ops: norm, rotary, SiLU, KV store, decode attention)
+   or TFLOP/s (prefill attention), next to ceilings measured in the same run (a 1 GiB device copy,
+   an 8192^3 bf16 matmul) and torch peers (the reference, F.rms_norm, SDPA cuDNN / flash).
+3. A markdown table closes the output; copy it into benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import math
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from tinypaged.kernels import activation, attention, kv_cache, norm, rotary
+from tinypaged.kernels._triton import cdiv, num_sms
+from tinypaged.kernels.attention_decode import decode_num_splits
+
+DEV = "cuda"
+ROWS: list[tuple] = []  # (op, shape, impl, us, achieved, unit, % of ceiling)
+CEILING = {"GB/s": 0.0, "TFLOP/s": 0.0}
+
+
+def bench_ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def record(op: str, shape: str, impl: str, fn, *, bytes_moved=None, flops=None) -> float:
+    """Time fn and add a table row; returns milliseconds (nan when the impl cannot run)."""
+    try:
+        ms = bench_ms(fn)
+    except (RuntimeError, NotImplementedError, ValueError) as e:  # a peer without this shape
+        print(f"  {op:18s} {shape:28s} {impl:22s} n/a ({type(e).__name__}: {str(e)[:60]})")
+        ROWS.append((op, shape, impl, float("nan"), float("nan"), "", float("nan")))
+        return float("nan")
+    if flops is not None:
+        value, unit = flops / ms / 1e9, "TFLOP/s"
+    else:
+        value, unit = bytes_moved / ms / 1e6, "GB/s"
+    pct = 100 * value / CEILING[unit] if CEILING[unit] else float("nan")
+    print(f"  {op:18s} {shape:28s} {impl:22s} {ms * 1e3:9.1f} us {value:8.1f} {unit} {pct:5.1f}%")
+    ROWS.append((op, shape, impl, ms * 1e3, value, unit, pct))
+    return ms
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def randn(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device=DEV, dtype=dtype)
+
+
+class PagedBatch:
+    """Sequences with q_lens new tokens at the end of seq_lens contexts, K/V in permuted blocks.
+
+    With poison=True every slot no sequence owns holds NaN, so a kernel that reads one unmasked
+    returns NaN instead of a quietly wrong number.
+    """
+
+    def __init__(self, q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, dtype,
+                 block_size=16, poison=False):
+        self.q_lens, self.seq_lens_list = list(q_lens), list(seq_lens)
+        blocks = [cdiv(s, block_size) for s in seq_lens]
+        num_blocks = sum(blocks) + 1
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        if poison:
+            self.k_cache = torch.full(shape, float("nan"), device=DEV, dtype=dtype)
+            self.v_cache = self.k_cache.clone()
+        else:
+            self.k_cache, self.v_cache = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
+        perm = torch.randperm(num_blocks - 1, device=DEV).to(torch.int32)
+        self.block_tables = torch.full((len(seq_lens), max(blocks)), num_blocks - 1,
+                                       device=DEV, dtype=torch.int32)
+        start = 0
+        for b, n in enumerate(blocks):
+            self.block_tables[b, :n] = perm[start:start + n]
+            start += n
+        self.seq_lens = torch.tensor(seq_lens, device=DEV, dtype=torch.int32)
+        self.query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], device=DEV,
+                                            dtype=torch.int32)
+        if poison:  # write every owned slot
+            seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=DEV), self.seq_lens)
+            pos = torch.cat([torch.arange(s, device=DEV) for s in seq_lens])
+            slots = (self.block_tables[seq, pos // block_size].long() * block_size
+                     + pos % block_size)
+            for cache in (self.k_cache, self.v_cache):
+                cache.view(-1, num_kv_heads, head_dim)[slots] = randn(
+                    len(slots), num_kv_heads, head_dim, dtype=dtype)
+        self.q = randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype)
+        self.scale = head_dim**-0.5
+
+    def call(self, fn, **kwargs):
+        return fn(self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+                  self.query_start_loc, self.scale, max_query_len=max(self.q_lens),
+                  max_seq_len=max(self.seq_lens_list), **kwargs)
+
+    def kv_bytes(self):
+        row = self.k_cache.shape[2] * self.k_cache.shape[3] * self.k_cache.element_size()
+        return 2 * row * sum(self.seq_lens_list) + 2 * self.q.numel() * self.q.element_size()
+
+
+# ----------------------------------------------------------------------------- correctness
+
+FAILURES: list[str] = []
+
+
+def compare(name: str, got, want, dtype, tol: float | None = None) -> None:
+    if tol is None:
+        tol = 1.6e-2 if dtype == torch.bfloat16 else 2e-3  # ~2 ulp of bf16 / fp16 at 1.0
+    got, want = got.float(), want.float()
+    err = (got - want).abs()
+    bad = not torch.isfinite(got).all() or bool((err > tol + tol * want.abs()).any())
+    print(f"  {'FAIL' if bad else 'ok  '} {name:48s} {str(dtype)[6:]:9s} max err {err.max():.2e}")
+    if bad:
+        FAILURES.append(f"{name} {dtype}")
+
+
+def check_all() -> None:
+    print("correctness: Triton vs torch reference")
+    for dtype in (torch.bfloat16, torch.float16):
+        x, w, res = randn(257, 4096, dtype=dtype), randn(4096, dtype=dtype), randn(257, 4096,
+                                                                                   dtype=dtype)
+        compare("rms_norm [257, 4096]", norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6),
+                dtype)
+        got, want = norm.rms_norm(x, w, 1e-6, res), norm.rms_norm_ref(x, w, 1e-6, res)
+        compare("rms_norm + residual: normed", got[0], want[0], dtype)
+        compare("rms_norm + residual: sum", got[1], want[1], dtype)
+        xh = randn(33, 8, 128, dtype=dtype)
+        wh = randn(128, dtype=dtype)
+        compare("rms_norm per head [33, 8, 128]", norm.rms_norm(xh, wh, 1e-6),
+                norm.rms_norm_ref(xh, wh, 1e-6), dtype)
+        y = randn(129, 2 * 1000, dtype=dtype)
+        compare("silu_and_mul [129, 2000]", activation.silu_and_mul(y),
+                activation.silu_and_mul_ref(y), dtype)
+        for head_dim, rotary_dim, interleaved in ((128, 128, False), (128, 64, True)):
+            cache = rotary.build_cos_sin_cache(rotary_dim, 8192, 500000.0, device=DEV)
+            pos = torch.randint(0, 8192, (77,), device=DEV)
+            qkv = randn(77, 48 * head_dim, dtype=dtype)  # q, k: strided views of a fused output
+            q, k, _ = qkv.split([32 * head_dim, 8 * head_dim, 8 * head_dim], dim=-1)
+            q, k = q.view(77, 32, head_dim), k.view(77, 8, head_dim)
+            q2, k2 = q.clone(), k.clone()
+            rotary.rotary_embedding(pos, q, k, cache, rotary_dim, interleaved)
+            rotary.rotary_embedding_ref(pos, q2, k2, cache, rotary_dim, interleaved)
+            style = "glm partial" if interleaved else "neox"
+            compare(f"rotary {style} q", q, q2, dtype)
+            compare(f"rotary {style} k", k, k2, dtype)
+        k, v = randn(300, 8, 128, dtype=dtype), randn(300, 8, 128, dtype=dtype)
+        slots = torch.randperm(64 * 16, device=DEV)[:300]
+        slots[::7] = -1
+        caches = [randn(64, 16, 8, 128, dtype=dtype) for _ in range(2)]
+        copies = [c.clone() for c in caches]
+        kv_cache.store_kv(k, v, *caches, slots)
+        kv_cache.store_kv_ref(k, v, *copies, slots)
+        compare("store_kv (slot -1 skipped)", torch.stack(caches), torch.stack(copies), dtype)
+        cases = {
+            "prefill": ([1, 17, 300, 129], [1, 17, 300, 129], {}),
+            "chunked prefill over a prefix": ([9, 200, 1], [400, 1000, 33], {}),
+            "decode, split-KV": ([1] * 9, [1, 15, 16, 17, 100, 1000, 2048, 3000, 5000], {}),
+            "decode, 1 split": ([1] * 5, [1, 17, 100, 1000, 3000], {"num_splits": 1}),
+            "decode, 32 fixed splits": ([1] * 4, [1, 40, 700, 3000], {"num_splits": 32}),
+            "mixed batch": ([1, 300, 40, 1], [1000, 300, 700, 17], {}),
+        }
+        for (hq, hk, head_dim), (case, (q_lens, seq_lens, kw)) in itertools.product(
+            [(32, 8, 128), (12, 4, 64), (16, 16, 128)], cases.items()
+        ):
+            batch = PagedBatch(q_lens, seq_lens, hq, hk, head_dim, dtype, poison=True)
+            compare(f"attention {case} {hq}/{hk} d{head_dim}",
+                    batch.call(attention.paged_attention, **kw),
+                    batch.call(attention.paged_attention_ref), dtype)
+
+
+# ----------------------------------------------------------------------------- ceilings
+
+
+def measure_ceilings() -> None:
+    src = torch.empty(2**29, device=DEV, dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    CEILING["GB/s"] = 2 * src.numel() * 2 / ms / 1e6
+    a, b = randn(8192, 8192), randn(8192, 8192)
+    ms = bench_ms(lambda: a @ b)
+    CEILING["TFLOP/s"] = 2 * 8192**3 / ms / 1e9
+    print(f"ceilings: copy {CEILING['GB/s']:.0f} GB/s (read + write), "
+          f"bf16 matmul {CEILING['TFLOP/s']:.0f} TFLOP/s")
+
+
+# ----------------------------------------------------------------------------- timings
+
+
+def time_elementwise() -> None:
+    print("timings: elementwise (bf16)")
+    T, H = 8192, 4096
+    x, w, res = randn(T, H), randn(H), randn(T, H)
+    shape = f"{T}x{H}"
+    record("rms_norm", shape, "triton", lambda: norm.rms_norm(x, w, 1e-6), bytes_moved=4 * T * H)
+    record("rms_norm", shape, "torch reference", lambda: norm.rms_norm_ref(x, w, 1e-6),
+           bytes_moved=4 * T * H)
+    record("rms_norm", shape, "F.rms_norm", lambda: F.rms_norm(x, (H,), w, 1e-6),
+           bytes_moved=4 * T * H)
+    record("add+rms_norm", shape, "triton", lambda: norm.rms_norm(x, w, 1e-6, res),
+           bytes_moved=8 * T * H)
+    record("add+rms_norm", shape, "torch reference", lambda: norm.rms_norm_ref(x, w, 1e-6, res),
+           bytes_moved=8 * T * H)
+
+    T, inter = 4096, 14336
+    y = randn(T, 2 * inter)
+    moved, shape = 2 * 3 * T * inter, f"{T}x{2 * inter}"
+    record("silu_and_mul", shape, "triton", lambda: activation.silu_and_mul(y), bytes_moved=moved)
+    record("silu_and_mul", shape, "torch reference", lambda: activation.silu_and_mul_ref(y),
+           bytes_moved=moved)
+    record("silu_and_mul", shape, "torch eager bf16",
+           lambda: F.silu(y[:, :inter]) * y[:, inter:], bytes_moved=moved)
+
+    T, D = 8192, 128
+    cache = rotary.build_cos_sin_cache(D, 8192, 500000.0, device=DEV)
+    pos = torch.randint(0, 8192, (T,), device=DEV)
+    qkv = randn(T, 48 * D)
+    q, k, _ = qkv.split([32 * D, 8 * D, 8 * D], dim=-1)
+    q, k = q.view(T, 32, D), k.view(T, 8, D)
+    moved, shape = 2 * 2 * T * 40 * D + 4 * T * D, f"T{T} 32/8 heads d{D}"
+    record("rotary (neox)", shape, "triton",
+           lambda: rotary.rotary_embedding(pos, q, k, cache, D), bytes_moved=moved)
+    record("rotary (neox)", shape, "torch reference",
+           lambda: rotary.rotary_embedding_ref(pos, q, k, cache, D), bytes_moved=moved)
+
+    T = 16384
+    kv = randn(T, 16 * D)
+    k, v = kv[:, : 8 * D].view(T, 8, D), kv[:, 8 * D:].view(T, 8, D)
+    caches = [randn(T // 16 + 64, 16, 8, D) for _ in range(2)]
+    slots = torch.randperm(len(caches[0]) * 16, device=DEV)[:T]
+    moved, shape = 2 * 2 * 2 * T * 8 * D, f"T{T} 8 heads d{D}"
+    record("store_kv", shape, "triton", lambda: kv_cache.store_kv(k, v, *caches, slots),
+           bytes_moved=moved)
+    record("store_kv", shape, "torch reference",
+           lambda: kv_cache.store_kv_ref(k, v, *caches, slots), bytes_moved=moved)
+
+
+def sdpa(q, k, v, backend, **kwargs):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def time_decode() -> None:
+    print("timings: decode attention (bf16, 32 query / 8 KV heads, d128, block 16)")
+    for batch_size, ctx in ((64, 1024), (64, 2048), (64, 8192), (256, 1024), (256, 2048)):
+        batch = PagedBatch([1] * batch_size, [ctx] * batch_size, 32, 8, 128, torch.bfloat16)
+        splits = decode_num_splits(batch_size, 8, ctx, num_sms(torch.cuda.current_device()))
+        shape = f"B{batch_size} ctx{ctx}"
+        record("decode paged", shape, f"triton ({splits} splits)",
+               lambda b=batch: b.call(attention.paged_attention), bytes_moved=batch.kv_bytes())
+        if (batch_size, ctx) in ((64, 2048), (256, 1024)):
+            q = randn(batch_size, 32, 1, 128)
+            k, v = randn(batch_size, 8, ctx, 128), randn(batch_size, 8, ctx, 128)
+            for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+                record("decode dense", shape, f"SDPA {backend.split('_')[0].lower()}",
+                       lambda q=q, k=k, v=v, be=backend: sdpa(q, k, v, be, enable_gqa=True),
+                       bytes_moved=batch.kv_bytes())
+        if (batch_size, ctx) == (64, 2048):
+            record("decode paged", shape, "torch reference",
+                   lambda b=batch: b.call(attention.paged_attention_ref),
+                   bytes_moved=batch.kv_bytes())
+
+
+def time_prefill() -> None:
+    print("timings: prefill attention (bf16, causal, d128, block 16)")
+    for (batch_size, new, prefix), num_kv_heads in itertools.product(
+        ((4, 2048, 0), (1, 8192, 0), (4, 512, 1536)), (32, 8)
+    ):
+        seq = prefix + new
+        batch = PagedBatch([new] * batch_size, [seq] * batch_size, 32, num_kv_heads, 128,
+                           torch.bfloat16)
+        # causal FLOPs: QK^T and PV over the visible keys, 2 * 2 * D per (query, key) pair
+        flops = 4 * batch_size * 32 * 128 * (new * prefix + new * new / 2)
+        shape = f"B{batch_size} L{new}" + (f" +{prefix} cached" if prefix else "") + (
+            f" {32}/{num_kv_heads}")
+        record("prefill paged", shape, "triton", lambda b=batch: b.call(attention.paged_attention),
+               flops=flops)
+        if (batch_size, new, num_kv_heads) == (4, 2048, 32):
+            record("prefill paged", shape, "torch reference",
+                   lambda b=batch: b.call(attention.paged_attention_ref), flops=flops)
+        if prefix == 0 and num_kv_heads == 32:
+            q, k, v = (randn(batch_size, 32, new, 128) for _ in range(3))
+            for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+                record("prefill dense", shape, f"SDPA {backend.split('_')[0].lower()}",
+                       lambda q=q, k=k, v=v, be=backend: sdpa(q, k, v, be, is_causal=True),
+                       flops=flops)
+
+
+# ----------------------------------------------------------------------------- AWQ (--awq)
+# Owned with tinypaged/kernels/awq.py: extend here (shapes, GEMM tile sweeps) as that kernel grows.
+
+
+def time_awq() -> None:
+    try:
+        from tinypaged.kernels import awq
+    except ImportError as e:
+        print(f"awq: not importable ({e}); skipped")
+        return
+    print("awq int4: correctness, then timings (fp16, group 128, K 4096, N 14336)")
+    K, N, group = 4096, 14336, 128
+    qweight = torch.randint(-2**31, 2**31 - 1, (K, N // 8), device=DEV, dtype=torch.int32)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (K // group, N // 8), device=DEV, dtype=torch.int32)
+    scales = (torch.rand(K // group, N, device=DEV) * 0.01).half()
+    for m in (1, 16, 64, 300):
+        x = randn(m, K, dtype=torch.float16)
+        compare(f"awq_gemm M={m}", awq.awq_gemm(x, qweight, qzeros, scales, group),
+                awq.awq_gemm_reference(x, qweight, qzeros, scales, group), torch.float16,
+                tol=1e-2)  # M >= 256 rounds the dequantized weight to fp16 before cuBLAS
+    dense = randn(N, K, dtype=torch.float16)
+    packed_bytes = K * N // 2 + (K // group) * N * 2 + (K // group) * N // 2
+    for m in (1, 16, 64, 2048):
+        x = randn(m, K, dtype=torch.float16)
+        shape = f"M{m} {K}x{N}"
+        kind = {"flops": 2 * m * K * N} if m >= 256 else {"bytes_moved": packed_bytes}
+        record("awq_gemm", shape, "triton", lambda x=x: awq.awq_gemm(x, qweight, qzeros, scales,
+                                                                    group), **kind)
+        kind = {"flops": 2 * m * K * N} if m >= 256 else {"bytes_moved": 2 * K * N}
+        record("fp16 linear", shape, "F.linear (cuBLAS)", lambda x=x: F.linear(x, dense), **kind)
+
+
+# ----------------------------------------------------------------------------- tuning (--tune)
+
+
+def keep_fastest(start: int, count: int = 5) -> None:
+    """Keep only the `count` fastest of the table rows added since `start`."""
+    ROWS[start:] = sorted(ROWS[start:], key=lambda row: row[3])[:count]
+
+
+def tune_prefill() -> None:
+    print("tuning: attention tile configs (bf16, 32/8 heads, d128)")
+    start = len(ROWS)
+    prefill = PagedBatch([2048] * 4, [2048] * 4, 32, 8, 128, torch.bfloat16)
+    flops = 4 * 4 * 32 * 128 * 2048 * 2048 / 2
+    for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8),
+                                                             (2, 3)):
+        config = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+        record("prefill tune", "B4 L2048 32/8", str(config),
+               lambda c=config: prefill.call(attention.paged_attention, config=c), flops=flops)
+    keep_fastest(start)
+
+
+def tune_decode() -> None:
+    start = len(ROWS)
+    decode = PagedBatch([1] * 64, [2048] * 64, 32, 8, 128, torch.bfloat16)
+    for block_n, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3),
+                                                            (1, 2, 4)):
+        config = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+        record("decode tune", f"B64 ctx2048 {splits} splits", str(config),
+               lambda c=config, s=splits: decode.call(attention.paged_attention, config=c,
+                                                      num_splits=s),
+               bytes_moved=decode.kv_bytes())
+    keep_fastest(start)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def print_table() -> None:
+    print(f"\n| kernel | shape | impl | time (us) | achieved | % of ceiling |\n|{'---|' * 6}")
+    for op, shape, impl, us, value, unit, pct in ROWS:
+        if math.isnan(us):  # did not run
+            print(f"| {op} | {shape} | {impl} | n/a | | |")
+        else:
+            print(f"| {op} | {shape} | {impl} | {us:.1f} | {value:.0f} {unit} | {pct:.0f}% |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--awq", action="store_true", help="also check and time awq_gemm")
+    parser.add_argument("--tune", action="store_true", help="also sweep attention tile configs")
+    parser.add_argument("--keep-going", action="store_true", help="time even after a mismatch")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip()
+    except OSError:
+        commit = "?"
+    print(f"{datetime.date.today()} {torch.cuda.get_device_name()} commit {commit or '?'} "
+          f"torch {torch.__version__}")
+    check_all()
+    if FAILURES and not args.keep_going:
+        sys.exit(f"FAILED: {len(FAILURES)} kernel(s) disagree with their reference: {FAILURES}")
+    measure_ceilings()
+    time_elementwise()
+    time_decode()
+    time_prefill()
+    if args.awq:
+        time_awq()
+    if args.tune:
+        tune_prefill()
+        tune_decode()
+    print_table()
+    if FAILURES:
+        sys.exit(f"FAILED: {FAILURES}")
+
+
+if __name__ == "__main__":
+    main()
