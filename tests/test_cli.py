@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_helpers import build_tiny_model
+from test_server_helpers import build_tiny_model, free_port
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.cli import main
@@ -33,12 +32,6 @@ def tinypaged(*args: str, **kw) -> subprocess.CompletedProcess:
         timeout=kw.pop("timeout", 180),
         **kw,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

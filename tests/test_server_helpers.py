@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import re
+import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -34,6 +35,12 @@ def running_server(app):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def sse_events(raw: str) -> list:
