@@ -20,7 +20,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-shape", default="qwen3-0.6b")
     parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     args = parser.parse_args()
     cfg = SHAPES[args.model_shape]
     llm = LLM(str(shape_dir(args.model_shape)), load_format="dummy", skip_tokenizer_init=True,

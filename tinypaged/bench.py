@@ -149,29 +149,43 @@ def hf_generate_batch(path: str, cfg: dict, prompts: list[list[int]], output_len
 
 
 def latency(args) -> dict:
+    """Decode speed of `batch` concurrent requests: every step after the first token is timed."""
+    import torch
+
     from tinypaged import LLM, SamplingParams
 
     path, cfg, engine_args = _model_args(args)
     llm = LLM(path, **engine_args)
+    engine = llm.engine
+    kv_token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    prompt_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     result = {}
     for batch in args.batch_sizes:
         prompts = sample_requests(batch, args.input_len, args.input_len, cfg["vocab_size"], seed=1)
-        reqs = [{"prompt_token_ids": p} for p in prompts]
-        llm.generate(reqs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        start = time.perf_counter()
-        llm.generate(reqs, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        llm.generate(reqs, params, use_tqdm=False)
-        decode = (time.perf_counter() - start - prefill) / (args.output_len - 1)
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"lat-{batch}-{i}", {"prompt_token_ids": p}, params)
+        while engine.scheduler.num_waiting or any(
+            not s.output_token_ids for r in engine.requests.values() for s in r.seqs
+        ):
+            engine.step()  # prefill until every sequence has its first token
+        torch.cuda.synchronize()
+        steps, start, outs = 0, time.perf_counter(), []
+        while engine.has_unfinished_requests():
+            outs += engine.step(finished_only=True)
+            steps += 1
+        torch.cuda.synchronize()
+        per_step = (time.perf_counter() - start) / steps
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        if generated != batch * args.output_len:
+            raise RuntimeError(f"expected {batch * args.output_len} tokens, got {generated}")
         ctx = args.input_len + args.output_len / 2
-        gbs = (weights + batch * ctx * prompt_bytes) / decode / 1e9
-        result[batch] = {"tok_s_per_seq": 1 / decode, "GB_s": gbs}
-        print(f"batch {batch}: {1 / decode:,.1f} tok/s per sequence, {batch / decode:,.0f} tok/s "
-              f"total, {gbs:,.0f} GB/s (weights + KV per step)")
+        gbs = (weights + batch * ctx * kv_token_bytes) / per_step / 1e9
+        result[batch] = {"tok_s_per_seq": 1 / per_step, "GB_s": gbs, "steps": steps}
+        print(f"batch {batch}: {1 / per_step:,.1f} tok/s per sequence, {batch / per_step:,.0f} "
+              f"tok/s total over {steps} decode steps, {gbs:,.0f} GB/s (weights + KV per step)")
     return result
 
 
