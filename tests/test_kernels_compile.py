@@ -1,0 +1,86 @@
+"""Every kernel, through its real launcher, compiles for the H200 (sm_90) on this CPU machine.
+
+The interpreter accepts programs the GPU compiler rejects (layouts, dot shapes, shared memory),
+so a child process builds the kernels as GPU kernels, swaps in a driver that only names the
+target, and turns each launch into a compile (`warmup`): Triton's own ptxas must accept the
+code and its shared memory must fit the H200's 227 KiB. Uses Triton 3.6 internals (driver
+config, JITFunction.run), the version the CPU constraints pin.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+CHILD = r"""
+import torch
+torch.cuda.is_available = lambda: True  # tinypaged.kernels then builds GPU kernels
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+
+class CompileOnlyDriver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+driver.set_active(CompileOnlyDriver())
+compiled = []
+launch = JITFunction.run
+
+
+def compile_only(self, *args, grid, warmup, **kwargs):
+    kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+    assert kernel.metadata.shared <= 227 * 1024, (self.__name__, kernel.metadata.shared)
+    compiled.append(self.__name__)
+
+
+JITFunction.run = compile_only
+
+from tinypaged.kernels import activation, attention, kv_cache, norm, rotary
+
+for dtype in (torch.bfloat16, torch.float16):
+    x = torch.randn(4, 4096).to(dtype)
+    norm.rms_norm_triton(x, torch.randn(4096).to(dtype), 1e-6, x.clone())
+    activation.silu_and_mul_triton(torch.randn(4, 2 * 14336).to(dtype))
+    q, k = torch.randn(4, 32, 128).to(dtype), torch.randn(4, 8, 128).to(dtype)
+    for rotary_dim, interleaved in ((128, False), (64, True)):
+        cache = rotary.build_cos_sin_cache(rotary_dim, 8, 10000.0)
+        rotary.rotary_embedding_triton(torch.arange(4), q, k, cache, rotary_dim, interleaved)
+    for num_q_heads, num_kv_heads, head_dim in ((32, 8, 128), (9, 3, 64)):
+        q = torch.randn(4, num_q_heads, head_dim).to(dtype)
+        k_cache = torch.randn(8, 16, num_kv_heads, head_dim).to(dtype)
+        kv_cache.store_kv_triton(q[:, :num_kv_heads], q[:, :num_kv_heads], k_cache,
+                                 k_cache.clone(), torch.arange(4))
+        args = (q, k_cache, k_cache.clone(), torch.zeros(2, 4, dtype=torch.int32),
+                torch.tensor([40, 9], dtype=torch.int32))
+        for max_query_len in (3, 40, 2048):  # the three default query tiles
+            attention.paged_attention_triton(
+                *args, torch.tensor([0, 3, 4], dtype=torch.int32), 0.1,
+                max_query_len=max_query_len, max_seq_len=40)
+        for num_splits in (1, 4):
+            attention.paged_attention_triton(
+                *args, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1,
+                max_seq_len=40, num_splits=num_splits)
+print(" ".join(sorted(set(compiled))))
+"""
+
+
+def test_every_launcher_compiles_for_sm90():
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", CHILD], cwd=repo, capture_output=True,
+                            text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == sorted([
+        "_decode_merge_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_rotary_kernel",
+        "_silu_and_mul_kernel", "_store_kv_kernel", "_varlen_attention_kernel",
+    ])
