@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -265,3 +266,26 @@ def test_queue_full_503_with_retry_after():
 
         asyncio.run(go())
         assert not engine.live
+
+
+def test_shutdown_aborts_requests_still_running_after_the_grace_period():
+    engine = FakeEngine()
+    results: list = []
+
+    def client(url: str) -> None:
+        try:
+            body = {"prompt": "SLOW", "max_tokens": 50, "stream": True}
+            results.append(httpx.post(url + "/v1/completions", json=body, timeout=30).text)
+        except httpx.HTTPError as exc:
+            results.append(exc)
+
+    started = time.monotonic()
+    with running_server(build_app(engine), graceful_s=0.5) as url:
+        thread = threading.Thread(target=client, args=(url,))
+        thread.start()
+        wait_until(lambda: len(engine.live) == 1)
+    # Leaving the block stops the server: 0.5 s of grace, then the stream is cut and aborted.
+    thread.join(timeout=10)
+    assert time.monotonic() - started < 5
+    assert not engine.live and len(engine.aborted) == 1
+    assert results  # the client saw the end of its (cut) response or the connection drop

@@ -19,9 +19,13 @@ from tinypaged.outputs import CompletionOutput, RequestOutput
 
 
 @contextlib.contextmanager
-def running_server(app):
-    """Serve `app` on 127.0.0.1 on a free port in a background thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+def running_server(app, graceful_s: float | None = None):
+    """Serve `app` on 127.0.0.1 on a free port in a background thread; yields the base URL.
+    On exit the server stops like on SIGTERM, cancelling requests after `graceful_s` seconds."""
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=graceful_s
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

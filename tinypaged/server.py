@@ -51,23 +51,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 1
-# SamplingParams fields, to name the one a ValueError from SamplingParams is about.
-_SAMPLING_FIELDS = (
-    "max_tokens",
-    "min_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "logprobs",
-    "n",
-)
 
 
 class _ClientGone(Exception):
@@ -103,6 +86,8 @@ class Generation:
                 self.trackers[i].observe(out)
                 self.finished[i] = out.finished
                 self.queue.put_nowait((i, out))
+            if not self.finished[i]:
+                raise RuntimeError(f"the engine ended request {self.engine_ids[i]} unfinished")
         except Exception as exc:  # noqa: BLE001 - the reader decides: 400, 500 or an error event
             self.queue.put_nowait((i, exc))
 
@@ -279,9 +264,9 @@ class OpenAIServer:
         try:
             return SamplingParams(**req.sampling, max_tokens=max_tokens)
         except (ValueError, TypeError) as exc:
-            text = str(exc)
-            param = next((f for f in _SAMPLING_FIELDS if f in text), None)
-            raise bad_request(param or "body", text) from None
+            text = str(exc)  # SamplingParams' messages start with the field's name
+            first = text.split(maxsplit=1)[0] if text else ""
+            raise bad_request(first if first.isidentifier() else "body", text) from None
 
     async def until_disconnect(self, request: Request, work: Awaitable) -> Any:
         """Await `work`, or raise _ClientGone as soon as the client hangs up."""
