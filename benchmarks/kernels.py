@@ -356,16 +356,17 @@ def tune_prefill() -> None:
 
 
 def tune_decode() -> None:
-    start = len(ROWS)
-    decode = PagedBatch([1] * 64, [2048] * 64, 32, 8, 128, torch.bfloat16)
-    for block_n, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3),
-                                                            (1, 2, 4)):
-        config = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
-        record("decode tune", f"B64 ctx2048 {splits} splits", str(config),
-               lambda c=config, s=splits: decode.call(attention.paged_attention, config=c,
-                                                      num_splits=s),
-               bytes_moved=decode.kv_bytes())
-    keep_fastest(start)
+    for ctx in (1024, 2048):
+        start = len(ROWS)
+        decode = PagedBatch([1] * 64, [ctx] * 64, 32, 8, 128, torch.bfloat16)
+        for block_n, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3),
+                                                                (1, 2, 4, 8)):
+            config = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+            record("decode tune", f"B64 ctx{ctx} {splits} splits", str(config),
+                   lambda c=config, s=splits, d=decode: d.call(attention.paged_attention,
+                                                               config=c, num_splits=s),
+                   bytes_moved=decode.kv_bytes())
+        keep_fastest(start)
 
 
 # ----------------------------------------------------------------------------- main
