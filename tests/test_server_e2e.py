@@ -15,7 +15,7 @@ from test_server_helpers import build_tiny_model, metric, running_server, sse_ev
 from tinypaged import LLM, AsyncLLM, SamplingParams
 from tinypaged.server import build_app
 
-ENGINE_ARGS = {"max_model_len": 256, "num_kv_blocks": 160, "max_num_seqs": 64, "dtype": "float32"}
+ENGINE_ARGS = {"max_model_len": 256, "num_kv_blocks": 400, "max_num_seqs": 64, "dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -172,12 +172,12 @@ def test_64_concurrent_streams_with_disconnects(engine, llm):
     app = build_app(engine, served_model_name="tiny")  # fresh metrics registry
     prompts = [f"Request number {i} says" + " hello" * (i % 7) for i in range(64)]
     quitters = set(range(0, 64, 4))
-    max_tokens = 12
+    max_tokens = 12  # quitters ask for 200, so they cannot be done before they hang up
 
     async def one(client: httpx.AsyncClient, i: int):
         body = {
             "prompt": prompts[i],
-            "max_tokens": max_tokens,
+            "max_tokens": 200 if i in quitters else max_tokens,
             "stream": True,
             "ignore_eos": True,
             "stream_options": {"include_usage": True},
@@ -198,7 +198,7 @@ def test_64_concurrent_streams_with_disconnects(engine, llm):
 
     with running_server(app) as url:
         results = asyncio.run(run_all(url))
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while engine.get_stats()["num_free_blocks"] != engine.get_stats()["num_total_blocks"]:
             assert time.monotonic() < deadline, engine.get_stats()
             time.sleep(0.02)
@@ -218,7 +218,7 @@ def test_64_concurrent_streams_with_disconnects(engine, llm):
     assert metric(text, "tinypaged:request_success_total", finished_reason="length") == 48
     assert metric(text, "tinypaged:request_success_total", finished_reason="abort") == 16
     generated = metric(text, "tinypaged:generation_tokens_total", **name)
-    assert 48 * max_tokens + 16 <= generated <= 64 * max_tokens
+    assert 48 * max_tokens + 16 <= generated < 48 * max_tokens + 16 * 200
     assert metric(text, "tinypaged:time_to_first_token_seconds_count", **name) == 64
     assert metric(text, "tinypaged:inter_token_latency_seconds_count", **name) == generated - 64
     assert metric(text, "tinypaged:e2e_request_latency_seconds_count", **name) == 48
