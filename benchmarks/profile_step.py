@@ -21,6 +21,8 @@ def main() -> None:
     parser.add_argument("--model-shape", default="qwen3-0.6b")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--prefill-profile", action="store_true",
+                        help="only profile the kernels of one full prefill step")
     args = parser.parse_args()
     cfg = SHAPES[args.model_shape]
     llm = LLM(str(shape_dir(args.model_shape)), load_format="dummy", skip_tokenizer_init=True,
@@ -29,6 +31,22 @@ def main() -> None:
     engine = llm.engine
     prompts = sample_requests(args.num_prompts, 100, 1024, cfg["vocab_size"])
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+
+    if args.prefill_profile:
+        batch = [{"prompt_token_ids": p[:560]} for p in prompts if len(p) >= 560]
+        batch = batch[: args.max_num_batched_tokens // 560]
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [t + 1 for t in b["prompt_token_ids"]]} for b in batch],
+                     one, use_tqdm=False)  # warm-up on other tokens: no prefix-cache hits
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            llm.generate(batch, one, use_tqdm=False)
+            torch.cuda.synchronize()
+        print(f"one prefill step of {560 * len(batch)} tokens: {time.perf_counter() - start:.3f} s")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16,
+                                        max_name_column_width=60))
+        return
 
     phases: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)

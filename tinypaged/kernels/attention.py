@@ -30,7 +30,8 @@ from tinypaged.kernels.attention_varlen import varlen_attention_triton
 
 # Tile configurations, overridable per call through `config=`. Prefill on Hopper: 128 x 64 tiles
 # and 8 warps keep the tensor cores busy; decode streams K/V in 64-key tiles with 4 warps.
-VARLEN_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
+# Tuned on the H200 (benchmarks/kernels.py --tune, 2026-11-29): B4 L2048 32/8 heads, bf16.
+VARLEN_CONFIG = {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3}
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 
 
