@@ -181,3 +181,21 @@ def test_download_and_forwarding(capsys, monkeypatch):
     monkeypatch.setattr(tinypaged.quantize, "main", lambda argv: seen.append(argv) or 0)
     assert main(["quantize", "in", "--out", "x"]) == 0
     assert seen == [["in", "--out", "x"]]
+
+
+def test_serve_reads_the_api_key_from_the_environment(model_dir, monkeypatch):
+    import uvicorn
+
+    seen = {}
+
+    def fake_run(self) -> None:  # stands in for the blocking server loop
+        seen["key"] = self.config.app.state.server.api_key
+        seen["names"] = self.config.app.state.server.model_names
+
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
+    monkeypatch.setenv("TINYPAGED_API_KEY", "from-env")
+    argv = ["serve", str(model_dir), "--served-model-name", "a", "b", *ENGINE_FLAGS]
+    assert main(argv) == 1  # the fake loop never started a server
+    assert seen == {"key": "from-env", "names": ["a", "b"]}
+    assert main([*argv, "--api-key", "from-flag"]) == 1
+    assert seen["key"] == "from-flag"

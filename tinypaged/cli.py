@@ -195,12 +195,13 @@ def serve(args: argparse.Namespace) -> int:
     # uvicorn handles SIGINT / SIGTERM itself (stop accepting, let requests finish, run the
     # app's shutdown which aborts stragglers), then re-raises the signal to the handler it found
     # installed. Installing a no-op one lets us shut the engine down and exit 0 afterwards.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: None)
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         userver.run()
     finally:
         asyncio.run(engine.shutdown())
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     logger.info("server stopped")
     return 0 if userver.started else 1
 
