@@ -241,7 +241,8 @@ class Engine:
             seqs = [it.seq for it in sampled_items]
             reqs = [self.requests[s.request_id] for s in seqs]
             # Token histories are read only by penalties and min_tokens: skip the copies.
-            hist = [r.params.uses_penalties or r.params.min_tokens > 0 for r in reqs]
+            needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0 for r in reqs}
+            hist = [needs[id(r.params)] for r in reqs]
             batch = SamplingBatch.build(
                 [r.params for r in reqs],
                 [s.prompt_token_ids if h else [] for s, h in zip(seqs, hist)],

@@ -198,6 +198,12 @@ class SamplingBatch:
         for rows with penalties or still under min_tokens, so per-step work stays O(N)."""
         device = torch.device(device)
         n = len(params)
+        first = params[0] if params else None
+        if first is not None and all(p is first for p in params) and (
+            first.is_greedy and not first.uses_penalties and first.logprobs is None
+            and first.min_tokens == 0
+        ):  # one shared greedy SamplingParams (offline batches): nothing per row to build
+            return cls(num_rows=n, all_greedy=True, num_logprobs=[None] * n)
         greedy = [p.is_greedy for p in params]
         batch = cls(num_rows=n, all_greedy=all(greedy))
         batch.num_logprobs = [p.logprobs for p in params]
