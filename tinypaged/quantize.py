@@ -1,0 +1,369 @@
+"""Offline AWQ quantization: `tinypaged quantize MODEL OUT --group-size 128`.
+
+Activation-aware weight quantization: a few input channels of a linear carry much larger
+activations than the rest, and rounding errors in the weight columns they multiply dominate the
+output error. Scaling those columns up before rounding gives them finer relative resolution, and
+dividing the input by the same factors undoes the scaling exactly in full precision:
+
+    y = x W^T = (x / s) (W * s)^T              x [T, K], W [N, K], s [K] one factor per channel
+
+The 1/s is folded into the op that produces x, so inference pays nothing: the RMSNorm weight in
+front of q/k/v and of gate/up, the rows of v_proj in front of o_proj, the rows of up_proj in front
+of down_proj. For each such group of linears sharing one input, s = mean_t |x[t, :]|^alpha with
+alpha searched on a grid in [0, 1) for the smallest output error of the quantized linears on the
+calibration activations (alpha = 0 is plain round-to-nearest, so the search can only help there).
+Under grouped-query attention one v channel feeds several o_proj input channels (one per query
+head sharing the KV head), so the o_proj factors are tied across those heads.
+
+Then round-to-nearest per group of G input channels, with zero points (AutoAWQ's convention, the
+range widened to hold 0):
+    scale = (max - min) / 15,  zero = round(-min / scale),  q = clamp(round(w / scale) + zero, 0, 15)
+
+Calibration runs the shipped text (tinypaged/data/calibration.txt) cut into blocks of
+--calib-seq-len tokens through the model one decoder layer at a time: the inputs of layer 0 are
+captured once, each layer's full-precision output feeds the next, and hooks record the inputs of
+its linears. The output directory is an AutoAWQ "GEMM" checkpoint: config.json with
+quantization_config, model.safetensors with qweight / qzeros / scales for every linear of the
+decoder layers (embeddings, norms and the LM head as they were), tokenizer and generation config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from tinypaged.kernels.awq import SUPPORTED_GROUP_SIZES, pack_awq
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_COPY_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+                  "merges.txt", "chat_template*", "generation_config.json")
+_MAX_LOSS_TOKENS = 8192  # rows of x used to score each alpha; the channel means use all rows
+
+
+# ---------------------------------------------------------------------------- round-to-nearest
+def _round_to_nearest(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None):
+    """w [N, K] -> q [N, K], zeros [N, K/G], scales [N, K/G] (fp32 holding fp16 values).
+
+    clip [N, K/G] (optional) shrinks each group's [min, max] range by that factor toward zero;
+    the weights outside it saturate at 0 or 15."""
+    N, K = w.shape
+    if K % group_size or N % 8:
+        raise ValueError(f"cannot quantize a weight of shape {list(w.shape)} with group_size="
+                         f"{group_size}: in_features must be a multiple of the group size and "
+                         f"out_features a multiple of 8")
+    groups = w.float().reshape(N, K // group_size, group_size)
+    # the range always holds 0, so the zero point lands in 0..15 and the grid covers every weight
+    # (the same as AutoAWQ's rule for the usual groups that straddle 0)
+    w_max, w_min = groups.amax(dim=-1).clamp(min=0), groups.amin(dim=-1).clamp(max=0)
+    if clip is not None:
+        w_max, w_min = w_max * clip, w_min * clip
+    # round the scales to fp16 first: the checkpoint stores fp16, and q must fit the stored scale
+    scales = ((w_max - w_min).clamp(min=1e-5) / 15).half().float()
+    zeros = (-w_min / scales).round().clamp(0, 15)
+    q = ((groups / scales[..., None]).round() + zeros[..., None]).clamp(0, 15)
+    return q.reshape(N, K), zeros, scales
+
+
+def fake_quantize(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None):
+    """The weights [N, K] as the int4 checkpoint will reproduce them (fp32)."""
+    q, zeros, scales = _round_to_nearest(w, group_size, clip)
+    N, K = w.shape
+    groups = (q.reshape(N, -1, group_size) - zeros[..., None]) * scales[..., None]
+    return groups.reshape(N, K)
+
+
+def quantize_rtn(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None):
+    """w [N, K] -> AutoAWQ tensors (qweight int32 [K, N/8], qzeros int32 [K/G, N/8],
+    scales fp16 [K/G, N])."""
+    q, zeros, scales = _round_to_nearest(w, group_size, clip)
+    qweight, qzeros = pack_awq(q.t().to(torch.int32), zeros.t().to(torch.int32))
+    return qweight, qzeros, scales.t().contiguous().half()
+
+
+# ---------------------------------------------------------------------------- scale search
+def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int,
+                  n_grid: int = 20, kv_heads: tuple[int, int, int] | None = None):
+    """Per-channel factors s [K] for linears `weights` ([N_i, K] each) reading x [T, K].
+
+    kv_heads = (num_kv_heads, queries_per_kv, head_dim) ties s across the query heads that share
+    a KV head (o_proj under GQA). Returns (s, info) with info = {alpha, error, rtn_error}: the
+    mean squared output error of the best alpha and of alpha = 0 (plain round-to-nearest)."""
+    x = x.float()
+    x_mean = x.abs().mean(dim=0)  # [K]
+    if kv_heads is not None:
+        kv, rep, d = kv_heads
+        x_mean = x_mean.view(kv, rep, d).mean(dim=1, keepdim=True).expand(kv, rep, d).reshape(-1)
+    if x.shape[0] > _MAX_LOSS_TOKENS:  # evenly spaced rows keep every calibration sample
+        x = x[torch.linspace(0, x.shape[0] - 1, _MAX_LOSS_TOKENS, device=x.device).long()]
+    weights = [w.float() for w in weights]
+    refs = [x @ w.t() for w in weights]  # [T, N_i]
+    numel = sum(r.numel() for r in refs)
+    best = (float("inf"), 0.0, torch.ones_like(x_mean))
+    rtn_error = None
+    for i in range(n_grid):
+        alpha = i / n_grid
+        s = x_mean.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()  # centre the factors around 1 (scale-free otherwise)
+        error = sum(((x / s) @ fake_quantize(w * s, group_size).t() - r).pow(2).sum().item()
+                    for w, r in zip(weights, refs)) / numel
+        rtn_error = error if i == 0 else rtn_error
+        if error < best[0]:
+            best = (error, alpha, s)
+    return best[2], {"alpha": best[1], "error": best[0], "rtn_error": rtn_error}
+
+
+def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, n_grid: int = 20,
+                max_shrink: float = 0.5) -> torch.Tensor:
+    """Per (output row, group) range factors clip [N, K/G] in [1 - max_shrink, 1] for w [N, K].
+
+    Clipping a group's few largest weights makes the step finer for all the others. Each group's
+    share of the output error, sum_t (x[t, g] . d[n, g])^2 = d[n, g]^T C_g d[n, g] with
+    d = w - fake_quantize(w) and C_g = x[:, g]^T x[:, g] [G, G], is minimized on its own."""
+    N, K = w.shape
+    xg = x.float().reshape(-1, K // group_size, group_size)  # [T, K/G, G]
+    gram = torch.einsum("tgi,tgj->gij", xg, xg)  # [K/G, G, G]
+    best_error = torch.full((N, K // group_size), float("inf"), device=w.device)
+    best = torch.ones_like(best_error)
+    for i in range(n_grid):
+        ratio = torch.full_like(best, 1 - max_shrink * i / n_grid)
+        d = (fake_quantize(w, group_size, ratio) - w).view(N, K // group_size, group_size)
+        error = (torch.einsum("ngi,gij->ngj", d, gram) * d).sum(dim=-1)  # [N, K/G]
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best = torch.where(better, ratio, best)
+    return best
+
+
+# ---------------------------------------------------------------------------- the model walk
+class _Captured(Exception):
+    """Raised by a hook to stop the forward pass once layer 0's inputs are seen."""
+
+
+def _layer0_inputs(model, input_ids: torch.Tensor):
+    """(hidden [B, L, H], kwargs) that the model passes to its first decoder layer."""
+    seen = {}
+
+    def hook(module, args, kwargs):
+        seen["hidden"] = args[0] if args else kwargs.pop("hidden_states")
+        seen["kwargs"] = kwargs
+        raise _Captured
+
+    handle = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(input_ids=input_ids, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    return seen["hidden"], seen["kwargs"]
+
+
+def _scale_groups(layer, config):
+    """(name, op in front, linears sharing its output, kv_heads tie) for one decoder layer."""
+    attn, mlp = layer.self_attn, layer.mlp
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    tie = (kv, heads // kv, head_dim) if heads != kv else None
+    return [
+        ("qkv", layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], None),
+        ("o", attn.v_proj, [attn.o_proj], tie),
+        ("gate_up", layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], None),
+        ("down", mlp.up_proj, [mlp.down_proj], None),
+    ]
+
+
+def _capture_inputs(layer, groups, hidden, kwargs):
+    """Run the layer in full precision: ({group name: its input [T, K]}, output hidden)."""
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = [linears[0].register_forward_hook(
+        lambda mod, args, out, name=name: inputs.__setitem__(name, args[0].flatten(0, -2)))
+        for name, _, linears, _ in groups]
+    try:
+        out = layer(hidden, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return inputs, out[0] if isinstance(out, tuple) else out
+
+
+def scale_layer(groups, inputs: dict, group_size: int, n_grid: int):
+    """Search and apply the AWQ factors of one layer. Folds 1/s into the norms and biases in
+    place and returns ({linear: its scaled weight, fp32}, records); `inputs` becomes what the
+    scaled linears read (x / s). Full-precision outputs are unchanged."""
+    # fp32 working copies: scaling a bf16 weight in place would round it before quantization
+    work = {m: m.weight.float().clone() for _, _, linears, _ in groups for m in linears}
+    records = []
+    for name, prev, linears, tie in groups:
+        s, info = search_scales(inputs[name], [work[m] for m in linears], group_size, n_grid, tie)
+        inputs[name] = inputs[name].float() / s
+        for m in linears:
+            work[m] *= s[None, :]
+        s_prev = s if tie is None else s.view(tie)[:, 0].reshape(-1)  # one factor per v channel
+        if isinstance(prev, torch.nn.Linear):  # the rows of v_proj / up_proj produce x
+            work[prev] /= s_prev[:, None]
+            if prev.bias is not None:
+                prev.bias.copy_(prev.bias.float() / s_prev)
+        else:  # RMSNorm: x = norm(h) * weight
+            prev.weight.copy_(prev.weight.float() / s_prev)
+        records.append({"group": name, **info})
+    return work, records
+
+
+@torch.no_grad()
+def _quantize_layer(layer, hidden, kwargs, config, group_size: int, n_grid: int, clip: bool,
+                    prefix: str):
+    """Scale, clip and quantize one decoder layer: (next hidden, checkpoint tensors, records)."""
+    groups = _scale_groups(layer, config)
+    inputs, next_hidden = _capture_inputs(layer, groups, hidden, kwargs)
+    work, records = scale_layer(groups, inputs, group_size, n_grid)
+    # like AutoAWQ, q/k stay unclipped: their errors count through the attention softmax, which
+    # the per-linear output error does not see
+    unclipped = (layer.self_attn.q_proj, layer.self_attn.k_proj)
+    tensors = {}
+    for name, _, linears, _ in groups:
+        for m in linears:
+            ratio = None if not clip or m in unclipped else search_clip(
+                inputs[name], work[m], group_size)
+            qweight, qzeros, scales = quantize_rtn(work[m], group_size, ratio)
+            path = f"{prefix}.{_module_name(layer, m)}"
+            tensors.update({f"{path}.qweight": qweight.cpu(), f"{path}.qzeros": qzeros.cpu(),
+                            f"{path}.scales": scales.cpu()})
+    return next_hidden, tensors, [{"layer": prefix, **r} for r in records]
+
+
+def _module_name(root: torch.nn.Module, module: torch.nn.Module) -> str:
+    return next(n for n, m in root.named_modules() if m is module)
+
+
+def calibration_ids(tokenizer, num_samples: int, seq_len: int) -> torch.Tensor:
+    """The shipped calibration text as [num_blocks, seq_len] token ids (fewer blocks if short)."""
+    text = resources.files("tinypaged").joinpath("data/calibration.txt").read_text("utf-8")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    num_blocks = min(num_samples, len(ids) // seq_len)
+    if num_blocks == 0:
+        raise ValueError(f"--calib-seq-len {seq_len} is longer than the calibration text "
+                         f"({len(ids)} tokens); pass a smaller --calib-seq-len")
+    return torch.tensor(ids[: num_blocks * seq_len]).view(num_blocks, seq_len)
+
+
+# ---------------------------------------------------------------------------- checkpoint
+def _check_model(config, model_dir: Path, group_size: int) -> None:
+    if getattr(config, "quantization_config", None):
+        raise ValueError(f"{model_dir} is already quantized ({config.quantization_config}); "
+                         "pass the unquantized model")
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"tinypaged quantize supports model types {SUPPORTED_MODEL_TYPES}; "
+                         f"{model_dir} is {config.model_type!r}")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    in_features = {config.hidden_size, heads * head_dim, config.intermediate_size}
+    fits = [g for g in SUPPORTED_GROUP_SIZES if all(k % g == 0 for k in in_features)]
+    if group_size not in fits:
+        raise ValueError(f"--group-size {group_size} does not divide the input sizes "
+                         f"{sorted(in_features)} of {model_dir.name}'s linears; use one of {fits}")
+
+
+def _write_checkpoint(model, tensors: dict, src_dir: Path, out_dir: Path, group_size: int):
+    from safetensors.torch import save_file
+
+    src_config = json.loads((src_dir / "config.json").read_text())
+    dtype_name = src_config.get("torch_dtype") or src_config.get("dtype")
+    dtype = getattr(torch, dtype_name) if isinstance(dtype_name, str) else model.dtype
+    embed = model.get_input_embeddings().weight
+    for name, t in model.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if f"{module}.qweight" in tensors:
+            continue  # the fp weight of a quantized linear
+        if name.startswith("lm_head.") and t.data_ptr() == embed.data_ptr():
+            continue  # tied to the embeddings: checkpoints store it once
+        tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().cpu()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    src_config["quantization_config"] = {
+        "quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+        "version": "gemm", "modules_to_not_convert": None,
+    }
+    (out_dir / "config.json").write_text(json.dumps(src_config, indent=2) + "\n")
+    for pattern in _COPY_PATTERNS:
+        for f in src_dir.glob(pattern):
+            shutil.copy2(f, out_dir / f.name)
+
+
+def quantize(model: str | Path, out: str | Path, group_size: int = 128,
+             calib_samples: int = 128, calib_seq_len: int = 512, n_grid: int = 20,
+             clip: bool = True, device: str | None = None) -> list[dict]:
+    """Write the AWQ checkpoint of `model` to `out`; returns one search record per linear group
+    ({layer, group, alpha, error, rtn_error})."""
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tinypaged.models.loader import resolve_model
+
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"--group-size {group_size} is not supported; use one of "
+                         f"{SUPPORTED_GROUP_SIZES}")
+    if n_grid < 1:
+        raise ValueError(f"--n-grid must be at least 1 (1 = plain round-to-nearest), got {n_grid}")
+    src_dir, out_dir = resolve_model(str(model)), Path(out)
+    if (out_dir / "config.json").exists():
+        raise ValueError(f"{out_dir} already holds a model (config.json); pass a new directory")
+    config = AutoConfig.from_pretrained(src_dir)
+    _check_model(config, src_dir, group_size)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # CPU matmuls are slow and inexact in half precision; on GPU keep the checkpoint's dtype
+    dtype = torch.float32 if device.type == "cpu" else "auto"
+    hf_model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(src_dir)
+    input_ids = calibration_ids(tokenizer, calib_samples, calib_seq_len).to(device)
+    print(f"tinypaged quantize: {src_dir.name}, group size {group_size}, calibrating on "
+          f"{input_ids.shape[0]} x {input_ids.shape[1]} tokens on {device}", file=sys.stderr)
+
+    with torch.no_grad():
+        hidden, kwargs = _layer0_inputs(hf_model, input_ids)
+    tensors, records = {}, []
+    layers = hf_model.model.layers
+    for i in tqdm(range(len(layers)), desc="AWQ layers", unit="layer"):
+        hidden, layer_tensors, infos = _quantize_layer(
+            layers[i], hidden, kwargs, hf_model.config, group_size, n_grid, clip,
+            f"model.layers.{i}")
+        tensors.update(layer_tensors)
+        records.extend(infos)
+    _write_checkpoint(hf_model, tensors, src_dir, out_dir, group_size)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tinypaged quantize",
+        description="Write an AutoAWQ-format int4 checkpoint of a Llama / Mistral / Qwen2 / "
+                    "Qwen3 model, with activation-aware scales found on the shipped "
+                    "calibration text.")
+    parser.add_argument("model", help="Hugging Face model directory, .gguf file or hub id")
+    parser.add_argument("out", help="directory to write the quantized checkpoint to")
+    parser.add_argument("--group-size", type=int, default=128, choices=SUPPORTED_GROUP_SIZES)
+    parser.add_argument("--calib-samples", type=int, default=128,
+                        help="calibration blocks (at most what the shipped text holds)")
+    parser.add_argument("--calib-seq-len", type=int, default=512, help="tokens per block")
+    parser.add_argument("--n-grid", type=int, default=20,
+                        help="alpha values searched per linear group; 1 = round-to-nearest only")
+    parser.add_argument("--no-clip", action="store_true",
+                        help="skip the search for per-group weight clipping ranges")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    args = parser.parse_args(argv)
+    records = quantize(args.model, args.out, args.group_size, args.calib_samples,
+                       args.calib_seq_len, args.n_grid, not args.no_clip, args.device)
+    error = sum(r["error"] for r in records)
+    rtn_error = sum(r["rtn_error"] for r in records)
+    print(f"tinypaged quantize: wrote {args.out}; summed output error of the quantized linears "
+          f"{error:.4g} vs {rtn_error:.4g} with plain round-to-nearest", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
