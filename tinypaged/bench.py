@@ -111,7 +111,7 @@ def throughput(args) -> dict:
     in_tokens = sum(map(len, prompts))
     bound = roofline_seconds(cfg, [len(p) for p in prompts], args.output_len)
     result = {
-        "requests": len(prompts), "elapsed_s": elapsed,
+        "requests": len(prompts), "elapsed_s": elapsed, "output_tokens": out_tokens,
         "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed,
         "roofline_output_tok_s": out_tokens / bound, "roofline_fraction": bound / elapsed,
     }
@@ -157,6 +157,7 @@ def latency(args) -> dict:
     path, cfg, engine_args = _model_args(args)
     llm = LLM(path, **engine_args)
     engine = llm.engine
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     kv_token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -171,12 +172,12 @@ def latency(args) -> dict:
             not s.output_token_ids for r in engine.requests.values() for s in r.seqs
         ):
             engine.step()  # prefill until every sequence has its first token
-        torch.cuda.synchronize()
+        sync()
         steps, start, outs = 0, time.perf_counter(), []
         while engine.has_unfinished_requests():
             outs += engine.step(finished_only=True)
             steps += 1
-        torch.cuda.synchronize()
+        sync()
         per_step = (time.perf_counter() - start) / steps
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
         if generated != batch * args.output_len:

@@ -1,0 +1,67 @@
+"""`tinypaged bench`: the workload recipe, the roofline arithmetic, and each mode end to end on a
+tiny model on the CPU (the speed itself is measured on the GPU, not here)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from tests.test_server_helpers import build_tiny_model, running_server
+from tinypaged import AsyncLLM
+from tinypaged.bench import SHAPES, main, roofline_seconds, sample_requests
+from tinypaged.server import build_app
+
+
+def test_requests_follow_the_recipe():
+    # ENVIRONMENT.md: Random(0); per request randint(100, 1024), then that many randrange ids.
+    rng = random.Random(0)
+    expected = []
+    for _ in range(5):
+        n = rng.randint(100, 1024)
+        expected.append([rng.randrange(1000, 151936 - 1000) for _ in range(n)])
+    assert sample_requests(5, 100, 1024, 151936) == expected
+
+
+def test_roofline_terms():
+    cfg = dict(SHAPES["llama3-8b"])
+    prefill_only = roofline_seconds(cfg, [1000], 0)
+    # 2 * params * tokens + causal attention, over 790 TFLOP/s: about 0.02 s for 1000 tokens.
+    assert 0.015 < prefill_only < 0.03
+    one_step = roofline_seconds(cfg, [1000], 1) - prefill_only
+    weight_bytes = 2 * 8.03e9  # Llama-3-8B, untied
+    kv_bytes = 1000 * 2 * 32 * 8 * 128 * 2
+    assert one_step == pytest.approx((weight_bytes + kv_bytes) / 4.2e12, rel=0.01)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench-model")
+    build_tiny_model(path)  # vocab of the default tokenizer: room for randrange(1000, V - 1000)
+    return path
+
+
+def test_throughput_and_latency_on_cpu(tiny_dir, tmp_path):
+    common = ["--model-shape", str(tiny_dir), "--dtype", "float32", "--output-len", "4",
+              "--max-model-len", "256"]
+    out = main(["throughput", *common, "--num-prompts", "6", "--min-input-len", "5",
+                "--max-input-len", "40", "--json", str(tmp_path / "t.json")])
+    assert out["requests"] == 6 and out["output_tokens"] == 24
+    assert out["output_tok_s"] > 0 and out["roofline_fraction"] > 0
+    assert json.loads((tmp_path / "t.json").read_text())["output_tokens"] == 24
+    lat = main(["latency", *common, "--input-len", "16", "--batch-sizes", "1", "2"])
+    assert set(lat) == {1, 2} and all(r["steps"] == 3 for r in lat.values())
+
+
+def test_serve_mode_against_a_server(tiny_dir):
+    engine = AsyncLLM(str(tiny_dir), dtype="float32", max_model_len=256, num_kv_blocks=200)
+    try:
+        with running_server(build_app(engine)) as url:
+            out = main(["serve", "--base-url", url, "--num-prompts", "4", "--request-rate", "50",
+                        "--input-len", "8", "--output-len", "5"])
+        assert out["requests_per_s"] > 0
+        assert out["ttft_p50_ms"] > 0 and out["tpot_p50_ms"] > 0
+    finally:
+        asyncio.run(engine.shutdown())
