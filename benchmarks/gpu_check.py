@@ -11,29 +11,16 @@ prefix, and the max |logit difference| of the first step relative to the logits'
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from tests.model_helpers import chatglm_checkpoint, tiny_hf_model
+from tests.test_engine import save_tiny
 from tinypaged import LLM, SamplingParams
 
 KINDS = ["llama", "llama3_scaling", "qwen2", "qwen3", "glm", "glm4", "chatglm"]
-
-
-def save(kind: str, path: Path):
-    hf = tiny_hf_model("glm" if kind == "chatglm" else kind, seed=3)
-    if kind == "chatglm":
-        config, weights = chatglm_checkpoint(hf)
-        (path / "config.json").write_text(json.dumps(config.to_dict()))
-        save_file({k: v.contiguous() for k, v in weights.items()}, path / "model.safetensors")
-    else:
-        hf.save_pretrained(path)
-    return hf
 
 
 @torch.no_grad()
@@ -64,7 +51,7 @@ def main() -> None:
     rows = []
     for kind in args.kinds:
         path = Path(tempfile.mkdtemp())
-        hf = save(kind, path).to("cuda", torch.bfloat16)
+        hf = save_tiny(kind, path).to("cuda", torch.bfloat16)
         llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=256,
                   enforce_eager=args.eager, max_num_seqs=16)
         params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True, logprobs=5)
