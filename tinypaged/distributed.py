@@ -1,15 +1,43 @@
-"""Tensor-parallel state. With one GPU (the default) every call here is a no-op.
+"""Tensor-parallel state and the collectives the layers and the executor use.
 
-The tensor-parallel issue fills this in (worker processes, torch.distributed); layers only ever
-ask `get_tp_rank()`, `get_tp_size()` and call `all_reduce`, so they work unchanged at size 1.
+With tensor_parallel_size N the engine runs N processes (executor.py): rank 0 is the engine's
+own process, ranks 1..N-1 are workers. Every rank holds 1/N of each sharded weight (layers.py
+cuts the slices at load time) and runs the same forward on the same batch; the partial results
+are combined with one sum over ranks:
+
+    y = sum_r x_r W_r^T          all_reduce after each row-parallel linear (o_proj, down_proj)
+                                 and after the vocab-parallel embedding and LM head
+
+The group is a `torch.distributed` process group: backend "nccl" between GPUs (one per rank),
+"gloo" on the CPU. With one rank and no group (the default) every call here is a no-op and
+nothing is imported or created, so single-GPU runs do not change at all.
+
+    init_tp(rank, world_size, backend, init_method)   join the group (every rank, once)
+    get_tp_rank(), get_tp_size()                      read by the layers when they are built
+    all_reduce(x)                                     in-place sum over ranks
+    min_over_ranks(n)                                 e.g. the KV-cache size every rank can hold
+    abort_tp(), destroy_tp()                          unblock after a failure / leave the group
+    build_as(rank, size)                              layers built as that rank, without a group
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
 import torch
+
+logger = logging.getLogger(__name__)
+
+# Long enough for a slow rank to compile its Triton kernels or capture its CUDA graphs before a
+# collective; a dead worker is noticed by the executor's liveness check long before this.
+COLLECTIVE_TIMEOUT_S = 600.0
 
 _TP_RANK = 0
 _TP_SIZE = 1
+_GROUP_DEVICE: torch.device | None = None  # where collective inputs live; None = no group
 
 
 def get_tp_rank() -> int:
@@ -20,8 +48,81 @@ def get_tp_size() -> int:
     return _TP_SIZE
 
 
+@contextmanager
+def build_as(rank: int, size: int) -> Iterator[None]:
+    """Layers built inside see tensor-parallel rank `rank` of `size` (no group, no collectives):
+    e.g. a model built on the meta device this way raises the layers' own error for heads that
+    do not split over `size` ranks, before any worker process is started."""
+    global _TP_RANK, _TP_SIZE
+    if _GROUP_DEVICE is not None:
+        raise RuntimeError("build_as() cannot be used while a process group is active")
+    saved = _TP_RANK, _TP_SIZE
+    _TP_RANK, _TP_SIZE = rank, size
+    try:
+        yield
+    finally:
+        _TP_RANK, _TP_SIZE = saved
+
+
+def init_tp(rank: int, world_size: int, backend: str, init_method: str,
+            timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+    """Join the tensor-parallel group as `rank` of `world_size` (blocks until all ranks join).
+    On CUDA, call `torch.cuda.set_device` first: NCCL binds this rank to the current device."""
+    global _TP_RANK, _TP_SIZE, _GROUP_DEVICE
+    import torch.distributed as dist
+
+    if _GROUP_DEVICE is not None or dist.is_initialized():
+        raise RuntimeError(
+            "a torch.distributed process group already exists in this process: one "
+            "tensor-parallel engine per process; call shutdown() on the previous engine first"
+        )
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' (GPUs) or 'gloo' (CPU), got {backend!r}")
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s), device_id=device,
+    )
+    _TP_RANK, _TP_SIZE = rank, world_size
+    _GROUP_DEVICE = device or torch.device("cpu")
+
+
+def destroy_tp() -> None:
+    """Leave the group (a no-op without one); the layers built so far keep their shards."""
+    global _TP_RANK, _TP_SIZE, _GROUP_DEVICE
+    import torch.distributed as dist
+
+    if _GROUP_DEVICE is None:
+        return
+    _TP_RANK, _TP_SIZE, _GROUP_DEVICE = 0, 1, None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort_tp() -> None:
+    """Best effort, from any thread: abort the NCCL communicators so that a collective waiting
+    for a dead rank returns instead of spinning forever (gloo notices a dead peer by itself)."""
+    import torch.distributed as dist
+
+    if _GROUP_DEVICE is None or _GROUP_DEVICE.type != "cuda" or not dist.is_initialized():
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception:  # experimental torch API: losing it must not hide the original failure
+        logger.warning("could not abort the NCCL process group", exc_info=True)
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the tensor-parallel group in place (identity at size 1)."""
-    if _TP_SIZE > 1:
+    """Sum `x` over the tensor-parallel group in place (identity without a group)."""
+    if _GROUP_DEVICE is not None:
         torch.distributed.all_reduce(x)
     return x
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's `value` (the value itself without a group)."""
+    if _GROUP_DEVICE is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_GROUP_DEVICE)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return int(t.item())
