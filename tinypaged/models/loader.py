@@ -9,7 +9,8 @@
   local HF cache when it is not, or when HF_HUB_OFFLINE=1).
 
 Weights stream from safetensors one tensor at a time, file by file, so peak host memory is one
-tensor, not the checkpoint; the model's `load_weights` fuses QKV / gate-up and names any missing,
+tensor, not the checkpoint (under tensor parallelism each rank reads only its slice of each
+tensor: tensor_slice.py); the model's `load_weights` fuses QKV / gate-up and names any missing,
 unexpected or mis-shaped tensor.
 
 dtype="auto" follows vLLM: the checkpoint's dtype on GPU, except that float32 checkpoints run in
@@ -232,14 +233,31 @@ def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, CPU tensor) for every tensor, read lazily one file at a time."""
+def iterate_weights(
+    model_dir: str | os.PathLike, sliced: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, CPU tensor) for every tensor, read lazily one file at a time. With
+    `sliced`, a TensorSlice instead of each tensor: the weight loader that receives it reads only
+    the part it keeps (a tensor-parallel rank's shard); use each before asking for the next."""
     from safetensors import safe_open
+
+    from tinypaged.models.tensor_slice import TensorSlice
 
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, handle.get_tensor(name)
+                if sliced:
+                    yield name, TensorSlice(handle.get_slice(name))
+                else:
+                    yield name, handle.get_tensor(name)
+
+
+def _counting_reads(weights: Iterator[tuple[str, Any]], read: list[int]):
+    """Pass `weights` through, adding to read[0] the bytes each tensor had read once used."""
+    for name, tensor in weights:
+        yield name, tensor  # resumed only after the loader is done with `tensor`
+        nbytes = getattr(tensor, "bytes_read", None)
+        read[0] += tensor.numel() * tensor.element_size() if nbytes is None else nbytes
 
 
 def _quant_config(config: EngineConfig, hf_config):
@@ -274,8 +292,12 @@ def _init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             param.data.random_(generator=generator)
 
 
-def load_model(config: EngineConfig, device: str | torch.device | None = None):
-    """-> (model, hf_config, model_dir): the model built on `device` with its weights loaded."""
+def load_model(config: EngineConfig, device: str | torch.device | None = None,
+               read_stats: dict | None = None):
+    """-> (model, hf_config, model_dir): the model built on `device` with its weights loaded.
+    Under tensor parallelism each rank reads only its slices of the checkpoint; `read_stats`, if
+    given, receives `bytes_read` (of this rank) and `bytes_total` (the checkpoint's tensors)."""
+    from tinypaged.distributed import get_tp_size
     from tinypaged.models.registry import get_model_class
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -297,6 +319,13 @@ def load_model(config: EngineConfig, device: str | torch.device | None = None):
         if getattr(config, "load_format", "auto") == "dummy":
             _init_dummy_weights(model, config.seed)
         else:
-            model.load_weights(iterate_weights(model_dir))
+            sliced = get_tp_size() > 1  # each rank reads only its part of each tensor
+            read = [0]
+            model.load_weights(_counting_reads(iterate_weights(model_dir, sliced), read))
+            if read_stats is not None:
+                read_stats["bytes_read"] = read[0]
+                read_stats["bytes_total"] = sum(
+                    f.stat().st_size for f in safetensors_files(model_dir)
+                )
     model.eval()
     return model, hf_config, model_dir
