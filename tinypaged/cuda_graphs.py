@@ -104,6 +104,25 @@ class DecodeGraphs:
         stage[1, :b] = pos
         stage[2, :b] = stage[4 + pos // block_size, np.arange(b)] * block_size + pos % block_size
         stage[3, :b] = pos + 1
+        return self._replay(b, bs)
+
+    def run_step(self, step) -> torch.Tensor:
+        """Replay for a decode batch given as a runner StepInput (tensor-parallel ranks all get
+        the same arrays); returns logits [B, vocab]."""
+        b = len(step.seq_lens)
+        bs = self.buckets[bisect.bisect_left(self.buckets, b)]
+        stage = self.staging_np
+        stage[0, :b] = step.input_ids
+        stage[1, :b] = step.positions
+        stage[2, :b] = step.slot_mapping
+        stage[3, :b] = step.seq_lens
+        stage[4 : 4 + step.block_tables.shape[1], :b] = step.block_tables.T
+        self.row_keys[:b] = [None] * b  # these rows no longer hold what run()'s keys describe
+        return self._replay(b, bs)
+
+    def _replay(self, b: int, bs: int) -> torch.Tensor:
+        """Pad rows b..bs-1, copy the staged inputs in one transfer, replay bucket bs."""
+        stage = self.staging_np
         stage[0:2, b:bs] = 0
         stage[2, b:bs] = -1  # padding rows store nothing and attend to one (ignored) key
         stage[3, b:bs] = 1

@@ -12,6 +12,10 @@ builds, on the CPU and without per-token Python loops:
 and copies them to the device in one pinned, non-blocking transfer. Pure-decode batches replay a
 CUDA graph captured for the nearest batch-size bucket (see `cuda_graphs.py`).
 
+Under tensor parallelism every rank has its own ModelRunner (its shard, the KV cache of its heads,
+its graphs); rank 0 builds each step's arrays once (`build_step` -> StepInput) and every rank
+runs them (`execute_step`), so all ranks see the same block tables (executor.py).
+
 The KV cache is allocated once: on the GPU from `gpu_memory_utilization` after a profiling forward
 pass at the largest batch, on the CPU from `cpu_kv_cache_space` GiB, or `num_kv_blocks` if given.
 """
@@ -19,12 +23,13 @@ pass at the largest batch, on the CPU from `cpu_kv_cache_space` GiB, or `num_kv_
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Sequence as Seq
 
 import numpy as np
 import torch
 
+from tinypaged import distributed
 from tinypaged.config import EngineConfig
 from tinypaged.models.batch import AttentionMetadata
 from tinypaged.models.layers import Attention
@@ -39,6 +44,21 @@ class ScheduledSeq:
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list[int]
+
+
+@dataclass
+class StepInput:
+    """One step's flat batch as host arrays (B sequences, T new tokens, S sampled rows)."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    query_start_loc: np.ndarray  # int32 [B + 1]
+    seq_lens: np.ndarray  # int32 [B]
+    block_tables: np.ndarray  # int32 [B, max_blocks]
+    logits_indices: np.ndarray  # int64 [S]
+    max_query_len: int
+    max_seq_len: int
 
 
 @dataclass
@@ -139,7 +159,8 @@ class ModelRunner:
         return num_blocks * self._block_bytes()
 
     def _allocate_kv_cache(self) -> KVCacheInfo:
-        num_blocks = self._num_blocks()
+        # Tensor-parallel ranks share the block tables: every rank takes the smallest cache.
+        num_blocks = distributed.min_over_ranks(self._num_blocks())
         nbytes = self._set_caches(num_blocks)
         return KVCacheInfo(num_blocks, self.block_size, nbytes, self.dtype, self.device)
 
@@ -149,6 +170,12 @@ class ModelRunner:
         self, seqs: Seq[ScheduledSeq], num_new_tokens: Seq[int], do_sample: Seq[bool]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the batch; returns (input_ids, positions, attn_metadata, logits_indices)."""
+        return self._device_inputs(self.build_step(seqs, num_new_tokens, do_sample))
+
+    def build_step(
+        self, seqs: Seq[ScheduledSeq], num_new_tokens: Seq[int], do_sample: Seq[bool]
+    ) -> StepInput:
+        """The flat batch as host arrays, without per-token Python loops."""
         bs = self.block_size
         q_lens = np.asarray(num_new_tokens, dtype=np.int64)  # [B]
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))  # [B]
@@ -170,17 +197,24 @@ class ModelRunner:
             block_tables[i, :n] = s.block_table[:n]
         slot_mapping = block_tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
         logits_indices = (cu[1:] - 1)[np.asarray(do_sample, dtype=bool)]
+        return StepInput(
+            input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
+            block_tables, logits_indices, int(q_lens.max()), int(seq_lens.max()),
+        )
 
+    def _device_inputs(
+        self, step: StepInput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         to = self._to_device
         md = AttentionMetadata(
-            slot_mapping=to(slot_mapping),
-            query_start_loc=to(cu.astype(np.int32)),
-            seq_lens=to(seq_lens.astype(np.int32)),
-            block_tables=to(block_tables),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
+            slot_mapping=to(step.slot_mapping),
+            query_start_loc=to(step.query_start_loc),
+            seq_lens=to(step.seq_lens),
+            block_tables=to(step.block_tables),
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
         )
-        return to(input_ids), to(positions), md, to(logits_indices)
+        return to(step.input_ids), to(step.positions), md, to(step.logits_indices)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(array)
@@ -199,5 +233,16 @@ class ModelRunner:
             logits = self.graphs.run(seqs)
             return logits[np.flatnonzero(np.asarray(do_sample, dtype=bool))]
         input_ids, positions, md, logits_indices = self.prepare(seqs, num_new_tokens, do_sample)
+        hidden = self.model(input_ids, positions, md)  # [T, hidden]
+        return self.model.compute_logits(hidden[logits_indices])
+
+    @torch.inference_mode()
+    def execute_step(self, step: StepInput) -> torch.Tensor:
+        """Run one step given as arrays (the tensor-parallel path: the same on every rank);
+        returns float32 logits [S, vocab] of the rows in `step.logits_indices`."""
+        num_seqs = len(step.seq_lens)
+        if self.graphs is not None and step.max_query_len == 1 and self.graphs.fits(num_seqs):
+            return self.graphs.run_step(step)[step.logits_indices]
+        input_ids, positions, md, logits_indices = self._device_inputs(step)
         hidden = self.model(input_ids, positions, md)  # [T, hidden]
         return self.model.compute_logits(hidden[logits_indices])
