@@ -42,6 +42,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
+        self._fatal: BaseException | None = None  # why the loop stopped by itself
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._loop, name="tinypaged-engine", daemon=True)
         self._thread.start()
@@ -75,7 +76,8 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs of one request as tokens arrive; the last has finished=True."""
         if not self.is_running:
-            raise RuntimeError("the engine is not running")
+            why = f": {self._fatal}" if self._fatal is not None else ""
+            raise RuntimeError(f"the engine is not running{why}")
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
@@ -112,10 +114,12 @@ class AsyncLLM:
             self.engine.abort_request(request_id)
 
     async def shutdown(self) -> None:
-        """Stop the loop; every unfinished stream ends with an error."""
+        """Stop the loop and the engine's worker processes; every unfinished stream ends with an
+        error."""
         self._stopped = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.engine.shutdown()
 
     # ------------------------------------------------------------------ engine thread
 
@@ -144,13 +148,15 @@ class AsyncLLM:
                     logger.exception("engine step failed; failing the requests in that step")
                     for request_id in self.engine.fail_running(exc):
                         self._deliver(request_id, exc)
+                    if self.engine.is_dead:  # a tensor-parallel rank is gone: stop for good
+                        self._fatal, self._stopped = exc, True
                     continue
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 for request_id, exc in self.engine.pop_request_errors():
                     self._deliver(request_id, exc)
         with self._lock:
-            error = RuntimeError("the engine was shut down")
+            error = self._fatal or RuntimeError("the engine was shut down")
             for request_id in list(self._streams):
                 self.engine.abort_request(request_id)
                 self._deliver(request_id, error)

@@ -22,8 +22,8 @@ from typing import Any, Union
 import torch
 
 from tinypaged.config import EngineConfig
+from tinypaged.executor import create_executor
 from tinypaged.outputs import CompletionOutput, RequestOutput
-from tinypaged.runner import ModelRunner
 from tinypaged.sampling import Sampler, SamplingBatch, SamplingParams, new_generator
 from tinypaged.scheduler import Scheduler, Sequence
 
@@ -76,13 +76,21 @@ class _Request:
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        from tinypaged.models.loader import load_model
-
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        model, hf_config, model_dir = load_model(config, self.device)
+        # The model on every tensor-parallel rank (worker processes when tensor_parallel_size > 1).
+        self.executor = create_executor(config, self.device)
+        try:
+            self._init(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _init(self, config: EngineConfig) -> None:
+        ex = self.executor
+        model, hf_config, model_dir = ex.model, ex.hf_config, ex.model_dir
         self.hf_config = hf_config
         self.model_dir = model_dir
         self.model_name = config.model or "SmolLM2-135M-Instruct"
@@ -101,7 +109,7 @@ class Engine:
         self.vocab_size = model.vocab_size if hasattr(model, "vocab_size") else self.vocab_size
 
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, model, self.device, self.dtype)
+        self.runner = ex.init_runner()
         self.scheduler = Scheduler(config, self.runner.kv_cache_info.num_blocks)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, _Request] = {}
@@ -134,6 +142,15 @@ class Engine:
     @property
     def kv_cache_info(self) -> dict:
         return self.runner.kv_cache_info.as_dict()
+
+    @property
+    def is_dead(self) -> bool:
+        """True once a tensor-parallel rank failed: no later step can run."""
+        return self.executor.failure is not None
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also at garbage collection)."""
+        self.executor.shutdown()
 
     # ------------------------------------------------------------------ requests
 
@@ -232,7 +249,7 @@ class Engine:
             return []
         items = out.scheduled
         sampled_items = [it for it in items if it.sample]
-        logits = self.runner.execute(
+        logits = self.executor.execute(
             [it.seq for it in items], [it.num_new_tokens for it in items], [it.sample for it in items]
         )
         tokens: dict[int, int] = {}
