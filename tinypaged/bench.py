@@ -91,7 +91,8 @@ def _model_args(args) -> tuple[str, dict, dict]:
     engine = dict(
         dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization, **extra,
+        gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size, **extra,
     )
     return path, cfg, engine
 
@@ -109,15 +110,20 @@ def throughput(args) -> dict:
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(map(len, prompts))
-    bound = roofline_seconds(cfg, [len(p) for p in prompts], args.output_len)
+    llm.shutdown()  # tensor-parallel workers free their GPUs now
+    # N GPUs at best split every FLOP and every byte N ways.
+    gpus = args.tensor_parallel_size
+    bound = roofline_seconds(cfg, [len(p) for p in prompts], args.output_len) / gpus
     result = {
-        "requests": len(prompts), "elapsed_s": elapsed, "output_tokens": out_tokens,
+        "requests": len(prompts), "tensor_parallel_size": gpus, "elapsed_s": elapsed,
+        "output_tokens": out_tokens,
         "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed,
         "roofline_output_tok_s": out_tokens / bound, "roofline_fraction": bound / elapsed,
     }
     print(f"tinypaged: {result['output_tok_s']:,.0f} output tok/s, {result['total_tok_s']:,.0f} "
           f"total tok/s in {elapsed:.2f} s; roofline bound {result['roofline_output_tok_s']:,.0f} "
-          f"output tok/s ({100 * result['roofline_fraction']:.1f}% of it)")
+          f"output tok/s ({100 * result['roofline_fraction']:.1f}% of it"
+          f"{f' for {gpus} GPUs' if gpus > 1 else ''})")
     if args.baseline == "hf":
         del llm
         result["hf_output_tok_s"] = hf_generate_batch(path, cfg, prompts, args.output_len)
@@ -159,7 +165,10 @@ def latency(args) -> dict:
     engine = llm.engine
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     kv_token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    # Rank 0 holds 1/N of the weights (the few replicated norms are noise at this scale).
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    weights *= args.tensor_parallel_size
+    gpus = f", all {args.tensor_parallel_size} GPUs" if args.tensor_parallel_size > 1 else ""
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     result = {}
     for batch in args.batch_sizes:
@@ -186,7 +195,9 @@ def latency(args) -> dict:
         gbs = (weights + batch * ctx * kv_token_bytes) / per_step / 1e9
         result[batch] = {"tok_s_per_seq": 1 / per_step, "GB_s": gbs, "steps": steps}
         print(f"batch {batch}: {1 / per_step:,.1f} tok/s per sequence, {batch / per_step:,.0f} "
-              f"tok/s total over {steps} decode steps, {gbs:,.0f} GB/s (weights + KV per step)")
+              f"tok/s total over {steps} decode steps, {gbs:,.0f} GB/s (weights + KV per step"
+              f"{gpus})")
+    llm.shutdown()
     return result
 
 
@@ -254,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--quantization", default=None)
         p.add_argument("--enforce-eager", action="store_true")
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         p.add_argument("--json", help="also write the result to this file")
     tp = sub.choices["throughput"]
     tp.add_argument("--num-prompts", type=int, default=256)
