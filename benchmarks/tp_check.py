@@ -1,0 +1,174 @@
+"""Tensor-parallel correctness on GPUs: greedy tokens at TP=N against TP=1, run before timings.
+
+1. Tiny random models of every architecture (the tests' `save_tiny`), fp32 and bf16, CUDA graphs
+   on (or --eager): per TP size, prompts whose greedy tokens equal TP=1's.
+2. The Llama-3-8B shape in bf16 with random weights from a fixed seed (N(0, 0.02), norms 1),
+   written once as a sharded safetensors checkpoint so that every TP size loads the same
+   weights through the sharded loader: the first 32 greedy tokens of 4 prompts at TP=N vs TP=1.
+   bf16 sums in a different order across ranks, so random weights can put two tokens within
+   rounding of each other; at the first disagreement the TP=1 logprob margin between the two
+   tokens is printed beside the largest logprob difference seen before it: a margin about that
+   size is a near-tie, a margin far above it is a bug.
+3. --one-rank-group: TP=1 through the tensor-parallel executor (a one-rank NCCL group, so every
+   row-parallel all-reduce runs through NCCL, inside the captured CUDA graphs too) against the
+   plain engine, on the tiny models. Runs on a one-GPU machine.
+
+    PYTHONPATH=. python benchmarks/tp_check.py --tp 2 4         # needs 4 GPUs; --tp 2 on two
+    PYTHONPATH=. python benchmarks/tp_check.py --one-rank-group  # one GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+# NVLink multicast stays off (device README: it can take a shared host's GPUs down for a day).
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+from tests.test_engine import save_tiny  # noqa: E402
+from tinypaged import LLM, SamplingParams  # noqa: E402
+from tinypaged.bench import SHAPES  # noqa: E402
+
+KINDS = ["llama", "qwen2", "qwen3", "glm", "glm4", "chatglm"]  # all; the default is 3 of them
+
+
+def run(path: str, prompts: list[list[int]], steps: int, **engine) -> list:
+    """(token ids, per-step logprobs) of each prompt; the engine (and its workers) is freed."""
+    llm = LLM(path, skip_tokenizer_init=True, **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def compare(ref: list, ours: list) -> tuple[int, str]:
+    """(prompts fully equal, note on the worst first disagreement)."""
+    equal, notes = 0, []
+    for (ref_ids, ref_lp), (ids, lp) in zip(ref, ours):
+        if ids == ref_ids:
+            equal += 1
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b)
+        noise = max((abs(lp[j][t] - ref_lp[j][t]) for j in range(i) for t in [ids[j]]),
+                    default=0.0)
+        margin = ref_lp[i][ref_ids[i]] - ref_lp[i].get(ids[i], float("-inf"))
+        notes.append(f"token {i}: TP=1 margin {margin:.3f} vs max |dlogprob| {noise:.3f} before")
+    return equal, "; ".join(notes[:2])
+
+
+def tiny_checks(kinds: list[str], dtypes: list[str], tp_sizes: list[int], eager: bool,
+                one_rank_group: bool) -> list[tuple]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, 250) for _ in range(rng.randint(5, 60))] for _ in range(8)]
+    rows = []
+    for kind in kinds:
+        path = Path(tempfile.mkdtemp())
+        save_tiny(kind, path)
+        for dtype in dtypes:
+            engine = dict(dtype=dtype, num_kv_blocks=256, max_num_seqs=16, enforce_eager=eager)
+            ref = run(str(path), prompts, 16, **engine)
+            if one_rank_group:
+                import tinypaged.engine as engine_module
+                from tinypaged.executor import MultiprocExecutor, create_executor
+
+                engine_module.create_executor = MultiprocExecutor
+                try:
+                    ours = run(str(path), prompts, 16, **engine)
+                finally:
+                    engine_module.create_executor = create_executor
+                rows.append((kind, dtype, "1 (1-rank group)", *compare(ref, ours), len(prompts)))
+            for tp in tp_sizes:
+                ours = run(str(path), prompts, 16, tensor_parallel_size=tp, **engine)
+                rows.append((kind, dtype, tp, *compare(ref, ours), len(prompts)))
+        shutil.rmtree(path)
+    return rows
+
+
+def write_random_llama(path: Path, cfg: dict, seed: int = 0, device: str = "cuda") -> None:
+    """A llama checkpoint of config `cfg` with N(0, 0.02) weights (norms 1) drawn on `device`
+    from `seed`, one safetensors file per layer plus the shard index."""
+    from safetensors.torch import save_file
+
+    (path / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    vocab = cfg["vocab_size"]
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape):
+        t = torch.empty(shape, device=device, dtype=torch.bfloat16)
+        return t.normal_(0.0, 0.02, generator=gen).cpu()
+
+    files: dict[str, dict[str, torch.Tensor]] = {
+        "embed.safetensors": {"model.embed_tokens.weight": rand(vocab, h)},
+        "head.safetensors": {"lm_head.weight": rand(vocab, h),
+                             "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)},
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        files[f"layer{i:02d}.safetensors"] = {
+            p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
+            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.down_proj.weight": rand(h, inter),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        }
+    weight_map = {}
+    for name, tensors in files.items():
+        save_file(tensors, path / name)
+        weight_map.update(dict.fromkeys(tensors, name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def llama8b_checks(tp_sizes: list[int], eager: bool, steps: int = 32) -> list[tuple]:
+    path = Path(tempfile.mkdtemp(prefix="tp-check-llama8b-"))
+    try:
+        write_random_llama(path, SHAPES["llama3-8b"])
+        rng = random.Random(1)
+        prompts = [[rng.randrange(1000, 127000) for _ in range(n)] for n in (7, 60, 200, 513)]
+        engine = dict(dtype="bfloat16", num_kv_blocks=1024, max_num_seqs=16,
+                      max_model_len=2048, enforce_eager=eager)
+        ref = run(str(path), prompts, steps, **engine)
+        return [("llama3-8b shape", "bfloat16", tp, *compare(ref, run(
+            str(path), prompts, steps, tensor_parallel_size=tp, **engine)), len(prompts))
+            for tp in tp_sizes]
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, nargs="*", default=[2], help="TP sizes against TP=1")
+    parser.add_argument("--kinds", nargs="+", default=["llama", "qwen3", "glm"], choices=KINDS)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--one-rank-group", action="store_true",
+                        help="also TP=1 through a one-rank NCCL group (one GPU is enough)")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--skip-8b", action="store_true")
+    args = parser.parse_args()
+    print(f"{torch.cuda.device_count()} GPU(s); NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
+    rows = tiny_checks(args.kinds, args.dtypes, args.tp, args.eager, args.one_rank_group)
+    if args.tp and not args.skip_8b:
+        rows += llama8b_checks(args.tp, args.eager)
+    print("| model | dtype | TP | prompts equal to TP=1 | first disagreements |")
+    print("|---|---|---|---|---|")
+    for model, dtype, tp, equal, note, n in rows:
+        print(f"| {model} | {dtype} | {tp} | {equal}/{n} | {note} |")
+
+
+if __name__ == "__main__":
+    main()
