@@ -30,8 +30,9 @@ from model_helpers import single_thread, tiny_hf_model  # noqa: F401 - autouse f
 import tinypaged.engine as engine_module
 from tinypaged import LLM, SamplingParams
 from tinypaged.async_llm import AsyncLLM
-from tinypaged.executor import MultiprocExecutor, pack_step, tp_devices, unpack_step
+from tinypaged.executor import MultiprocExecutor, tp_devices
 from tinypaged.runner import StepInput
+from tinypaged.tp_worker import pack_step, unpack_step
 
 # kind -> tiny model overrides; qwen3's single KV head is fewer than the 2 ranks
 MODELS = {"llama": {}, "qwen3": {"num_key_value_heads": 1}, "glm": {}}
