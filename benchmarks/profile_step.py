@@ -23,6 +23,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--prefill-profile", action="store_true",
                         help="only profile the kernels of one full prefill step")
+    parser.add_argument("--mixed-profile", action="store_true",
+                        help="time the first steps of the workload and profile one of them")
     args = parser.parse_args()
     cfg = SHAPES[args.model_shape]
     llm = LLM(str(shape_dir(args.model_shape)), load_format="dummy", skip_tokenizer_init=True,
@@ -31,6 +33,32 @@ def main() -> None:
     engine = llm.engine
     prompts = sample_requests(args.num_prompts, 100, 1024, cfg["vocab_size"])
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+
+    if args.mixed_profile:  # the first steps of the real workload: prefill chunks + decodes
+        warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [t + 1 for t in p]} for p in prompts[:40]], warm,
+                     use_tqdm=False)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"m{i}", {"prompt_token_ids": p}, params)
+        for i in range(12):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            if i == 4:
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=acts) as prof:
+                    engine.step(finished_only=True)
+                    torch.cuda.synchronize()
+            else:
+                engine.step(finished_only=True)
+                torch.cuda.synchronize()
+            s = engine.scheduler
+            print(f"step {i}: {1000 * (time.perf_counter() - start):.1f} ms, running {s.num_running}"
+                  f", waiting {s.num_waiting}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                        max_name_column_width=50))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12,
+                                        max_name_column_width=50))
+        return
 
     if args.prefill_profile:
         batch = [{"prompt_token_ids": p[:560]} for p in prompts if len(p) >= 560]

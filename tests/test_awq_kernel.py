@@ -1,13 +1,16 @@
 """AWQ int4 packing and the Triton dequant GEMM / GEMV under the Triton interpreter."""
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: set before the import
-
 import pytest
 import torch
 
 from tinypaged.kernels import awq
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    # awq_gemm picks Triton on CPU tensors under TRITON_INTERPRET=1, read at each call; setting
+    # it only per test keeps the rest of the session (and its subprocesses) on the references.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column ORDER[i]
 

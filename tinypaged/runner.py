@@ -99,6 +99,8 @@ class ModelRunner:
         self.pin = device.type == "cuda"
         self.graphs = None  # eager while profiling; captured after the cache exists
         self.kv_cache_info = self._allocate_kv_cache()
+        if device.type == "cuda":
+            self._warm_up()
         if device.type == "cuda" and not config.enforce_eager:
             from tinypaged.cuda_graphs import DecodeGraphs
 
@@ -148,6 +150,19 @@ class ModelRunner:
         with torch.inference_mode():
             self.execute(seqs, [seq_len] * num_seqs, [True] * num_seqs)
         self._set_caches(0)
+
+    def _warm_up(self) -> None:
+        """Compile every attention variant a live batch can pick (the query tile shrinks for
+        short queries) now, so that no request waits 1-2 s for Triton in the middle of serving.
+        Runs before any sequence owns a block, so the cache rows it writes are free."""
+        layer = self.attn_layers[0]
+        group = layer.num_heads // layer.num_kv_heads
+        for q_len in sorted({1, 2, max(2, 64 // group), 128}):
+            q_len = min(q_len, self.max_model_len)
+            blocks = list(range(-(-q_len // self.block_size)))
+            if len(blocks) <= self.kv_cache_info.num_blocks:
+                self.execute([ScheduledSeq([0] * q_len, 0, blocks)], [q_len], [True])
+        torch.cuda.synchronize(self.device)
 
     def _set_caches(self, num_blocks: int) -> int:
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)

@@ -67,15 +67,21 @@ except ImportError:  # no triton wheel for this platform: references only
     tl = _NoTritonLanguage()
 
 
-def jit(fn):
-    """`triton.jit`, building interpreter kernels on CPU-only machines (see module docstring)."""
+def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
+    """`triton.jit`, building interpreter kernels on CPU-only machines (see module docstring).
+
+    do_not_specialize: integer arguments that change from step to step (sequence counts, split
+    counts, M). Triton otherwise compiles a separate variant when such a value is 1 or a multiple
+    of 16, a 1-2 s stall in the middle of serving the first time it happens."""
+    if fn is None:
+        return lambda f: jit(f, do_not_specialize=do_not_specialize)
     if not HAS_TRITON:
         return fn
     if not torch.cuda.is_available():
         from triton.runtime.interpreter import InterpretedFunction
 
         return InterpretedFunction(fn)
-    return triton.jit(fn)
+    return triton.jit(fn, do_not_specialize=list(do_not_specialize))
 
 
 def interpreting() -> bool:

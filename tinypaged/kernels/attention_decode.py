@@ -26,7 +26,7 @@ from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl
 from tinypaged.kernels.attention_varlen import attention_tile
 
 
-@jit
+@jit(do_not_specialize=('num_splits',))
 def _decode_split_kernel(
     Q, K_CACHE, V_CACHE, OUT, O_PART, LSE_PART, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -82,7 +82,7 @@ def _decode_split_kernel(
                  mask=row_valid)
 
 
-@jit
+@jit(do_not_specialize=('num_splits',))
 def _decode_merge_kernel(
     OUT, O_PART, LSE_PART, QUERY_START_LOC,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,

@@ -82,7 +82,7 @@ def _find_sequence(QUERY_START_LOC, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@jit
+@jit(do_not_specialize=('num_seqs',))
 def _varlen_attention_kernel(
     Q, K_CACHE, V_CACHE, OUT, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC,
     stride_qt, stride_qh, stride_ot, stride_oh,

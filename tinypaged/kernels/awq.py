@@ -44,7 +44,7 @@ def _unpack_int4(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
     return tl.reshape(q, (ROWS, COLS * 8))
 
 
-@jit
+@jit(do_not_specialize=('M',))
 def _awq_gemv_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, y_ptr,  # y: [M, N], fp32 when SPLIT_K > 1
     M, N, K, stride_xm, stride_ym,
@@ -99,7 +99,7 @@ def _awq_gemv_kernel(
         tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
 
 
-@jit
+@jit(do_not_specialize=('M',))
 def _awq_gemm_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym,
