@@ -5,7 +5,8 @@
   ranks) and glm, under chunked prefill and prefix caching; each rank read about half the
   checkpoint; the workers are gone after shutdown() and after garbage collection.
 - A killed worker: AsyncLLM's streams end with a RuntimeError naming the rank, the engine stops
-  (is_running False) and new requests are refused, all within a pytest timeout (no hang).
+  (is_running False) and new requests are refused, all within a pytest timeout (no hang). A
+  worker that fails in a step: LLM.generate raises its traceback, and keeps raising.
 - Clear errors before any process starts: heads that do not split, too few GPUs.
 - The rank-0 path with a 1-rank gloo group (what a one-GPU machine can run of the NCCL path).
 - The step's wire format round-trips.
@@ -28,6 +29,7 @@ import torch
 from model_helpers import single_thread, tiny_hf_model  # noqa: F401 - autouse fixture
 
 import tinypaged.engine as engine_module
+import tinypaged.executor as executor_module
 from tinypaged import LLM, SamplingParams
 from tinypaged.async_llm import AsyncLLM
 from tinypaged.executor import MultiprocExecutor, tp_devices
@@ -141,6 +143,25 @@ def test_killed_worker_fails_requests_and_stops_the_engine(model_dirs):
             await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_worker_error_reaches_the_caller_with_its_traceback(model_dirs, monkeypatch):
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **ENGINE)
+    workers = [w.process for w in llm.engine.executor.workers]
+    try:
+        # The worker cannot decode this step: it reports its error and exits; rank 0, left
+        # alone in a collective, raises the worker's error instead of gloo's.
+        monkeypatch.setattr(executor_module, "pack_step", lambda step: b"garbage!")
+        with pytest.raises(RuntimeError, match=r"(?s)worker rank 1 \(pid \d+\) exited with code "
+                                               r"1; its error:.*Traceback.*ValueError"):
+            greedy_tokens(llm, prompts())
+        assert llm.engine.is_dead
+        with pytest.raises(RuntimeError, match="worker rank 1"):  # and stays dead
+            greedy_tokens(llm, prompts())
+    finally:
+        llm.shutdown()
+    assert wait_dead(workers) == [False]
 
 
 def test_heads_that_do_not_split_fail_before_any_process_starts(model_dirs):

@@ -285,7 +285,8 @@ class MultiprocExecutor:
             torch.manual_seed(self.config.seed)
             self.runner = ModelRunner(self.config, self.model, self.device, _dtype(self.model))
             blocks = self._receive("ready")
-        except BaseException:
+        except BaseException as exc:
+            self._raise_worker_failure(exc)  # profiling and capture run collectives
             self.shutdown()
             raise
         mine = self.runner.kv_cache_info.num_blocks
@@ -307,16 +308,22 @@ class MultiprocExecutor:
             logits = self.runner.execute_step(step)
             if logits.is_cuda:  # a hung NCCL kernel surfaces here, and the watchdog frees it
                 torch.cuda.current_stream().synchronize()
-        except Exception as exc:
-            self.health.failed.wait(DEATH_GRACE_S)  # was it a worker's death?
-            self._raise_if_failed(exc)
-            # Rank 0 itself failed mid-step: the workers now wait in a collective it never
-            # joined, so the group cannot go on.
+        except BaseException as exc:
+            self._raise_worker_failure(exc)
+            # Rank 0 itself failed or was interrupted mid-step: the workers now wait in a
+            # collective it never joined, so the group cannot go on.
             self.health.fail(f"tensor-parallel rank 0 failed during a step: {exc!r}")
             self.shutdown()
             raise
         self._raise_if_failed()
         return logits
+
+    def _raise_worker_failure(self, exc: BaseException) -> None:
+        """If rank 0's error `exc` comes from a worker's death (a collective that lost its peer),
+        raise that death's description instead, chained to `exc`."""
+        if isinstance(exc, Exception):  # not for Ctrl-C
+            self.health.failed.wait(DEATH_GRACE_S)
+            self._raise_if_failed(exc)
 
     def _raise_if_failed(self, cause: BaseException | None = None) -> None:
         failure = self.failure
