@@ -307,7 +307,7 @@ class MultiprocExecutor:
                 w.conn.send_bytes(payload)
             logits = self.runner.execute_step(step)
             if logits.is_cuda:  # a hung NCCL kernel surfaces here, and the watchdog frees it
-                torch.cuda.current_stream().synchronize()
+                torch.cuda.current_stream(logits.device).synchronize()
         except BaseException as exc:
             self._raise_worker_failure(exc)
             # Rank 0 itself failed or was interrupted mid-step: the workers now wait in a
