@@ -12,9 +12,12 @@
 3. --one-rank-group: TP=1 through the tensor-parallel executor (a one-rank NCCL group, so every
    row-parallel all-reduce runs through NCCL, inside the captured CUDA graphs too) against the
    plain engine, on the tiny models. Runs on a one-GPU machine.
+4. --kill-check: SIGKILL worker rank 1 while requests decode at the largest TP size; prints how
+   long until LLM.generate raised the error naming it (the NCCL watchdog abort path). The script
+   exits with status 3 if no error came within 120 s (a hang).
 
-    PYTHONPATH=. python benchmarks/tp_check.py --tp 2 4         # needs 4 GPUs; --tp 2 on two
-    PYTHONPATH=. python benchmarks/tp_check.py --one-rank-group  # one GPU
+    PYTHONPATH=. python benchmarks/tp_check.py --tp 2 4 --kill-check   # 4 GPUs; --tp 2 on two
+    PYTHONPATH=. python benchmarks/tp_check.py --one-rank-group        # one GPU
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ import json
 import os
 import random
 import shutil
+import signal
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -150,6 +156,37 @@ def llama8b_checks(tp_sizes: list[int], eager: bool, steps: int = 32) -> list[tu
         shutil.rmtree(path, ignore_errors=True)
 
 
+def kill_check(tp: int, eager: bool) -> tuple:
+    """Kill worker rank 1 mid-decode; the error must name it within seconds, not hang."""
+    path = Path(tempfile.mkdtemp())
+    save_tiny("llama", path)
+    llm = LLM(str(path), skip_tokenizer_init=True, tensor_parallel_size=tp, num_kv_blocks=256,
+              enforce_eager=eager)
+    pid = llm.engine.executor.workers[0].process.pid
+
+    def hang() -> None:
+        print(f"| kill check | TP={tp} | HANG: no error 120 s after killing rank 1 |", flush=True)
+        os._exit(3)
+
+    guard = threading.Timer(120.0, hang)
+    guard.start()
+    threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    try:
+        for _ in range(1000):
+            llm.generate([{"prompt_token_ids": [5, 6, 7 + i]} for i in range(8)], params,
+                         use_tqdm=False)
+        note = "no error at all"
+    except RuntimeError as exc:
+        after = time.monotonic() - start - 1.0
+        note = f"RuntimeError {after:.2f} s after the kill: {str(exc).splitlines()[0]}"
+    guard.cancel()
+    llm.shutdown()
+    shutil.rmtree(path)
+    return ("kill check", "float32", tp, 0, note, 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, nargs="*", default=[2], help="TP sizes against TP=1")
@@ -159,11 +196,14 @@ def main() -> None:
                         help="also TP=1 through a one-rank NCCL group (one GPU is enough)")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--skip-8b", action="store_true")
+    parser.add_argument("--kill-check", action="store_true", help="kill a worker mid-decode")
     args = parser.parse_args()
     print(f"{torch.cuda.device_count()} GPU(s); NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
     rows = tiny_checks(args.kinds, args.dtypes, args.tp, args.eager, args.one_rank_group)
     if args.tp and not args.skip_8b:
         rows += llama8b_checks(args.tp, args.eager)
+    if args.tp and args.kill_check:
+        rows.append(kill_check(max(args.tp), args.eager))
     print("| model | dtype | TP | prompts equal to TP=1 | first disagreements |")
     print("|---|---|---|---|---|")
     for model, dtype, tp, equal, note, n in rows:
