@@ -40,6 +40,13 @@ SHAPES = {
         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
     ),
+    # Llama-3-70B: 80 layers, hidden 8192, 64/8 heads, head_dim 128, vocab 128256 (TP >= 2).
+    "llama3-70b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192,
+        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+    ),
 }
 PEAK_FLOPS = 790e12  # bf16 matmul measured on the H200
 COPY_BW = 4.2e12  # device-to-device copy, bytes read + written, measured on the H200
@@ -255,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
     sub = parser.add_subparsers(dest="mode", required=True)
     for name in ("throughput", "latency"):
         p = sub.add_parser(name)
-        p.add_argument("--model-shape", default="qwen3-0.6b", help="qwen3-0.6b | llama3-8b | PATH")
+        p.add_argument("--model-shape", default="qwen3-0.6b", help="qwen3-0.6b | llama3-8b | llama3-70b | PATH")
         p.add_argument("--dtype", default="bfloat16")
         p.add_argument("--output-len", type=int, default=256)
         p.add_argument("--max-model-len", type=int, default=2048)
