@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
     sub = parser.add_subparsers(dest="mode", required=True)
     for name in ("throughput", "latency"):
         p = sub.add_parser(name)
-        p.add_argument("--model-shape", default="qwen3-0.6b", help="qwen3-0.6b | llama3-8b | llama3-70b | PATH")
+        p.add_argument("--model-shape", default="qwen3-0.6b",
+                       help="qwen3-0.6b | llama3-8b | llama3-70b | PATH")
         p.add_argument("--dtype", default="bfloat16")
         p.add_argument("--output-len", type=int, default=256)
         p.add_argument("--max-model-len", type=int, default=2048)
