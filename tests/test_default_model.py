@@ -7,6 +7,7 @@ keep one copy across runs), else in a session temp dir.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -124,6 +125,8 @@ def fake_fetch(tmp_path, monkeypatch):
         tmp.mkdir()
         for name in ("config.json", "tokenizer.json", "model.safetensors"):
             (tmp / name).write_text("{}")
+        source = {"converter_version": gguf_module.CONVERTER_VERSION}
+        (tmp / "tinypaged_source.json").write_text(json.dumps(source))
         os.rename(tmp, out_dir)
 
     import tinypaged.models.gguf as gguf_module
@@ -152,6 +155,17 @@ def test_a_partial_directory_is_replaced(fake_fetch):
     (target / "config.json").write_text("{}")  # no weights, no tokenizer
     assert default_model.ensure_default_model() == target
     assert fake_fetch == ["download"] and (target / "model.safetensors").is_file()
+
+
+def test_an_older_converters_output_is_converted_again(fake_fetch):
+    target = default_model.default_model_dir()
+    target.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (target / name).write_text("{}")
+    (target / "tinypaged_source.json").write_text(json.dumps({"size": 1}))  # no version: old
+    assert default_model.ensure_default_model() == target
+    assert fake_fetch == ["download"]
+    assert default_model.ensure_default_model() == target and fake_fetch == ["download"]
 
 
 def test_unreachable_package_index_is_a_clear_error(tmp_path, monkeypatch):

@@ -239,6 +239,20 @@ def _generation_config(reader, config: dict[str, Any]) -> dict[str, Any]:
     return generation
 
 
+# Bump when the conversion's output changes: caches written by an older converter (e.g. one that
+# did not yet un-permute llama's Q/K rows) are then converted again instead of reused.
+CONVERTER_VERSION = 2
+
+
+def is_current_conversion(model_dir: str | os.PathLike) -> bool:
+    """True when model_dir holds a complete conversion made by this converter version."""
+    try:
+        source = json.loads((Path(model_dir) / "tinypaged_source.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return source.get("converter_version") == CONVERTER_VERSION
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Write an HF directory for `gguf_path` at `out_dir` (atomically); return `out_dir`.
 
@@ -267,7 +281,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         _write_tokenizer(gguf_path, reader, tmp)
         _write_weights(reader, config, dtype, tmp)
-        source = {"gguf_file": gguf_path.name, "size": gguf_path.stat().st_size}
+        source = {"gguf_file": gguf_path.name, "size": gguf_path.stat().st_size,
+                  "converter_version": CONVERTER_VERSION}
         (tmp / "tinypaged_source.json").write_text(json.dumps(source, indent=2))
         for file in tmp.iterdir():  # mkdtemp makes the directory private; the cache need not be
             file.chmod(0o644)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import sys
 import warnings
@@ -85,16 +86,17 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 def _converted_gguf(gguf_path: Path) -> Path:
     """The cached HF directory converted from `gguf_path`, converting it on first use."""
     from tinypaged.default_model import cache_root, file_lock
-    from tinypaged.models.gguf import convert_gguf
+    from tinypaged.models.gguf import convert_gguf, is_current_conversion
 
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
     name = f"{gguf_path.stem}-{key[:16]}"
     target = cache_root() / "gguf" / name
-    if (target / "config.json").is_file():
+    if is_current_conversion(target):
         return target
     with file_lock(name):
-        if not (target / "config.json").is_file():
+        if not is_current_conversion(target):
+            shutil.rmtree(target, ignore_errors=True)  # an older converter's output
             print(f"tinypaged: converting {gguf_path.name} once into {target}", file=sys.stderr)
             convert_gguf(gguf_path, target)
     return target
