@@ -289,3 +289,15 @@ def test_shutdown_aborts_requests_still_running_after_the_grace_period():
     assert time.monotonic() - started < 5
     assert not engine.live and len(engine.aborted) == 1
     assert results  # the client saw the end of its (cut) response or the connection drop
+
+
+def test_a_stopped_engine_answers_503():
+    engine = FakeEngine()
+    engine.is_running = False  # what AsyncLLM reports once a tensor-parallel worker has died
+    with running_server(build_app(engine)) as url:
+        r = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 2})
+        err = assert_error(r, 503, None, "engine has stopped")
+        assert err["code"] == "engine_dead"
+        r = post(url, "/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": "a"}], "stream": True})
+        assert_error(r, 503, None)

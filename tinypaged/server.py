@@ -223,6 +223,13 @@ class OpenAIServer:
         )
 
     def admit(self, num_prompts: int) -> None:
+        if not getattr(self.engine, "is_running", True):  # e.g. a tensor-parallel worker died
+            raise APIError(
+                503,
+                "the engine has stopped and cannot take requests; see the server log",
+                type="service_unavailable",
+                code="engine_dead",
+            )
         if self.max_queue is None:
             return
         capacity = self.engine.config.max_num_seqs + self.max_queue
