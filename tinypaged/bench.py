@@ -52,12 +52,20 @@ PEAK_FLOPS = 790e12  # bf16 matmul measured on the H200
 COPY_BW = 4.2e12  # device-to-device copy, bytes read + written, measured on the H200
 
 
-def shape_dir(shape: str) -> Path:
-    """A model directory holding only config.json for a named shape (used with dummy weights)."""
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+              "version": "gemm"}
+
+
+def shape_dir(shape: str, quantization: str | None = None) -> Path:
+    """A model directory holding only config.json for a named shape (used with dummy weights);
+    with quantization="awq" the config declares an AutoAWQ checkpoint (group 128)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown --model-shape {shape!r}; choose from {', '.join(SHAPES)}")
     path = Path(tempfile.mkdtemp(prefix=f"tinypaged-{shape}-"))
-    (path / "config.json").write_text(json.dumps({**SHAPES[shape], "torch_dtype": "bfloat16"}))
+    config = {**SHAPES[shape], "torch_dtype": "bfloat16"}
+    if quantization == "awq":
+        config["quantization_config"] = AWQ_CONFIG
+    (path / "config.json").write_text(json.dumps(config))
     return path
 
 
@@ -87,7 +95,8 @@ def roofline_seconds(cfg: dict, prompt_lens: list[int], output_len: int) -> floa
 
 def _model_args(args) -> tuple[str, dict, dict]:
     if args.model_shape in SHAPES:
-        path, cfg = str(shape_dir(args.model_shape)), SHAPES[args.model_shape]
+        cfg = SHAPES[args.model_shape]
+        path = str(shape_dir(args.model_shape, args.quantization))
         extra = dict(load_format="dummy", skip_tokenizer_init=True)
     else:
         path = args.model_shape
