@@ -27,11 +27,12 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
-    from tinypaged.async_llm import AsyncLLM
-    from tinypaged.config import EngineConfig
-    from tinypaged.llm import LLM
-    from tinypaged.outputs import CompletionOutput, RequestOutput
-    from tinypaged.sampling import SamplingParams
+    # For type checkers and IDEs only: at run time `__getattr__` below imports these lazily.
+    from tinypaged.async_llm import AsyncLLM  # noqa: F401
+    from tinypaged.config import EngineConfig  # noqa: F401
+    from tinypaged.llm import LLM  # noqa: F401
+    from tinypaged.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from tinypaged.sampling import SamplingParams  # noqa: F401
 
 
 def __getattr__(name: str):
