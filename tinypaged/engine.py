@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -29,7 +29,7 @@ from tinypaged.scheduler import Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
 
-PromptType = Union[str, list[int], dict[str, Any]]
+PromptType = str | list[int] | dict[str, Any]
 
 
 @dataclass
@@ -57,7 +57,9 @@ class _Request:
                 if d is not None
                 else "",
                 token_ids=list(s.output_token_ids),
-                cumulative_logprob=self.cumulative_logprob[i] if self.logprobs[i] is not None else None,
+                cumulative_logprob=(
+                    self.cumulative_logprob[i] if self.logprobs[i] is not None else None
+                ),
                 logprobs=self.logprobs[i],
                 finish_reason=s.finish_reason,
                 stop_reason=self.stop_reasons[i],
@@ -77,7 +79,8 @@ class _Request:
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        default_device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(config.device or default_device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         # The model on every tensor-parallel rank (worker processes when tensor_parallel_size > 1).
@@ -130,7 +133,9 @@ class Engine:
         wanted = self.config.max_model_len
         if wanted is None:
             if limit is None:
-                raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
+                raise ValueError(
+                    "the model config has no max_position_embeddings; pass max_model_len"
+                )
             return limit
         if limit is not None and wanted > limit:
             raise ValueError(
@@ -168,19 +173,25 @@ class Engine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
-        raise ValueError(f"prompt must be a string, token ids or a dict, got {type(prompt).__name__}")
+        raise ValueError(
+            f"prompt must be a string, token ids or a dict, got {type(prompt).__name__}"
+        )
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         """Queue a request; raises ValueError now if it could never run."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
         text, ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         vocab = self.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or (vocab is not None and not 0 <= t < vocab)]
+        bad = [
+            t for t in ids if not isinstance(t, int) or (vocab is not None and not 0 <= t < vocab)
+        ]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
         seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
@@ -228,7 +239,11 @@ class Engine:
 
     def fail_running(self, exc: BaseException) -> list[str]:
         """After a failed step: abort every request that was scheduled; return their ids."""
-        failed = [rid for rid, r in self.requests.items() if any(s.num_computed_tokens or s.block_table for s in r.seqs)]
+        failed = [
+            rid
+            for rid, r in self.requests.items()
+            if any(s.num_computed_tokens or s.block_table for s in r.seqs)
+        ]
         for rid in failed:
             self.abort_request(rid)
         return failed
@@ -250,7 +265,9 @@ class Engine:
         items = out.scheduled
         sampled_items = [it for it in items if it.sample]
         logits = self.executor.execute(
-            [it.seq for it in items], [it.num_new_tokens for it in items], [it.sample for it in items]
+            [it.seq for it in items],
+            [it.num_new_tokens for it in items],
+            [it.sample for it in items],
         )
         tokens: dict[int, int] = {}
         logprobs: list = []
