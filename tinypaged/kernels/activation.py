@@ -18,14 +18,14 @@ from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl, use_triton
 def _silu_and_mul_kernel(
     X, OUT,  # [rows, 2I] and [rows, I], last dims contiguous
     stride_x, stride_out,  # row strides
-    I,
+    inter_size,  # I in the docstring
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
+    mask = cols < inter_size
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + inter_size + cols, mask=mask, other=0.0).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
     tl.store(OUT + row * stride_out + cols, out.to(OUT.dtype.element_ty), mask=mask)
 

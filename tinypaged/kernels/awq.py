@@ -7,7 +7,8 @@ AutoAWQ "GEMM" checkpoint layout for a linear with K inputs, N outputs and group
     W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]                      # [K, N]
 The nibble at bits 4i..4i+3 of qweight[k, j] holds column 8j + AWQ_PACK_ORDER[i]; the interleaved
 order [0, 2, 4, 6, 1, 3, 5, 7] made AutoAWQ's CUDA unpacking cheap, and we keep it for checkpoint
-compatibility. So column 8j + c sits at shift 4 * AWQ_PACK_ORDER.index(c) = 4 * [0, 4, 1, 5, 2, 6, 3, 7][c].
+compatibility. So column 8j + c sits at shift
+    4 * AWQ_PACK_ORDER.index(c) = 4 * [0, 4, 1, 5, 2, 6, 3, 7][c].
 
 Three ways to compute y [M, N] (fp32 accumulation, result in x's dtype):
 - GEMV / skinny split-K (M <= 16: decode). Memory-bound: a step must stream the packed weights
@@ -319,7 +320,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def pack_awq(intweight: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """intweight [K, N] and zeros [K/G, N], ints in 0..15 -> (qweight [K, N/8], qzeros [K/G, N/8])."""
+    """intweight [K, N], zeros [K/G, N], ints 0..15 -> (qweight [K, N/8], qzeros [K/G, N/8])."""
     for name, t in (("intweight", intweight), ("zeros", zeros)):
         if t.dim() != 2 or t.shape[1] % 8 != 0:
             raise ValueError(f"pack_awq: {name} must be 2-D with a multiple of 8 columns, got "
