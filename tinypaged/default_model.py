@@ -73,9 +73,13 @@ def file_lock(name: str) -> Iterator[None]:
 def _is_complete(model_dir: Path) -> bool:
     from tinypaged.models.gguf import is_current_conversion
 
-    return is_current_conversion(model_dir) and all((model_dir / f).is_file() for f in ("config.json", "tokenizer.json")) and (
-        (model_dir / "model.safetensors").is_file()
-        or (model_dir / "model.safetensors.index.json").is_file()
+    return (
+        is_current_conversion(model_dir)
+        and all((model_dir / f).is_file() for f in ("config.json", "tokenizer.json"))
+        and (
+            (model_dir / "model.safetensors").is_file()
+            or (model_dir / "model.safetensors.index.json").is_file()
+        )
     )
 
 

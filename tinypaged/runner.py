@@ -144,7 +144,9 @@ class ModelRunner:
         blocks_per_seq = -(-seq_len // self.block_size)
         self._set_caches(num_seqs * blocks_per_seq)
         seqs = [
-            ScheduledSeq([0] * seq_len, 0, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
+            ScheduledSeq(
+                [0] * seq_len, 0, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            )
             for i in range(num_seqs)
         ]
         with torch.inference_mode():

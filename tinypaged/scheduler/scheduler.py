@@ -189,7 +189,8 @@ class Scheduler:
                 continue
             want = min(seq.num_uncomputed_tokens, budget)
             if want == 1 and len(seq.block_table) * self.block_size > seq.num_computed_tokens:
-                take(seq, 1)  # the common decode: its slot is in its last block, nothing to allocate
+                # The common decode: its slot is in its last block, nothing to allocate.
+                take(seq, 1)
                 continue
             while (n := min(want, bm.num_allocatable_tokens(seq))) == 0:
                 victim = self._newest_unscheduled(scheduled_ids)
