@@ -167,7 +167,8 @@ def test_logprobs_match_reference(llama):
         top = row.topk(3)
         for t, v in zip(top.indices.tolist(), top.values.tolist()):
             assert lp[t] == pytest.approx(v, abs=1e-4)
-    assert comp.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(tokens, comp.logprobs)))
+    expected = sum(lp[t] for t, lp in zip(tokens, comp.logprobs))
+    assert comp.cumulative_logprob == pytest.approx(expected)
 
 
 def test_stop_token_ids_and_max_tokens(llama):

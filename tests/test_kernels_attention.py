@@ -32,7 +32,9 @@ COMBO_IDS = [f"{str(c[0])[6:]}-d{c[1]}-g{c[2]}-bs{c[3]}-n{c[4]}" for c in COMBOS
 class Batch:
     """B sequences of random dense K/V, scattered into randomly permuted cache blocks."""
 
-    def __init__(self, q_lens, seq_lens, group, head_dim, block_size, dtype, num_kv_heads=2, seed=0):
+    def __init__(
+        self, q_lens, seq_lens, group, head_dim, block_size, dtype, num_kv_heads=2, seed=0
+    ):
         g = torch.Generator().manual_seed(seed)
         self.num_q_heads, self.scale = group * num_kv_heads, head_dim**-0.5
         blocks = [-(-s // block_size) for s in seq_lens]
@@ -82,8 +84,10 @@ class Batch:
             for i in range(q_len):
                 pos = seq_len - q_len + i
                 for h in range(self.num_q_heads):
-                    keys, values = k[: pos + 1, h // group].double(), v[: pos + 1, h // group].double()
-                    weights = torch.softmax(keys @ self.q[start + i, h].double() * self.scale, dim=0)
+                    keys = k[: pos + 1, h // group].double()
+                    values = v[: pos + 1, h // group].double()
+                    scores = keys @ self.q[start + i, h].double() * self.scale
+                    weights = torch.softmax(scores, dim=0)
                     out[start + i, h] = weights @ values
             start += q_len
         return out

@@ -1,8 +1,8 @@
 """The HTTP layer against a fake engine: OpenAI shapes, SSE framing, every error case, disconnects.
 
-`FakeEngine` (test_server_helpers.py) is a test double of AsyncLLM (same methods, canned outputs, instant steps),
-so these tests pin the server's own behaviour in milliseconds. The real engine is exercised in
-test_server_e2e.py.
+`FakeEngine` (test_server_helpers.py) is a test double of AsyncLLM (same methods, canned outputs,
+instant steps), so these tests pin the server's own behaviour in milliseconds. The real engine is
+exercised in test_server_e2e.py.
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ def test_logprobs_both_formats(client):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert "".join(lp.tokens) == r.choices[0].text
-    for tok, tok_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+    for tok_lp, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
         assert tok_lp <= 0 and 3 <= len(top) <= 4
         assert tok_lp == pytest.approx(max(top.values()))  # greedy took the best token
     c = client.chat.completions.create(

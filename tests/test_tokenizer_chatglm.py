@@ -120,14 +120,16 @@ def test_streaming_a_reply(glm):
     out = glm.sp.encode(reply) + [glm.special_ids["<|user|>"]]
     detok = IncrementalDetokenizer(glm, prompt, SamplingParams(stop=["warm"]))
     deltas = []
+    stopped_at = None
     for i, t in enumerate(out):
         if detok.update(t, skip=t in glm.eos_token_ids):
+            stopped_at = i
             break
         deltas.append(detok.get_next_output_text(finished=False, delta=True))
     deltas.append(detok.get_next_output_text(finished=True, delta=True))
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == detok.output_text == "It is sunny, 😀 你好 and "
-    assert detok.stop_reason == "warm" and i < len(out) - 1
+    assert detok.stop_reason == "warm" and stopped_at is not None and stopped_at < len(out) - 1
 
 
 def test_missing_or_foreign_tokenizer_model(tmp_path, sp_model):
