@@ -63,7 +63,8 @@ def main() -> None:
             full += ours == ref
             prefix.append(next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref)))
             ref_lp = torch.log_softmax(first, -1)
-            err = max(err, max(abs(v - ref_lp[t].item()) for t, v in o.outputs[0].logprobs[0].items()))
+            first_step = o.outputs[0].logprobs[0]
+            err = max(err, max(abs(v - ref_lp[t].item()) for t, v in first_step.items()))
         rows.append((kind, full, len(prompts), min(prefix), err))
     print("| arch | prompts fully equal | shortest common prefix | max logprob diff (step 1) |")
     print("|---|---|---|---|")

@@ -52,8 +52,8 @@ def main() -> None:
                 engine.step(finished_only=True)
                 torch.cuda.synchronize()
             s = engine.scheduler
-            print(f"step {i}: {1000 * (time.perf_counter() - start):.1f} ms, running {s.num_running}"
-                  f", waiting {s.num_waiting}")
+            print(f"step {i}: {1000 * (time.perf_counter() - start):.1f} ms, "
+                  f"running {s.num_running}, waiting {s.num_waiting}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
                                         max_name_column_width=50))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12,
@@ -121,7 +121,8 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         llm.generate(batch, few, use_tqdm=False)
     runner.graphs = graphs
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                    max_name_column_width=60))
 
 
 if __name__ == "__main__":

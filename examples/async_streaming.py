@@ -20,9 +20,8 @@ async def main() -> None:
             text = out.outputs[0].text
             print(text[len(shown) :], end="", flush=True)
             shown = text
-        print(
-            f"\n[finish_reason={out.outputs[0].finish_reason}, tokens={len(out.outputs[0].token_ids)}]"
-        )
+        final = out.outputs[0]
+        print(f"\n[finish_reason={final.finish_reason}, tokens={len(final.token_ids)}]")
     finally:
         await engine.shutdown()
 
