@@ -47,11 +47,8 @@ _MAX_LOSS_TOKENS = 8192  # rows of x used to score each alpha; the channel means
 
 
 # ---------------------------------------------------------------------------- round-to-nearest
-def _round_to_nearest(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None):
-    """w [N, K] -> q [N, K], zeros [N, K/G], scales [N, K/G] (fp32 holding fp16 values).
-
-    clip [N, K/G] (optional) shrinks each group's [min, max] range by that factor toward zero;
-    the weights outside it saturate at 0 or 15."""
+def _group_ranges(w: torch.Tensor, group_size: int, clip: torch.Tensor | None):
+    """w [N, K] -> groups [N, K/G, G], zeros [N, K/G], scales [N, K/G] (fp32 holding fp16)."""
     N, K = w.shape
     if K % group_size or N % 8:
         raise ValueError(f"cannot quantize a weight of shape {list(w.shape)} with group_size="
@@ -60,22 +57,30 @@ def _round_to_nearest(w: torch.Tensor, group_size: int, clip: torch.Tensor | Non
     groups = w.float().reshape(N, K // group_size, group_size)
     # the range always holds 0, so the zero point lands in 0..15 and the grid covers every weight
     # (the same as AutoAWQ's rule for the usual groups that straddle 0)
-    w_max, w_min = groups.amax(dim=-1).clamp(min=0), groups.amin(dim=-1).clamp(max=0)
-    if clip is not None:
+    w_max, w_min = groups.amax(dim=-1).clamp_(min=0), groups.amin(dim=-1).clamp_(max=0)
+    if clip is not None:  # shrink the range toward 0; weights outside it saturate at 0 or 15
         w_max, w_min = w_max * clip, w_min * clip
     # round the scales to fp16 first: the checkpoint stores fp16, and q must fit the stored scale
-    scales = ((w_max - w_min).clamp(min=1e-5) / 15).half().float()
-    zeros = (-w_min / scales).round().clamp(0, 15)
-    q = ((groups / scales[..., None]).round() + zeros[..., None]).clamp(0, 15)
-    return q.reshape(N, K), zeros, scales
+    scales = ((w_max - w_min).clamp_(min=1e-5) / 15).half().float()
+    zeros = (-w_min / scales).round_().clamp_(0, 15)
+    return groups, zeros, scales
+
+
+def _round_to_nearest(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None):
+    """w [N, K] -> q [N, K], zeros [N, K/G], scales [N, K/G]; clip [N, K/G] optional."""
+    groups, zeros, scales = _group_ranges(w, group_size, clip)
+    q = (groups / scales[..., None]).round_().add_(zeros[..., None]).clamp_(0, 15)
+    return q.reshape(w.shape), zeros, scales
 
 
 def fake_quantize(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None):
     """The weights [N, K] as the int4 checkpoint will reproduce them (fp32)."""
-    q, zeros, scales = _round_to_nearest(w, group_size, clip)
-    N, K = w.shape
-    groups = (q.reshape(N, -1, group_size) - zeros[..., None]) * scales[..., None]
-    return groups.reshape(N, K)
+    groups, zeros, scales = _group_ranges(w, group_size, clip)
+    # (clamp(round(w / s) + z, 0, 15) - z) * s, in three in-place passes: the searches call this
+    # a few hundred times per layer
+    q = (groups / scales[..., None]).round_()
+    q = torch.clamp_(q, min=-zeros[..., None], max=15 - zeros[..., None])
+    return q.mul_(scales[..., None]).reshape(w.shape)
 
 
 def quantize_rtn(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None):
@@ -101,17 +106,16 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], group_size: int,
         x_mean = x_mean.view(kv, rep, d).mean(dim=1, keepdim=True).expand(kv, rep, d).reshape(-1)
     if x.shape[0] > _MAX_LOSS_TOKENS:  # evenly spaced rows keep every calibration sample
         x = x[torch.linspace(0, x.shape[0] - 1, _MAX_LOSS_TOKENS, device=x.device).long()]
-    weights = [w.float() for w in weights]
-    refs = [x @ w.t() for w in weights]  # [T, N_i]
-    numel = sum(r.numel() for r in refs)
+    w = torch.cat([w.float() for w in weights])  # [sum N_i, K]: one matmul per alpha
+    ref = x @ w.t()  # [T, sum N_i]
     best = (float("inf"), 0.0, torch.ones_like(x_mean))
     rtn_error = None
     for i in range(n_grid):
         alpha = i / n_grid
         s = x_mean.pow(alpha).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()  # centre the factors around 1 (scale-free otherwise)
-        error = sum(((x / s) @ fake_quantize(w * s, group_size).t() - r).pow(2).sum().item()
-                    for w, r in zip(weights, refs)) / numel
+        out = (x / s) @ fake_quantize(w * s, group_size).t()
+        error = torch.nn.functional.mse_loss(out, ref).item()
         rtn_error = error if i == 0 else rtn_error
         if error < best[0]:
             best = (error, alpha, s)
@@ -128,11 +132,18 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, n_grid: int =
     N, K = w.shape
     xg = x.float().reshape(-1, K // group_size, group_size)  # [T, K/G, G]
     gram = torch.einsum("tgi,tgj->gij", xg, xg)  # [K/G, G, G]
+    groups = w.float().reshape(N, K // group_size, group_size)
+    w_max, w_min = groups.amax(dim=-1).clamp_(min=0), groups.amin(dim=-1).clamp_(max=0)
     best_error = torch.full((N, K // group_size), float("inf"), device=w.device)
     best = torch.ones_like(best_error)
     for i in range(n_grid):
-        ratio = torch.full_like(best, 1 - max_shrink * i / n_grid)
-        d = (fake_quantize(w, group_size, ratio) - w).view(N, K // group_size, group_size)
+        ratio = 1 - max_shrink * i / n_grid
+        # fake_quantize(w, clip=ratio) - w, the group statistics computed once above
+        hi, lo = w_max * ratio, w_min * ratio
+        scales = ((hi - lo).clamp_(min=1e-5) / 15).half().float()
+        zeros = (-lo / scales).round_().clamp_(0, 15)[..., None]
+        d = (groups / scales[..., None]).round_().clamp_(min=-zeros, max=15 - zeros)
+        d = d.mul_(scales[..., None]).sub_(groups)  # [N, K/G, G]
         error = (torch.einsum("ngi,gij->ngj", d, gram) * d).sum(dim=-1)  # [N, K/G]
         better = error < best_error
         best_error = torch.where(better, error, best_error)
