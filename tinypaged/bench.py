@@ -81,7 +81,8 @@ def sample_requests(num: int, min_len: int, max_len: int, vocab: int, seed: int 
 def roofline_seconds(cfg: dict, prompt_lens: list[int], output_len: int) -> float:
     """Lower bound on the run: compute-bound prefill plus bandwidth-bound decode steps."""
     h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
-    hd, nq, nkv, vocab = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    hd, vocab = cfg["head_dim"], cfg["vocab_size"]
+    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     per_layer = h * hd * (nq + 2 * nkv) + nq * hd * h + 3 * h * inter
     params = layers * per_layer + vocab * h  # the LM head (embedding lookups are free)
     weight_bytes = 2 * (params + (0 if cfg["tie_word_embeddings"] else vocab * h))
@@ -117,7 +118,9 @@ def throughput(args) -> dict:
     from tinypaged import LLM, SamplingParams
 
     path, cfg, engine_args = _model_args(args)
-    prompts = sample_requests(args.num_prompts, args.min_input_len, args.max_input_len, cfg["vocab_size"])
+    prompts = sample_requests(
+        args.num_prompts, args.min_input_len, args.max_input_len, cfg["vocab_size"]
+    )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm = LLM(path, **engine_args)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)  # warm-up
@@ -145,7 +148,8 @@ def throughput(args) -> dict:
         result["hf_output_tok_s"] = hf_generate_batch(path, cfg, prompts, args.output_len)
         ratio = result["output_tok_s"] / result["hf_output_tok_s"]
         result["ratio_vs_hf"] = ratio
-        print(f"HF generate_batch: {result['hf_output_tok_s']:,.0f} output tok/s; tinypaged is {ratio:.1f}x")
+        print(f"HF generate_batch: {result['hf_output_tok_s']:,.0f} output tok/s; "
+              f"tinypaged is {ratio:.1f}x")
     return result
 
 
