@@ -128,3 +128,16 @@ def test_bad_arguments():
         awq.pack_awq(torch.full((8, 8), 16), torch.zeros(1, 8, dtype=torch.int64))
     with pytest.raises(ValueError, match="multiple of 8"):
         awq.pack_awq(torch.zeros(8, 12, dtype=torch.int64), torch.zeros(1, 12, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("K,N,group_size,block_n", [(256, 512, 128, 256), (512, 64, 64, 256),
+                                                    (128, 96, 32, 64)])
+def test_batch1_gemv_matches_reference(dtype, K, N, group_size, block_n):
+    q, z, s, qweight, qzeros = random_awq(K, N, group_size, seed=K + N)
+    x = torch.randn(1, K).to(dtype)
+    ref = awq.awq_gemm_reference(x, qweight, qzeros, s.to(dtype), group_size)
+    for split_k in (1, 3, None):  # one program per column block, partial sums, the default
+        y = awq._awq_gemv1(x, qweight, qzeros, s.to(dtype), group_size, block_n=block_n,
+                           split_k=split_k)
+        torch.testing.assert_close(y, ref, rtol=1e-3, atol=1e-3)

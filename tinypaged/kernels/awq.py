@@ -175,6 +175,48 @@ def _awq_dequantize_kernel(
              mask=n_mask[None, :])
 
 
+@jit
+def _awq_gemv1_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, y_ptr,  # x: [K]; y: [N], fp32 when SPLIT_K > 1
+    N, K,
+    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    # M = 1 (batch-1 decode): pure bandwidth. grid: (cdiv(N, BLOCK_N), SPLIT_K). Each program
+    # streams BLOCK_K x BLOCK_N/8 words a step (full 128-byte rows at BLOCK_N = 256), keeps a
+    # 2-D fp32 accumulator of x[k] * w[k, n] and reduces over k once at the end, so the loop
+    # is loads, shifts and FMAs with no cross-thread reduction per group.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    PACKED_N: tl.constexpr = BLOCK_N // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_pn = pid_n * PACKED_N + tl.arange(0, PACKED_N)
+    n_mask = offs_n < N
+    pn_mask = offs_pn < N // 8
+    steps_per_split = tl.cdiv(K // BLOCK_K, SPLIT_K)
+    k_start = pid_k * steps_per_split * BLOCK_K
+    k_end = tl.minimum(k_start + steps_per_split * BLOCK_K, K)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        packed = tl.load(qweight_ptr + offs_k[:, None] * (N // 8) + offs_pn[None, :],
+                         mask=pn_mask[None, :], other=0)
+        q = _unpack_int4(packed, BLOCK_K, PACKED_N).to(tl.float32)  # [BLOCK_K, BLOCK_N]
+        g = k0 // GROUP_SIZE  # BLOCK_K divides GROUP_SIZE: one group per step
+        packed_z = tl.load(qzeros_ptr + g * (N // 8) + offs_pn[None, :], mask=pn_mask[None, :],
+                           other=0)
+        z = _unpack_int4(packed_z, 1, PACKED_N).to(tl.float32)  # [1, BLOCK_N]
+        s = tl.load(scales_ptr + g * N + offs_n[None, :], mask=n_mask[None, :],
+                    other=0.0).to(tl.float32)  # [1, BLOCK_N]
+        x = tl.load(x_ptr + offs_k).to(tl.float32)  # [BLOCK_K]
+        acc += x[:, None] * ((q - z) * s)
+    out = tl.sum(acc, axis=0)  # [BLOCK_N]
+    if SPLIT_K == 1:
+        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.atomic_add(y_ptr + offs_n, out, mask=n_mask, sem="relaxed")
+
+
 # ----------------------------------------------------------------------------- launchers
 
 
@@ -225,6 +267,27 @@ def _check_args(x, qweight, qzeros, scales, group_size: int) -> tuple[int, int]:
     if x.device != qweight.device:
         raise ValueError(f"awq_gemm: x is on {x.device} but the weights are on {qweight.device}")
     return K, N
+
+
+def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=256, block_k=32, split_k=None,
+               num_warps=4, num_stages=3):
+    """M = 1: the 2-D-accumulator GEMV above; split-K so ~4 programs per SM stream weights."""
+    K = x.shape[1]
+    N = qweight.shape[1] * 8
+    block_k = min(block_k, group_size)
+    n_blocks = cdiv(N, block_n)
+    steps = K // block_k
+    if split_k is None:
+        split_k = max(1, min(steps, cdiv(_programs_target(x.device), n_blocks)))
+    split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
+    y = (torch.empty if split_k == 1 else torch.zeros)(
+        1, N, dtype=x.dtype if split_k == 1 else torch.float32, device=x.device)
+    _awq_gemv1_kernel[(n_blocks, split_k)](
+        x, qweight, qzeros, scales, y, N, K,
+        GROUP_SIZE=group_size, BLOCK_K=block_k, BLOCK_N=block_n, SPLIT_K=split_k,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return y.to(x.dtype)
 
 
 def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=128, split_k=None, num_warps=4):
@@ -290,6 +353,8 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
+    if M == 1:
+        return _awq_gemv1(x, qweight, qzeros, scales, group_size)
     if M <= GEMV_MAX_M:
         return _awq_gemv(x, qweight, qzeros, scales, group_size)
     if M >= DENSE_MIN_M:
