@@ -288,9 +288,9 @@ def _write_checkpoint(model, tensors: dict, src_dir: Path, out_dir: Path, group_
     dtype = getattr(torch, dtype_name) if isinstance(dtype_name, str) else model.dtype
     embed = model.get_input_embeddings().weight
     for name, t in model.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        if f"{module}.qweight" in tensors:
-            continue  # the fp weight of a quantized linear
+        module, kind = name.rsplit(".", 1)
+        if kind == "weight" and f"{module}.qweight" in tensors:
+            continue  # the fp weight of a quantized linear (its bias stays)
         if name.startswith("lm_head.") and t.data_ptr() == embed.data_ptr():
             continue  # tied to the embeddings: checkpoints store it once
         tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().cpu()

@@ -1,0 +1,114 @@
+"""AWQ checkpoints written by `tinypaged quantize`, loaded back through `load_model`: the model's
+logits match transformers running the same checkpoint's dequantized weights."""
+
+import pytest
+import torch
+from model_helpers import (  # noqa: F401  (single_thread: autouse fixture)
+    PagedRunner,
+    assert_logits_close,
+    greedy_reference,
+    single_thread,
+)
+from safetensors.torch import load_file
+from test_awq_quantize import dequantize, save_tiny
+
+from tinypaged import quantize as Q
+from tinypaged.config import EngineConfig
+from tinypaged.models.awq import AWQConfig
+from tinypaged.models.loader import load_model
+
+PROMPTS = [[5, 17, 99, 3, 250, 42, 7], list(range(11, 31))]
+STEPS = 2
+
+
+def quantized_pair(kind, tmp_path, group_size=32):
+    """(AWQ checkpoint dir, transformers model holding that checkpoint's dequantized weights)."""
+    src, out = tmp_path / "src", tmp_path / "awq"
+    hf_model = save_tiny(kind, src)
+    assert Q.main([str(src), str(out), "--group-size", str(group_size), "--calib-samples", "2",
+                   "--calib-seq-len", "64", "--n-grid", "4"]) == 0
+    tensors = load_file(str(out / "model.safetensors"))
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith(".qweight"):
+            prefix = name[: -len(".qweight")]
+            state[prefix + ".weight"] = dequantize(tensors, prefix, group_size)
+        elif not name.endswith((".qzeros", ".scales")):
+            state[name] = t
+    missing, unexpected = hf_model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied heads stored once
+    return out, hf_model
+
+
+def check_against(model, hf_model):
+    """Two prompts prefilled in one flat batch, then batched decode steps: every logit row."""
+    refs = [greedy_reference(hf_model, p, STEPS) for p in PROMPTS]
+    runner = PagedRunner(model, block_size=4, num_blocks=32)
+    seqs = [runner.add_sequence() for _ in PROMPTS]
+    out = runner.step(dict(zip(seqs, PROMPTS)))
+    for s, p, (_, ref) in zip(seqs, PROMPTS, refs):
+        assert_logits_close(out[s], ref[: len(p)], what=f"prefill {s}")
+    for step in range(STEPS):
+        out = runner.step({s: [tokens[step]] for s, (tokens, _) in zip(seqs, refs)})
+        for s, p, (_, ref) in zip(seqs, PROMPTS, refs):
+            assert_logits_close(out[s][0], ref[len(p) + step], what=f"decode {step} of {s}")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_quantized_checkpoint_matches_dequantized_transformers(kind, tmp_path):
+    out, hf_model = quantized_pair(kind, tmp_path)
+    model, hf_config, _ = load_model(EngineConfig(model=str(out)), "cpu")  # auto-detected
+    assert hf_config.quantization_config["quant_method"] == "awq"
+    names = {n for n, _ in model.named_parameters()}
+    assert any(n.endswith("qkv_proj.qweight") for n in names)
+    assert any(n.endswith("gate_up_proj.qzeros") for n in names)
+    assert not any(n.endswith("_proj.weight") for n in names)  # no dense copy anywhere
+    check_against(model, hf_model)
+
+
+def test_forced_awq_through_the_triton_interpreter(tmp_path, monkeypatch):
+    """quantization="awq" given explicitly, and every kernel (awq_gemm's GEMV for decode, its
+    tiled GEMM for the 27-token prefill) run by Triton under the interpreter."""
+    from tinypaged.kernels import awq
+
+    out, hf_model = quantized_pair("llama", tmp_path)
+    model, _, _ = load_model(EngineConfig(model=str(out), quantization="awq"), "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+
+    def counted(name):
+        launcher = getattr(awq, name)
+
+        def run(x, *args, **kwargs):
+            calls.append((name, x.shape[0]))
+            return launcher(x, *args, **kwargs)
+        return run
+
+    for name in ("_awq_gemv", "_awq_gemm"):
+        monkeypatch.setattr(awq, name, counted(name))
+    check_against(model, hf_model)
+    assert ("_awq_gemm", 27) in calls and ("_awq_gemv", 2) in calls
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"version": "gemv"}, "version 'gemv'"),
+    ({"zero_point": False}, "zero_point=false"),
+    ({"bits": 8}, "bits=8"),
+    ({"group_size": 96}, "group_size=96"),
+    ({"quant_method": "gptq"}, "'gptq'"),
+    ({"modules_to_not_convert": ["visual"]}, "modules_to_not_convert"),
+])
+def test_unsupported_awq_variants(change, match):
+    base = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+            "version": "gemm", "modules_to_not_convert": None}
+    assert AWQConfig.from_config(base) == AWQConfig(group_size=128)
+    with pytest.raises(ValueError, match=match):
+        AWQConfig.from_hf_config({**base, **change})
+
+
+def test_layer_sizes_must_fit_the_packing():
+    layer = torch.nn.Module()
+    with pytest.raises(ValueError, match="96 input features"):
+        AWQConfig(group_size=64).create_weights(layer, 96, 64, torch.float32)
+    with pytest.raises(ValueError, match="60 output features"):
+        AWQConfig(group_size=32).create_weights(layer, 64, 60, torch.float32)
