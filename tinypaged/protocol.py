@@ -379,14 +379,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def sse(data: dict | str) -> bytes:
-    """One server-sent event: `data: {json}` and a blank line."""
-    import json
-
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
-
-
 def finite(logprob: float) -> float:
     """JSON has no -inf: impossible tokens get OpenAI's floor of -9999.0."""
     return max(float(logprob), -9999.0)

@@ -4,25 +4,20 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)      # what `tinypaged serve` does
 
 Endpoints: GET /health, /metrics, /v1/models; POST /v1/completions, /v1/chat/completions,
-/tokenize, /detokenize. Request validation and the response shapes live in `protocol.py`, the
-Prometheus metrics in `metrics.py`; this file moves requests between HTTP and the engine.
-
-One HTTP request becomes one engine request per prompt (the `n` samples of a prompt share it).
-Before answering, the server waits for the first output: a request the engine refuses at
-submission still gets a proper 400, not a broken stream. While it waits, generates or streams, a
-watcher listens for the client's disconnect and aborts the engine requests at once, which frees
-their KV blocks. An exception inside one request ends that request only (500, or an error event
-when the stream has already begun).
+/tokenize, /detokenize. This file is the HTTP side: routes, the API key, body limits, model
+names, admission (a full queue or a dead engine is a 503) and the mapping of errors to OpenAI's
+error bodies. Request validation and the response shapes live in `protocol.py`, running a
+request against the engine (disconnects, streaming) in `serving.py`, the Prometheus metrics in
+`metrics.py`. An exception inside one request ends that request only (500).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -44,8 +39,8 @@ from tinypaged.protocol import (
     parse_completion_request,
     parse_detokenize_request,
     parse_tokenize_request,
-    sse,
 )
+from tinypaged.serving import Generation, respond, sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -53,100 +48,10 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 1
 
 
-class _ClientGone(Exception):
-    pass
-
-
-async def _wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class Generation:
-    """The engine requests of one HTTP request (one per prompt), merged into one output stream."""
-
-    def __init__(self, server: OpenAIServer, request_id: str, prompts: list[list[int]], params):
-        self.server = server
-        self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        self.finished = [False] * len(prompts)
-        self.trackers = [server.metrics.track() for _ in prompts]
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.tasks = [
-            asyncio.create_task(self._pump(i, ids, p))
-            for i, (ids, p) in enumerate(zip(prompts, params))
-        ]
-        self.closed = False
-
-    async def _pump(self, i: int, prompt_ids: list[int], params) -> None:
-        try:
-            stream = self.server.engine.generate(
-                {"prompt_token_ids": prompt_ids}, params, self.engine_ids[i]
-            )
-            async for out in stream:
-                self.trackers[i].observe(out)
-                self.finished[i] = out.finished
-                self.queue.put_nowait((i, out))
-            if not self.finished[i]:
-                raise RuntimeError(f"the engine ended request {self.engine_ids[i]} unfinished")
-        except Exception as exc:  # noqa: BLE001 - the reader decides: 400, 500 or an error event
-            self.queue.put_nowait((i, exc))
-
-    async def next(self) -> tuple[int, Any] | None:
-        """The next (prompt index, cumulative RequestOutput); None once every prompt finished."""
-        while not all(self.finished) or not self.queue.empty():
-            i, item = await self.queue.get()
-            if isinstance(item, Exception):
-                raise item
-            return i, item
-        return None
-
-    async def close(self) -> None:
-        """Stop the pumps and abort every engine request that has not finished (idempotent)."""
-        if self.closed:
-            return
-        self.closed = True
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        for i, engine_id in enumerate(self.engine_ids):
-            if not self.finished[i]:
-                await self.server.engine.abort(engine_id)
-                self.trackers[i].aborted()
-        self.server.release(self)
-
-
-class EventStream:
-    """An SSE response that stops, and closes its generation, the moment the client disconnects."""
-
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
-        self.events = events
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-        ]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-
-        async def pump() -> None:
-            async for data in self.events:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        tasks = [asyncio.create_task(pump()), asyncio.create_task(_wait_disconnect(receive))]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.events.aclose()
-            await self.on_close()
-
-
 class OpenAIServer:
+    """The state of one app (engine, model names, key, limits, requests in flight) and its
+    endpoints."""
+
     def __init__(
         self,
         engine: Any,
@@ -248,49 +153,6 @@ class OpenAIServer:
             self.active.discard(gen)
             self.in_flight -= len(gen.engine_ids)
 
-    def sampling_params(self, req: GenerationRequest, prompt_len: int, prompt_param: str):
-        from tinypaged.sampling import SamplingParams
-
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise bad_request(
-                prompt_param,
-                f"the prompt has {prompt_len} tokens but the model's context (max_model_len) "
-                f"is {limit} tokens; shorten the prompt",
-                code="context_length_exceeded",
-            )
-        max_tokens = req.max_tokens or limit - prompt_len
-        if prompt_len + max_tokens > limit:
-            raise bad_request(
-                req.max_tokens_param,
-                f"{prompt_len} prompt tokens + {req.max_tokens_param}={max_tokens} exceed the "
-                f"model's context (max_model_len) of {limit} tokens; ask for at most "
-                f"{limit - prompt_len}",
-                code="context_length_exceeded",
-            )
-        try:
-            return SamplingParams(**req.sampling, max_tokens=max_tokens)
-        except (ValueError, TypeError) as exc:
-            text = str(exc)  # SamplingParams' messages start with the field's name
-            first = text.split(maxsplit=1)[0] if text else ""
-            raise bad_request(first if first.isidentifier() else "body", text) from None
-
-    async def until_disconnect(self, request: Request, work: Awaitable) -> Any:
-        """Await `work`, or raise _ClientGone as soon as the client hangs up."""
-        task = asyncio.ensure_future(work)
-        watch = asyncio.ensure_future(_wait_disconnect(request.receive))
-        try:
-            await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this coroutine is cancelled: leave no task behind
-            watch.cancel()
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if task.cancelled():
-            raise _ClientGone()
-        return task.result()
-
     # ------------------------------------------------------------------------------ generation
 
     async def generate(
@@ -301,60 +163,13 @@ class OpenAIServer:
         fmt: ResponseFormat,
         prompt_param: str,
     ) -> Response:
-        params = [self.sampling_params(req, len(ids), prompt_param) for ids in prompts]
+        limit = self.max_model_len
+        params = [sampling_params(req, len(ids), prompt_param, limit) for ids in prompts]
         self.admit(len(prompts))
-        gen = Generation(self, fmt.request_id, prompts, params)
+        gen = Generation(self.engine, self.metrics, fmt.request_id, prompts, params, self.release)
         self.active.add(gen)
         self.in_flight += len(prompts)
-        try:
-            first = await self.until_disconnect(request, gen.next())
-            if not req.stream:
-                result = await self.until_disconnect(request, self._collect(gen, first))
-                return JSONResponse(fmt.response(result))
-        except _ClientGone:
-            await gen.close()
-            return Response(status_code=499)  # nobody is listening; the status is for the logs
-        except ValueError as exc:  # the engine refused the request at submission
-            await gen.close()
-            raise bad_request(prompt_param, str(exc)) from None
-        except BaseException:
-            await gen.close()
-            raise
-        finally:
-            if not req.stream:
-                await gen.close()
-        return EventStream(self._events(gen, first, fmt, req.include_usage), gen.close)
-
-    @staticmethod
-    async def _collect(gen: Generation, item) -> list:
-        outs: list = [None] * len(gen.engine_ids)
-        while item is not None:
-            outs[item[0]] = item[1]
-            item = await gen.next()
-        return outs
-
-    @staticmethod
-    async def _events(
-        gen: Generation, first, fmt: ResponseFormat, include_usage: bool
-    ) -> AsyncIterator[bytes]:
-        try:
-            for chunk in fmt.start_chunks():
-                yield sse(chunk)
-            item = first
-            while item is not None:
-                for chunk in fmt.delta_chunks(*item):
-                    yield sse(chunk)
-                item = await gen.next()
-            if include_usage:
-                yield sse(fmt.usage_chunk())
-        except Exception as exc:
-            logger.exception("request %s failed while streaming", fmt.request_id)
-            yield sse(
-                error_body(
-                    f"internal error while generating: {exc}", "server_error", code="internal_error"
-                )
-            )
-        yield sse("[DONE]")
+        return await respond(request, gen, req, fmt, prompt_param)
 
     # ------------------------------------------------------------------------------ endpoints
 
