@@ -6,9 +6,9 @@
 Endpoints: GET /health, /metrics, /v1/models; POST /v1/completions, /v1/chat/completions,
 /tokenize, /detokenize. This file is the HTTP side: routes, the API key, body limits, model
 names, admission (a full queue or a dead engine is a 503) and the mapping of errors to OpenAI's
-error bodies. Request validation and the response shapes live in `protocol.py`, running a
-request against the engine (disconnects, streaming) in `serving.py`, the Prometheus metrics in
-`metrics.py`. An exception inside one request ends that request only (500).
+error bodies. Request validation lives in `protocol.py`, the response shapes in `responses.py`,
+running a request against the engine (disconnects, streaming) in `serving.py`, the Prometheus
+metrics in `metrics.py`. An exception inside one request ends that request only (500).
 """
 
 from __future__ import annotations
@@ -30,16 +30,14 @@ from tinypaged.metrics import CONTENT_TYPE, ServerMetrics
 from tinypaged.protocol import (
     APIError,
     GenerationRequest,
-    ResponseFormat,
     bad_request,
     error_body,
-    new_id,
-    now,
     parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,
     parse_tokenize_request,
 )
+from tinypaged.responses import ResponseFormat, new_id, now
 from tinypaged.serving import Generation, respond, sampling_params
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tinypaged.metrics import ServerMetrics
-from tinypaged.protocol import GenerationRequest, ResponseFormat, bad_request, error_body
+from tinypaged.protocol import GenerationRequest, bad_request, error_body
+from tinypaged.responses import ResponseFormat
 
 if TYPE_CHECKING:
     from tinypaged.sampling import SamplingParams

@@ -1,0 +1,220 @@
+"""OpenAI response bodies: whole responses, stream chunks and the two logprobs formats.
+
+`ResponseFormat` turns the cumulative `RequestOutput`s of one HTTP request into what the client
+reads. Completions and chat differ in a few names:
+
+    completion  {"object": "text_completion", "choices": [{"index", "text", "logprobs",
+                 "finish_reason", "stop_reason"}], "usage": {...}}
+    chat        {"object": "chat.completion", "choices": [{"index", "message": {"role",
+                 "content"}, "logprobs", "finish_reason"}], "usage": {...}}
+
+A stream sends one chunk per choice and step with only what is new for that choice (chat:
+object "chat.completion.chunk", a `delta` in place of `message`, opened by a chunk carrying the
+role), then, when asked, a last chunk with the usage and no choices. Logprobs come in two shapes:
+completions' parallel lists (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) and
+chat's list of per-token entries with their UTF-8 bytes. This file only builds dicts; SSE framing
+and HTTP live in `serving.py` and `server.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any
+
+from tinypaged.protocol import GenerationRequest
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf: impossible tokens get OpenAI's floor of -9999.0."""
+    return max(float(logprob), -9999.0)
+
+
+def completion_logprobs(
+    token_strs: list[str],
+    logprobs: list[dict[int, float]],
+    token_ids: list[int],
+    decode_one,
+    text_offset: int,
+) -> dict:
+    """Completions format: parallel lists of tokens, their logprobs, top alternatives, offsets."""
+    offsets, pos = [], text_offset
+    for s in token_strs:
+        offsets.append(pos)
+        pos += len(s)
+    return {
+        "tokens": token_strs,
+        "token_logprobs": [finite(lp.get(t, -math.inf)) for t, lp in zip(token_ids, logprobs)],
+        "top_logprobs": [
+            {decode_one(k): finite(v) for k, v in sorted(lp.items(), key=lambda kv: -kv[1])}
+            for lp in logprobs
+        ],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, float]], decode_one, top: int
+) -> dict:
+    """Chat format: one entry per token with its bytes and its `top` best alternatives."""
+
+    def entry(tid: int, lp: float) -> dict:
+        s = decode_one(tid)
+        return {"token": s, "logprob": finite(lp), "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for tid, lp in zip(token_ids, logprobs):
+        best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+        top_entries = [entry(k, v) for k, v in best]
+        content.append({**entry(tid, lp.get(tid, -math.inf)), "top_logprobs": top_entries})
+    return {"content": content}
+
+
+class ResponseFormat:
+    """Turns a request's cumulative RequestOutputs into OpenAI bodies and stream chunks.
+
+    Choice `i * n + j` is sample j of prompt i. For streaming it remembers, per choice, how much
+    text and how many tokens it already sent, so each chunk carries only the new part.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        request_id: str,
+        model: str,
+        req: GenerationRequest,
+        prompts: list[list[int]],
+        tokenizer: Any,
+    ):
+        self.kind = kind  # "completion" | "chat"
+        self.request_id = request_id
+        self.model = model
+        self.n = req.n
+        self.num_prompts = len(prompts)
+        self.top_logprobs = req.logprobs
+        self.include_usage = req.include_usage
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.tokenizer = tokenizer
+        self.created = now()
+        self.sent_text: dict[int, int] = {}  # choice index -> characters sent
+        self.sent_tokens: dict[int, int] = {}  # choice index -> tokens sent
+        self.done: set[int] = set()
+
+    def decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, c: Any, first_token: int, text_offset: int) -> dict | None:
+        if self.top_logprobs is None or c.logprobs is None:
+            return None
+        ids, lps = c.token_ids[first_token:], c.logprobs[first_token:]
+        if self.kind == "chat":
+            return chat_logprobs(ids, lps, self.decode_one, self.top_logprobs)
+        strs = [self.decode_one(t) for t in ids]
+        return completion_logprobs(strs, lps, ids, self.decode_one, text_offset)
+
+    # ------------------------------------------------------------------------------ streaming
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        chunk = {**self._head(obj), "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def start_chunks(self) -> list[dict]:
+        """Chat streams open with one chunk per choice carrying the assistant role."""
+        if self.kind != "chat":
+            return []
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for i in range(self.num_prompts * self.n)
+        ]
+
+    def delta_chunks(self, prompt_index: int, out: Any) -> list[dict]:
+        """One chunk per choice that has new text, new logprobs or has just finished."""
+        chunks = []
+        for c in out.outputs:
+            index = prompt_index * self.n + c.index
+            if index in self.done:
+                continue
+            t0, k0 = self.sent_text.get(index, 0), self.sent_tokens.get(index, 0)
+            text, new_tokens = c.text[t0:], len(c.token_ids) - k0
+            wants_logprobs = self.top_logprobs is not None and new_tokens > 0
+            if not text and not c.finish_reason and not wants_logprobs:
+                continue
+            logprobs = self._logprobs(c, k0, t0)
+            self.sent_text[index], self.sent_tokens[index] = len(c.text), len(c.token_ids)
+            if c.finish_reason:
+                self.done.add(index)
+            choice: dict = {"index": index}
+            if self.kind == "chat":
+                choice["delta"] = {"content": text} if text else {}
+            else:
+                choice["text"] = text
+            choice.update(logprobs=logprobs, finish_reason=c.finish_reason)
+            if self.kind == "completion":
+                choice["stop_reason"] = c.stop_reason
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        completion_tokens = sum(self.sent_tokens.values())
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {
+            **self._head(obj),
+            "choices": [],
+            "usage": usage(self.prompt_tokens, completion_tokens),
+        }
+
+    # ------------------------------------------------------------------------------ whole response
+
+    def response(self, outs: list[Any]) -> dict:
+        """The non-streaming body from each prompt's final RequestOutput."""
+        choices, completion_tokens = [], 0
+        for i, out in enumerate(outs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                completion_tokens += len(c.token_ids)
+                choice: dict = {"index": i * self.n + c.index}
+                if self.kind == "chat":
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    choice["text"] = c.text
+                choice.update(logprobs=self._logprobs(c, 0, 0), finish_reason=c.finish_reason)
+                if self.kind == "completion":
+                    choice["stop_reason"] = c.stop_reason
+                choices.append(choice)
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {
+            **self._head(obj),
+            "choices": choices,
+            "usage": usage(self.prompt_tokens, completion_tokens),
+        }
