@@ -2,6 +2,7 @@
 exactness of folding the scales, and the AutoAWQ checkpoint `tinypaged quantize` writes."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -35,17 +36,19 @@ def save_tiny(kind, path, **overrides):
 
 
 def expected_rtn(w, group_size):
-    """AutoAWQ's round-to-nearest written out group by group: (q [N, K], zeros, scales [N, K/G])."""
+    """Round-to-nearest written out group by group (AutoAWQ's rule, the range holding 0):
+    (q [N, K], zeros [N, K/G], scales [N, K/G])."""
     N, K = w.shape
     q = torch.empty(N, K)
     zeros, scales = torch.empty(N, K // group_size), torch.empty(N, K // group_size)
     for n in range(N):
         for g in range(K // group_size):
-            chunk = w[n, g * group_size:(g + 1) * group_size]
+            cols = slice(g * group_size, (g + 1) * group_size)
+            chunk = w[n, cols]
             lo, hi = min(chunk.min().item(), 0.0), max(chunk.max().item(), 0.0)
             scale = float(torch.tensor(max(hi - lo, 1e-5) / 15).half())  # stored as fp16
             zero = min(max(round(-lo / scale), 0), 15)
-            q[n, g * group_size:(g + 1) * group_size] = ((chunk / scale).round() + zero).clamp(0, 15)
+            q[n, cols] = ((chunk / scale).round() + zero).clamp(0, 15)
             zeros[n, g], scales[n, g] = zero, scale
     return q, zeros, scales
 
@@ -221,19 +224,24 @@ def test_clipping_changes_only_what_the_search_picked(tiny_llama, tmp_path):
             assert same == (linear in LINEARS[:2])
 
 
-def test_rejects_what_it_cannot_quantize(tiny_llama, tmp_path):
+def test_rejects_what_it_cannot_quantize(tiny_llama, tmp_path, capsys):
     _, src = tiny_llama
-    with pytest.raises(ValueError, match=r"does not divide the input sizes \[64, 128\]"):
-        Q.main([str(src), str(tmp_path / "a"), "--group-size", "128"])
     glm = tmp_path / "glm"
     save_tiny("glm", glm)
-    with pytest.raises(ValueError, match="supports model types.*'glm'"):
-        Q.main([str(glm), str(tmp_path / "b"), "--group-size", "32"])
-    out = tmp_path / "c"
-    run_cli(src, out, "--n-grid", "1", "--no-clip")
-    with pytest.raises(ValueError, match="already holds a model"):
-        Q.main([str(src), str(out), "--group-size", "32"])
-    with pytest.raises(ValueError, match="already quantized"):
-        Q.main([str(out), str(tmp_path / "d"), "--group-size", "32"])
-    with pytest.raises(ValueError, match="--calib-seq-len 100000 is longer"):
-        Q.main([str(src), str(tmp_path / "e"), "--group-size", "32", "--calib-seq-len", "100000"])
+    done = tmp_path / "done"
+    run_cli(src, done, "--n-grid", "1", "--no-clip")
+    cases = [
+        ([src, tmp_path / "a", "--group-size", "128"], r"does not divide the input sizes \[64, "),
+        ([glm, tmp_path / "b"], "supports model types.*'glm'"),
+        ([src, done], "already holds a model"),
+        ([done, tmp_path / "d"], "already quantized"),
+        ([src, tmp_path / "e", "--calib-seq-len", "100000"], "--calib-seq-len 100000 is longer"),
+        ([tmp_path / "nowhere", tmp_path / "f"], "does not exist"),
+    ]
+    for args, match in cases:
+        capsys.readouterr()
+        assert Q.main([str(a) for a in args] + (["--group-size", "32"] if "--group-size" not in
+                                                 args else [])) == 1
+        assert re.search(match, capsys.readouterr().err), match
+    with pytest.raises(ValueError, match="--n-grid must be at least 1"):
+        Q.quantize(src, tmp_path / "g", group_size=32, n_grid=0)

@@ -17,7 +17,8 @@ head sharing the KV head), so the o_proj factors are tied across those heads.
 
 Then round-to-nearest per group of G input channels, with zero points (AutoAWQ's convention, the
 range widened to hold 0):
-    scale = (max - min) / 15,  zero = round(-min / scale),  q = clamp(round(w / scale) + zero, 0, 15)
+    scale = (max - min) / 15,   zero = round(-min / scale),
+    q = clamp(round(w / scale) + zero, 0, 15),   w ~ (q - zero) * scale
 
 Calibration runs the shipped text (tinypaged/data/calibration.txt) cut into blocks of
 --calib-seq-len tokens through the model one decoder layer at a time: the inputs of layer 0 are
@@ -367,8 +368,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the search for per-group weight clipping ranges")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     args = parser.parse_args(argv)
-    records = quantize(args.model, args.out, args.group_size, args.calib_samples,
-                       args.calib_seq_len, args.n_grid, not args.no_clip, args.device)
+    try:
+        records = quantize(args.model, args.out, args.group_size, args.calib_samples,
+                           args.calib_seq_len, args.n_grid, not args.no_clip, args.device)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tinypaged quantize: error: {e}", file=sys.stderr)
+        return 1
     error = sum(r["error"] for r in records)
     rtn_error = sum(r["rtn_error"] for r in records)
     print(f"tinypaged quantize: wrote {args.out}; summed output error of the quantized linears "
