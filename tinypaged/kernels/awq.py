@@ -183,38 +183,38 @@ def _awq_gemv1_kernel(
     SPLIT_K: tl.constexpr,
 ):
     # M = 1 (batch-1 decode): pure bandwidth. grid: (cdiv(N, BLOCK_N), SPLIT_K). Each program
-    # streams BLOCK_K x BLOCK_N/8 words a step (full 128-byte rows at BLOCK_N = 256), keeps a
-    # 2-D fp32 accumulator of x[k] * w[k, n] and reduces over k once at the end, so the loop
-    # is loads, shifts and FMAs with no cross-thread reduction per group.
+    # streams BLOCK_K x BLOCK_N/8 words a step (64-byte row pieces at BLOCK_N = 128). Tiles stay
+    # 3-D, [k, word, column within the word], so unpacking is shifts only (no register
+    # shuffle), and the fp32 accumulator is reduced over k once, at the end.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     PACKED_N: tl.constexpr = BLOCK_N // 8
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_pn = pid_n * PACKED_N + tl.arange(0, PACKED_N)
-    n_mask = offs_n < N
+    offs_pn = pid_n * PACKED_N + tl.arange(0, PACKED_N)  # [PACKED_N] word index
+    c = tl.arange(0, 8)
+    shifts = ((c // 2) + (c % 2) * 4) * 4  # [8]: column c sits at nibble [0, 4, 1, 5, ...][c]
+    offs_n = offs_pn[:, None] * 8 + c[None, :]  # [PACKED_N, 8] natural column index
     pn_mask = offs_pn < N // 8
     steps_per_split = tl.cdiv(K // BLOCK_K, SPLIT_K)
     k_start = pid_k * steps_per_split * BLOCK_K
     k_end = tl.minimum(k_start + steps_per_split * BLOCK_K, K)
-    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_K, PACKED_N, 8), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         packed = tl.load(qweight_ptr + offs_k[:, None] * (N // 8) + offs_pn[None, :],
-                         mask=pn_mask[None, :], other=0)
-        q = _unpack_int4(packed, BLOCK_K, PACKED_N).to(tl.float32)  # [BLOCK_K, BLOCK_N]
+                         mask=pn_mask[None, :], other=0)  # [BLOCK_K, PACKED_N]
+        q = ((packed[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [K, PN, 8]
         g = k0 // GROUP_SIZE  # BLOCK_K divides GROUP_SIZE: one group per step
-        packed_z = tl.load(qzeros_ptr + g * (N // 8) + offs_pn[None, :], mask=pn_mask[None, :],
-                           other=0)
-        z = _unpack_int4(packed_z, 1, PACKED_N).to(tl.float32)  # [1, BLOCK_N]
-        s = tl.load(scales_ptr + g * N + offs_n[None, :], mask=n_mask[None, :],
-                    other=0.0).to(tl.float32)  # [1, BLOCK_N]
+        packed_z = tl.load(qzeros_ptr + g * (N // 8) + offs_pn, mask=pn_mask, other=0)
+        z = ((packed_z[:, None] >> shifts[None, :]) & 0xF).to(tl.float32)  # [PACKED_N, 8]
+        s = tl.load(scales_ptr + g * N + offs_n, mask=pn_mask[:, None],
+                    other=0.0).to(tl.float32)  # [PACKED_N, 8]
         x = tl.load(x_ptr + offs_k).to(tl.float32)  # [BLOCK_K]
-        acc += x[:, None] * ((q - z) * s)
-    out = tl.sum(acc, axis=0)  # [BLOCK_N]
+        acc += x[:, None, None] * ((q - z[None]) * s[None])
+    out = tl.sum(acc, axis=0)  # [PACKED_N, 8]
     if SPLIT_K == 1:
-        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=pn_mask[:, None])
     else:
-        tl.atomic_add(y_ptr + offs_n, out, mask=n_mask, sem="relaxed")
+        tl.atomic_add(y_ptr + offs_n, out, mask=pn_mask[:, None], sem="relaxed")
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -269,7 +269,7 @@ def _check_args(x, qweight, qzeros, scales, group_size: int) -> tuple[int, int]:
     return K, N
 
 
-def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=256, block_k=32, split_k=None,
+def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=128, block_k=32, split_k=None,
                num_warps=4, num_stages=3):
     """M = 1: the 2-D-accumulator GEMV above; split-K so ~4 programs per SM stream weights."""
     K = x.shape[1]
