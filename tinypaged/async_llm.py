@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from tinypaged.config import EngineConfig
 from tinypaged.engine import Engine, PromptType
@@ -32,7 +33,7 @@ class AsyncLLM:
         self._init(Engine(EngineConfig.from_kwargs(model=model, **kwargs)))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncLLM":
+    def from_config(cls, config: EngineConfig) -> AsyncLLM:
         self = cls.__new__(cls)
         self._init(Engine(config))
         return self

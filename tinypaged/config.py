@@ -37,7 +37,9 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in (
+            "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"
+        ):
             positive(name)
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
@@ -60,7 +62,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be None or 'awq', got {self.quantization!r}")
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Build from keyword arguments, naming any unknown one in the error."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)

@@ -10,7 +10,8 @@ Outputs come back in input order whatever order the engine finished them in.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
