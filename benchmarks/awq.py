@@ -7,9 +7,10 @@
    against the fp32 torch reference, bf16 and fp16 activations, group 128, both weight shapes.
    Error = max |y - ref| / max |ref|; any path over its tolerance stops the script (exit 1).
 2. Weights 4096x14336 (K x N, an up projection) and 14336x4096 (a down projection): M = 1 and
-   16 (decode: memory-bound, reported as packed bytes read per second) and M = 2048 (prefill:
-   TFLOP/s), each beside a bf16 `F.linear` with the dense weight; M = 32..256 the tiled kernel
-   against dequantize + cuBLAS, which decides `DENSE_MIN_M`.
+   16 (decode: memory-bound, reported as packed bytes read per second, timed as CUDA-graph
+   replays over weight sets larger than L2) and M = 2048 (prefill: TFLOP/s), each beside a bf16
+   `F.linear` with the dense weight; M = 32..512 the tiled kernel against dequantize + cuBLAS,
+   which decides `DENSE_MIN_M`.
 3. A markdown table closes the output (copy it into benchmarks/RESULTS.md with date and commit).
 Targets (issue 7): M = 1 >= 3x faster than bf16; M = 2048 >= 70% of bf16 speed.
 """
@@ -22,11 +23,14 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from tinypaged.kernels import awq
 
 DEV, GROUP = "cuda", 128
+# decode timings cycle through this many weight sets per call: 4 x 29 MB of packed weights
+# overflow the H200's 50 MB L2, as a real model's layers do (one set would be served from L2)
+COPIES = 4
 SHAPES = ((4096, 14336), (14336, 4096))  # (K, N)
 ROWS: list[tuple] = []
 
@@ -77,6 +81,14 @@ def bench_us(fn, *args, **kwargs) -> float:
     return do_bench(lambda: fn(*args, **kwargs), warmup=25, rep=100, return_mode="median") * 1e3
 
 
+def decode_us(fn, x, weight_sets) -> float:
+    """Microseconds per call, replayed in a CUDA graph as decode runs (do_bench's one launch per
+    timing would mostly measure the Python launch gap at these ~30 us sizes)."""
+    ms = do_bench_cudagraph(lambda: [fn(x, *w) for w in weight_sets], rep=100,
+                            return_mode="median")
+    return ms * 1e3 / len(weight_sets)
+
+
 def dequant_matmul(x, *weights):
     return x @ awq.awq_dequantize(*weights, dtype=x.dtype)
 
@@ -89,17 +101,24 @@ def record(shape: str, M: int, impl: str, us: float, value: float, unit: str, vs
 
 def timings(sweep: bool) -> None:
     for K, N in SHAPES:
-        qweight, qzeros, scales, _ = random_awq(K, N, torch.bfloat16)
-        weights = (qweight, qzeros, scales, GROUP)
-        dense = torch.randn(N, K, device=DEV, dtype=torch.bfloat16)
+        awq_sets = [(*random_awq(K, N, torch.bfloat16)[:3], GROUP) for _ in range(COPIES)]
+        dense_sets = [(torch.randn(N, K, device=DEV, dtype=torch.bfloat16),)
+                      for _ in range(COPIES)]
+        weights = awq_sets[0]
         packed_bytes = K * N // 2 + (K // GROUP) * N * (2 + 0.5)  # qweight, scales, qzeros
         shape = f"{K}x{N}"
         for M in (1, 16, 2048):
             x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
-            base = bench_us(F.linear, x, dense)
             memory_bound = M <= awq.GEMV_MAX_M
+            if memory_bound:
+                base = decode_us(F.linear, x, dense_sets)
+            else:
+                base = bench_us(F.linear, x, *dense_sets[0])
             for name, fn in [("bf16 F.linear", None), *paths(M).items()]:
-                us = base if fn is None else bench_us(fn, x, *weights)
+                if fn is None:
+                    us = base
+                else:
+                    us = decode_us(fn, x, awq_sets) if memory_bound else bench_us(fn, x, *weights)
                 if memory_bound:  # bytes the kernel must read: the weights (dense: bf16)
                     value, unit = (2 * K * N if fn is None else packed_bytes) / us / 1e3, "GB/s"
                 else:
