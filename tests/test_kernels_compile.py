@@ -1,4 +1,4 @@
-"""Every kernel, through its real launcher, compiles for the H200 (sm_90) on this CPU machine.
+"""Every kernel (AWQ too), through its real launcher, compiles for the H200 (sm_90) on this CPU machine.
 
 The interpreter accepts programs the GPU compiler rejects (layouts, dot shapes, shared memory),
 so a child process builds the kernels as GPU kernels, swaps in a driver that only names the
@@ -71,6 +71,21 @@ for dtype in (torch.bfloat16, torch.float16):
             attention.paged_attention_triton(
                 *args, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1,
                 max_seq_len=40, num_splits=num_splits)
+import os
+
+from tinypaged.kernels import awq
+
+os.environ["TRITON_INTERPRET"] = "1"  # only so awq_dequantize's dispatch picks the kernel
+for dtype in (torch.bfloat16, torch.float16):
+    for K, N, group in ((4096, 1024, 128), (512, 256, 32)):
+        qweight = torch.zeros(K, N // 8, dtype=torch.int32)
+        qzeros = torch.zeros(K // group, N // 8, dtype=torch.int32)
+        scales = torch.ones(K // group, N).to(dtype)
+        awq._awq_gemv1(torch.randn(1, K).to(dtype), qweight, qzeros, scales, group)
+        awq._awq_gemv(torch.randn(8, K).to(dtype), qweight, qzeros, scales, group, split_k=2)
+        for m in (64, 200):
+            awq._awq_gemm(torch.randn(m, K).to(dtype), qweight, qzeros, scales, group)
+        awq.awq_dequantize(qweight, qzeros, scales, group)
 print(" ".join(sorted(set(compiled))))
 """
 
@@ -83,4 +98,5 @@ def test_every_launcher_compiles_for_sm90():
     assert result.stdout.split() == sorted([
         "_decode_merge_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_rotary_kernel",
         "_silu_and_mul_kernel", "_store_kv_kernel", "_varlen_attention_kernel",
+        "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel", "_awq_dequantize_kernel",
     ])
