@@ -184,16 +184,20 @@ def test_cli_writes_an_autoawq_checkpoint(tiny_llama, tmp_path):
     # q/k and gate read norm(h) * weight: the factors s are the ratio of the norm weights, and
     # each holds round-to-nearest of W * s (within one step, see above). (v and up also hold
     # o's and down's factors in their rows; test_folded_scales_keep_full_precision_logits.)
+    # (A grid point of alpha = 0 gives s = 1 for a group; on this tiny random model that can win
+    # for some groups, depending on float rounding, so only "some group moved" is asserted.)
+    moved = []
     for i in range(2):
         p = f"model.layers.{i}."
         for norm, linears in (("input_layernorm", LINEARS[:2]),
                               ("post_attention_layernorm", LINEARS[4:5])):
             s = original[p + norm + ".weight"] / tensors[p + norm + ".weight"]
-            assert not torch.allclose(s, torch.ones_like(s))
+            moved.append(not torch.allclose(s, torch.ones_like(s)))
             for linear in linears:
                 w = original[p + linear + ".weight"] * s
                 step = tensors[p + linear + ".scales"].float().t().repeat_interleave(32, 1)
                 assert ((dequantize(tensors, p + linear, 32) - w).abs() <= step * 1.001).all()
+    assert any(moved)
 
 
 def test_one_grid_point_without_clipping_is_plain_round_to_nearest(tiny_llama, tmp_path):

@@ -215,13 +215,16 @@ def test_64_concurrent_streams_with_disconnects(engine, llm):
     name = {"model_name": "tiny"}
     prompt_tokens = sum(len(llm.tokenizer.encode(p)) for p in prompts)
     assert metric(text, "tinypaged:prompt_tokens_total", **name) == prompt_tokens
-    assert metric(text, "tinypaged:request_success_total", finished_reason="length") == 48
-    assert metric(text, "tinypaged:request_success_total", finished_reason="abort") == 16
+    # On a fast machine a quitter's 200 tokens can all be out before its hang-up reaches the
+    # server: it then ends "length" like the others. Either way every request is counted once.
+    finished = metric(text, "tinypaged:request_success_total", finished_reason="length")
+    aborted = metric(text, "tinypaged:request_success_total", finished_reason="abort")
+    assert finished + aborted == 64 and finished >= 48
     generated = metric(text, "tinypaged:generation_tokens_total", **name)
-    assert 48 * max_tokens + 16 <= generated < 48 * max_tokens + 16 * 200
+    assert 48 * max_tokens + 16 <= generated <= 48 * max_tokens + 16 * 200
     assert metric(text, "tinypaged:time_to_first_token_seconds_count", **name) == 64
     assert metric(text, "tinypaged:inter_token_latency_seconds_count", **name) == generated - 64
-    assert metric(text, "tinypaged:e2e_request_latency_seconds_count", **name) == 48
+    assert metric(text, "tinypaged:e2e_request_latency_seconds_count", **name) == finished
     assert metric(text, "tinypaged:num_requests_running", **name) == 0
     assert metric(text, "tinypaged:kv_cache_usage_perc", **name) == 0
     assert json.dumps(results[1][0])  # a survivor's chunks are plain JSON objects
