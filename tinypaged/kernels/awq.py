@@ -1,21 +1,20 @@
 """Int4 AWQ matmul: y = x @ W with W dequantized from 4-bit integers on the fly.
 
-AutoAWQ "GEMM" checkpoint layout for a linear with K inputs, N outputs and group size G:
-    qweight int32 [K, N/8]     4-bit weights q in 0..15, eight per int32
-    qzeros  int32 [K/G, N/8]   4-bit zero points z, packed the same way
-    scales  fp16  [K/G, N]     one scale s per group of G input rows and output column
+The checkpoint layout (see awq_format.py, which also holds the packers and torch references):
+    qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales [K/G, N]
     W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]                      # [K, N]
-The nibble at bits 4i..4i+3 of qweight[k, j] holds column 8j + AWQ_PACK_ORDER[i]; the interleaved
-order [0, 2, 4, 6, 1, 3, 5, 7] made AutoAWQ's CUDA unpacking cheap, and we keep it for checkpoint
-compatibility. So column 8j + c sits at shift
-    4 * AWQ_PACK_ORDER.index(c) = 4 * [0, 4, 1, 5, 2, 6, 3, 7][c].
+Column 8j + c of a packed word sits at shift 4 * [0, 4, 1, 5, 2, 6, 3, 7][c]; the kernels below
+unpack with those shifts and a 0xF mask.
 
-Three ways to compute y [M, N] (fp32 accumulation, result in x's dtype):
-- GEMV / skinny split-K (M <= 16: decode). Memory-bound: a step must stream the packed weights
-  once, a quarter of the bf16 bytes. N alone gives too few programs to fill the GPU (4096 / 128 =
-  32 column blocks for 132 SMs), so K is split as well and partial sums are atomically added into
-  an fp32 buffer. Inside one group sum_k x (q - z) s = s * (sum_k x q - z * sum_k x): the raw
-  integers feed the product, and zero and scale are applied once per group and column.
+Four ways to compute y [M, N] (fp32 accumulation, result in x's dtype):
+- Batch-1 GEMV (M = 1: single-stream decode). Pure bandwidth: 3-D weight tiles unpacked by shifts
+  only, an fp32 accumulator reduced over K once at the end, K split across programs.
+- Skinny split-K GEMV (2 <= M <= 16: batched decode). Memory-bound: a step must stream the packed
+  weights once, a quarter of the bf16 bytes. N alone gives too few programs to fill the GPU
+  (4096 / 128 = 32 column blocks for 132 SMs), so K is split as well and partial sums are
+  atomically added into an fp32 buffer. Inside one group sum_k x (q - z) s =
+  s * (sum_k x q - z * sum_k x): the raw integers feed tl.dot, and zero and scale are applied once
+  per group and column.
 - Tiled GEMM (16 < M < 256). Each K tile is dequantized in registers and fed to tl.dot.
 - Dense (M >= 256: prefill). Compute-bound: dequantizing the whole weight once (~2.5 bytes per
   weight of traffic) and calling cuBLAS beats dequantizing per tile of M, as in vLLM.
@@ -27,7 +26,23 @@ import torch
 
 from tinypaged.kernels._triton import cdiv, jit, num_sms, tl, use_triton
 
-AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# the format and references live in awq_format.py; re-exported so `awq.pack_awq` etc. keep working
+from tinypaged.kernels.awq_format import (
+    AWQ_PACK_ORDER,
+    awq_dequantize_reference,
+    awq_gemm_reference,
+    pack_awq,
+    pack_int4,
+    unpack_awq,
+    unpack_int4,
+)
+
+__all__ = [
+    "AWQ_PACK_ORDER", "DENSE_MIN_M", "GEMV_MAX_M", "SUPPORTED_GROUP_SIZES", "awq_dequantize",
+    "awq_dequantize_reference", "awq_gemm", "awq_gemm_reference", "pack_awq", "pack_int4",
+    "unpack_awq", "unpack_int4",
+]
+
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 GEMV_MAX_M = 16  # up to here the skinny split-K kernel; tl.dot tiles need at least 16 rows
 DENSE_MIN_M = 256  # from here dequantize once and use torch.matmul
@@ -360,60 +375,3 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     if M >= DENSE_MIN_M:
         return x @ awq_dequantize(qweight, qzeros, scales, group_size, dtype=x.dtype)
     return _awq_gemm(x, qweight, qzeros, scales, group_size)
-
-
-# ----------------------------------------------------------------------------- torch reference
-
-
-def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """Ints 0..15 [R, C] -> int32 [R, C/8] with AWQ's interleaved nibble order."""
-    R, C = values.shape
-    v = values.to(torch.int64).reshape(R, C // 8, 8)
-    packed = torch.zeros(R, C // 8, dtype=torch.int64, device=values.device)
-    for nibble, column in enumerate(AWQ_PACK_ORDER):
-        packed |= v[:, :, column] << (4 * nibble)
-    # reinterpret as two's complement int32: a top nibble >= 8 makes the word negative
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] -> ints 0..15 as int32 [R, 8 * C] in natural column order."""
-    shifts = torch.tensor([4 * AWQ_PACK_ORDER.index(c) for c in range(8)], dtype=torch.int32,
-                          device=packed.device)
-    # the arithmetic shift drags the sign bit along; the mask drops it
-    return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)
-
-
-def pack_awq(intweight: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """intweight [K, N], zeros [K/G, N], ints 0..15 -> (qweight [K, N/8], qzeros [K/G, N/8])."""
-    for name, t in (("intweight", intweight), ("zeros", zeros)):
-        if t.dim() != 2 or t.shape[1] % 8 != 0:
-            raise ValueError(f"pack_awq: {name} must be 2-D with a multiple of 8 columns, got "
-                             f"shape {tuple(t.shape)}")
-        if t.is_floating_point() or t.numel() and (t.min() < 0 or t.max() > 15):
-            raise ValueError(f"pack_awq: {name} must hold integers in 0..15, got {t.dtype} "
-                             f"in [{t.min().item()}, {t.max().item()}]")
-    if intweight.shape[1] != zeros.shape[1]:
-        raise ValueError(f"pack_awq: intweight has {intweight.shape[1]} columns but zeros has "
-                         f"{zeros.shape[1]}; both are [*, N]")
-    return pack_int4(intweight), pack_int4(zeros)
-
-
-def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qweight [K, N/8], qzeros [K/G, N/8]) -> (intweight [K, N], zeros [K/G, N]) as int32."""
-    return unpack_int4(qweight), unpack_int4(qzeros)
-
-
-def awq_dequantize_reference(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                             group_size: int) -> torch.Tensor:
-    """W [K, N] = (q - z) * s in fp32."""
-    q, z = unpack_awq(qweight, qzeros)
-    z = z.repeat_interleave(group_size, dim=0)  # [K, N]
-    s = scales.float().repeat_interleave(group_size, dim=0)  # [K, N]
-    return (q - z).float() * s
-
-
-def awq_gemm_reference(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
-                       scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    w = awq_dequantize_reference(qweight, qzeros, scales, group_size)  # [K, N]
-    return (x.float() @ w).to(x.dtype)
