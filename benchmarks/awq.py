@@ -49,7 +49,7 @@ def paths(M: int) -> dict:
     out = {"awq_gemm (dispatch)": awq.awq_gemm}
     if M == 1 and hasattr(awq, "_awq_gemv1"):
         out["batch-1 GEMV"] = awq._awq_gemv1
-    if M <= awq.GEMV_MAX_M:
+    if 1 < M <= awq.GEMV_MAX_M:  # M = 1 is the batch-1 GEMV's
         out["split-K GEMV"] = awq._awq_gemv
     if M > 1:
         out["tiled GEMM"] = awq._awq_gemm

@@ -74,8 +74,11 @@ def test_awq_gemm_matches_reference(dtype, group_size, M):
     y = awq.awq_gemm(x, qweight, qzeros, s, group_size)
     assert y.dtype == dtype and y.shape == (M, N)
     torch.testing.assert_close(y, ref, **tol)
-    # every path, whatever M the dispatcher would pick it for
-    if M <= 16:
+    # every path, whatever M the dispatcher would pick it for (the split-K GEMV takes M >= 2)
+    if M == 1:
+        y = awq._awq_gemv1(x, qweight, qzeros, s, group_size, block_n=64, split_k=3)
+        torch.testing.assert_close(y, ref, **tol)
+    elif M <= awq.GEMV_MAX_M:
         y = awq._awq_gemv(x, qweight, qzeros, s, group_size, block_n=64, split_k=3)
         torch.testing.assert_close(y, ref, **tol)
     torch.testing.assert_close(awq._awq_gemm(x, qweight, qzeros, s, group_size), ref, **tol)
