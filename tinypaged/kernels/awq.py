@@ -94,17 +94,11 @@ def _awq_gemv_kernel(
         z = _unpack_int4(packed_z, 1, PACKED_N).to(tl.float32)  # [1, BLOCK_N]
         s = tl.load(scales_ptr + g * N + offs_n[None, :], mask=n_mask[None, :],
                     other=0.0).to(tl.float32)  # [1, BLOCK_N]
-        if BLOCK_M == 1:
-            # one row: a broadcast multiply and a reduction over K, no tensor-core tile to pad
-            x = tl.load(x_ptr + k).to(tl.float32)  # [GROUP_SIZE]
-            xq = tl.sum(x[:, None] * q.to(tl.float32), axis=0)[None, :]  # [1, BLOCK_N]
-            x_sum = tl.sum(x)
-        else:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                        mask=m_mask[:, None], other=0.0)  # [BLOCK_M, GROUP_SIZE]
-            # q in 0..15 is exact in fp16 and bf16
-            xq = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-            x_sum = tl.sum(x.to(tl.float32), axis=1)[:, None]  # [BLOCK_M, 1]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                    mask=m_mask[:, None], other=0.0)  # [BLOCK_M, GROUP_SIZE]
+        # q in 0..15 is exact in fp16 and bf16
+        xq = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        x_sum = tl.sum(x.to(tl.float32), axis=1)[:, None]  # [BLOCK_M, 1]
         acc += (xq - x_sum * z) * s
 
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -306,6 +300,7 @@ def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=128, block_k=32, 
 
 
 def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=128, split_k=None, num_warps=4):
+    """2 <= M <= 16: split-K over groups, one tl.dot tile of 16 rows (M = 1 has _awq_gemv1)."""
     M, K = x.shape
     N = qweight.shape[1] * 8
     num_groups = K // group_size
@@ -318,7 +313,7 @@ def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=128, split_k=None,
     y = (torch.empty if split_k == 1 else torch.zeros)(M, N, dtype=out_dtype, device=x.device)
     _awq_gemv_kernel[(n_blocks, split_k)](
         x, qweight, qzeros, scales, y, M, N, K, x.stride(0), y.stride(0),
-        GROUP_SIZE=group_size, BLOCK_M=1 if M == 1 else 16, BLOCK_N=block_n,
+        GROUP_SIZE=group_size, BLOCK_M=16, BLOCK_N=block_n,
         SPLIT_K=split_k, DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps,
     )
     return y.to(x.dtype)
