@@ -49,6 +49,18 @@ def _check_shape(loaded: torch.Tensor, expected: list[int] | torch.Size) -> None
         raise ValueError(f"expected shape {tuple(expected)}, got {tuple(loaded.shape)}")
 
 
+def load_rank_slice(param: nn.Parameter, loaded: torch.Tensor, dim: int | None, rank: int,
+                    size: int) -> None:
+    """Copy rank's slice of the full checkpoint tensor along `dim` (None: the whole tensor)."""
+    if dim is not None:
+        full = list(param.shape)
+        full[dim] *= size
+        _check_shape(loaded, full)
+        loaded = loaded.narrow(dim, rank * param.shape[dim], param.shape[dim])
+    _check_shape(loaded, param.shape)
+    param.data.copy_(loaded)
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
     """Replicated parameter: every rank takes the whole tensor."""
     _check_shape(loaded, param.shape)
@@ -110,14 +122,8 @@ class ColumnParallelLinear(LinearBase):
         return divide(output_size, self.tp_size, "output size")
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        dim = getattr(param, "output_dim", None)
-        if dim is not None:
-            full = list(param.shape)
-            full[dim] *= self.tp_size
-            _check_shape(loaded, full)
-            loaded = loaded.narrow(dim, self.tp_rank * param.shape[dim], param.shape[dim])
-        _check_shape(loaded, param.shape)
-        param.data.copy_(loaded)
+        load_rank_slice(param, loaded, getattr(param, "output_dim", None), self.tp_rank,
+                        self.tp_size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -211,14 +217,8 @@ class RowParallelLinear(LinearBase):
         super().__init__(per_rank, output_size, bias, quant_config)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        dim = getattr(param, "input_dim", None)
-        if dim is not None:
-            full = list(param.shape)
-            full[dim] *= self.tp_size
-            _check_shape(loaded, full)
-            loaded = loaded.narrow(dim, self.tp_rank * param.shape[dim], param.shape[dim])
-        _check_shape(loaded, param.shape)
-        param.data.copy_(loaded)
+        load_rank_slice(param, loaded, getattr(param, "input_dim", None), self.tp_rank,
+                        self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.matmul(x, None))
