@@ -1,4 +1,4 @@
-"""Every kernel (AWQ too), through its real launcher, compiles for the H200 (sm_90) on this CPU machine.
+"""Every kernel (AWQ too), through its real launcher, compiles for the H200 (sm_90) on a CPU.
 
 The interpreter accepts programs the GPU compiler rejects (layouts, dot shapes, shared memory),
 so a child process builds the kernels as GPU kernels, swaps in a driver that only names the

@@ -7,12 +7,10 @@ exercised in test_server_e2e.py.
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 import pytest
-from test_server_helpers import FakeEngine, running_server, sse_events
+from test_server_helpers import FakeEngine, post, running_server, sse_events
 
 from tinypaged.server import build_app
 
@@ -31,23 +29,6 @@ def fake():
 @pytest.fixture(scope="module")
 def client(fake):
     return openai.OpenAI(base_url=fake[1] + "/v1", api_key="unused", max_retries=0)
-
-
-def post(url: str, path: str, body, **kw) -> httpx.Response:
-    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    headers = {"content-type": "application/json", **kw.pop("headers", {})}
-    return httpx.post(url + path, content=data, headers=headers, timeout=10, **kw)
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None, *words: str) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["param"] == param, err
-    assert isinstance(err["message"], str) and err["message"]
-    for word in words:
-        assert word in err["message"], err
-    return err
 
 
 # ---------------------------------------------------------------------------------- happy paths

@@ -4,14 +4,13 @@ the queue limit and failure isolation, against FakeEngine (a test double of Asyn
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import threading
 import time
 
 import httpx
 import pytest
-from test_server_helpers import FakeEngine, running_server, sse_events
+from test_server_helpers import FakeEngine, assert_error, post, running_server, sse_events
 
 from tinypaged.server import build_app
 
@@ -21,22 +20,6 @@ def fake():
     engine = FakeEngine()
     with running_server(build_app(engine, max_body_bytes=4000)) as url:
         yield engine, url
-
-
-def post(url: str, path: str, body, **kw) -> httpx.Response:
-    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    headers = {"content-type": "application/json", **kw.pop("headers", {})}
-    return httpx.post(url + path, content=data, headers=headers, timeout=10, **kw)
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None, *words: str) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["param"] == param, err
-    for word in words:
-        assert word in err["message"], err
-    return err
 
 
 def wait_until(cond, timeout: float = 3.0) -> None:

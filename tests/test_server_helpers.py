@@ -13,6 +13,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import httpx
 import uvicorn
 
 from tinypaged.outputs import CompletionOutput, RequestOutput
@@ -187,3 +188,20 @@ def build_tiny_model(path):
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def post(url: str, path: str, body, **kw) -> httpx.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    headers = {"content-type": "application/json", **kw.pop("headers", {})}
+    return httpx.post(url + path, content=data, headers=headers, timeout=10, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    assert isinstance(err["message"], str) and err["message"]
+    for word in words:
+        assert word in err["message"], err
+    return err
