@@ -27,6 +27,7 @@ import torch
 from tinypaged.kernels._triton import num_sms, use_triton
 from tinypaged.kernels.attention_decode import decode_attention_triton, decode_num_splits
 from tinypaged.kernels.attention_varlen import varlen_attention_triton
+from tinypaged.kernels.kv_cache import check_cache_pair
 
 # Tile configurations, overridable per call through `config=`. Prefill on Hopper: 128 x 64 tiles
 # and 8 warps keep the tensor cores busy; decode streams K/V in 64-key tiles with 4 warps.
@@ -150,13 +151,7 @@ def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ou
             f"k_cache must be [num_blocks, block_size, Hk, D={head_dim}] in q's dtype {q.dtype}; "
             f"got {k_cache.dtype} of shape {tuple(k_cache.shape)}"
         )
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"v_cache must match k_cache ({tuple(k_cache.shape)}, {k_cache.dtype}); "
-            f"got {v_cache.dtype} of shape {tuple(v_cache.shape)}"
-        )
-    if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must have the same strides, last dim contiguous")
+    check_cache_pair(k_cache, v_cache)
     num_kv_heads = k_cache.shape[2]
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(

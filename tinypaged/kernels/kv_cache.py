@@ -79,6 +79,18 @@ def store_kv_ref(
     v_cache[slots // block_size, slots % block_size] = v[keep].to(v_cache.dtype)
 
 
+def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """K and V caches of one layer: same shape, dtype and strides, last dim contiguous (the
+    kernels index both with one set of strides)."""
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"v_cache must match k_cache ({tuple(k_cache.shape)}, {k_cache.dtype}); "
+            f"got {v_cache.dtype} of shape {tuple(v_cache.shape)}"
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same strides, last dim contiguous")
+
+
 def _check_args(k, v, k_cache, v_cache, slot_mapping) -> None:
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(
@@ -94,13 +106,7 @@ def _check_args(k, v, k_cache, v_cache, slot_mapping) -> None:
                 f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim] = {expected} "
                 f"to match k; got {tuple(cache.shape)}"
             )
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"v_cache must match k_cache ({tuple(k_cache.shape)}, {k_cache.dtype}); "
-            f"got {tuple(v_cache.shape)}, {v_cache.dtype}"
-        )
-    if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must have the same strides, last dim contiguous")
+    check_cache_pair(k_cache, v_cache)
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.is_floating_point():
         raise ValueError(
             f"slot_mapping must be an integer tensor [T] = [{k.shape[0]}]; "
