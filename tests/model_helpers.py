@@ -238,3 +238,19 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-
     err = (ours.float() - ref.float()).abs().max().item()
     scale = ref.float().abs().max().item()
     assert err <= rtol * scale, f"{what}: max abs error {err:.3g} > {rtol} * {scale:.3g}"
+
+
+def check_prefill_then_decode(runner: PagedRunner, hf_model, prompts: list[list[int]],
+                              steps: int, what: str = "") -> None:
+    """All prompts prefilled in one flat batch, then `steps` batched decode steps fed with
+    transformers' greedy tokens: every logit row must match transformers' full forward."""
+    refs = [greedy_reference(hf_model, p, steps) for p in prompts]  # (tokens, logits)
+    seqs = [runner.add_sequence() for _ in prompts]
+    out = runner.step(dict(zip(seqs, prompts)))
+    for s, p, (_, ref) in zip(seqs, prompts, refs):
+        assert_logits_close(out[s], ref[: len(p)], what=f"{what} prefill of {len(p)} tokens")
+    for i in range(steps):
+        out = runner.step({s: [tokens[i]] for s, (tokens, _) in zip(seqs, refs)})
+        for s, p, (_, ref) in zip(seqs, prompts, refs):
+            assert_logits_close(out[s], ref[len(p) + i : len(p) + i + 1],
+                                what=f"{what} decode step {i} of seq {s}")

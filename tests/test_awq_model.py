@@ -5,8 +5,7 @@ import pytest
 import torch
 from model_helpers import (  # noqa: F401  (single_thread: autouse fixture)
     PagedRunner,
-    assert_logits_close,
-    greedy_reference,
+    check_prefill_then_decode,
     single_thread,
 )
 from safetensors.torch import load_file
@@ -42,16 +41,8 @@ def quantized_pair(kind, tmp_path, group_size=32):
 
 def check_against(model, hf_model):
     """Two prompts prefilled in one flat batch, then batched decode steps: every logit row."""
-    refs = [greedy_reference(hf_model, p, STEPS) for p in PROMPTS]
-    runner = PagedRunner(model, block_size=4, num_blocks=32)
-    seqs = [runner.add_sequence() for _ in PROMPTS]
-    out = runner.step(dict(zip(seqs, PROMPTS)))
-    for s, p, (_, ref) in zip(seqs, PROMPTS, refs):
-        assert_logits_close(out[s], ref[: len(p)], what=f"prefill {s}")
-    for step in range(STEPS):
-        out = runner.step({s: [tokens[step]] for s, (tokens, _) in zip(seqs, refs)})
-        for s, p, (_, ref) in zip(seqs, PROMPTS, refs):
-            assert_logits_close(out[s][0], ref[len(p) + step], what=f"decode {step} of {s}")
+    check_prefill_then_decode(PagedRunner(model, block_size=4, num_blocks=32), hf_model,
+                              PROMPTS, STEPS, what="awq")
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])

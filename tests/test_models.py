@@ -16,6 +16,7 @@ from model_helpers import (
     assert_logits_close,
     build_model,
     chatglm_checkpoint,
+    check_prefill_then_decode,
     greedy_reference,
     single_thread,  # noqa: F401 - autouse fixture
     tiny_hf_model,
@@ -46,17 +47,7 @@ def test_prefill_and_decode_match_transformers(kind):
     block_size = 8 if kind in ("llama", "qwen3", "glm", "chatglm") else 16
     runner = PagedRunner(model, block_size=block_size, num_blocks=32, seed=len(kind))
     prompts = [random_prompt(n, seed=n) for n in PROMPT_LENS]
-    refs = [greedy_reference(hf, p, DECODE_STEPS) for p in prompts]  # (tokens, logits)
-    seqs = [runner.add_sequence() for _ in prompts]
-
-    out = runner.step(dict(zip(seqs, prompts)))
-    for s, p, (_, ref) in zip(seqs, prompts, refs):
-        assert_logits_close(out[s], ref[: len(p)], what=f"{kind} prefill of {len(p)} tokens")
-    for i in range(DECODE_STEPS):
-        out = runner.step({s: [tokens[i]] for s, (tokens, _) in zip(seqs, refs)})
-        for s, p, (_, ref) in zip(seqs, prompts, refs):
-            assert_logits_close(out[s], ref[len(p) + i : len(p) + i + 1],
-                                what=f"{kind} decode step {i}")
+    check_prefill_then_decode(runner, hf, prompts, DECODE_STEPS, what=kind)
 
 
 def test_chunked_prefill_over_cached_prefix():
