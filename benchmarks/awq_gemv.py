@@ -1,49 +1,136 @@
-"""Batch-1 AWQ GEMV against the bf16 linear, timed as CUDA-graph replays.
+"""Batch-1 AWQ GEMV against the bf16 linear on the GPU: checks first, then CUDA-graph timings.
 
-At M=1 both kernels run in ~30 us, so `do_bench` (one launch per timing) mostly measures the
-Python launch gap; decode runs under CUDA graphs, so this replays 50 calls per graph instead.
+At M=1 a call takes 5-30 us, so `do_bench` (one launch per timing) mostly measures the Python
+launch gap; decode replays CUDA graphs, so this times graphs of 50 calls. Each call in a graph
+uses the next of several weight copies, together over 3x the 60 MB L2, so every call streams its
+weights from HBM (one copy of a 4096x14336 AWQ weight, 30 MB, would otherwise stay in L2).
 
-    PYTHONPATH=. python benchmarks/awq_gemv.py
+    PYTHONPATH=. python benchmarks/awq_gemv.py            # Llama-3-8B shapes, default config
+    PYTHONPATH=. python benchmarks/awq_gemv.py --sweep    # also block_n / warps / split sweeps
 """
+import argparse
+import itertools
+
 import torch
 import torch.nn.functional as F
 
 from tinypaged.kernels import awq
+from tinypaged.kernels._triton import cdiv, num_sms
+
+GROUP = 128
+L2_BYTES = 60 << 20
+SHAPES = [(4096, 6144, "qkv"), (4096, 4096, "o"), (4096, 28672, "gate_up"), (14336, 4096, "down"),
+          (4096, 14336, "issue")]
 
 
-def graph_us(fn, reps=50):
-    fn()
+def graph_us(calls, reps=50):
+    """Median time of one call, from replays of a graph of `reps` calls (calls[i % len])."""
+    for fn in calls:
+        fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
+        for i in range(reps):
+            calls[i % len(calls)]()
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(5):
+    for _ in range(7):
         start.record()
         g.replay()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[2]
+    return sorted(times)[3]
 
 
-g = 128
-for K, N in ((4096, 14336), (14336, 4096)):
-    qw = torch.randint(-2**31, 2**31 - 1, (K, N // 8), device="cuda", dtype=torch.int32)
-    qz = torch.randint(-2**31, 2**31 - 1, (K // g, N // 8), device="cuda", dtype=torch.int32)
-    s = (torch.rand(K // g, N, device="cuda") * 0.01).bfloat16()
-    x = torch.randn(1, K, device="cuda").bfloat16()
-    dense = torch.randn(N, K, device="cuda").bfloat16()
-    base = graph_us(lambda x=x, dense=dense: F.linear(x, dense))
-    for bn, bk, w in ((256, 16, 8), (128, 32, 4), (512, 32, 4)):
-        def gemv(bn=bn, bk=bk, w=w, x=x, qw=qw, qz=qz, s=s):
-            return awq._awq_gemv1(x, qw, qz, s, g, block_n=bn, block_k=bk, num_warps=w)
+def copy_bandwidth():
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (start.elapsed_time(end) * 1e-3)
 
-        t = graph_us(gemv)
-        gbs = (K * N // 2 + (K // g) * N * 2.5) / t / 1e3
-        print(f"{K}x{N} M=1 graph replay: bf16 linear {base:.1f} us, AWQ {t:.1f} us "
-              f"({gbs:.0f} GB/s, {base / t:.2f}x) block_n={bn} block_k={bk} warps={w}")
+
+def awq_weights(K, N, copies):
+    out = []
+    for _ in range(copies):
+        qw = torch.randint(-2**31, 2**31 - 1, (K, N // 8), device="cuda", dtype=torch.int32)
+        qz = torch.randint(-2**31, 2**31 - 1, (K // GROUP, N // 8), device="cuda",
+                           dtype=torch.int32)
+        s = (torch.rand(K // GROUP, N, device="cuda") * 0.02 + 0.001).half()  # as checkpoints
+        out.append((qw, qz, s, awq.gemv_scales(s)))
+    return out
+
+
+def check(x, weights, **config):
+    """Error against the fp32 reference, with the output poisoned first; workspace re-zeroed."""
+    qw, qz, s, s_t = weights
+    ref = awq.awq_gemm_reference(x.float(), qw, qz, s, GROUP)
+    errs = []
+    for _ in range(3):  # a moving error would be a race between the splits
+        y = awq._awq_gemv1(x, qw, qz, s, GROUP, scales_t=s_t, **config)
+        assert torch.isfinite(y).all(), config
+        errs.append(((y.float() - ref).norm() / ref.norm()).item())
+    partial, count = awq._GEMV1_WORKSPACE[x.device]
+    assert not partial.any() and not count.any(), "workspace not re-zeroed"
+    assert max(errs) < 1e-2 and max(errs) - min(errs) < 1e-3, (config, errs)
+    return max(errs)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    sms = num_sms(0)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs")
+    results = []
+    for K, N, name in SHAPES:
+        awq_bytes = K * N // 2 + (K // GROUP) * N * 2 + (K // GROUP) * N // 2  # q, s, z
+        dense_bytes = K * N * 2
+        weights = awq_weights(K, N, max(2, cdiv(3 * L2_BYTES, awq_bytes)))
+        dense = [torch.randn(N, K, device="cuda").bfloat16()
+                 for _ in range(max(2, cdiv(3 * L2_BYTES, dense_bytes)))]
+        x = torch.randn(1, K, device="cuda").bfloat16()
+        base = graph_us([lambda w=w, x=x: F.linear(x, w) for w in dense])
+        configs = [{}]
+        if args.sweep:
+            for stages, per_sm in itertools.product((2, 3), (1, 2, 3, 4)):
+                split = max(1, cdiv(per_sm * sms, cdiv(N, 256)))
+                configs.append(dict(num_stages=stages, split_k=split))
+        for config in configs:
+            err = check(x, weights[0], **config)
+            t = graph_us([lambda w=w, c=config, x=x:
+                          awq._awq_gemv1(x, *w[:3], GROUP, scales_t=w[3], **c) for w in weights])
+            results.append((name, K, N, config or "default", base, t, err,
+                         awq_bytes / t / 1e3, awq_bytes / t * 1e6 / bw))
+            print(f"{name} {K}x{N} {config or 'default'}: bf16 {base:.1f} us "
+                  f"({dense_bytes / base / 1e3:.0f} GB/s), AWQ {t:.1f} us, {base / t:.2f}x, "
+                  f"err {err:.1e}", flush=True)
+    print("\n| layer | K x N | config | bf16 linear (us) | AWQ GEMV (us) | speed-up | "
+          "AWQ GB/s | % of copy BW | rel. error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    best = {}
+    for name, K, N, config, base, t, err, gbs, frac in results:
+        if name not in best or t < best[name][0]:
+            best[name] = (t, config)
+        if config == "default":
+            print(f"| {name} | {K}x{N} | default | {base:.1f} | {t:.1f} | {base / t:.2f}x | "
+                  f"{gbs:.0f} | {100 * frac:.0f}% | {err:.1e} |")
+    if args.sweep:
+        for name, (t, config) in best.items():
+            print(f"best {name}: {t:.1f} us {config}")
+
+
+if __name__ == "__main__":
+    main()

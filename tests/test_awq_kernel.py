@@ -1,5 +1,7 @@
 """AWQ int4 packing and the Triton dequant GEMM / GEMV under the Triton interpreter."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -76,7 +78,8 @@ def test_awq_gemm_matches_reference(dtype, group_size, M):
     torch.testing.assert_close(y, ref, **tol)
     # every path, whatever M the dispatcher would pick it for (the split-K GEMV takes M >= 2)
     if M == 1:
-        y = awq._awq_gemv1(x, qweight, qzeros, s, group_size, block_n=64, split_k=3)
+        y = awq._awq_gemv1(x, qweight, qzeros, s, group_size, block_n=128, split_k=3,
+                           scales_t=awq.gemv_scales(s))
         torch.testing.assert_close(y, ref, **tol)
     elif M <= awq.GEMV_MAX_M:
         y = awq._awq_gemv(x, qweight, qzeros, s, group_size, block_n=64, split_k=3)
@@ -134,13 +137,33 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("K,N,group_size,block_n", [(256, 512, 128, 256), (512, 64, 64, 256),
-                                                    (128, 96, 32, 64)])
-def test_batch1_gemv_matches_reference(dtype, K, N, group_size, block_n):
+@pytest.mark.parametrize("K,N,group_size,block_n,num_warps", [
+    (256, 512, 128, 256, 4), (512, 64, 64, 256, 4), (128, 96, 32, 128, 4), (128, 960, 32, 128, 2),
+    (256, 1024, 64, 1024, 2)])
+def test_batch1_gemv_matches_reference(dtype, K, N, group_size, block_n, num_warps):
     q, z, s, qweight, qzeros = random_awq(K, N, group_size, seed=K + N)
     x = torch.randn(1, K).to(dtype)
-    ref = awq.awq_gemm_reference(x, qweight, qzeros, s.to(dtype), group_size)
-    for split_k in (1, 3, None):  # one program per column block, partial sums, the default
-        y = awq._awq_gemv1(x, qweight, qzeros, s.to(dtype), group_size, block_n=block_n,
-                           split_k=split_k)
+    s = s.to(dtype)
+    ref = awq.awq_gemm_reference(x, qweight, qzeros, s, group_size)
+    # one program per column block, partial sums, the default; the checkpoint's scale layout
+    # and gemv_scales'
+    for split_k, scales_t in itertools.product((1, 3, None), (None, awq.gemv_scales(s))):
+        y = awq._awq_gemv1(x, qweight, qzeros, s, group_size, block_n=block_n,
+                           split_k=split_k, num_warps=num_warps, scales_t=scales_t)
         torch.testing.assert_close(y, ref, rtol=1e-3, atol=1e-3)
+        # the split-K sums and arrival counters are left zeroed for the next call
+        partial, count = awq._GEMV1_WORKSPACE[x.device]
+        assert not partial.any() and not count.any()
+
+
+def test_gemv_scales_layout_and_errors():
+    s = torch.arange(2 * 16, dtype=torch.float32).reshape(2, 16)
+    s_t = awq.gemv_scales(s)
+    assert s_t.shape == (2, 8, 2) and s_t[1, 3, 1] == s[1, 8 + 3]
+    _, _, s, qweight, qzeros = random_awq(128, 32, 64, seed=8)
+    x = torch.randn(1, 128)
+    with pytest.raises(ValueError, match="scales_t"):
+        awq.awq_gemm(x, qweight, qzeros, s, 64, scales_t=s)
+    _, _, s, qweight, qzeros = random_awq(64, 512, 32, seed=9)
+    with pytest.raises(ValueError, match="group_size=32"):  # 128 rows a step, groups of 32
+        awq._awq_gemv1(torch.randn(1, 64), qweight, qzeros, s, 32, block_n=32)

@@ -81,7 +81,9 @@ for dtype in (torch.bfloat16, torch.float16):
         qweight = torch.zeros(K, N // 8, dtype=torch.int32)
         qzeros = torch.zeros(K // group, N // 8, dtype=torch.int32)
         scales = torch.ones(K // group, N).to(dtype)
-        awq._awq_gemv1(torch.randn(1, K).to(dtype), qweight, qzeros, scales, group)
+        for scales_t in (None, awq.gemv_scales(scales)):
+            awq._awq_gemv1(torch.randn(1, K).to(dtype), qweight, qzeros, scales, group,
+                           scales_t=scales_t)
         awq._awq_gemv(torch.randn(8, K).to(dtype), qweight, qzeros, scales, group, split_k=2)
         for m in (64, 200):
             awq._awq_gemm(torch.randn(m, K).to(dtype), qweight, qzeros, scales, group)
