@@ -1,12 +1,12 @@
-"""Batch-1 AWQ GEMV against the bf16 linear on the GPU: checks first, then CUDA-graph timings.
+"""AWQ decode GEMVs (M = 1, 2..16) against the bf16 linear on the GPU: checks, then timings.
 
 At M=1 a call takes 5-30 us, so `do_bench` (one launch per timing) mostly measures the Python
 launch gap; decode replays CUDA graphs, so this times graphs of 50 calls. Each call in a graph
 uses the next of several weight copies, together over 3x the 60 MB L2, so every call streams its
 weights from HBM (one copy of a 4096x14336 AWQ weight, 30 MB, would otherwise stay in L2).
 
-    PYTHONPATH=. python benchmarks/awq_gemv.py            # Llama-3-8B shapes, default config
-    PYTHONPATH=. python benchmarks/awq_gemv.py --sweep    # also block_n / warps / split sweeps
+    PYTHONPATH=. python benchmarks/awq_gemv.py               # Llama-3-8B shapes, M = 1 and 8
+    PYTHONPATH=. python benchmarks/awq_gemv.py --sweep     # also tile / split / stage sweeps
 """
 import argparse
 import itertools
@@ -71,16 +71,23 @@ def awq_weights(K, N, copies):
     return out
 
 
-def check(x, weights, **config):
-    """Error against the fp32 reference, with the output poisoned first; workspace re-zeroed."""
+def gemv(x, weights, **config):
+    """The path awq_gemm picks for x's rows (M = 1 or 2..16), with the layer's scales_t."""
     qw, qz, s, s_t = weights
+    fn = awq._awq_gemv1 if x.shape[0] == 1 else awq._awq_gemv
+    return fn(x, qw, qz, s, GROUP, scales_t=s_t, **config)
+
+
+def check(x, weights, **config):
+    """Error against the fp32 reference, on fresh outputs; workspace re-zeroed; repeatable."""
+    qw, qz, s, _ = weights
     ref = awq.awq_gemm_reference(x.float(), qw, qz, s, GROUP)
     errs = []
     for _ in range(3):  # a moving error would be a race between the splits
-        y = awq._awq_gemv1(x, qw, qz, s, GROUP, scales_t=s_t, **config)
+        y = gemv(x, weights, **config)
         assert torch.isfinite(y).all(), config
         errs.append(((y.float() - ref).norm() / ref.norm()).item())
-    partial, count = awq._GEMV1_WORKSPACE[x.device]
+    partial, count = awq._SPLIT_K_WORKSPACE[x.device]
     assert not partial.any() and not count.any(), "workspace not re-zeroed"
     assert max(errs) < 1e-2 and max(errs) - min(errs) < 1e-3, (config, errs)
     return max(errs)
@@ -88,44 +95,50 @@ def check(x, weights, **config):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="split / stage sweep at M = 1")
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 8], help="rows of x")
     args = parser.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
     sms = num_sms(0)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs")
     results = []
-    for K, N, name in SHAPES:
+    for (K, N, name), M in itertools.product(SHAPES, args.m):
         awq_bytes = K * N // 2 + (K // GROUP) * N * 2 + (K // GROUP) * N // 2  # q, s, z
         dense_bytes = K * N * 2
         weights = awq_weights(K, N, max(2, cdiv(3 * L2_BYTES, awq_bytes)))
         dense = [torch.randn(N, K, device="cuda").bfloat16()
                  for _ in range(max(2, cdiv(3 * L2_BYTES, dense_bytes)))]
-        x = torch.randn(1, K, device="cuda").bfloat16()
+        x = torch.randn(M, K, device="cuda").bfloat16()
         base = graph_us([lambda w=w, x=x: F.linear(x, w) for w in dense])
         configs = [{}]
-        if args.sweep:
+        if args.sweep and M == 1:
             for stages, per_sm in itertools.product((2, 3), (1, 2, 3, 4)):
                 split = max(1, cdiv(per_sm * sms, cdiv(N, 256)))
                 configs.append(dict(num_stages=stages, split_k=split))
+        elif args.sweep:
+            for block_n, block_k, stages, per_sm in itertools.product(
+                    (128, 256), (32, 64, 128), (2, 3), (2, 4)):
+                split = max(1, cdiv(per_sm * sms, cdiv(N, block_n)))
+                configs.append(dict(block_n=block_n, block_k=block_k, num_stages=stages,
+                                    split_k=split))
         for config in configs:
             err = check(x, weights[0], **config)
-            t = graph_us([lambda w=w, c=config, x=x:
-                          awq._awq_gemv1(x, *w[:3], GROUP, scales_t=w[3], **c) for w in weights])
-            results.append((name, K, N, config or "default", base, t, err,
-                         awq_bytes / t / 1e3, awq_bytes / t * 1e6 / bw))
-            print(f"{name} {K}x{N} {config or 'default'}: bf16 {base:.1f} us "
+            t = graph_us([lambda w=w, c=config, x=x: gemv(x, w, **c) for w in weights])
+            results.append((name, K, N, M, config or "default", base, t, err,
+                            awq_bytes / t / 1e3, awq_bytes / t * 1e6 / bw))
+            print(f"{name} {K}x{N} M={M} {config or 'default'}: bf16 {base:.1f} us "
                   f"({dense_bytes / base / 1e3:.0f} GB/s), AWQ {t:.1f} us, {base / t:.2f}x, "
                   f"err {err:.1e}", flush=True)
-    print("\n| layer | K x N | config | bf16 linear (us) | AWQ GEMV (us) | speed-up | "
-          "AWQ GB/s | % of copy BW | rel. error |")
+    print("\n| layer | K x N | M | bf16 linear (us) | AWQ (us) | speed-up | AWQ GB/s | "
+          "% of copy BW | rel. error |")
     print("|---|---|---|---|---|---|---|---|---|")
     best = {}
-    for name, K, N, config, base, t, err, gbs, frac in results:
-        if name not in best or t < best[name][0]:
-            best[name] = (t, config)
+    for name, K, N, M, config, base, t, err, gbs, frac in results:
+        if name + str(M) not in best or t < best[name + str(M)][0]:
+            best[name + str(M)] = (t, config)
         if config == "default":
-            print(f"| {name} | {K}x{N} | default | {base:.1f} | {t:.1f} | {base / t:.2f}x | "
+            print(f"| {name} | {K}x{N} | {M} | {base:.1f} | {t:.1f} | {base / t:.2f}x | "
                   f"{gbs:.0f} | {100 * frac:.0f}% | {err:.1e} |")
     if args.sweep:
         for name, (t, config) in best.items():

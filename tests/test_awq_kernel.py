@@ -82,7 +82,8 @@ def test_awq_gemm_matches_reference(dtype, group_size, M):
                            scales_t=awq.gemv_scales(s))
         torch.testing.assert_close(y, ref, **tol)
     elif M <= awq.GEMV_MAX_M:
-        y = awq._awq_gemv(x, qweight, qzeros, s, group_size, block_n=64, split_k=3)
+        y = awq._awq_gemv(x, qweight, qzeros, s, group_size, block_n=128, split_k=3,
+                          scales_t=awq.gemv_scales(s))
         torch.testing.assert_close(y, ref, **tol)
     torch.testing.assert_close(awq._awq_gemm(x, qweight, qzeros, s, group_size), ref, **tol)
 
@@ -92,8 +93,10 @@ def test_gemv_split_k_and_strided_x():
     x = torch.randn(4, 1024)[:, ::2]  # a strided view: the launcher must not assume contiguity
     ref = awq.awq_gemm_reference(x, qweight, qzeros, s, 64)
     for split_k in (1, 2, 8, 100):  # 100 > number of groups: the extra splits are dropped
-        y = awq._awq_gemv(x.contiguous(), qweight, qzeros, s, 64, block_n=64, split_k=split_k)
+        y = awq._awq_gemv(x.contiguous(), qweight, qzeros, s, 64, block_n=128, split_k=split_k)
         torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+        partial, count = awq._SPLIT_K_WORKSPACE[x.device]
+        assert not partial.any() and not count.any()
     torch.testing.assert_close(awq.awq_gemm(x, qweight, qzeros, s, 64), ref, rtol=1e-4,
                                atol=1e-4)
 
@@ -152,7 +155,7 @@ def test_batch1_gemv_matches_reference(dtype, K, N, group_size, block_n, num_war
                            split_k=split_k, num_warps=num_warps, scales_t=scales_t)
         torch.testing.assert_close(y, ref, rtol=1e-3, atol=1e-3)
         # the split-K sums and arrival counters are left zeroed for the next call
-        partial, count = awq._GEMV1_WORKSPACE[x.device]
+        partial, count = awq._SPLIT_K_WORKSPACE[x.device]
         assert not partial.any() and not count.any()
 
 

@@ -6,6 +6,7 @@ import torch
 from model_helpers import (  # noqa: F401  (single_thread: autouse fixture)
     PagedRunner,
     check_prefill_then_decode,
+    greedy_reference,
     single_thread,
 )
 from safetensors.torch import load_file
@@ -103,3 +104,33 @@ def test_layer_sizes_must_fit_the_packing():
         AWQConfig(group_size=64).create_weights(layer, 96, 64, torch.float32)
     with pytest.raises(ValueError, match="60 output features"):
         AWQConfig(group_size=32).create_weights(layer, 64, 60, torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_quantized_checkpoint_on_cuda(dtype, tmp_path):
+    """The GPU kernels in a model: prefill (tiled GEMM), a decode batch of three (the batched
+    GEMV, tl.dot on bf16/fp16 magic-number weights) and single-sequence decode (the batch-1
+    GEMV, with the layer's gemv_scales copy) against transformers' fp32 forward on the
+    dequantized weights, within the precision of `dtype`."""
+    out, hf_model = quantized_pair("llama", tmp_path)
+    model, _, _ = load_model(EngineConfig(model=str(out), dtype=dtype), "cuda")
+    runner = PagedRunner(model, block_size=4, num_blocks=64)
+    prompts = PROMPTS + [list(range(40, 53))]
+    refs = [greedy_reference(hf_model, p, 4) for p in prompts]  # (tokens, logits)
+
+    def close(got, want, what):
+        err = ((got.cpu() - want).norm() / want.norm()).item()
+        assert err < 2e-2, f"{dtype} {what}: relative error {err:.1e}"
+
+    seqs = [runner.add_sequence() for _ in prompts]
+    out = runner.step(dict(zip(seqs, prompts)))
+    for s, p, (_, ref) in zip(seqs, prompts, refs):
+        close(out[s], ref[: len(p)], "prefill")
+    for i in range(4):  # two steps of the three sequences, then sequence 0 alone
+        batch = seqs if i < 2 else seqs[:1]
+        out = runner.step({s: [refs[s][0][i]] for s in batch})
+        for s in batch:
+            close(out[s], refs[s][1][len(prompts[s]) + i : len(prompts[s]) + i + 1],
+                  f"decode step {i} of {len(batch)} sequences")
+    assert all(hasattr(m, "scales_t") for m in model.modules() if hasattr(m, "qweight"))

@@ -63,53 +63,107 @@ def _unpack_int4(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
     return tl.reshape(q, (ROWS, COLS * 8))
 
 
-@jit(do_not_specialize=('M',))
+@jit
+def _dot_column(x, words, zero_words, x_sum, scale, shift: tl.constexpr, MAGIC16: tl.constexpr,
+                OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # s * (x @ (q - z)) for the column whose nibble sits at `shift`: [M, BK] x [BK, W] -> [M, W].
+    # 16-bit x: MAGIC16 | q is OFFSET + q exactly as bf16 (0x4300: 128 + q) or fp16 (0x6400:
+    # 1024 + q), two instructions a weight; x @ (OFFSET + q) - (OFFSET + z) * sum(x) is the
+    # product with q - z. fp32 x: q through fp32's 2**23 trick, OFFSET = 0.
+    nibbles = (words >> shift) & 0xF  # [BK, W]
+    if MAGIC16:
+        w = (nibbles | MAGIC16).to(tl.int16).to(x.dtype, bitcast=True)
+    else:
+        w = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    z = ((zero_words >> shift) & 0xF).to(tl.float32)  # [W]
+    xw = tl.dot(x, w, input_precision=DOT_PRECISION)  # [M, W] fp32
+    return (xw - x_sum * (OFFSET + z)[None, :]) * scale[None, :]
+
+
+@jit(do_not_specialize=("M", "split_k"))
 def _awq_gemv_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, y_ptr,  # y: [M, N], fp32 when SPLIT_K > 1
-    M, N, K, stride_xm, stride_ym,
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, y_ptr,  # x: [M, K]; y: [M, N]
+    partial_ptr, count_ptr,  # fp32 [M, N] and int32 [cdiv(N, 8 * WORDS)], zero before and after
+    M, N, K, stride_xm, stride_q, stride_sg, stride_sc, stride_sw, split_k,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, WORDS: tl.constexpr, BLOCK_K: tl.constexpr,
+    MAGIC16: tl.constexpr, OFFSET: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    # grid: (cdiv(N, BLOCK_N), SPLIT_K); one K tile = one quantization group
+    # 2 <= M <= 16 (batched decode). grid: (cdiv(N / 8, WORDS), split_k). Memory-bound like
+    # M = 1, but the M rows make CUDA-core FMAs too many, so each of the 8 columns of a word gets
+    # its own tl.dot over a K step (BLOCK_K rows of one group): 8 [BLOCK_M, BLOCK_K] x
+    # [BLOCK_K, WORDS] products whose cost does not grow with M.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    PACKED_N: tl.constexpr = BLOCK_N // 8
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_pn = pid_n * PACKED_N + tl.arange(0, PACKED_N)
-    offs_k = tl.arange(0, GROUP_SIZE)
     m_mask = offs_m < M
-    n_mask = offs_n < N
-    pn_mask = offs_pn < N // 8
-
-    num_groups = K // GROUP_SIZE
-    groups_per_split = tl.cdiv(num_groups, SPLIT_K)
-    g_start = pid_k * groups_per_split
-    g_end = tl.minimum(g_start + groups_per_split, num_groups)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(g_start, g_end):
-        k = g * GROUP_SIZE + offs_k
-        packed = tl.load(qweight_ptr + k[:, None] * (N // 8) + offs_pn[None, :],
-                         mask=pn_mask[None, :], other=0)
-        q = _unpack_int4(packed, GROUP_SIZE, PACKED_N)  # [GROUP_SIZE, BLOCK_N]
-        packed_z = tl.load(qzeros_ptr + g * (N // 8) + offs_pn[None, :],
-                           mask=pn_mask[None, :], other=0)
-        z = _unpack_int4(packed_z, 1, PACKED_N).to(tl.float32)  # [1, BLOCK_N]
-        s = tl.load(scales_ptr + g * N + offs_n[None, :], mask=n_mask[None, :],
-                    other=0.0).to(tl.float32)  # [1, BLOCK_N]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                    mask=m_mask[:, None], other=0.0)  # [BLOCK_M, GROUP_SIZE]
-        # q in 0..15 is exact in fp16 and bf16
-        xq = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    offs_w = pid_n * WORDS + tl.arange(0, WORDS)
+    w_mask = offs_w < stride_q  # stride_q = N / 8 words
+    offs_k = tl.arange(0, BLOCK_K)
+    steps = K // BLOCK_K
+    steps_per_split = tl.cdiv(steps, split_k)
+    first = pid_k * steps_per_split
+    last = tl.minimum(first + steps_per_split, steps)
+    acc0 = tl.zeros((BLOCK_M, WORDS), tl.float32)  # column 8w + c of each word in acc<c>
+    acc1 = tl.zeros((BLOCK_M, WORDS), tl.float32)
+    acc2 = tl.zeros((BLOCK_M, WORDS), tl.float32)
+    acc3 = tl.zeros((BLOCK_M, WORDS), tl.float32)
+    acc4 = tl.zeros((BLOCK_M, WORDS), tl.float32)
+    acc5 = tl.zeros((BLOCK_M, WORDS), tl.float32)
+    acc6 = tl.zeros((BLOCK_M, WORDS), tl.float32)
+    acc7 = tl.zeros((BLOCK_M, WORDS), tl.float32)
+    for step in tl.range(first, last, num_stages=STAGES):
+        k = step * BLOCK_K + offs_k
+        g = step * BLOCK_K // GROUP_SIZE
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None],
+                    other=0.0)  # [BLOCK_M, BLOCK_K]
+        words = tl.load(qweight_ptr + k[:, None] * stride_q + offs_w[None, :],
+                        mask=w_mask[None, :], other=0)  # [BLOCK_K, WORDS]
+        zw = tl.load(qzeros_ptr + g * stride_q + offs_w, mask=w_mask, other=0)  # [WORDS]
+        s0, s1, s2, s3, s4, s5, s6, s7 = _load_scales(
+            scales_ptr + g * stride_sg + offs_w * stride_sw, stride_sc, w_mask)
         x_sum = tl.sum(x.to(tl.float32), axis=1)[:, None]  # [BLOCK_M, 1]
-        acc += (xq - x_sum * z) * s
+        # column c sits at shift 4 * [0, 4, 1, 5, 2, 6, 3, 7][c]
+        acc0 += _dot_column(x, words, zw, x_sum, s0, 0, MAGIC16, OFFSET, DOT_PRECISION)
+        acc1 += _dot_column(x, words, zw, x_sum, s1, 16, MAGIC16, OFFSET, DOT_PRECISION)
+        acc2 += _dot_column(x, words, zw, x_sum, s2, 4, MAGIC16, OFFSET, DOT_PRECISION)
+        acc3 += _dot_column(x, words, zw, x_sum, s3, 20, MAGIC16, OFFSET, DOT_PRECISION)
+        acc4 += _dot_column(x, words, zw, x_sum, s4, 8, MAGIC16, OFFSET, DOT_PRECISION)
+        acc5 += _dot_column(x, words, zw, x_sum, s5, 24, MAGIC16, OFFSET, DOT_PRECISION)
+        acc6 += _dot_column(x, words, zw, x_sum, s6, 12, MAGIC16, OFFSET, DOT_PRECISION)
+        acc7 += _dot_column(x, words, zw, x_sum, s7, 28, MAGIC16, OFFSET, DOT_PRECISION)
+    rows = offs_m[:, None] * N
+    mask = m_mask[:, None] & w_mask[None, :]
+    cols = 8 * offs_w[None, :]
+    _store_block(acc0, y_ptr, partial_ptr, rows + cols + 0, mask, SPLIT)
+    _store_block(acc1, y_ptr, partial_ptr, rows + cols + 1, mask, SPLIT)
+    _store_block(acc2, y_ptr, partial_ptr, rows + cols + 2, mask, SPLIT)
+    _store_block(acc3, y_ptr, partial_ptr, rows + cols + 3, mask, SPLIT)
+    _store_block(acc4, y_ptr, partial_ptr, rows + cols + 4, mask, SPLIT)
+    _store_block(acc5, y_ptr, partial_ptr, rows + cols + 5, mask, SPLIT)
+    _store_block(acc6, y_ptr, partial_ptr, rows + cols + 6, mask, SPLIT)
+    _store_block(acc7, y_ptr, partial_ptr, rows + cols + 7, mask, SPLIT)
+    if SPLIT:
+        # as in _awq_gemv1_kernel: the last split of the column block writes y, re-zeroes
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if done == split_k - 1:
+            offs_n = pid_n * WORDS * 8 + tl.arange(0, WORDS * 8)
+            at = offs_m[:, None] * N + offs_n[None, :]
+            n_mask = m_mask[:, None] & (offs_n < N)[None, :]
+            total = tl.load(partial_ptr + at, mask=n_mask, volatile=True)
+            tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=n_mask)
+            tl.store(partial_ptr + at, tl.zeros_like(total), mask=n_mask)
+            tl.store(count_ptr + pid_n, 0)
 
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+@jit
+def _store_block(acc, y_ptr, partial_ptr, at, mask, SPLIT: tl.constexpr):
+    # y (row stride N) at `at`, or its fp32 partial sums when K is split
+    if not SPLIT:
+        tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
+        tl.atomic_add(partial_ptr + at, acc, mask=mask, sem="relaxed")
 
 
 @jit(do_not_specialize=('M',))
@@ -367,24 +421,25 @@ def _check_args(x, qweight, qzeros, scales, group_size: int) -> tuple[int, int]:
     return K, N
 
 
-_GEMV1_WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_SPLIT_K_WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _gemv1_workspace(device: torch.device, N: int, blocks: int):
-    """The split-K sums and arrival counters, zero between calls (the kernel re-zeroes them).
+def _split_k_workspace(device: torch.device, N: int, blocks: int):
+    """The GEMVs' split-K sums and arrival counters, zero between calls (the kernels re-zero
+    them).
 
     One pair per device, shared by every layer: the calls of a forward pass run one after
     another on one stream. Sized generously on first use, so that it is never reallocated
     while a CUDA graph is being captured.
     """
-    ws = _GEMV1_WORKSPACE.get(device)
+    ws = _SPLIT_K_WORKSPACE.get(device)
     if ws is None or ws[0].numel() < N or ws[1].numel() < blocks:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("awq_gemm: the batch-1 workspace must be allocated before CUDA "
                                "graph capture; run one eager forward pass first")
         ws = (torch.zeros(max(N, 1 << 16), dtype=torch.float32, device=device),
               torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device))
-        _GEMV1_WORKSPACE[device] = ws
+        _SPLIT_K_WORKSPACE[device] = ws
     return ws
 
 
@@ -411,13 +466,8 @@ def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=256, rows=8, spli
         split_k = max(1, min(steps, cdiv(3 * _programs_target(x.device) // 4, n_blocks)))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    partial, count = _gemv1_workspace(x.device, N, n_blocks)
-    # scale of column 8w + c in group g at g * sg + c * sc + w * sw
-    if scales_t is None:
-        sg, sc, sw = N, 1, 8  # the checkpoint's [K/G, N]: a thread's loads are 16 bytes apart
-    else:
-        scales = scales_t  # gemv_scales(): [K/G, 8, N/8], contiguous along w
-        sg, sc, sw = N, N // 8, 1
+    partial, count = _split_k_workspace(x.device, N, n_blocks)
+    scales, sg, sc, sw = _scale_strides(scales, scales_t, N)
     _awq_gemv1_kernel[(n_blocks, split_k)](
         x, qweight, qzeros, scales, y, partial, count, N, K, N // 8, sg, sc, sw, 0x3F800000,
         split_k,
@@ -427,24 +477,39 @@ def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=256, rows=8, spli
     return y
 
 
-def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=128, split_k=None, num_warps=4):
-    """2 <= M <= 16: split-K over groups, one tl.dot tile of 16 rows (M = 1 has _awq_gemv1)."""
+def _scale_strides(scales, scales_t, N):
+    """(tensor, stride_g, stride_c, stride_w): scale of column 8w + c in group g."""
+    if scales_t is None:
+        return scales, N, 1, 8  # the checkpoint's [K/G, N]: a thread's loads 16 bytes apart
+    return scales_t, N, N // 8, 1  # gemv_scales(): [K/G, 8, N/8], contiguous along w
+
+
+_MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0),
+            torch.float32: (0, 0.0)}
+
+
+def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=256, block_k=64, split_k=None,
+              num_warps=4, num_stages=3, scales_t=None):
+    """2 <= M <= 16: the per-column tl.dot kernel above, split-K, one launch."""
     M, K = x.shape
     N = qweight.shape[1] * 8
-    num_groups = K // group_size
+    block_k = min(block_k, group_size)
     n_blocks = cdiv(N, block_n)
-    if split_k is None:
-        split_k = max(1, min(num_groups, cdiv(_programs_target(x.device), n_blocks)))
-    # drop splits that would get no group
-    split_k = cdiv(num_groups, cdiv(num_groups, split_k))
-    out_dtype = x.dtype if split_k == 1 else torch.float32
-    y = (torch.empty if split_k == 1 else torch.zeros)(M, N, dtype=out_dtype, device=x.device)
+    steps = K // block_k
+    if split_k is None:  # ~2 programs per SM (swept on the H200 at M = 8: 2 or 4)
+        split_k = max(1, min(steps, cdiv(_programs_target(x.device) // 2, n_blocks)))
+    split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    partial, count = _split_k_workspace(x.device, M * N, n_blocks)
+    scales, sg, sc, sw = _scale_strides(scales, scales_t, N)
+    magic, offset = _MAGIC16[x.dtype]
     _awq_gemv_kernel[(n_blocks, split_k)](
-        x, qweight, qzeros, scales, y, M, N, K, x.stride(0), y.stride(0),
-        GROUP_SIZE=group_size, BLOCK_M=16, BLOCK_N=block_n,
-        SPLIT_K=split_k, DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps,
+        x, qweight, qzeros, scales, y, partial, count, M, N, K, x.stride(0), N // 8, sg, sc, sw,
+        split_k, GROUP_SIZE=group_size, BLOCK_M=16, WORDS=block_n // 8, BLOCK_K=block_k,
+        MAGIC16=magic, OFFSET=offset, SPLIT=split_k > 1, STAGES=num_stages,
+        DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps,
     )
-    return y.to(x.dtype)
+    return y
 
 
 def _awq_gemm(x, qweight, qzeros, scales, group_size, block_m=None, block_n=128,
@@ -505,13 +570,13 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     qweight, qzeros, scales = qweight.contiguous(), qzeros.contiguous(), scales.contiguous()
+    if scales_t is not None and tuple(scales_t.shape) != (scales.shape[0], 8, N // 8):
+        raise ValueError(f"awq_gemm: scales_t must be gemv_scales(scales), of shape "
+                         f"{[scales.shape[0], 8, N // 8]}, got {list(scales_t.shape)}")
     if M == 1:
-        if scales_t is not None and tuple(scales_t.shape) != (scales.shape[0], 8, N // 8):
-            raise ValueError(f"awq_gemm: scales_t must be gemv_scales(scales), of shape "
-                             f"{[scales.shape[0], 8, N // 8]}, got {list(scales_t.shape)}")
         return _awq_gemv1(x, qweight, qzeros, scales, group_size, scales_t=scales_t)
     if M <= GEMV_MAX_M:
-        return _awq_gemv(x, qweight, qzeros, scales, group_size)
+        return _awq_gemv(x, qweight, qzeros, scales, group_size, scales_t=scales_t)
     if M >= DENSE_MIN_M:
         return x @ awq_dequantize(qweight, qzeros, scales, group_size, dtype=x.dtype)
     return _awq_gemm(x, qweight, qzeros, scales, group_size)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tinypaged.kernels.awq import SUPPORTED_GROUP_SIZES, awq_gemm, gemv_scales
+from tinypaged.kernels.awq import GEMV_MAX_M, SUPPORTED_GROUP_SIZES, awq_gemm, gemv_scales
 
 PACK_FACTOR = 8  # int4 values per int32
 
@@ -89,7 +89,7 @@ class AWQConfig:
 
     @staticmethod
     def _gemv_scales(layer: nn.Module) -> torch.Tensor | None:
-        """The batch-1 kernel's copy of the scales (gemv_scales), built on the first batch-1
+        """The decode GEMVs' copy of the scales (gemv_scales), built on the first decode-sized
         call on the GPU (the runner's warm-up, before CUDA graphs are captured): 3% more
         memory than the packed weights at group size 128."""
         scales = layer.scales
@@ -105,7 +105,7 @@ class AWQConfig:
         """y [..., out] = x [..., in] @ dequant(qweight) + bias."""
         x2 = x.reshape(-1, x.shape[-1])
         y = awq_gemm(x2, layer.qweight, layer.qzeros, layer.scales, self.group_size,
-                     scales_t=self._gemv_scales(layer) if x2.shape[0] == 1 else None)
+                     scales_t=self._gemv_scales(layer) if x2.shape[0] <= GEMV_MAX_M else None)
         if bias is not None:
             y += bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
