@@ -93,12 +93,40 @@ def check(x, weights, **config):
     return max(errs)
 
 
+def crossover(ms=(16, 32, 64, 128, 256)):
+    """The batched GEMV, the tiled GEMM and dequantize-then-cuBLAS over M (awq_gemm's
+    GEMV_MAX_M and DENSE_MIN_M)."""
+    print("| layer | M | bf16 linear (us) | GEMV (us) | tiled GEMM (us) | dequant + cuBLAS (us) |")
+    print("|---|---|---|---|---|---|")
+    for K, N, name in SHAPES:
+        awq_bytes = K * N // 2
+        weights = awq_weights(K, N, max(2, cdiv(3 * L2_BYTES, awq_bytes)))
+        dense = [torch.randn(N, K, device="cuda").bfloat16() for _ in range(2)]
+        for M in ms:
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            base = graph_us([lambda w=w, x=x: F.linear(x, w) for w in dense], reps=10)
+            tiled = graph_us([lambda w=w, x=x: awq._awq_gemm(x, *w[:3], GROUP) for w in weights],
+                             reps=10)
+            deq = graph_us([lambda w=w, x=x: x @ awq.awq_dequantize(*w[:3], GROUP, dtype=x.dtype)
+                            for w in weights], reps=10)
+            gemv_t = "-"
+            if M <= awq.GEMV_MAX_M:
+                check(x, weights[0])
+                gemv_t = f"{graph_us([lambda w=w, x=x: gemv(x, w) for w in weights], reps=10):.1f}"
+            print(f"| {name} {K}x{N} | {M} | {base:.1f} | {gemv_t} | {tiled:.1f} | {deq:.1f} |",
+                  flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--crossover", action="store_true",
+                        help="only time the tiled GEMM against dequantize + cuBLAS")
     parser.add_argument("--sweep", action="store_true", help="split / stage sweep at M = 1")
     parser.add_argument("--m", type=int, nargs="+", default=[1, 8], help="rows of x")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.crossover:
+        return crossover()
     bw = copy_bandwidth()
     sms = num_sms(0)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs")

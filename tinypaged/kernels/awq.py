@@ -12,15 +12,17 @@ Four ways to compute y [M, N] (fp32 accumulation, result in x's dtype):
   float (no int-to-float conversion), one FFMA multiplies it by x, and zero point and scale are
   applied per step and column. K is split across programs, tiles are pipelined through shared
   memory, and the last program of each column block writes y (one launch).
-- Skinny split-K GEMV (2 <= M <= 16: batched decode). Memory-bound: a step must stream the packed
-  weights once, a quarter of the bf16 bytes. N alone gives too few programs to fill the GPU
-  (4096 / 128 = 32 column blocks for 132 SMs), so K is split as well and partial sums are
-  atomically added into an fp32 buffer. Inside one group sum_k x (q - z) s =
-  s * (sum_k x q - z * sum_k x): the raw integers feed tl.dot, and zero and scale are applied once
-  per group and column.
-- Tiled GEMM (16 < M < 256). Each K tile is dequantized in registers and fed to tl.dot.
-- Dense (M >= 256: prefill). Compute-bound: dequantizing the whole weight once (~2.5 bytes per
-  weight of traffic) and calling cuBLAS beats dequantizing per tile of M, as in vLLM.
+- Skinny split-K GEMV (2 <= M <= 16: batched decode). Memory-bound too, but M FMAs per weight
+  would be too many: one tl.dot per column of a packed word, fed weights built by OR-ing the
+  nibble into the bits of 128.0 (bf16) or 1024.0 (fp16); inside one group
+  sum_k x (q - z) s = s * (x . (OFFSET + q) - (OFFSET + z) * sum_k x), so offset and zero point
+  cost nothing per weight. K split and one launch as for M = 1.
+- Tiled GEMM (16 < M < 128, wide layers N >= 3K only). Each K tile is dequantized in registers
+  and fed to tl.dot.
+- Dense (every other M > 16: prefill, large decode batches). Dequantizing the whole weight once
+  (~2.5 bytes per weight of traffic) and calling cuBLAS beats dequantizing per tile of M, as in
+  vLLM. On the H200 (benchmarks/awq_gemv.py --crossover, Llama-3-8B layers) the tiled GEMM won
+  only for gate_up (4096x28672) and 4096x14336 at M = 32..64, and lost 2-3x on qkv, o and down.
 """
 
 from __future__ import annotations
@@ -41,14 +43,16 @@ from tinypaged.kernels.awq_format import (
 )
 
 __all__ = [
-    "AWQ_PACK_ORDER", "DENSE_MIN_M", "GEMV_MAX_M", "SUPPORTED_GROUP_SIZES", "awq_dequantize",
+    "AWQ_PACK_ORDER", "DENSE_MIN_M", "GEMV_MAX_M", "SUPPORTED_GROUP_SIZES", "TILED_MIN_N_OVER_K",
+    "awq_dequantize",
     "awq_dequantize_reference", "awq_gemm", "awq_gemm_reference", "gemv_scales", "pack_awq",
     "pack_int4", "unpack_awq", "unpack_int4",
 ]
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-GEMV_MAX_M = 16  # up to here the skinny split-K kernel; tl.dot tiles need at least 16 rows
-DENSE_MIN_M = 256  # from here dequantize once and use torch.matmul
+GEMV_MAX_M = 16  # up to here the split-K GEMVs (tl.dot tiles need at least 16 rows)
+DENSE_MIN_M = 128  # from here always dequantize once and use torch.matmul
+TILED_MIN_N_OVER_K = 3  # below DENSE_MIN_M the tiled GEMM wins only for layers this wide
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -488,11 +492,12 @@ _MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0),
             torch.float32: (0, 0.0)}
 
 
-def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=256, block_k=64, split_k=None,
+def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=None, block_k=64, split_k=None,
               num_warps=4, num_stages=3, scales_t=None):
-    """2 <= M <= 16: the per-column tl.dot kernel above, split-K, one launch."""
+    """2 <= M <= GEMV_MAX_M: the per-column tl.dot kernel above, split-K, one launch."""
     M, K = x.shape
     N = qweight.shape[1] * 8
+    block_n = block_n or 256
     block_k = min(block_k, group_size)
     n_blocks = cdiv(N, block_n)
     steps = K // block_k
@@ -561,7 +566,7 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     """y [M, N] = x [M, K] @ ((q - z) * s), fp32 accumulation, in x's dtype.
 
     scales_t: optionally gemv_scales(scales), which the batch-1 path reads faster."""
-    _, N = _check_args(x, qweight, qzeros, scales, group_size)
+    K, N = _check_args(x, qweight, qzeros, scales, group_size)
     if not use_triton(x):
         return awq_gemm_reference(x, qweight, qzeros, scales, group_size)
     M = x.shape[0]
@@ -577,6 +582,6 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         return _awq_gemv1(x, qweight, qzeros, scales, group_size, scales_t=scales_t)
     if M <= GEMV_MAX_M:
         return _awq_gemv(x, qweight, qzeros, scales, group_size, scales_t=scales_t)
-    if M >= DENSE_MIN_M:
+    if M >= DENSE_MIN_M or N < TILED_MIN_N_OVER_K * K:
         return x @ awq_dequantize(qweight, qzeros, scales, group_size, dtype=x.dtype)
     return _awq_gemm(x, qweight, qzeros, scales, group_size)
