@@ -9,10 +9,10 @@ import torch
 from tinypaged.sampling import (
     Sampler,
     SamplingBatch,
-    SamplingParams,
     apply_penalties,
     new_generator,
 )
+from tinypaged.sampling_params import SamplingParams
 
 V = 24
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from tinypaged.sampling import SamplingParams
+from tinypaged.sampling_params import SamplingParams
 
 
 def test_defaults_follow_vllm():

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tinypaged.detokenizer import IncrementalDetokenizer, find_stop_string
-from tinypaged.sampling import SamplingParams
+from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import load_tokenizer
 
 CHATML = (

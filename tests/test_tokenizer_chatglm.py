@@ -12,7 +12,7 @@ import pytest
 
 from tinypaged.chatglm_tokenizer import SPECIAL_TOKENS, ChatGLMTokenizer
 from tinypaged.detokenizer import IncrementalDetokenizer
-from tinypaged.sampling import SamplingParams
+from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import load_tokenizer
 
 # The chat template ChatGLM3's tokenizer_config.json carries, as published.

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from tinypaged.config import EngineConfig  # noqa: F401
     from tinypaged.llm import LLM  # noqa: F401
     from tinypaged.outputs import CompletionOutput, RequestOutput  # noqa: F401
-    from tinypaged.sampling import SamplingParams  # noqa: F401
+    from tinypaged.sampling_params import SamplingParams  # noqa: F401
 
 
 def __getattr__(name: str):

@@ -23,7 +23,7 @@ from typing import Any
 from tinypaged.config import EngineConfig
 from tinypaged.engine import Engine, PromptType
 from tinypaged.outputs import RequestOutput
-from tinypaged.sampling import SamplingParams
+from tinypaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

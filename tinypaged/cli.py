@@ -136,7 +136,7 @@ def _load(cls, kwargs: dict[str, Any]):
 
 
 def _sampling(args: argparse.Namespace):
-    from tinypaged.sampling import SamplingParams
+    from tinypaged.sampling_params import SamplingParams
 
     try:
         return SamplingParams(

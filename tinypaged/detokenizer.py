@@ -25,7 +25,7 @@ so a streamed delta never shows part of a stop string that the final text leaves
 
 from __future__ import annotations
 
-from tinypaged.sampling import SamplingParams
+from tinypaged.sampling_params import SamplingParams
 from tinypaged.tokenizer import Tokenizer
 
 PROMPT_CONTEXT = 5  # prompt tokens decoded ahead of the output (vLLM uses 5 too)

@@ -24,7 +24,8 @@ import torch
 from tinypaged.config import EngineConfig
 from tinypaged.executor import create_executor
 from tinypaged.outputs import CompletionOutput, RequestOutput
-from tinypaged.sampling import Sampler, SamplingBatch, SamplingParams, new_generator
+from tinypaged.sampling import Sampler, SamplingBatch, new_generator
+from tinypaged.sampling_params import SamplingParams
 from tinypaged.scheduler import Scheduler, Sequence
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from tinypaged.config import EngineConfig
 from tinypaged.engine import Engine, PromptType
 from tinypaged.outputs import RequestOutput
-from tinypaged.sampling import SamplingParams
+from tinypaged.sampling_params import SamplingParams
 
 Message = dict[str, Any]
 

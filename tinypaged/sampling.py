@@ -1,4 +1,4 @@
-"""SamplingParams (vLLM's names and defaults) and the batched sampler.
+"""The batched sampler (SamplingParams, the per-request settings, are in sampling_params.py).
 
 One engine step hands the sampler `logits [N, V]` (one row per sequence that samples this step)
 and a `SamplingBatch` describing each row. Per row, in vLLM's order:
@@ -23,115 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-_GREEDY_EPS = 1e-5  # vLLM: temperatures below this are greedy
-
-
-def _check_number(name: str, value, kind: type) -> None:
-    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
-    if not ok or (kind is float and not math.isfinite(value)):
-        want = "a finite number" if kind is float else "an integer"
-        raise ValueError(f"{name} must be {want}, got {value!r}")
-
-
-@dataclass
-class SamplingParams:
-    """How to sample one request; the same fields, defaults and ranges as vLLM."""
-
-    n: int = 1  # number of completions for the prompt
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # in (0, 1]; 1 = off
-    top_k: int = 0  # 0 or -1 = off
-    min_p: float = 0.0  # in [0, 1]; 0 = off
-    presence_penalty: float = 0.0  # in [-2, 2]
-    frequency_penalty: float = 0.0  # in [-2, 2]
-    repetition_penalty: float = 1.0  # > 0; 1 = off
-    seed: int | None = None
-    stop: str | list[str] | None = None  # stop strings, left out of the text
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    max_tokens: int | None = 16  # None = up to the model's context length
-    min_tokens: int = 0
-    logprobs: int | None = None  # top logprobs to return besides the sampled token's
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-        ):
-            _check_number(name, getattr(self, name), float)
-        for name in ("n", "top_k", "min_tokens"):
-            _check_number(name, getattr(self, name), int)
-        for name in ("max_tokens", "logprobs", "seed"):
-            if getattr(self, name) is not None:
-                _check_number(name, getattr(self, name), int)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            if type(getattr(self, name)) is not bool:
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-
-        if self.n < 1:
-            raise bad("n", "at least 1")
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0 (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "in (0, 1]")
-        if self.top_k < -1:
-            raise bad("top_k", "0 or -1 (off) or at least 1")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "in [0, 1]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise bad(name, "in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "> 0 (1 means off)")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", "at least 1")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", ">= 0")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
-                f"and max_tokens={self.max_tokens}"
-            )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", ">= 0")
-
-        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise bad("stop", "a non-empty string or a list of non-empty strings")
-        self.stop = list(stop)
-        ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(ids, (list, tuple, set)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
-        ):
-            raise bad("stop_token_ids", "a list of non-negative token ids")
-        self.stop_token_ids = list(ids)
-
-        if self.top_k == -1:
-            self.top_k = 0  # one spelling of "off" downstream
-        if self.temperature < _GREEDY_EPS:
-            # Greedy ignores the filters; clearing them keeps the sampler's fast path simple.
-            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
-
-    @property
-    def uses_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+from tinypaged.sampling_params import SamplingParams
 
 
 def new_generator(seed: int, device: torch.device | str) -> torch.Generator:

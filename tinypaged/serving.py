@@ -29,7 +29,7 @@ from tinypaged.protocol import GenerationRequest, bad_request, error_body
 from tinypaged.responses import ResponseFormat
 
 if TYPE_CHECKING:
-    from tinypaged.sampling import SamplingParams
+    from tinypaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def sampling_params(
     req: GenerationRequest, prompt_len: int, prompt_param: str, max_model_len: int
 ) -> SamplingParams:
     """The SamplingParams of one prompt; a prompt or max_tokens over the context is a 400."""
-    from tinypaged.sampling import SamplingParams
+    from tinypaged.sampling_params import SamplingParams
 
     limit = max_model_len
     if prompt_len >= limit:
