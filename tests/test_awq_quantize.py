@@ -9,6 +9,7 @@ import torch
 from model_helpers import single_thread, tiny_hf_model  # noqa: F401  (autouse fixture)
 from safetensors.torch import load_file
 
+from tinypaged import awq_search as S
 from tinypaged import quantize as Q
 from tinypaged.kernels.awq import unpack_awq
 
@@ -64,7 +65,7 @@ def test_quantize_rtn_matches_autoawq_rounding():
     w = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
     w[3, :32] = 0.5  # all positive: the range is widened to [0, 0.5]
     w[4, 32:64] = 0.0  # all zero: the range clamps at 1e-5
-    qweight, qzeros, scales = Q.quantize_rtn(w, 32)
+    qweight, qzeros, scales = S.quantize_rtn(w, 32)
     assert (qweight.dtype, qweight.shape) == (torch.int32, (96, 2))
     assert (qzeros.dtype, qzeros.shape) == (torch.int32, (3, 2))
     assert (scales.dtype, scales.shape) == (torch.float16, (3, 16))
@@ -85,14 +86,14 @@ def test_scale_search_beats_round_to_nearest_on_outlier_channels():
     x = torch.randn(512, 128, generator=gen)
     x[:, :6] *= 40  # a few channels with large activations, as in real LLMs
     w = torch.randn(64, 128, generator=gen) * 0.1
-    s, info = Q.search_scales(x, [w], 32, n_grid=20)
+    s, info = S.search_scales(x, [w], 32, n_grid=20)
     assert info["alpha"] > 0 and info["error"] < 0.5 * info["rtn_error"]
-    error = ((x / s) @ Q.fake_quantize(w * s, 32).t() - x @ w.t()).pow(2).mean()
+    error = ((x / s) @ S.fake_quantize(w * s, 32).t() - x @ w.t()).pow(2).mean()
     torch.testing.assert_close(error.item(), info["error"], rtol=1e-4, atol=0)
-    rtn = (x @ Q.fake_quantize(w, 32).t() - x @ w.t()).pow(2).mean()
+    rtn = (x @ S.fake_quantize(w, 32).t() - x @ w.t()).pow(2).mean()
     torch.testing.assert_close(rtn.item(), info["rtn_error"], rtol=1e-4, atol=0)
     # GQA: the factors of query heads sharing a KV head (2 KV heads x 2 queries x head_dim 32)
-    s, _ = Q.search_scales(x, [w], 32, n_grid=5, kv_heads=(2, 2, 32))
+    s, _ = S.search_scales(x, [w], 32, n_grid=5, kv_heads=(2, 2, 32))
     per_head = s.view(2, 2, 32)
     assert torch.equal(per_head[:, 0], per_head[:, 1])
 
@@ -100,20 +101,20 @@ def test_scale_search_beats_round_to_nearest_on_outlier_channels():
 def test_clip_search_lowers_output_error():
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(256, 128, generator=gen), torch.randn(48, 128, generator=gen)
-    clip = Q.search_clip(x, w, 32)
+    clip = S.search_clip(x, w, 32)
     assert clip.shape == (48, 4) and clip.min() >= 0.5 and clip.max() <= 1 and clip.min() < 1
     # brute force: every ratio on the grid, each group's share of the output error on its own
     best_error, best = torch.full((48, 4), float("inf")), torch.ones(48, 4)
     for i in range(20):
         ratio = torch.full((48, 4), 1 - 0.5 * i / 20)
-        d = Q.fake_quantize(w, 32, ratio) - w
+        d = S.fake_quantize(w, 32, ratio) - w
         error = torch.stack([(x[:, g * 32:(g + 1) * 32] @ d[:, g * 32:(g + 1) * 32].t())
                              .pow(2).sum(0) for g in range(4)], dim=1)  # [48, 4]
         best, best_error = torch.where(error < best_error, ratio, best), error.minimum(best_error)
     assert torch.equal(clip, best)
     ref = x @ w.t()
-    clipped = (x @ Q.fake_quantize(w, 32, clip).t() - ref).pow(2).mean()
-    plain = (x @ Q.fake_quantize(w, 32).t() - ref).pow(2).mean()
+    clipped = (x @ S.fake_quantize(w, 32, clip).t() - ref).pow(2).mean()
+    plain = (x @ S.fake_quantize(w, 32).t() - ref).pow(2).mean()
     assert clipped < 0.95 * plain
 
 

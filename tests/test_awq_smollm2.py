@@ -13,6 +13,7 @@ import torch
 from model_helpers import single_thread  # noqa: F401  (autouse fixture)
 from safetensors.torch import load_file
 
+from tinypaged import awq_search as S
 from tinypaged import quantize as Q
 from tinypaged.kernels.awq import awq_dequantize_reference
 
@@ -64,7 +65,7 @@ def test_smollm2_awq_perplexity(tmp_path):
     model.load_state_dict(state, strict=False)
     ppl_awq = perplexity(model, ids)
 
-    rtn = {k: Q.fake_quantize(v, GROUP) if k.endswith("_proj.weight") else v
+    rtn = {k: S.fake_quantize(v, GROUP) if k.endswith("_proj.weight") else v
            for k, v in original.items()}
     model.load_state_dict(rtn)
     ppl_rtn = perplexity(model, ids)
