@@ -31,19 +31,26 @@ from tinypaged.models import layers
 
 
 class ThreadAllReduce:
-    """all_reduce across `size` threads; each thread sets `rank.value` first."""
+    """all_reduce (and the LM head's column all-gather) across `size` threads; each thread
+    sets `rank.value` first."""
 
     def __init__(self, size: int) -> None:
         self.barrier = threading.Barrier(size, timeout=60)
         self.slots: list[torch.Tensor | None] = [None] * size
         self.rank = threading.local()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _exchange(self, x: torch.Tensor, combine) -> torch.Tensor:
         self.slots[self.rank.value] = x
         self.barrier.wait()
-        total = torch.stack(self.slots).sum(0)  # same order on every rank: same result
+        result = combine(self.slots)  # same order on every rank: same result
         self.barrier.wait()  # every rank has read the others' inputs before any is overwritten
-        return x.copy_(total)
+        return result
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.copy_(self._exchange(x, lambda slots: torch.stack(slots).sum(0)))
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        return self._exchange(x, lambda slots: torch.cat(slots, dim=1))
 
 
 def set_tp(monkeypatch, rank: int, size: int) -> None:
@@ -87,6 +94,7 @@ def test_two_ranks_match_transformers(monkeypatch, kind, overrides):
     set_tp(monkeypatch, 0, 1)
     reduce = ThreadAllReduce(2)
     monkeypatch.setattr(layers, "all_reduce", reduce)
+    monkeypatch.setattr(layers, "all_gather_columns", reduce.gather_columns)
     assert models[0].num_kv_heads == max(1, hf.config.num_key_value_heads // 2)
 
     prompts = [list(range(3, 14)), list(range(40, 60))]

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinypaged import kernels
-from tinypaged.distributed import all_reduce, get_tp_rank, get_tp_size
+from tinypaged.distributed import all_gather_columns, all_reduce, get_tp_rank, get_tp_size
 from tinypaged.models.batch import AttentionMetadata
 
 
@@ -258,10 +258,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)  # [N, per_rank]
-        if self.tp_size > 1:  # gather the vocabulary ranges: each rank fills its own columns
-            full = logits.new_zeros(logits.shape[0], self.per_rank * self.tp_size)
-            full[:, self.start : self.start + self.per_rank] = logits
-            logits = all_reduce(full)
+        if self.tp_size > 1:  # rank r holds vocabulary columns [r * per_rank, (r + 1) * per_rank)
+            logits = all_gather_columns(logits)  # [N, tp * per_rank]
         return logits[:, : self.num_embeddings].float()  # [N, vocab]
 
 
