@@ -142,27 +142,17 @@ class ServerMetrics:
             labels + ["finished_reason"],
             registry=reg,
         )
-        self.ttft = Histogram(
-            "tinypaged:time_to_first_token_seconds",
-            "Time to the first generated token.",
-            labels,
-            buckets=_TTFT_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self.itl = Histogram(
-            "tinypaged:inter_token_latency_seconds",
-            "Time between consecutive tokens of a sample.",
-            labels,
-            buckets=_ITL_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "tinypaged:e2e_request_latency_seconds",
-            "Submission to last token, finished requests.",
-            labels,
-            buckets=_E2E_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(f"tinypaged:{name}", doc, labels, buckets=buckets,
+                             registry=reg).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to the first generated token.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between consecutive tokens of a sample.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Submission to last token, finished requests.", _E2E_BUCKETS)
         reg.register(_EngineGauges(engine, model_name))
 
     def finished(self, reason: str) -> None:
