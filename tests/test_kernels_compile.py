@@ -71,6 +71,14 @@ for dtype in (torch.bfloat16, torch.float16):
             attention.paged_attention_triton(
                 *args, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1,
                 max_seq_len=40, num_splits=num_splits)
+from tinypaged.kernels import moe
+
+for dtype, token_counts in ((torch.bfloat16, (1, 64, 256, 512, 4096)), (torch.float16, (8,))):
+    w13, w2 = torch.zeros(4, 2 * 768, 2048).to(dtype), torch.zeros(4, 2048, 768).to(dtype)
+    for num_tokens in token_counts:  # every tile config of get_config, the Qwen3-30B-A3B dims
+        topk_ids = torch.randint(0, 4, (num_tokens, 2), dtype=torch.int32)
+        moe.fused_experts_triton(torch.randn(num_tokens, 2048).to(dtype), w13, w2,
+                                 torch.rand(num_tokens, 2), topk_ids)
 import os
 
 from tinypaged.kernels import awq
@@ -100,5 +108,6 @@ def test_every_launcher_compiles_for_sm90():
     assert result.stdout.split() == sorted([
         "_decode_merge_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_rotary_kernel",
         "_silu_and_mul_kernel", "_store_kv_kernel", "_varlen_attention_kernel",
-        "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel", "_awq_dequantize_kernel",
+        "_fused_moe_kernel", "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel",
+        "_awq_dequantize_kernel",
     ])
