@@ -3,6 +3,8 @@
 - `tiny_hf_model(kind)`: a 2-layer random transformers model (fp32, eager attention) of one of
   `HF_KINDS`, with every parameter (biases and norm weights too) drawn at random, so that a
   mis-loaded tensor cannot hide behind a zero bias or a unit norm.
+- `checkpoint_weights(hf_model)`: the tensors `save_pretrained` writes (for MoE models one tensor
+  per expert and projection, not transformers' in-memory stacked experts).
 - `chatglm_checkpoint(glm_model)`: the same GLM weights renamed into the original chatglm layout,
   with a chatglm-style config.
 - `greedy_reference(hf_model, prompt, steps)`: transformers' greedy continuation and its
@@ -43,6 +45,22 @@ HF_KINDS = {
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 32}),
     "glm": ("GlmConfig", {"head_dim": 16, "pad_token_id": 0, "eos_token_id": 1}),
     "glm4": ("Glm4Config", {"head_dim": 16, "pad_token_id": 0, "eos_token_id": 1}),
+    # mixture of experts: layer 0 sparse (with a shared expert) and layer 1 dense
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 3,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": False,
+                                     "shared_expert_intermediate_size": 48,
+                                     "mlp_only_layers": [1]}),
+    # every layer sparse, renormalized top-k, q/k norm
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                     "head_dim": 32}),
+    # first layer dense, then grouped sigmoid routing with a bias, scaling, 2 shared experts
+    "glm4_moe": ("Glm4MoeConfig", {"head_dim": 32, "n_routed_experts": 8,
+                                   "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                                   "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+                                   "n_shared_experts": 2, "routed_scaling_factor": 2.5,
+                                   "use_qk_norm": True, "attention_bias": True,
+                                   "pad_token_id": 0, "eos_token_id": 1}),
 }
 
 
@@ -57,10 +75,12 @@ def single_thread():
 
 
 def randomize_(model: nn.Module, seed: int) -> nn.Module:
-    """Every parameter random: norm weights in [0.5, 1.5], all others N(0, 0.1^2)."""
+    """Every parameter random: norm weights in [0.5, 1.5], all others N(0, 0.1^2); and the
+    MoE routers' score-correction biases (buffers) too."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+        for name, p in [*model.named_parameters(), *zip(["bias"] * len(biases), biases)]:
             if "norm" in name:
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
             else:
@@ -79,6 +99,21 @@ def tiny_hf_model(kind: str, seed: int = 0, **overrides):
         config, attn_implementation="eager", dtype=torch.float32
     )
     return randomize_(model, seed).eval()
+
+
+def checkpoint_weights(hf_model) -> dict[str, torch.Tensor]:
+    """What `hf_model.save_pretrained` writes, read back: the checkpoint layout users have."""
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_model.save_pretrained(tmp)
+        weights = {}
+        for file in sorted(Path(tmp).glob("*.safetensors")):
+            weights.update(load_file(str(file)))
+    return weights
 
 
 def chatglm_checkpoint(glm):

@@ -37,7 +37,8 @@ def _check_against_transformers(model, hf_model) -> None:
             assert_logits_close(out[s][0], ref[len(p) + step], what=f"decode {step} of seq {s}")
 
 
-@pytest.mark.parametrize("kind, shard", [("llama", None), ("qwen3", "40KB"), ("qwen2", "40KB")])
+@pytest.mark.parametrize("kind, shard", [("llama", None), ("qwen3", "40KB"), ("qwen2", "40KB"),
+                                         ("glm4_moe", "40KB")])
 def test_saved_checkpoint_matches_transformers(tmp_path, kind, shard):
     hf_model = tiny_hf_model(kind)
     hf_model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))

@@ -17,6 +17,7 @@ from model_helpers import (
     build_model,
     chatglm_checkpoint,
     check_prefill_then_decode,
+    checkpoint_weights,
     greedy_reference,
     single_thread,  # noqa: F401 - autouse fixture
     tiny_hf_model,
@@ -38,7 +39,7 @@ def model_pair(kind: str):
         config, weights = chatglm_checkpoint(hf)
         return hf, build_model(config, weights)
     hf = tiny_hf_model(kind, seed=len(kind))
-    return hf, build_model(hf.config, hf.state_dict())
+    return hf, build_model(hf.config, checkpoint_weights(hf))
 
 
 @pytest.mark.parametrize("kind", [*HF_KINDS, "chatglm"])

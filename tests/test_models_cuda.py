@@ -16,6 +16,7 @@ from model_helpers import (
     PagedRunner,
     build_model,
     chatglm_checkpoint,
+    checkpoint_weights,
     greedy_reference,
     tiny_hf_model,
 )
@@ -31,7 +32,7 @@ def run_ours(kind: str, hf, dtype: torch.dtype, prompts, refs) -> list[torch.Ten
     if kind == "chatglm":
         config, weights = chatglm_checkpoint(hf)
     else:
-        config, weights = hf.config, dict(hf.state_dict())
+        config, weights = hf.config, checkpoint_weights(hf)
     model = build_model(config, weights, dtype=dtype, device="cuda")
     runner = PagedRunner(model, block_size=16, num_blocks=32, seed=1)
     seqs = [runner.add_sequence() for _ in prompts]

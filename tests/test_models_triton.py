@@ -1,7 +1,8 @@
 """One whole model through the real Triton kernels, under the Triton interpreter on CPU.
 
 TRITON_INTERPRET must be set before triton is imported, so the model runs in a child process:
-the parent builds a tiny random Llama with transformers and saves its weights, prompts and
+the parent builds a tiny random Llama (and a Qwen3-MoE, whose experts run the fused MoE
+kernel) with transformers and saves its weights, prompts and
 reference logits; the child (no transformers) loads them into tinypaged, checks that the ops
 dispatch to Triton, runs a prefill of two prompts and one decode step through the paged cache,
 and compares every logit row with transformers.
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import greedy_reference, tiny_hf_model
+from model_helpers import checkpoint_weights, greedy_reference, tiny_hf_model
 
 pytest.importorskip("triton")
 
@@ -45,13 +46,14 @@ print("ok")
 """
 
 
-def test_tiny_llama_through_triton_interpreter(tmp_path):
-    hf = tiny_hf_model("llama", num_hidden_layers=1)
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_tiny_model_through_triton_interpreter(tmp_path, kind):
+    hf = tiny_hf_model(kind, num_hidden_layers=1)
     prompts = [[3, 1, 4, 1, 5], list(range(10, 30))]  # the second crosses a 16-token block
     refs = [greedy_reference(hf, p, 1) for p in prompts]
     config = hf.config.to_dict()
     data = {
-        "config": config, "weights": dict(hf.state_dict()), "prompts": prompts,
+        "config": config, "weights": checkpoint_weights(hf), "prompts": prompts,
         "refs": [logits for _, logits in refs], "nexts": [tokens[0] for tokens, _ in refs],
     }
     torch.save(data, tmp_path / "case.pt")

@@ -10,6 +10,8 @@ from tinypaged.kernels._triton import HAS_TRITON
 from tinypaged.kernels.activation import silu_and_mul
 from tinypaged.kernels.attention import paged_attention
 from tinypaged.kernels.kv_cache import store_kv
+from tinypaged.kernels.moe import fused_experts
+from tinypaged.kernels.moe_routing import select_experts
 from tinypaged.kernels.norm import rms_norm
 from tinypaged.kernels.rotary import build_cos_sin_cache, rotary_embedding
 
@@ -17,9 +19,11 @@ __all__ = [
     "HAS_TRITON",
     "awq_gemm",
     "build_cos_sin_cache",
+    "fused_experts",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
+    "select_experts",
     "silu_and_mul",
     "store_kv",
 ]

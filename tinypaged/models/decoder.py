@@ -4,6 +4,7 @@
     per layer:  a = attention(rms_norm(h)); (Glm4: a = rms_norm(a))
                 h = h + a
                 m = down(silu(gate(x)) * up(x)), x = rms_norm(h); (Glm4: m = rms_norm(m))
+                (MoE layers: m = the sparse mixture-of-experts block of models/moe.py)
                 h = h + m
     out = rms_norm(h)                                      # logits = out[rows] @ lm_head^T
 
@@ -40,6 +41,7 @@ from tinypaged.models.layers import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
+from tinypaged.models.moe import MoESpec, SparseMoeBlock, expert_checkpoint_name, expert_shard
 from tinypaged.models.rope import RopeSpec, read_rope
 
 
@@ -60,6 +62,7 @@ class DecoderSpec:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
     sandwich_norms: bool = False  # Glm4: RMSNorm on the attention and MLP outputs too
+    moe: MoESpec | None = None  # mixture-of-experts MLP in the layers it lists (models/moe.py)
 
 
 def spec_from_hf_config(hf_config, *, interleaved_rope: bool = False,
@@ -133,13 +136,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, rotary_emb: RotaryEmbedding, quant_config=None) -> None:
+    def __init__(self, spec: DecoderSpec, rotary_emb: RotaryEmbedding, quant_config=None,
+                 layer_idx: int = 0) -> None:
         super().__init__()
         eps = spec.rms_norm_eps
         self.input_layernorm = RMSNorm(spec.hidden_size, eps)
         self.self_attn = SelfAttention(spec, rotary_emb, quant_config)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
-        self.mlp = MLP(spec, quant_config)
+        if spec.moe is not None and layer_idx in spec.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(spec.hidden_size, spec.moe, quant_config)
+        else:
+            self.mlp = MLP(spec, quant_config)
         self.sandwich_norms = spec.sandwich_norms
         if spec.sandwich_norms:
             self.post_self_attn_layernorm = RMSNorm(spec.hidden_size, eps)
@@ -169,7 +176,7 @@ class DecoderModel(nn.Module):
         rotary_emb = RotaryEmbedding(spec.rope.cos_sin_cache(), spec.rope.rotary_dim,
                                      spec.rope.interleaved)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, rotary_emb, quant_config) for _ in range(spec.num_layers)
+            DecoderLayer(spec, rotary_emb, quant_config, i) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -233,10 +240,7 @@ class DecoderForCausalLM(nn.Module):
             name = self.map_name(checkpoint_name)
             if name is None:
                 continue
-            parts, shard_id = name.split("."), None
-            if len(parts) >= 2 and parts[-2] in self.packed_modules:
-                parts[-2], shard_id = self.packed_modules[parts[-2]]
-                name = ".".join(parts)
+            name, shard_id = self.pack_name(name)
             param = params.get(name)
             if param is None:
                 raise ValueError(
@@ -264,7 +268,22 @@ class DecoderForCausalLM(nn.Module):
                 f"{type(self).__name__}: {shown}{' ...' if len(missing) > 8 else ''}"
             )
 
+    def pack_name(self, name: str) -> tuple[str, object]:
+        """Our parameter name -> (the fused parameter holding it, shard id): q/k/v into
+        qkv_proj, gate/up into gate_up_proj, each expert into the stacked experts."""
+        stacked = expert_shard(name)
+        if stacked is not None:
+            return stacked
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in self.packed_modules:
+            parts[-2], shard_id = self.packed_modules[parts[-2]]
+            return ".".join(parts), shard_id
+        return name, None
+
     def _missing_name(self, name: str, shard_id) -> str:
+        expert = expert_checkpoint_name(name, shard_id)
+        if expert is not None:
+            return self.checkpoint_name(expert)
         parts = name.split(".")
         for source, (fused, sid) in self.packed_modules.items():
             if len(parts) >= 2 and parts[-2] == fused and sid == shard_id:

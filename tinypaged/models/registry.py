@@ -16,8 +16,11 @@ _ARCHITECTURES = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwen", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
     "GlmForCausalLM": ("glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("glm", "Glm4ForCausalLM"),
+    "Glm4MoeForCausalLM": ("glm_moe", "Glm4MoeForCausalLM"),
     "ChatGLMModel": ("glm", "ChatGLMForConditionalGeneration"),
     "ChatGLMForConditionalGeneration": ("glm", "ChatGLMForConditionalGeneration"),
 }
@@ -27,8 +30,11 @@ _MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "chatglm": "ChatGLMModel",
 }
 
