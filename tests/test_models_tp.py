@@ -4,7 +4,8 @@ Each rank's model is built with the TP rank/size set in tinypaged.distributed, l
 checkpoint (its weight loaders cut the rank's slices), and the ranks then run together in threads
 whose `all_reduce` sums through a barrier. TP=2 must give transformers' logits: heads split, KV
 heads split or replicated (1 KV head, 2 ranks), vocabulary split (with padding when it does not
-divide), fused checkpoint tensors (GLM gate_up, chatglm query_key_value) sliced per shard.
+divide), fused checkpoint tensors (GLM gate_up, chatglm query_key_value) sliced per shard,
+mixture-of-experts blocks (every expert's intermediate dim split, shared experts, one all-reduce).
 A fake packed (AWQ-like) parameter checks the slicing along packed output columns.
 """
 
@@ -20,6 +21,7 @@ from model_helpers import (
     assert_logits_close,
     build_model,
     chatglm_checkpoint,
+    checkpoint_weights,
     greedy_reference,
     single_thread,  # noqa: F401 - autouse fixture
     tiny_hf_model,
@@ -28,6 +30,7 @@ from torch import nn
 
 import tinypaged.distributed as dist
 from tinypaged.models import layers
+from tinypaged.models import moe as moe_layers
 
 
 class ThreadAllReduce:
@@ -82,11 +85,13 @@ def run_ranks(reduce: ThreadAllReduce, fns) -> list:
     ("qwen3", {"num_key_value_heads": 1, "vocab_size": 251}),
     ("glm", {}),
     ("chatglm", {}),
+    ("qwen2_moe", {}),
+    ("glm4_moe", {}),
 ])
 def test_two_ranks_match_transformers(monkeypatch, kind, overrides):
     hf = tiny_hf_model("glm" if kind == "chatglm" else kind, seed=5, **overrides)
     config, weights = (chatglm_checkpoint(hf) if kind == "chatglm"
-                       else (hf.config, dict(hf.state_dict())))
+                       else (hf.config, checkpoint_weights(hf)))
     models = []
     for rank in range(2):
         set_tp(monkeypatch, rank, 2)
@@ -94,6 +99,7 @@ def test_two_ranks_match_transformers(monkeypatch, kind, overrides):
     set_tp(monkeypatch, 0, 1)
     reduce = ThreadAllReduce(2)
     monkeypatch.setattr(layers, "all_reduce", reduce)
+    monkeypatch.setattr(moe_layers, "all_reduce", reduce)
     monkeypatch.setattr(layers, "all_gather_columns", reduce.gather_columns)
     assert models[0].num_kv_heads == max(1, hf.config.num_key_value_heads // 2)
 

@@ -2,8 +2,9 @@
 
 - Greedy tokens of `LLM(..., tensor_parallel_size=2)` equal those of the single-process engine
   (fp32) for tiny random llama (GQA, 2 KV heads), qwen3 with 1 KV head (replicated on both
-  ranks) and glm, under chunked prefill and prefix caching; each rank read about half the
-  checkpoint; the workers are gone after shutdown() and after garbage collection.
+  ranks), glm and glm4_moe (experts split across ranks), under chunked prefill and prefix
+  caching; each rank read about half the checkpoint; the workers are gone after shutdown() and
+  after garbage collection.
 - A killed worker: AsyncLLM's streams end with a RuntimeError naming the rank, the engine stops
   (is_running False) and new requests are refused, all within a pytest timeout (no hang). A
   worker that fails in a step: LLM.generate raises its traceback, and keeps raising.
@@ -37,7 +38,7 @@ from tinypaged.runner import StepInput
 from tinypaged.tp_worker import pack_step, unpack_step
 
 # kind -> tiny model overrides; qwen3's single KV head is fewer than the 2 ranks
-MODELS = {"llama": {}, "qwen3": {"num_key_value_heads": 1}, "glm": {}}
+MODELS = {"llama": {}, "qwen3": {"num_key_value_heads": 1}, "glm": {}, "glm4_moe": {}}
 ENGINE = dict(skip_tokenizer_init=True, num_kv_blocks=64, block_size=8,
               max_num_batched_tokens=24)  # chunked prefill: prefill and decode share steps
 
