@@ -36,6 +36,40 @@ def test_roofline_terms():
     assert one_step == pytest.approx((weight_bytes + kv_bytes) / 4.2e12, rel=0.01)
 
 
+def test_moe_roofline_reads_only_the_experts_hit():
+    cfg = dict(SHAPES["qwen3-30b-a3b"])
+    h, per_expert = 2048, 3 * 2048 * 768
+    attn = h * 128 * (32 + 2 * 4) + 32 * 128 * h
+    steps = {n: roofline_seconds(cfg, [1000] * n, 1) - roofline_seconds(cfg, [1000] * n, 0)
+             for n in (1, 256)}
+    kv = 1000 * 2 * 48 * 4 * 128 * 2
+    lm = 2 * 151936 * h  # LM head and the (untied) embedding table
+    # one sequence: the router and 8 experts per layer; 256: every expert (1 - (1 - 1/16)^256)
+    for n, experts in ((1, 8), (256, 128)):
+        layer = attn + h * 128 + experts * per_expert
+        weight_bytes = 2 * (48 * layer + lm)
+        assert steps[n] == pytest.approx((weight_bytes + n * kv) / 4.2e12, rel=1e-3)
+    # prefill multiplies by the 3.3B active parameters, not the 30.5B
+    active = 48 * (attn + h * 128 + 8 * per_expert) + 151936 * h
+    prefill = roofline_seconds(cfg, [1000], 0)
+    assert prefill == pytest.approx((2 * active * 1000 + 2 * 48 * 32 * 128 * 1000**2) / 790e12,
+                                    rel=1e-6)
+
+
+def test_qwen3_30b_a3b_shape_has_its_parameter_count():
+    import torch
+
+    from tinypaged.bench import shape_dir
+    from tinypaged.models.loader import load_hf_config
+    from tinypaged.models.qwen_moe import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(load_hf_config(shape_dir("qwen3-30b-a3b")))
+    total = sum(p.numel() for p in model.parameters())
+    assert 30.4e9 < total < 30.6e9  # Qwen3-30B-A3B: 30.5B parameters
+    assert model.model.layers[47].mlp.experts.w13_weight.shape == (128, 2 * 768, 2048)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench-model")

@@ -47,6 +47,16 @@ SHAPES = {
         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
     ),
+    # Qwen3-30B-A3B: 48 layers, hidden 2048, 32/4 heads, head_dim 128, every layer 128 experts
+    # top-8 of moe_intermediate 768 (30.5B parameters, 3.3B active per token).
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0,
+    ),
 }
 PEAK_FLOPS = 790e12  # bf16 matmul measured on the H200
 COPY_BW = 4.2e12  # device-to-device copy, bytes read + written, measured on the H200
@@ -78,14 +88,37 @@ def sample_requests(num: int, min_len: int, max_len: int, vocab: int, seed: int 
     return out
 
 
+def experts_hit(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Expected distinct experts a batch of `num_tokens` tokens routes to (uniform routing)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+
+
+def _mlp_params(cfg: dict, num_tokens: int) -> tuple[float, float]:
+    """(weights each token multiplies by, weights a step of `num_tokens` tokens reads) of one
+    layer's MLP: all of a dense MLP; for a MoE layer the router plus k experts per token, and
+    the experts the batch hits (every MoE layer is taken sparse, as in Qwen3-MoE)."""
+    h = cfg["hidden_size"]
+    num_experts = cfg.get("num_experts", 0)
+    if not num_experts:
+        dense = 3 * h * cfg["intermediate_size"]
+        return dense, dense
+    per_expert, top_k = 3 * h * cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+    router = h * num_experts
+    read = experts_hit(num_experts, top_k, num_tokens) * per_expert
+    return router + top_k * per_expert, router + read
+
+
 def roofline_seconds(cfg: dict, prompt_lens: list[int], output_len: int) -> float:
-    """Lower bound on the run: compute-bound prefill plus bandwidth-bound decode steps."""
-    h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    """Lower bound on the run: compute-bound prefill plus bandwidth-bound decode steps (all
+    sequences decoding together; a MoE step reads only the experts its batch routes to)."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     hd, vocab = cfg["head_dim"], cfg["vocab_size"]
     nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    per_layer = h * hd * (nq + 2 * nkv) + nq * hd * h + 3 * h * inter
-    params = layers * per_layer + vocab * h  # the LM head (embedding lookups are free)
-    weight_bytes = 2 * (params + (0 if cfg["tie_word_embeddings"] else vocab * h))
+    attn = h * hd * (nq + 2 * nkv) + nq * hd * h
+    mlp_flop_params, mlp_read_params = _mlp_params(cfg, len(prompt_lens))
+    params = layers * (attn + mlp_flop_params) + vocab * h  # LM head; embedding lookups are free
+    read_params = layers * (attn + mlp_read_params) + vocab * h
+    weight_bytes = 2 * (read_params + (0 if cfg["tie_word_embeddings"] else vocab * h))
     kv_token_bytes = 2 * layers * nkv * hd * 2
     prefill_flops = sum(2 * params * n + 2 * layers * nq * hd * n * n for n in prompt_lens)
     decode_bytes = sum(
@@ -104,6 +137,7 @@ def _model_args(args) -> tuple[str, dict, dict]:
         cfg = json.loads((Path(path) / "config.json").read_text())
         cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
         cfg.setdefault("tie_word_embeddings", False)
+        cfg.setdefault("num_experts", cfg.get("n_routed_experts", 0))  # GLM-4.5 names it so
         extra = dict(skip_tokenizer_init=True)
     engine = dict(
         dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -186,8 +220,10 @@ def latency(args) -> dict:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     kv_token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
     # Rank 0 holds 1/N of the weights (the few replicated norms are noise at this scale).
-    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    weights *= args.tensor_parallel_size
+    named = list(engine.runner.model.named_parameters())
+    weights = sum(p.numel() * p.element_size() for n, p in named if ".experts." not in n)
+    experts = sum(p.numel() * p.element_size() for n, p in named if ".experts." in n)
+    weights, experts = weights * args.tensor_parallel_size, experts * args.tensor_parallel_size
     gpus = f", all {args.tensor_parallel_size} GPUs" if args.tensor_parallel_size > 1 else ""
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     result = {}
@@ -212,10 +248,15 @@ def latency(args) -> dict:
         if generated != batch * args.output_len:
             raise RuntimeError(f"expected {batch * args.output_len} tokens, got {generated}")
         ctx = args.input_len + args.output_len / 2
-        gbs = (weights + batch * ctx * kv_token_bytes) / per_step / 1e9
+        if experts:  # a decode step reads only the experts its batch routes to
+            hit = experts_hit(cfg["num_experts"], cfg["num_experts_per_tok"], batch)
+            read = weights + experts * hit / cfg["num_experts"]
+        else:
+            read = weights
+        gbs = (read + batch * ctx * kv_token_bytes) / per_step / 1e9
         result[batch] = {"tok_s_per_seq": 1 / per_step, "GB_s": gbs, "steps": steps}
         print(f"batch {batch}: {1 / per_step:,.1f} tok/s per sequence, {batch / per_step:,.0f} "
-              f"tok/s total over {steps} decode steps, {gbs:,.0f} GB/s (weights + KV per step"
+              f"tok/s total over {steps} decode steps, {gbs:,.0f} GB/s (weights read + KV per step"
               f"{gpus})")
     llm.shutdown()
     return result
@@ -276,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("throughput", "latency"):
         p = sub.add_parser(name)
         p.add_argument("--model-shape", default="qwen3-0.6b",
-                       help="qwen3-0.6b | llama3-8b | llama3-70b | PATH")
+                       help="qwen3-0.6b | llama3-8b | llama3-70b | qwen3-30b-a3b | PATH")
         p.add_argument("--dtype", default="bfloat16")
         p.add_argument("--output-len", type=int, default=256)
         p.add_argument("--max-model-len", type=int, default=2048)
