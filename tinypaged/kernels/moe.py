@@ -30,7 +30,7 @@ from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
 from tinypaged.kernels.moe_routing import moe_align_block_size
 
 
-@jit
+@jit(do_not_specialize=("num_valid_tokens",))  # T * k changes every step
 def _fused_moe_kernel(
     A, B, C,  # A [rows of A, K]; B [E, N(*2 if GATED), K]; C [T * k, N]
     SORTED_TOKEN_IDS, EXPERT_IDS, NUM_TOKENS_POST_PADDED, TOPK_WEIGHTS,
