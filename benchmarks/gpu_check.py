@@ -20,7 +20,8 @@ import torch
 from tests.test_engine import save_tiny
 from tinypaged import LLM, SamplingParams
 
-KINDS = ["llama", "llama3_scaling", "qwen2", "qwen3", "glm", "glm4", "chatglm"]
+KINDS = ["llama", "llama3_scaling", "qwen2", "qwen3", "glm", "glm4", "chatglm", "qwen2_moe",
+         "qwen3_moe", "glm4_moe"]
 
 
 @torch.no_grad()
@@ -44,7 +45,7 @@ def main() -> None:
     if args.reference:  # locate a disagreement: kernels or the rest of the engine?
         import importlib
 
-        for name in ("activation", "attention", "kv_cache", "norm", "rotary"):
+        for name in ("activation", "attention", "kv_cache", "moe", "norm", "rotary"):
             importlib.import_module(f"tinypaged.kernels.{name}").use_triton = lambda x: False
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 250) for _ in range(rng.randint(5, 60))] for _ in range(8)]
