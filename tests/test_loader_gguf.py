@@ -8,6 +8,7 @@ weights bound the quantization error (which also pins the direction of the Q/K p
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 from gguf.quants import quantize
-from model_helpers import PagedRunner, assert_logits_close, tiny_hf_model
+from model_helpers import PagedRunner, assert_logits_close, checkpoint_weights, tiny_hf_model
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -32,13 +33,13 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 # per tensor kind: the GGUF type it is stored in; every block type we promise appears
 TYPES = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1,
          "attn_v": Q.F16, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_0,
-         "ffn_down": Q.F16}
+         "ffn_down": Q.F16, "ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q4_1, "ffn_down_exps": Q.F16}
 # max |dequantized - original| over max |original|, per type (4-bit: 1/15 of a block's range)
 TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.2, Q.Q4_1: 0.2}
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
               "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
-              "post_attention_layernorm": "ffn_norm"}
+              "post_attention_layernorm": "ffn_norm", "gate": "ffn_gate_inp"}
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -48,6 +49,23 @@ def _gguf_name(hf_name: str) -> str:
         return top[hf_name]
     parts = hf_name.split(".")  # model.layers.N.(self_attn|mlp).X.weight or model.layers.N.X.weight
     return f"blk.{parts[2]}.{GGUF_NAMES[parts[-2]]}.{parts[-1]}"
+
+
+def _gguf_tensors(hf_model) -> list[tuple[list[str], str, np.ndarray]]:
+    """(HF names, GGUF name, array) of every checkpoint tensor; MoE experts stacked into one
+    [E, out, in] tensor per layer and projection, as llama.cpp stores them."""
+    weights = checkpoint_weights(hf_model)
+    experts: dict[tuple[str, str], list] = {}
+    for name in list(weights):
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight", name)
+        if m:
+            experts.setdefault((m[1], m[3]), []).append((int(m[2]), name, weights.pop(name)))
+    out = [([name], _gguf_name(name), t.float().numpy()) for name, t in weights.items()]
+    for (layer, proj), items in experts.items():
+        items.sort(key=lambda item: item[0])
+        stacked = torch.stack([t for _, _, t in items]).float().numpy()
+        out.append(([n for _, n, _ in items], f"blk.{layer}.ffn_{proj}_exps.weight", stacked))
+    return out
 
 
 def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -76,6 +94,10 @@ def write_tiny_gguf(path, hf_model, arch: str) -> dict[str, Q]:
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
+    if getattr(c, "num_experts", None):
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(TOKENS)
@@ -86,17 +108,15 @@ def write_tiny_gguf(path, hf_model, arch: str) -> dict[str, Q]:
     writer.add_eot_token_id(0)
     writer.add_chat_template(TEMPLATE)
     types = {}
-    for name, tensor in hf_model.state_dict().items():
-        if name == "lm_head.weight" and c.tie_word_embeddings:
+    for names, gname, w in _gguf_tensors(hf_model):
+        if names == ["lm_head.weight"] and c.tie_word_embeddings:
             continue
-        w = tensor.float().numpy()
-        gname = _gguf_name(name)
         if arch == "llama" and ".attn_q." in gname:
             w = _llama_cpp_permute(w, c.num_attention_heads)
         elif arch == "llama" and ".attn_k." in gname:
             w = _llama_cpp_permute(w, c.num_key_value_heads)
-        qtype = TYPES.get(gname.split(".")[-2], Q.F32) if w.ndim == 2 else Q.F32
-        types[name] = qtype
+        qtype = TYPES.get(gname.split(".")[-2], Q.F32) if w.ndim >= 2 else Q.F32
+        types.update(dict.fromkeys(names, qtype))
         if qtype == Q.F32:
             writer.add_tensor(gname, w)
         elif qtype == Q.F16:
@@ -187,6 +207,36 @@ def test_gguf_path_loads_through_load_model_and_is_cached(tiny_gguf, tmp_path, m
 
     monkeypatch.setattr(tp_gguf, "convert_gguf", no_second_conversion)
     assert loader.resolve_model(str(path)) == model_dir
+
+
+def test_qwen3moe_experts_are_unstacked_and_run(tmp_path, monkeypatch):
+    """llama.cpp's stacked expert tensors become HF's per-expert ones; transformers' own
+    from_pretrained of the converted directory is the reference for the loaded model."""
+    hf_model = tiny_hf_model("qwen3_moe", vocab_size=len(TOKENS))
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    types = write_tiny_gguf(path, hf_model, "qwen3moe")
+    out = tp_gguf.convert_gguf(path, tmp_path / "converted")
+    ours, originals = load_file(str(out / "model.safetensors")), checkpoint_weights(hf_model)
+    assert ours.keys() == originals.keys() == types.keys()
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in ours
+    assert types["model.layers.0.mlp.experts.3.up_proj.weight"] == Q.Q4_1  # quantized, 3-D
+    for name, w in ours.items():
+        err = (w - originals[name]).abs().max()
+        assert err <= TOLERANCE[types[name]] * originals[name].abs().max(), name
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_experts"], config["num_experts_per_tok"],
+            config["moe_intermediate_size"], config["norm_topk_prob"]) == (8, 2, 32, True)
+
+    monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path / "cache"))
+    model, _, _ = loader.load_model(EngineConfig(model=str(path)), "cpu")
+    reference = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    prompt = [1, 5, 77, 200, 31, 9, 140, 3, 60, 61, 62]
+    runner = PagedRunner(model, block_size=4, num_blocks=8)
+    logits = runner.step({runner.add_sequence(): prompt})[0]
+    with torch.no_grad():
+        assert_logits_close(logits, reference(torch.tensor([prompt])).logits[0],
+                            what="prefill logits of the converted Qwen3-MoE GGUF")
 
 
 def test_a_changed_file_is_converted_again(tmp_path, monkeypatch):

@@ -9,10 +9,13 @@ tensors that are either plain floats (F32, F16, BF16) or quantized in blocks alo
 
 The `gguf` package dequantizes every block type to float32 (`gguf.quants.dequantize`). We write the
 result as plain float safetensors in the Hugging Face layout, so the rest of tinypaged (and
-transformers) sees an ordinary checkpoint. Two things differ from the HF layout besides names:
+transformers) sees an ordinary checkpoint. Three things differ from the HF layout besides names:
 
 - Shapes: a GGUF shape lists the fastest-varying dimension first ([in, out]); the reader's numpy
   arrays are already row-major [out, in], which is HF's `nn.Linear.weight` layout.
+- MoE experts (qwen3moe) are stacked in llama.cpp, one [E, out, in] tensor per layer and
+  projection (`blk.N.ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`); HF stores one tensor per
+  expert (`model.layers.N.mlp.experts.E.gate_proj.weight`), so they are written unstacked.
 - llama.cpp's converter permutes the rows of Q and K inside each head for the `llama` architecture
   (its rotary kernel pairs adjacent dims, HF pairs dim i with i + head_dim/2). We undo it:
   GGUF rows per head are ordered (head_dim/2, 2); HF rows are (2, head_dim/2).
@@ -43,6 +46,7 @@ SUPPORTED_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -61,7 +65,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
 }
+# MoE experts, stacked in one GGUF tensor [E, out, in] per projection; HF stores one per expert
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 _MAX_SHARD_BYTES = 4 << 30
 
 
@@ -133,6 +141,13 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
         config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported (only linear)")
+    num_experts = _metadata(reader, f"{arch}.expert_count")
+    if num_experts:  # Qwen3-MoE: every layer sparse, renormalized top-k
+        moe_inter = _metadata(reader, f"{arch}.expert_feed_forward_length")
+        config.update(num_experts=num_experts, moe_intermediate_size=moe_inter,
+                      num_experts_per_tok=_metadata(reader, f"{arch}.expert_used_count"),
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        config["intermediate_size"] = config["intermediate_size"] or moe_inter
     for key in ("bos", "eos", "pad"):
         token_id = _metadata(reader, f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
@@ -166,7 +181,8 @@ def dequantized_tensors(reader, config: dict[str, Any], dtype: torch.dtype):
 
     permuted = SUPPORTED_ARCHITECTURES[_metadata(reader, "general.architecture")][2]
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        experts = re.fullmatch(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight", tensor.name)
+        name = None if experts else hf_tensor_name(tensor.name)
         if tensor.tensor_type == Q.BF16:
             # numpy has no bfloat16: take the raw 16-bit patterns into torch
             bits = np.ascontiguousarray(tensor.data).view(np.int16)
@@ -175,6 +191,11 @@ def dequantized_tensors(reader, config: dict[str, Any], dtype: torch.dtype):
             w = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), np.float32))
         # the reader's row-major view: numpy shape is the GGUF shape reversed
         w = w.reshape([int(d) for d in reversed(tensor.shape)])
+        if experts:  # [E, out, in] -> one tensor per expert, as HF checkpoints store them
+            layer, proj = experts.group(1), _EXPERT_NAMES[experts.group(2)]
+            for e in range(w.shape[0]):
+                yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", w[e].to(dtype).clone()
+            continue
         if permuted and ".self_attn.q_proj." in name:
             w = _unpermute_rows(w, config["num_attention_heads"])
         elif permuted and ".self_attn.k_proj." in name:
