@@ -75,14 +75,17 @@ def single_thread():
 
 
 def randomize_(model: nn.Module, seed: int) -> nn.Module:
-    """Every parameter random: norm weights in [0.5, 1.5], all others N(0, 0.1^2); and the
-    MoE routers' score-correction biases (buffers) too."""
+    """Every parameter random: norm weights in [0.5, 1.5], MoE router weights N(0, 1) (wide
+    gaps between expert scores, so that bf16 rounding seldom flips a choice), all others
+    N(0, 0.1^2); and the MoE routers' score-correction biases (buffers) too."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
         for name, p in [*model.named_parameters(), *zip(["bias"] * len(biases), biases)]:
             if "norm" in name:
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     return model
