@@ -77,17 +77,23 @@ class FakeTokenizer:
 
     eos_token_ids = frozenset({0})
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(ch) for ch in text]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(map(chr, ids))
 
-    def apply_chat_template(self, messages, add_generation_prompt=True) -> list[int]:
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
+
+    def render_chat(self, messages, add_generation_prompt=True, **kwargs) -> str:
         if messages[0]["role"] == "assistant":
             raise ValueError("conversation roles must start with system or user")
         text = "".join(f"[{m['role']}]{m['content']}" for m in messages)
-        return self.encode(text + ("[assistant]" if add_generation_prompt else ""))
+        return text + ("[assistant]" if add_generation_prompt else "")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt))
 
 
 class FakeEngine:

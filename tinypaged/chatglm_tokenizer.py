@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from tinypaged.tokenizer import Messages, Tokenizer, read_eos_token_ids
 
@@ -139,10 +140,12 @@ class ChatGLMTokenizer(Tokenizer):
         messages: Messages,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> str:
         template = chat_template or self.chat_template
         if template:
-            return render_jinja(template, messages, add_generation_prompt)
+            return render_jinja(template, messages, add_generation_prompt, **template_kwargs)
+        messages = _builtin_messages(messages, **template_kwargs)
         text = "[gMASK]sop" + "".join(
             f"<|{role}|>{metadata}\n {content}" for role, metadata, content in _turns(messages)
         )
@@ -153,11 +156,13 @@ class ChatGLMTokenizer(Tokenizer):
         messages: Messages,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> list[int]:
         template = chat_template or self.chat_template
         if template:
-            text = render_jinja(template, messages, add_generation_prompt)
+            text = render_jinja(template, messages, add_generation_prompt, **template_kwargs)
             return self.encode_with_special_tokens(text)
+        messages = _builtin_messages(messages, **template_kwargs)
         ids = list(self._prefix)
         for role, metadata, content in _turns(messages):
             ids += [self.special_ids[f"<|{role}|>"]]
@@ -165,6 +170,19 @@ class ChatGLMTokenizer(Tokenizer):
         if add_generation_prompt:
             ids.append(self.special_ids["<|assistant|>"])
         return ids
+
+
+def _builtin_messages(
+    messages: Messages, tools: list | None = None, continue_final_message: bool = False, **_: Any
+) -> Messages:
+    """The built-in ChatGLM3 format takes tools in the system message (added if missing)."""
+    if continue_final_message:
+        raise ValueError("continue_final_message needs a Jinja chat template for ChatGLM models")
+    if not tools:
+        return messages
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "tools": tools}, *messages[1:]]
+    return [{"role": "system", "content": "", "tools": tools}, *messages]
 
 
 def _turns(messages: Messages) -> list[tuple[str, str, str]]:
@@ -179,7 +197,9 @@ def _turns(messages: Messages) -> list[tuple[str, str, str]]:
     return turns
 
 
-def render_jinja(template: str, messages: Messages, add_generation_prompt: bool) -> str:
+def render_jinja(
+    template: str, messages: Messages, add_generation_prompt: bool, **variables: Any
+) -> str:
     """Render a chat template the way transformers does (sandboxed, trimmed blocks)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -189,5 +209,5 @@ def render_jinja(template: str, messages: Messages, add_generation_prompt: bool)
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt
+        messages=messages, add_generation_prompt=add_generation_prompt, **variables
     )

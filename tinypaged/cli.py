@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tinypaged.parsers import REASONING_PARSERS, TOOL_PARSERS
+
 logger = logging.getLogger("tinypaged")
 
 
@@ -75,6 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="requests allowed to wait beyond --max-num-seqs before 503",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto")',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the model's tool-call format (hermes: Qwen/Hermes, llama3_json, glm45/glm47)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split <think>...</think> into reasoning_content",
     )
     serve.add_argument("--seed", type=int, default=0, help="engine seed")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
@@ -159,13 +178,23 @@ def serve(args: argparse.Namespace) -> int:
     from tinypaged.async_llm import AsyncLLM
     from tinypaged.server import build_app
 
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise UserError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
     if args.max_queue is not None and args.max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     api_key = args.api_key or os.environ.get("TINYPAGED_API_KEY") or None
     engine = _load(AsyncLLM, {**_engine_kwargs(args, args.model), "seed": args.seed})
-    app = build_app(engine, args.served_model_name, api_key, args.max_queue)
+    app = build_app(
+        engine,
+        args.served_model_name,
+        api_key,
+        args.max_queue,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
+    )
     server = app.state.server
     kv = engine.kv_cache_info
     kv = kv.as_dict() if hasattr(kv, "as_dict") else dict(kv)

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tinypaged.chat_protocol import ChatOptions
 
 _MISSING = object()
 
@@ -144,6 +147,7 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: int | None = None  # completions: top-k count; chat: top_logprobs (0 = sampled only)
     n: int = 1
+    chat: ChatOptions | None = None  # chat: tools, tool_choice, template switches
 
 
 def _common(body: dict, req: GenerationRequest) -> None:
@@ -198,7 +202,7 @@ def _common(body: dict, req: GenerationRequest) -> None:
                 code="invalid_type",
             )
         req.include_usage = usage
-    for name in ("logit_bias", "tools", "functions", "response_format", "suffix"):
+    for name in ("logit_bias", "functions", "response_format", "suffix"):
         if body.get(name):
             raise bad_request(name, f"'{name}' is not supported by this server", code="unsupported")
 
@@ -266,12 +270,15 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def parse_chat_request(body: Any) -> GenerationRequest:
+    from tinypaged.chat_protocol import parse_chat_options  # it builds on this module
+
     if not isinstance(body, dict):
         raise bad_request("body", "the request body must be a JSON object", code="invalid_type")
     req = GenerationRequest(model=None)
     _common(body, req)
     _max_tokens(body, req, ("max_completion_tokens", "max_tokens"))
     req.messages = parse_messages(body.get("messages", _MISSING))
+    req.chat = parse_chat_options(body)
     want = field_value(body, "logprobs", "bool")
     top = field_value(body, "top_logprobs", "int", lo=0, hi=20)
     if top is not None and not want:
@@ -283,7 +290,10 @@ def parse_chat_request(body: Any) -> GenerationRequest:
 
 
 def parse_messages(messages: Any) -> list[dict]:
-    """Messages reduced to {"role", "content": str}; list-of-parts content is joined as text."""
+    """Messages reduced to {"role", "content": str} plus their tool fields (`tool_calls`,
+    `tool_call_id`, `name`); list-of-parts content is joined as text."""
+    from tinypaged.chat_protocol import message_extras  # it builds on this module
+
     if messages is _MISSING or messages is None:
         raise bad_request("messages", "'messages' is a required field", code="missing_field")
     if not isinstance(messages, list) or not messages:
@@ -311,16 +321,18 @@ def parse_messages(messages: Any) -> list[dict]:
             content = ""
         if isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
                 if (
                     not isinstance(part, dict)
                     or part.get("type") != "text"
                     or not isinstance(part.get("text"), str)
                 ):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise bad_request(
                         f"{where}.content",
-                        f"'{where}.content' parts must be {{'type': 'text', 'text': str}}; "
-                        "only text is supported",
+                        f"'{where}.content[{j}]' is a {kind!r} part, which this text-only model "
+                        "cannot take; parts must be {'type': 'text', 'text': str}: only text "
+                        "is supported",
                         code="unsupported",
                     )
                 texts.append(part["text"])
@@ -331,7 +343,7 @@ def parse_messages(messages: Any) -> list[dict]:
                 f"'{where}.content' must be a string or a list of text parts, got {content!r}",
                 code="invalid_type",
             )
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **message_extras(m, where)})
     return out
 
 

@@ -21,8 +21,10 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
+from tinypaged.chat_output import ChatOutput
 from tinypaged.protocol import GenerationRequest
 
 
@@ -102,6 +104,8 @@ class ResponseFormat:
         req: GenerationRequest,
         prompts: list[list[int]],
         tokenizer: Any,
+        chat_output: Callable[[], ChatOutput] | None = None,
+        echo: str = "",
     ):
         self.kind = kind  # "completion" | "chat"
         self.request_id = request_id
@@ -116,6 +120,15 @@ class ResponseFormat:
         self.sent_text: dict[int, int] = {}  # choice index -> characters sent
         self.sent_tokens: dict[int, int] = {}  # choice index -> tokens sent
         self.done: set[int] = set()
+        # chat: each choice's text -> message / deltas (reasoning, content, tool calls)
+        self.new_chat_output = chat_output or ChatOutput
+        self.chat_outputs: dict[int, ChatOutput] = {}
+        self.echo = echo  # chat `echo`: the final assistant message, repeated before the answer
+
+    def chat_output(self, index: int) -> ChatOutput:
+        if index not in self.chat_outputs:
+            self.chat_outputs[index] = self.new_chat_output()
+        return self.chat_outputs[index]
 
     def decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -150,7 +163,7 @@ class ResponseFormat:
                 [
                     {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": "assistant", "content": self.echo},
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -168,8 +181,13 @@ class ResponseFormat:
                 continue
             t0, k0 = self.sent_text.get(index, 0), self.sent_tokens.get(index, 0)
             text, new_tokens = c.text[t0:], len(c.token_ids) - k0
+            finish_reason, news = c.finish_reason, bool(text)
+            if self.kind == "chat":
+                output = self.chat_output(index)
+                delta = output.delta(c.text, c.finish_reason is not None)
+                finish_reason, news = output.finish_reason(c.finish_reason), bool(delta)
             wants_logprobs = self.top_logprobs is not None and new_tokens > 0
-            if not text and not c.finish_reason and not wants_logprobs:
+            if not news and not c.finish_reason and not wants_logprobs:
                 continue
             logprobs = self._logprobs(c, k0, t0)
             self.sent_text[index], self.sent_tokens[index] = len(c.text), len(c.token_ids)
@@ -177,10 +195,10 @@ class ResponseFormat:
                 self.done.add(index)
             choice: dict = {"index": index}
             if self.kind == "chat":
-                choice["delta"] = {"content": text} if text else {}
+                choice["delta"] = delta
             else:
                 choice["text"] = text
-            choice.update(logprobs=logprobs, finish_reason=c.finish_reason)
+            choice.update(logprobs=logprobs, finish_reason=finish_reason)
             if self.kind == "completion":
                 choice["stop_reason"] = c.stop_reason
             chunks.append(self._chunk([choice]))
@@ -204,11 +222,16 @@ class ResponseFormat:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 completion_tokens += len(c.token_ids)
                 choice: dict = {"index": i * self.n + c.index}
+                finish_reason = c.finish_reason
                 if self.kind == "chat":
-                    choice["message"] = {"role": "assistant", "content": c.text}
+                    output = self.chat_output(choice["index"])
+                    choice["message"] = message = output.message(c.text)
+                    if self.echo:
+                        message["content"] = self.echo + (message["content"] or "")
+                    finish_reason = output.finish_reason(c.finish_reason)
                 else:
                     choice["text"] = c.text
-                choice.update(logprobs=self._logprobs(c, 0, 0), finish_reason=c.finish_reason)
+                choice.update(logprobs=self._logprobs(c, 0, 0), finish_reason=finish_reason)
                 if self.kind == "completion":
                     choice["stop_reason"] = c.stop_reason
                 choices.append(choice)

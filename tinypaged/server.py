@@ -26,12 +26,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tinypaged.chat_output import output_for
+from tinypaged.chat_protocol import ChatOptions, parse_chat_options
 from tinypaged.metrics import CONTENT_TYPE, ServerMetrics
+from tinypaged.parsers import REASONING_PARSERS, TOOL_PARSERS
+from tinypaged.parsers.forced import tool_choice_schema
 from tinypaged.protocol import (
     APIError,
     GenerationRequest,
     bad_request,
     error_body,
+    field_value,
     parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,
@@ -46,6 +51,12 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 1
 
 
+def _pick(registry: dict[str, type], name: str | None, what: str) -> type | None:
+    if name is None or name in registry:
+        return registry.get(name) if name else None
+    raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(registry)}")
+
+
 class OpenAIServer:
     """The state of one app (engine, model names, key, limits, requests in flight) and its
     endpoints."""
@@ -57,8 +68,14 @@ class OpenAIServer:
         api_key: str | None = None,
         max_queue: int | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        reasoning_parser: str | None = None,
     ):
         self.engine = engine
+        self.tool_parser = _pick(TOOL_PARSERS, tool_call_parser, "tool_call_parser")
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.reasoning_parser = _pick(REASONING_PARSERS, reasoning_parser, "reasoning_parser")
         names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
         self.model_names = list(names or [engine.model_name])
         self.model_name = self.model_names[0]
@@ -182,27 +199,78 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         req = parse_chat_request(await self.read_json(request))
         model = self.check_model(req.model)
+        opts = req.chat
+        self._check_tool_choice(req)
         tok = self.engine.tokenizer
-        prompt = self._chat_prompt(req.messages)
-        fmt = ResponseFormat("chat", new_id("chatcmpl"), model, req, [prompt], tok)
+        prompt = self._chat_prompt(req.messages, opts)
+        last = req.messages[-1]
+        echo = last["content"] if opts.echo and last["role"] == "assistant" else ""
+        fmt = ResponseFormat(
+            "chat",
+            new_id("chatcmpl"),
+            model,
+            req,
+            [prompt],
+            tok,
+            chat_output=lambda: output_for(opts, self.tool_parser, self.reasoning_parser),
+            echo=echo,
+        )
         return await self.generate(request, req, [prompt], fmt, "messages")
 
-    def _chat_prompt(self, messages: list[dict]) -> list[int]:
+    def _check_tool_choice(self, req: GenerationRequest) -> None:
+        """"auto" needs the server's tool parser; "required" and a named function constrain the
+        output to JSON through structured output (the tool_choice_schema)."""
+        opts = req.chat
+        if not opts.tools or opts.tool_choice == "none":
+            return
+        if opts.tool_choice == "auto":
+            if not (self.enable_auto_tool_choice and self.tool_parser):
+                raise bad_request(
+                    "tool_choice",
+                    '"auto" tool choice requires --enable-auto-tool-choice and '
+                    "--tool-call-parser to be set; start the server with them, or send "
+                    "tool_choice 'none', 'required' or a named function",
+                )
+            return
         try:
-            return list(
-                self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            )
+            from tinypaged.sampling_params import StructuredOutputsParams
+        except ImportError:
+            raise bad_request(
+                "tool_choice",
+                f"tool_choice {opts.tool_choice!r} is enforced with structured output, which "
+                "this build of tinypaged does not have yet; use 'auto' or 'none'",
+                code="unsupported",
+            ) from None
+        schema = tool_choice_schema(opts.tools, opts.tool_choice)
+        req.sampling["structured_outputs"] = StructuredOutputsParams(json=schema)
+
+    def _chat_prompt(
+        self, messages: list[dict], opts: ChatOptions, add_special_tokens: bool = False
+    ) -> list[int]:
+        tok = self.engine.tokenizer
+        try:
+            if add_special_tokens:
+                text = tok.render_chat(messages, **opts.template_kwargs())
+                return list(tok.encode(text, add_special_tokens=True))
+            return list(tok.apply_chat_template(messages, **opts.template_kwargs()))
         except Exception as exc:  # noqa: BLE001 - e.g. the template's own raise_exception()
             raise bad_request(
                 "messages", f"the chat template cannot render these messages: {exc}"
             ) from None
 
     async def tokenize(self, request: Request) -> Response:
-        model, prompt, messages, with_strs = parse_tokenize_request(await self.read_json(request))
+        """vLLM's /tokenize: a prompt (add_special_tokens defaults to true) or chat messages
+        rendered like a chat request (add_generation_prompt true, add_special_tokens false)."""
+        body = await self.read_json(request)
+        model, prompt, messages, with_strs = parse_tokenize_request(body)
         self.check_model(model)
         tok = self.engine.tokenizer
-        ids = self._chat_prompt(messages) if messages is not None else tok.encode(prompt)
-        strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if with_strs else None
+        special = field_value(body, "add_special_tokens", "bool")
+        if messages is not None:
+            ids = self._chat_prompt(messages, parse_chat_options(body), bool(special))
+        else:
+            ids = tok.encode(prompt, add_special_tokens=special is not False)
+        strs = tok.convert_ids_to_tokens(ids) if with_strs else None
         return JSONResponse(
             {
                 "count": len(ids),
@@ -279,10 +347,12 @@ def build_app(
     api_key: str | None = None,
     max_queue: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    **options: Any,
 ) -> Starlette:
     """The Starlette app serving `engine` (an AsyncLLM). The engine outlives the app: the caller
-    shuts it down."""
-    server = OpenAIServer(engine, served_model_name, api_key, max_queue, max_body_bytes)
+    shuts it down. `options`: tool_call_parser, enable_auto_tool_choice, reasoning_parser (see
+    OpenAIServer)."""
+    server = OpenAIServer(engine, served_model_name, api_key, max_queue, max_body_bytes, **options)
     e = server.endpoint
     routes = [
         Route("/health", e(server.health, auth=False), methods=["GET"]),

@@ -40,8 +40,13 @@ class Tokenizer:
         messages: Messages,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> str:
-        """The chat prompt as text (what `apply_chat_template` tokenizes)."""
+        """The chat prompt as text (what `apply_chat_template` tokenizes).
+
+        template_kwargs: `tools` (OpenAI tool list, rendered by the template),
+        `continue_final_message` (leave the last message open) and any variable the template
+        reads (e.g. Qwen3's `enable_thinking`)."""
         raise NotImplementedError
 
     def apply_chat_template(
@@ -49,9 +54,10 @@ class Tokenizer:
         messages: Messages,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> list[int]:
         """The chat prompt as token ids, ready to generate from."""
-        text = self.render_chat(messages, add_generation_prompt, chat_template)
+        text = self.render_chat(messages, add_generation_prompt, chat_template, **template_kwargs)
         # The template writes the special tokens (bos included) itself.
         return self.encode(text, add_special_tokens=False)
 
@@ -83,6 +89,7 @@ class HFTokenizer(Tokenizer):
         messages: Messages,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> str:
         template = chat_template or self.chat_template or self.hf.chat_template
         if not template:
@@ -95,6 +102,7 @@ class HFTokenizer(Tokenizer):
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             chat_template=template,
+            **template_kwargs,
         )
 
 
