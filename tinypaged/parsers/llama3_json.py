@@ -21,7 +21,7 @@ class Llama3JsonToolParser(ToolParser):
     def find_start(self, text: str) -> int | None:
         stripped = text.lstrip()
         if stripped.startswith(PYTHON_TAG) or stripped.startswith("{"):
-            return len(text) - len(stripped)
+            return 0  # the calls are the whole output, leading blanks included
         return None
 
     def held(self, text: str) -> int:
@@ -30,6 +30,7 @@ class Llama3JsonToolParser(ToolParser):
         return len(text) if PYTHON_TAG.startswith(stripped) else 0
 
     def parse_calls(self, region: str, finished: bool) -> list[PartialCall]:
+        region = region.lstrip()
         pos = len(PYTHON_TAG) if region.startswith(PYTHON_TAG) else 0
         calls = []
         while True:

@@ -170,6 +170,11 @@ class ToolCallStream:
             calls = self._calls(self.parser.parse_calls(text[start:], finished))
             if calls:
                 delta["tool_calls"] = calls
+            elif finished and not self.ids and len(text) > self.content_sent:
+                # What looked like a call did not parse: it was content after all (as in
+                # extract_tool_calls).
+                delta["content"] = delta.get("content", "") + text[self.content_sent :]
+                self.content_sent = len(text)
         return delta or None
 
     def _calls(self, calls: list[PartialCall]) -> list[dict]:
