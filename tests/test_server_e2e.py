@@ -228,3 +228,74 @@ def test_64_concurrent_streams_with_disconnects(engine, llm):
     assert metric(text, "tinypaged:num_requests_running", **name) == 0
     assert metric(text, "tinypaged:kv_cache_usage_perc", **name) == 0
     assert json.dumps(results[1][0])  # a survivor's chunks are plain JSON objects
+
+
+# ------------------------------------------------------------------ tools and template switches
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+PARSED = {"name": "get_weather", "arguments": {"city": "Paris"}}
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
+]
+
+
+def chat_offline(llm: LLM, messages: list[dict], **kw) -> tuple[int, str]:
+    """(prompt tokens, greedy text) of LLM.chat: the offline form of the same request."""
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False, **kw)
+    return len(out[0].prompt_token_ids), out[0].outputs[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_conversation_replays(client, llm, stream):
+    """A replayed tool conversation renders (tools too, though ChatML ignores them) and
+    generates what LLM.chat generates; tool_choice 'none' needs no tool parser."""
+    # The template's messages: tool-call arguments as objects, a null content as "".
+    template_history = [
+        HISTORY[0],
+        {"role": "assistant", "content": "", "tool_calls": [{**CALL, "function": PARSED}]},
+        HISTORY[2],
+    ]
+    prompt_tokens, text = chat_offline(llm, template_history, tools=[WEATHER])
+    r = client.chat.completions.create(
+        model="tiny", messages=HISTORY, tools=[WEATHER], tool_choice="none", max_tokens=8,
+        temperature=0,
+        stream=stream, stream_options={"include_usage": True} if stream else None,
+    )
+    if stream:
+        chunks = list(r)
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+    else:
+        content, usage = r.choices[0].message.content, r.usage
+        assert r.choices[0].message.tool_calls is None  # tool_choice "none": not parsed
+    assert usage.prompt_tokens == prompt_tokens
+    assert (content or "") == text
+
+
+def test_template_switches_match_llm_chat(client, llm):
+    """add_generation_prompt, continue_final_message and echo, as vLLM defines them."""
+    msgs = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi, I am"}]
+    prompt_tokens, text = chat_offline(
+        llm, msgs, add_generation_prompt=False, continue_final_message=True
+    )
+    r = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=8, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True},
+    )
+    assert r.usage.prompt_tokens == prompt_tokens
+    assert r.choices[0].message.content == "Hi, I am" + text
+    stream = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True},
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == "Hi, I am" + text

@@ -71,15 +71,25 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        As vLLM's: `tools` (OpenAI tool definitions) and `chat_template_kwargs` (e.g.
+        {"enable_thinking": False}) are handed to the template; `continue_final_message` leaves
+        the last (assistant) message open for the model to continue."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = {
+            **(chat_template_kwargs or {}),
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "tools": tools,
+            "chat_template": chat_template,
+        }
         prompts = [
-            {
-                "prompt_token_ids": self.tokenizer.apply_chat_template(
-                    conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-                )
-            }
+            {"prompt_token_ids": self.tokenizer.apply_chat_template(conv, **kwargs)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
