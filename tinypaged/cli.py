@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -61,6 +62,17 @@ def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible text")
 
 
+def _json_list(text: str) -> list[str]:
+    """A flag value like vLLM's --allowed-origins: a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'want a JSON list of strings like ["*"], got {text!r}')
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tinypaged", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -94,6 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=sorted(REASONING_PARSERS),
         help="split <think>...</think> into reasoning_content",
+    )
+    for what in ("origins", "methods", "headers"):
+        serve.add_argument(
+            f"--allowed-{what}",
+            type=_json_list,
+            default=["*"],
+            metavar="JSON",
+            help=f'CORS: allowed {what} as a JSON list (default ["*"])',
+        )
+    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies")
+    serve.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: prompt tokens from the prefix cache",
     )
     serve.add_argument("--seed", type=int, default=0, help="engine seed")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
@@ -194,6 +220,13 @@ def serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        cors={
+            "allow_origins": args.allowed_origins,
+            "allow_methods": args.allowed_methods,
+            "allow_headers": args.allowed_headers,
+            "allow_credentials": args.allow_credentials,
+        },
     )
     server = app.state.server
     kv = engine.kv_cache_info

@@ -187,6 +187,8 @@ class Engine:
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
             )
         text, ids = self._prompt_ids(prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM: keep the end of the prompt
+            ids = ids[-params.truncate_prompt_tokens :]
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         vocab = self.vocab_size

@@ -141,13 +141,19 @@ class GenerationRequest:
     prompts: list[str | list[int]] = field(default_factory=list)  # completions
     messages: list[dict] | None = None  # chat: [{"role", "content": str}]
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs (vLLM names)
-    max_tokens: int | None = None  # None = the rest of the context
+    max_tokens: int | None = None  # None = default_max_tokens, else the rest of the context
+    default_max_tokens: int | None = None  # completions: 16, as OpenAI and vLLM
     max_tokens_param: str = "max_tokens"  # the field name to blame when it does not fit
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # completions: top-k count; chat: top_logprobs (0 = sampled only)
     n: int = 1
     chat: ChatOptions | None = None  # chat: tools, tool_choice, template switches
+    continuous_usage_stats: bool = False  # usage in every stream chunk
+    return_token_ids: bool = False  # token ids beside the text (vLLM)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" (vLLM)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: all
+    # that fit the context)
 
 
 def _common(body: dict, req: GenerationRequest) -> None:
@@ -166,17 +172,25 @@ def _common(body: dict, req: GenerationRequest) -> None:
         "presence_penalty": ("number", -2.0, 2.0, False),
         "frequency_penalty": ("number", -2.0, 2.0, False),
         "repetition_penalty": ("number", 0.0, None, True),
-        "seed": ("int", None, None, False),
+        "seed": ("int", -(2**63), 2**63 - 1, False),  # int64, as vLLM
         "min_tokens": ("int", 0, None, False),
     }
     for name, (kind, lo, hi, lo_open) in checks.items():
         value = field_value(body, name, kind, lo=lo, hi=hi, lo_open=lo_open)
         if value is not None:
             s[name] = value
-    for name in ("ignore_eos", "skip_special_tokens"):
+    for name in (
+        "ignore_eos",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "spaces_between_special_tokens",
+    ):
         value = field_value(body, name, "bool")
         if value is not None:
             s[name] = value
+    req.return_token_ids = bool(field_value(body, "return_token_ids", "bool"))
+    req.return_tokens_as_token_ids = bool(field_value(body, "return_tokens_as_token_ids", "bool"))
+    req.truncate_prompt_tokens = field_value(body, "truncate_prompt_tokens", "int", lo=-1)
     if (stop := _stop_list(body)) is not None:
         s["stop"] = stop
     if (ids := _int_list(body, "stop_token_ids")) is not None:
@@ -202,6 +216,14 @@ def _common(body: dict, req: GenerationRequest) -> None:
                 code="invalid_type",
             )
         req.include_usage = usage
+        continuous = options.get("continuous_usage_stats", False)
+        if not isinstance(continuous, bool):
+            raise bad_request(
+                "stream_options.continuous_usage_stats",
+                "'continuous_usage_stats' must be a boolean",
+                code="invalid_type",
+            )
+        req.continuous_usage_stats = continuous
     for name in ("logit_bias", "functions", "response_format", "suffix"):
         if body.get(name):
             raise bad_request(name, f"'{name}' is not supported by this server", code="unsupported")
@@ -224,7 +246,7 @@ def _max_tokens(body: dict, req: GenerationRequest, names: tuple[str, ...]) -> N
 def parse_completion_request(body: Any) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("body", "the request body must be a JSON object", code="invalid_type")
-    req = GenerationRequest(model=None)
+    req = GenerationRequest(model=None, default_max_tokens=16)
     _common(body, req)
     _max_tokens(body, req, ("max_tokens",))
     prompt = body.get("prompt", _MISSING)

@@ -36,12 +36,16 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; with `cached_tokens`, also the prompt tokens the prefix cache served."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def finite(logprob: float) -> float:
@@ -106,6 +110,7 @@ class ResponseFormat:
         tokenizer: Any,
         chat_output: Callable[[], ChatOutput] | None = None,
         echo: str = "",
+        prompt_tokens_details: bool = False,
     ):
         self.kind = kind  # "completion" | "chat"
         self.request_id = request_id
@@ -114,7 +119,13 @@ class ResponseFormat:
         self.num_prompts = len(prompts)
         self.top_logprobs = req.logprobs
         self.include_usage = req.include_usage
+        self.continuous_usage = req.include_usage and req.continuous_usage_stats
+        self.return_token_ids = req.return_token_ids
+        self.tokens_as_ids = req.return_tokens_as_token_ids
+        self.prompts = prompts
         self.prompt_tokens = sum(len(p) for p in prompts)
+        # prompt index -> prompt tokens served from the prefix cache (with prompt_tokens_details)
+        self.cached_tokens: dict[int, int] | None = {} if prompt_tokens_details else None
         self.tokenizer = tokenizer
         self.created = now()
         self.sent_text: dict[int, int] = {}  # choice index -> characters sent
@@ -131,7 +142,13 @@ class ResponseFormat:
         return self.chat_outputs[index]
 
     def decode_one(self, token_id: int) -> str:
+        if self.tokens_as_ids:  # vLLM's return_tokens_as_token_ids: no undecodable bytes
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _usage(self, completion_tokens: int) -> dict:
+        cached = None if self.cached_tokens is None else sum(self.cached_tokens.values())
+        return usage(self.prompt_tokens, completion_tokens, cached)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
@@ -150,7 +167,9 @@ class ResponseFormat:
     def _chunk(self, choices: list[dict]) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         chunk = {**self._head(obj), "choices": choices}
-        if self.include_usage:
+        if self.continuous_usage:
+            chunk["usage"] = self._usage(sum(self.sent_tokens.values()))
+        elif self.include_usage:
             chunk["usage"] = None
         return chunk
 
@@ -158,23 +177,22 @@ class ResponseFormat:
         """Chat streams open with one chunk per choice carrying the assistant role."""
         if self.kind != "chat":
             return []
-        return [
-            self._chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": self.echo},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
+        chunks = []
+        for i in range(self.num_prompts * self.n):
+            delta = {"role": "assistant", "content": self.echo}
+            chunk = self._chunk(
+                [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]
             )
-            for i in range(self.num_prompts * self.n)
-        ]
+            if self.return_token_ids:
+                chunk["prompt_token_ids"] = self.prompts[0]
+            chunks.append(chunk)
+        return chunks
 
     def delta_chunks(self, prompt_index: int, out: Any) -> list[dict]:
         """One chunk per choice that has new text, new logprobs or has just finished."""
         chunks = []
+        if self.cached_tokens is not None:
+            self.cached_tokens[prompt_index] = out.num_cached_tokens
         for c in out.outputs:
             index = prompt_index * self.n + c.index
             if index in self.done:
@@ -201,6 +219,10 @@ class ResponseFormat:
             choice.update(logprobs=logprobs, finish_reason=finish_reason)
             if self.kind == "completion":
                 choice["stop_reason"] = c.stop_reason
+            if self.return_token_ids:
+                if self.kind == "completion" and k0 == 0:
+                    choice["prompt_token_ids"] = self.prompts[prompt_index]
+                choice["token_ids"] = c.token_ids[k0:]
             chunks.append(self._chunk([choice]))
         return chunks
 
@@ -210,7 +232,7 @@ class ResponseFormat:
         return {
             **self._head(obj),
             "choices": [],
-            "usage": usage(self.prompt_tokens, completion_tokens),
+            "usage": self._usage(completion_tokens),
         }
 
     # ------------------------------------------------------------------------------ whole response
@@ -234,10 +256,15 @@ class ResponseFormat:
                 choice.update(logprobs=self._logprobs(c, 0, 0), finish_reason=finish_reason)
                 if self.kind == "completion":
                     choice["stop_reason"] = c.stop_reason
+                if self.return_token_ids:
+                    if self.kind == "completion":
+                        choice["prompt_token_ids"] = self.prompts[i]
+                    choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
+            if self.cached_tokens is not None:
+                self.cached_tokens[i] = out.num_cached_tokens
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {
-            **self._head(obj),
-            "choices": choices,
-            "usage": usage(self.prompt_tokens, completion_tokens),
-        }
+        body = {**self._head(obj), "choices": choices, "usage": self._usage(completion_tokens)}
+        if self.return_token_ids and self.kind == "chat":
+            body["prompt_token_ids"] = self.prompts[0]
+        return body

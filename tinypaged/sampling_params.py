@@ -40,7 +40,11 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top logprobs to return besides the sampled token's
     skip_special_tokens: bool = True
+    # Between special tokens in decoded text; honoured by slow (Python) tokenizers only, as in
+    # vLLM: the fast tokenizers tinypaged loads join special tokens as they are.
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (engine side)
 
     def __post_init__(self) -> None:
         for name in (
@@ -54,10 +58,15 @@ class SamplingParams:
             _check_number(name, getattr(self, name), float)
         for name in ("n", "top_k", "min_tokens"):
             _check_number(name, getattr(self, name), int)
-        for name in ("max_tokens", "logprobs", "seed"):
+        for name in ("max_tokens", "logprobs", "seed", "truncate_prompt_tokens"):
             if getattr(self, name) is not None:
                 _check_number(name, getattr(self, name), int)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+        ):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -90,6 +99,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", ">= 0")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise bad("truncate_prompt_tokens", "at least 1")
 
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):

@@ -3,12 +3,14 @@
     app = build_app(AsyncLLM(), served_model_name="smollm2", api_key=None, max_queue=None)
     uvicorn.run(app, host="127.0.0.1", port=8000)      # what `tinypaged serve` does
 
-Endpoints: GET /health, /metrics, /v1/models; POST /v1/completions, /v1/chat/completions,
-/tokenize, /detokenize. This file is the HTTP side: routes, the API key, body limits, model
-names, admission (a full queue or a dead engine is a 503) and the mapping of errors to OpenAI's
-error bodies. Request validation lives in `protocol.py`, the response shapes in `responses.py`,
-running a request against the engine (disconnects, streaming) in `serving.py`, the Prometheus
-metrics in `metrics.py`. An exception inside one request ends that request only (500).
+Endpoints: GET /health, /metrics, /version, /v1/models; POST /v1/completions,
+/v1/chat/completions, /invocations, /tokenize, /detokenize; CORS through Starlette's
+middleware. This file is the HTTP side: routes, the API key, body limits, model names, admission
+(a full queue or a dead engine is a 503) and the mapping of errors to OpenAI's error bodies.
+Request validation lives in `protocol.py` (chat's tool and template fields in
+`chat_protocol.py`), the response shapes in `responses.py`, running a request against the engine
+(disconnects, streaming) in `serving.py`, the Prometheus metrics in `metrics.py`. An exception
+inside one request ends that request only (500).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -48,6 +52,12 @@ from tinypaged.serving import Generation, respond, sampling_params
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+CORS_DEFAULTS = {
+    "allow_origins": ["*"],
+    "allow_methods": ["*"],
+    "allow_headers": ["*"],
+    "allow_credentials": False,
+}
 RETRY_AFTER_S = 1
 
 
@@ -71,11 +81,13 @@ class OpenAIServer:
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
         reasoning_parser: str | None = None,
+        enable_prompt_tokens_details: bool = False,
     ):
         self.engine = engine
         self.tool_parser = _pick(TOOL_PARSERS, tool_call_parser, "tool_call_parser")
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser = _pick(REASONING_PARSERS, reasoning_parser, "reasoning_parser")
+        self.prompt_tokens_details = enable_prompt_tokens_details
         names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
         self.model_names = list(names or [engine.model_name])
         self.model_name = self.model_names[0]
@@ -109,7 +121,8 @@ class OpenAIServer:
             )
 
     async def read_json(self, request: Request) -> Any:
-        """The body as JSON; an oversized body is refused (413) before it is read or parsed."""
+        """The body as JSON; an oversized body is refused (413) before it is read or parsed, a
+        body not sent as application/json with a 400, as vLLM."""
         limit = self.max_body_bytes
         length = request.headers.get("content-length")
         too_big = APIError(
@@ -125,6 +138,14 @@ class OpenAIServer:
             body += chunk
             if len(body) > limit:
                 raise too_big
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise bad_request(
+                "content-type",
+                f"Unsupported Media Type {media_type or '(none)'!r}: only 'application/json' is "
+                "allowed; send the header 'Content-Type: application/json'",
+                code="unsupported_media_type",
+            )
         try:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -133,7 +154,8 @@ class OpenAIServer:
             ) from None
 
     def check_model(self, model: str | None) -> str:
-        if model is None or model in self.model_names:
+        """The served name to answer with; absent or "" means the default model (vLLM)."""
+        if not model or model in self.model_names:
             return model or self.model_name
         raise APIError(
             404,
@@ -188,21 +210,30 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------------------ endpoints
 
-    async def completions(self, request: Request) -> Response:
-        req = parse_completion_request(await self.read_json(request))
+    async def completions(self, request: Request, body: Any = None) -> Response:
+        req = parse_completion_request(body or await self.read_json(request))
         model = self.check_model(req.model)
         tok = self.engine.tokenizer
         prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
-        fmt = ResponseFormat("completion", new_id("cmpl"), model, req, prompts, tok)
+        prompts = [self.truncate(req, p) for p in prompts]
+        fmt = ResponseFormat(
+            "completion",
+            new_id("cmpl"),
+            model,
+            req,
+            prompts,
+            tok,
+            prompt_tokens_details=self.prompt_tokens_details,
+        )
         return await self.generate(request, req, prompts, fmt, "prompt")
 
-    async def chat_completions(self, request: Request) -> Response:
-        req = parse_chat_request(await self.read_json(request))
+    async def chat_completions(self, request: Request, body: Any = None) -> Response:
+        req = parse_chat_request(body or await self.read_json(request))
         model = self.check_model(req.model)
         opts = req.chat
         self._check_tool_choice(req)
         tok = self.engine.tokenizer
-        prompt = self._chat_prompt(req.messages, opts)
+        prompt = self.truncate(req, self._chat_prompt(req.messages, opts))
         last = req.messages[-1]
         echo = last["content"] if opts.echo and last["role"] == "assistant" else ""
         fmt = ResponseFormat(
@@ -214,8 +245,22 @@ class OpenAIServer:
             tok,
             chat_output=lambda: output_for(opts, self.tool_parser, self.reasoning_parser),
             echo=echo,
+            prompt_tokens_details=self.prompt_tokens_details,
         )
         return await self.generate(request, req, [prompt], fmt, "messages")
+
+    def truncate(self, req: GenerationRequest, prompt: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: max_model_len)."""
+        k, limit = req.truncate_prompt_tokens, self.max_model_len
+        if k is None:
+            return prompt
+        if k == 0 or k > limit:
+            raise bad_request(
+                "truncate_prompt_tokens",
+                f"'truncate_prompt_tokens' must be -1 (the context length) or in [1, {limit}] "
+                f"(max_model_len), got {k}",
+            )
+        return prompt[-(limit if k == -1 else k) :]
 
     def _check_tool_choice(self, req: GenerationRequest) -> None:
         """"auto" needs the server's tool parser; "required" and a named function constrain the
@@ -289,6 +334,23 @@ class OpenAIServer:
             raise bad_request("tokens", f"cannot decode these token ids: {exc}") from None
         return JSONResponse({"prompt": text})
 
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's single entry point (vLLM's /invocations): chat if the body has
+        'messages', a completion if it has 'prompt'."""
+        body = await self.read_json(request)
+        if isinstance(body, dict) and "messages" in body:
+            return await self.chat_completions(request, body)
+        if isinstance(body, dict) and "prompt" in body:
+            return await self.completions(request, body)
+        raise bad_request(
+            "body", "/invocations needs 'messages' (chat) or 'prompt' (completion) in the body"
+        )
+
+    async def version(self, request: Request) -> Response:
+        from tinypaged import __version__
+
+        return JSONResponse({"version": __version__})
+
     async def models(self, request: Request) -> Response:
         data = [
             {
@@ -347,11 +409,13 @@ def build_app(
     api_key: str | None = None,
     max_queue: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    cors: dict[str, Any] | None = None,
     **options: Any,
 ) -> Starlette:
     """The Starlette app serving `engine` (an AsyncLLM). The engine outlives the app: the caller
     shuts it down. `options`: tool_call_parser, enable_auto_tool_choice, reasoning_parser (see
-    OpenAIServer)."""
+    OpenAIServer). `cors`: Starlette CORSMiddleware arguments (allow_origins, allow_methods,
+    allow_headers, allow_credentials); by default any origin, as vLLM's defaults."""
     server = OpenAIServer(engine, served_model_name, api_key, max_queue, max_body_bytes, **options)
     e = server.endpoint
     routes = [
@@ -360,6 +424,8 @@ def build_app(
         Route("/v1/models", e(server.models, auth=True), methods=["GET"]),
         Route("/v1/completions", e(server.completions, auth=True), methods=["POST"]),
         Route("/v1/chat/completions", e(server.chat_completions, auth=True), methods=["POST"]),
+        Route("/invocations", e(server.invocations, auth=True), methods=["POST"]),
+        Route("/version", e(server.version, auth=False), methods=["GET"]),
         Route("/tokenize", e(server.tokenize, auth=True), methods=["POST"]),
         Route("/detokenize", e(server.detokenize, auth=True), methods=["POST"]),
     ]
@@ -376,8 +442,12 @@ def build_app(
         yield
         await server.shutdown()
 
+    cors = {**CORS_DEFAULTS, **(cors or {})}
     app = Starlette(
-        routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan
+        routes=routes,
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
+        middleware=[Middleware(CORSMiddleware, **cors)],
     )
     app.state.server = server
     return app

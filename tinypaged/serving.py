@@ -54,7 +54,7 @@ def sampling_params(
             f"is {limit} tokens; shorten the prompt",
             code="context_length_exceeded",
         )
-    max_tokens = req.max_tokens or limit - prompt_len
+    max_tokens = req.max_tokens or min(req.default_max_tokens or limit, limit - prompt_len)
     if prompt_len + max_tokens > limit:
         raise bad_request(
             req.max_tokens_param,
