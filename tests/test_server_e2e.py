@@ -299,3 +299,31 @@ def test_template_switches_match_llm_chat(client, llm):
         extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True},
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream) == "Hi, I am" + text
+
+
+def test_cached_prompt_tokens_and_tokenize_options(engine, model_dir):
+    from tinypaged.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    app = build_app(engine, served_model_name="tiny", enable_prompt_tokens_details=True)
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        prompt = "the quick brown fox jumps over the lazy dog " * 6  # > 3 KV blocks
+        n = len(tok.encode(prompt))
+        first = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+        again = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        # The prefix cache serves whole blocks of 16, and always recomputes the last token.
+        assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+
+        r = httpx.post(url + "/tokenize", json={"prompt": "The quick brown fox",
+                                                "return_token_strs": True}).json()
+        assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+        assert "Ġbrown" in r["token_strs"]  # the tokenizer's own tokens, not decoded text
+        msgs = [{"role": "user", "content": "Hi"}]
+        for gen in (True, False):
+            r = httpx.post(url + "/tokenize", json={"messages": msgs,
+                                                    "add_generation_prompt": gen}).json()
+            assert r["tokens"] == tok.apply_chat_template(msgs, add_generation_prompt=gen)
+        r = httpx.post(url + "/tokenize", json={"messages": msgs, "tools": [WEATHER]}).json()
+        assert r["tokens"] == tok.apply_chat_template(msgs, tools=[WEATHER])
