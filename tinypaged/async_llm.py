@@ -62,6 +62,11 @@ class AsyncLLM:
         return self.engine.model_name
 
     @property
+    def default_sampling_params(self) -> dict:
+        """SamplingParams defaults from the model's generation_config.json."""
+        return self.engine.default_sampling_params
+
+    @property
     def kv_cache_info(self) -> dict:
         return self.engine.kv_cache_info
 

@@ -52,6 +52,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["awq"])
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template")
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults: the model's generation_config.json (auto), none (vllm), or DIR's",
+    )
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -165,6 +171,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "quantization": args.quantization,
         "tensor_parallel_size": args.tensor_parallel_size,
         "chat_template": chat_template,
+        "generation_config": args.generation_config,
     }
 
 

@@ -28,6 +28,8 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     chat_template: str | None = None  # a Jinja template string overriding the model's
+    # Sampling defaults: "auto" = the model's generation_config.json, "vllm" = none, or a folder
+    generation_config: str = "auto"
     load_format: str = "auto"  # "auto" = the checkpoint; "dummy" = random weights (benchmarks)
     skip_tokenizer_init: bool = False  # token ids in and out only (benchmarks)
 

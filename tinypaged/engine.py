@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tinypaged.config import EngineConfig
 from tinypaged.executor import create_executor
+from tinypaged.generation_config import default_sampling_params
 from tinypaged.outputs import CompletionOutput, RequestOutput
 from tinypaged.sampling import Sampler, SamplingBatch, new_generator
 from tinypaged.sampling_params import SamplingParams
@@ -110,6 +112,9 @@ class Engine:
             self.tokenizer = load_tokenizer(model_dir, chat_template=config.chat_template)
             eos = set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        self.default_sampling_params = default_sampling_params(
+            model_dir if Path(model_dir).is_dir() else None, config.generation_config
+        )
         self.vocab_size = model.vocab_size if hasattr(model, "vocab_size") else self.vocab_size
 
         torch.manual_seed(config.seed)

@@ -39,6 +39,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without sampling_params: the model's
+        generation_config.json sampling defaults (see generation_config.py), else vLLM's."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -52,7 +57,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

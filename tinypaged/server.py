@@ -201,7 +201,10 @@ class OpenAIServer:
         prompt_param: str,
     ) -> Response:
         limit = self.max_model_len
-        params = [sampling_params(req, len(ids), prompt_param, limit) for ids in prompts]
+        defaults = getattr(self.engine, "default_sampling_params", None)
+        params = [
+            sampling_params(req, len(ids), prompt_param, limit, defaults) for ids in prompts
+        ]
         self.admit(len(prompts))
         gen = Generation(self.engine, self.metrics, fmt.request_id, prompts, params, self.release)
         self.active.add(gen)

@@ -41,9 +41,18 @@ def sse(data: dict | str) -> bytes:
 
 
 def sampling_params(
-    req: GenerationRequest, prompt_len: int, prompt_param: str, max_model_len: int
+    req: GenerationRequest,
+    prompt_len: int,
+    prompt_param: str,
+    max_model_len: int,
+    defaults: dict | None = None,
 ) -> SamplingParams:
-    """The SamplingParams of one prompt; a prompt or max_tokens over the context is a 400."""
+    """The SamplingParams of one prompt; a prompt or max_tokens over the context is a 400.
+
+    `defaults` (the model's generation_config sampling) fill the fields the request left out;
+    their max_tokens caps the request's, as in vLLM."""
+    defaults = dict(defaults or {})
+    cap = defaults.pop("max_tokens", None)
     from tinypaged.sampling_params import SamplingParams
 
     limit = max_model_len
@@ -55,6 +64,8 @@ def sampling_params(
             code="context_length_exceeded",
         )
     max_tokens = req.max_tokens or min(req.default_max_tokens or limit, limit - prompt_len)
+    if cap is not None:
+        max_tokens = min(max_tokens, cap)
     if prompt_len + max_tokens > limit:
         raise bad_request(
             req.max_tokens_param,
@@ -64,7 +75,7 @@ def sampling_params(
             code="context_length_exceeded",
         )
     try:
-        return SamplingParams(**req.sampling, max_tokens=max_tokens)
+        return SamplingParams(**{**defaults, **req.sampling}, max_tokens=max_tokens)
     except (ValueError, TypeError) as exc:
         text = str(exc)  # SamplingParams' messages start with the field's name
         first = text.split(maxsplit=1)[0] if text else ""
