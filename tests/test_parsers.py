@@ -162,3 +162,17 @@ def test_reasoning_then_tool_calls():
     )
     assert (reasoning, content) == ("Need the weather.", "Let me check.\n")
     assert [c["name"] for c in calls.values()] == ["get_weather", "get_time"]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    from tinypaged.chat_output import output_for
+    from tinypaged.chat_protocol import parse_chat_options
+
+    body = {"tools": [WEATHER], "parallel_tool_calls": False}
+    output = output_for(parse_chat_options(body), TOOL_PARSERS["hermes"], None)
+    assert [c["function"]["name"] for c in output.message(HERMES)["tool_calls"]] == [
+        "get_weather"
+    ]
+    _, _, calls = stream(output_for(parse_chat_options(body), TOOL_PARSERS["hermes"], None),
+                         HERMES, 5)
+    assert [c["name"] for c in calls.values()] == ["get_weather"]

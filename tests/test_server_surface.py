@@ -130,3 +130,15 @@ def test_truncate_prompt_tokens_and_detokenize_flags(fake):
     p = engine.seen_params[-1]
     assert (p.include_stop_str_in_output, p.spaces_between_special_tokens,
             p.skip_special_tokens) == (True, False, False)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("functions", [{"name": "f"}]), ("suffix", "x"), ("use_beam_search", True),
+    ("priority", 1), ("prompt_embeds", "AAAA"),
+])
+def test_unsupported_fields_are_named(fake, field, value):
+    r = post(fake[1], "/v1/completions", {"prompt": "a", field: value})
+    assert_error(r, 400, field, "not supported")
+    r = post(fake[1], "/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]})
+    assert_error(r, 400, "modalities", "text only")
+    assert post(fake[1], "/v1/completions", {"prompt": "a", "use_beam_search": False}).is_success

@@ -86,5 +86,9 @@ def output_for(
     if opts.named_tool is not None:
         return ChatOutput(NamedToolParser(opts.named_tool), reasoning, keep_finish_reason=True)
     if opts.tool_choice == "required":
-        return ChatOutput(RequiredToolParser(opts.tools), reasoning)
-    return ChatOutput(tool_parser(opts.tools) if tool_parser else None, reasoning)
+        parser: ToolParser | None = RequiredToolParser(opts.tools)
+    else:
+        parser = tool_parser(opts.tools) if tool_parser else None
+    if parser is not None and not opts.parallel_tool_calls:
+        parser.max_calls = 1
+    return ChatOutput(parser, reasoning)

@@ -11,6 +11,7 @@ What /v1/chat/completions takes besides messages and sampling (vLLM's names and 
     add_generation_prompt   end the prompt with the assistant's turn header (default true)
     continue_final_message  leave the final (assistant) message open, to be continued
     echo                    start the answer with that final assistant message's content
+    parallel_tool_calls     false: keep only the first tool call of an answer
 
 and, inside messages, an assistant's `tool_calls`, a tool result's `tool_call_id`, and `name`:
 what a client sends back to replay a tool conversation. Errors are `bad_request`s naming the
@@ -34,6 +35,7 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    parallel_tool_calls: bool = True  # False: only the first call is returned (vLLM)
 
     @property
     def named_tool(self) -> str | None:
@@ -121,6 +123,12 @@ def parse_chat_options(body: dict) -> ChatOptions:
     opts.add_generation_prompt = _bool(body, "add_generation_prompt", True)
     opts.continue_final_message = _bool(body, "continue_final_message", False)
     opts.echo = _bool(body, "echo", False)
+    opts.parallel_tool_calls = _bool(body, "parallel_tool_calls", True)
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad_request(
+            "modalities", f"this server answers in text only (['text']), got {modalities!r}"
+        )
     if opts.add_generation_prompt and opts.continue_final_message:
         raise bad_request(
             "continue_final_message",

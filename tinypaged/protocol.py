@@ -224,9 +224,29 @@ def _common(body: dict, req: GenerationRequest) -> None:
                 code="invalid_type",
             )
         req.continuous_usage_stats = continuous
-    for name in ("logit_bias", "functions", "response_format", "suffix"):
+    for name in ("logit_bias", "response_format", *UNSUPPORTED):
         if body.get(name):
-            raise bad_request(name, f"'{name}' is not supported by this server", code="unsupported")
+            hint = UNSUPPORTED.get(name, "")
+            raise bad_request(
+                name, f"'{name}' is not supported by this server{hint}", code="unsupported"
+            )
+
+
+# Fields of OpenAI's or vLLM's API that tinypaged does not implement: a request that sets one
+# gets a 400 naming it rather than an answer that silently ignores it.
+UNSUPPORTED = {
+    "functions": "; send 'tools' instead (the deprecated 'functions' API is not served)",
+    "function_call": "; send 'tool_choice' instead",
+    "suffix": "",
+    "audio": " (text only)",
+    "prediction": "",
+    "web_search_options": "",
+    "use_beam_search": "; sample with 'n' instead",
+    "prompt_embeds": "; send text or token ids",
+    "mm_processor_kwargs": " (text-only models)",
+    "priority": " (the scheduler serves requests first come, first served)",
+    "kv_transfer_params": "",
+}
 
 
 def _max_tokens(body: dict, req: GenerationRequest, names: tuple[str, ...]) -> None:

@@ -110,6 +110,8 @@ class ToolParser:
 
     start: str = ""  # the marker where the first tool call begins
 
+    max_calls: int | None = None  # parallel_tool_calls=false: 1
+
     def __init__(self, tools: list[dict] | None = None) -> None:
         self.tools = tools or []
 
@@ -136,7 +138,7 @@ class ToolParser:
             ToolCall(c.name, c.arguments)
             for c in self.parse_calls(text[start:], finished=True)
             if c.done and c.name
-        ]
+        ][: self.max_calls]
         if not calls:
             return text, []
         return text[:start] or None, calls
@@ -167,7 +169,8 @@ class ToolCallStream:
             delta["content"] = text[self.content_sent : end]
             self.content_sent = end
         if start is not None:
-            calls = self._calls(self.parser.parse_calls(text[start:], finished))
+            parsed = self.parser.parse_calls(text[start:], finished)[: self.parser.max_calls]
+            calls = self._calls(parsed)
             if calls:
                 delta["tool_calls"] = calls
             elif finished and not self.ids and len(text) > self.content_sent:
