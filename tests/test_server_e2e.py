@@ -327,3 +327,28 @@ def test_cached_prompt_tokens_and_tokenize_options(engine, model_dir):
             assert r["tokens"] == tok.apply_chat_template(msgs, add_generation_prompt=gen)
         r = httpx.post(url + "/tokenize", json={"messages": msgs, "tools": [WEATHER]}).json()
         assert r["tokens"] == tok.apply_chat_template(msgs, tools=[WEATHER])
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(client, llm):
+    prompt = "The quick brown fox"
+    ids = llm.tokenizer.encode(prompt)
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1)
+    want = llm.generate(prompt, params, use_tqdm=False)[0]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                  echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == prompt + want.outputs[0].text
+    lp = choice.logprobs
+    assert lp.tokens[: len(ids)] == [llm.tokenizer.decode([t], False) for t in ids]
+    assert lp.token_logprobs[0] is None
+    wanted = [e[t] for e, t in zip(want.prompt_logprobs[1:], ids[1:])]
+    wanted += [e[t] for e, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
+    assert lp.token_logprobs[1:] == pytest.approx(wanted, abs=1e-4)
+    assert lp.text_offset[len(ids)] == len(prompt)  # the generated text starts after the echo
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1,
+                                  extra_body={"prompt_logprobs": 0})
+    body = r.choices[0].model_extra["prompt_logprobs"]
+    assert body[0] is None and len(body) == len(ids)
+    assert [float(e[str(t)]["logprob"]) for e, t in zip(body[1:], ids[1:])] == pytest.approx(
+        [e[t] for e, t in zip(want.prompt_logprobs[1:], ids[1:])], abs=1e-4
+    )

@@ -142,3 +142,14 @@ def test_unsupported_fields_are_named(fake, field, value):
     r = post(fake[1], "/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]})
     assert_error(r, 400, "modalities", "text only")
     assert post(fake[1], "/v1/completions", {"prompt": "a", "use_beam_search": False}).is_success
+
+
+def test_completion_echo(fake):
+    body = {"prompt": ["ab", [99, 100]], "max_tokens": 3, "echo": True}
+    r = post(fake[1], "/v1/completions", body).json()
+    assert [c["text"][:2] for c in r["choices"]] == ["ab", "cd"]
+    assert all(len(c["text"]) == 5 for c in r["choices"])
+    events = sse_events(post(fake[1], "/v1/completions", {**body, "stream": True}).text)[:-1]
+    for index, prompt in enumerate(["ab", "cd"]):
+        texts = [e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == index]
+        assert texts[0].startswith(prompt) and len("".join(texts)) == 5

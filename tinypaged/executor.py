@@ -95,8 +95,8 @@ class UniprocExecutor:
         return self.runner
 
     def execute(self, seqs: Seq[ScheduledSeq], num_new_tokens: Seq[int],
-                do_sample: Seq[bool]) -> torch.Tensor:
-        return self.runner.execute(seqs, num_new_tokens, do_sample)
+                do_sample: Seq[bool], prompt_logits: Seq[bool] | None = None) -> torch.Tensor:
+        return self.runner.execute(seqs, num_new_tokens, do_sample, prompt_logits)
 
     def shutdown(self) -> None:
         pass
@@ -297,10 +297,10 @@ class MultiprocExecutor:
         return self.runner
 
     def execute(self, seqs: Seq[ScheduledSeq], num_new_tokens: Seq[int],
-                do_sample: Seq[bool]) -> torch.Tensor:
+                do_sample: Seq[bool], prompt_logits: Seq[bool] | None = None) -> torch.Tensor:
         """Send the step to every worker, run rank 0's shard, return its logits."""
         self._raise_if_failed()
-        step = self.runner.build_step(seqs, num_new_tokens, do_sample)
+        step = self.runner.build_step(seqs, num_new_tokens, do_sample, prompt_logits)
         payload = pack_step(step)
         try:
             for w in self.workers:

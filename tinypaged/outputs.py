@@ -29,3 +29,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} for that token
+    # and the top-k; None for the first token, which nothing predicts (vLLM's layout).
+    prompt_logprobs: list[dict[int, float] | None] | None = None

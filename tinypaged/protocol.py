@@ -154,6 +154,7 @@ class GenerationRequest:
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" (vLLM)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: all
     # that fit the context)
+    echo: bool = False  # completions: the prompt's text leads the answer
 
 
 def _common(body: dict, req: GenerationRequest) -> None:
@@ -191,6 +192,9 @@ def _common(body: dict, req: GenerationRequest) -> None:
     req.return_token_ids = bool(field_value(body, "return_token_ids", "bool"))
     req.return_tokens_as_token_ids = bool(field_value(body, "return_tokens_as_token_ids", "bool"))
     req.truncate_prompt_tokens = field_value(body, "truncate_prompt_tokens", "int", lo=-1)
+    prompt_logprobs = field_value(body, "prompt_logprobs", "int", lo=0, hi=20)
+    if prompt_logprobs is not None:
+        s["prompt_logprobs"] = prompt_logprobs
     if (stop := _stop_list(body)) is not None:
         s["stop"] = stop
     if (ids := _int_list(body, "stop_token_ids")) is not None:
@@ -273,8 +277,7 @@ def parse_completion_request(body: Any) -> GenerationRequest:
     if prompt is _MISSING or prompt is None:
         raise bad_request("prompt", "'prompt' is a required field", code="missing_field")
     req.prompts = _prompts(prompt)
-    if body.get("echo"):
-        raise bad_request("echo", "'echo' is not supported by this server", code="unsupported")
+    req.echo = bool(field_value(body, "echo", "bool"))
     best_of = field_value(body, "best_of", "int", lo=1)
     if best_of is not None and best_of != req.n:
         raise bad_request(
@@ -283,6 +286,9 @@ def parse_completion_request(body: Any) -> GenerationRequest:
     req.logprobs = field_value(body, "logprobs", "int", lo=0, hi=20)
     if req.logprobs is not None:
         req.sampling["logprobs"] = req.logprobs
+        if req.echo:  # the echoed prompt gets logprobs too (vLLM)
+            wanted = req.sampling.get("prompt_logprobs") or 0
+            req.sampling["prompt_logprobs"] = max(wanted, req.logprobs)
     return req
 
 

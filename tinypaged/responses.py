@@ -76,6 +76,38 @@ def completion_logprobs(
     }
 
 
+def echoed_logprobs(
+    prompt_ids: list[int], entries: list[dict[int, float] | None], decode_one
+) -> dict:
+    """Completions' logprobs of an echoed prompt: the first token has none (null)."""
+    strs = [decode_one(t) for t in prompt_ids]
+    offsets, pos = [], 0
+    for s in strs:
+        offsets.append(pos)
+        pos += len(s)
+    return {
+        "tokens": strs,
+        "token_logprobs": [
+            None if e is None else finite(e.get(t, -math.inf)) for t, e in zip(prompt_ids, entries)
+        ],
+        "top_logprobs": [
+            None if e is None
+            else {decode_one(k): finite(v) for k, v in sorted(e.items(), key=lambda kv: -kv[1])}
+            for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def prompt_logprobs_body(entries: list[dict[int, float] | None], decode_one) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token null or {token id: {logprob, decoded_token}}."""
+    return [
+        None if e is None
+        else {str(k): {"logprob": finite(v), "decoded_token": decode_one(k)} for k, v in e.items()}
+        for e in entries
+    ]
+
+
 def chat_logprobs(
     token_ids: list[int], logprobs: list[dict[int, float]], decode_one, top: int
 ) -> dict:
@@ -111,6 +143,7 @@ class ResponseFormat:
         chat_output: Callable[[], ChatOutput] | None = None,
         echo: str = "",
         prompt_tokens_details: bool = False,
+        echo_prompts: list[str] | None = None,
     ):
         self.kind = kind  # "completion" | "chat"
         self.request_id = request_id
@@ -135,6 +168,8 @@ class ResponseFormat:
         self.new_chat_output = chat_output or ChatOutput
         self.chat_outputs: dict[int, ChatOutput] = {}
         self.echo = echo  # chat `echo`: the final assistant message, repeated before the answer
+        self.echo_prompts = echo_prompts  # completions `echo`: each prompt's text
+        self.prompt_logprobs: dict[int, list] = {}  # prompt index -> RequestOutput.prompt_logprobs
 
     def chat_output(self, index: int) -> ChatOutput:
         if index not in self.chat_outputs:
@@ -153,14 +188,30 @@ class ResponseFormat:
     def _head(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, c: Any, first_token: int, text_offset: int) -> dict | None:
+    def _logprobs(self, c: Any, first_token: int, text_offset: int, prompt: int) -> dict | None:
         if self.top_logprobs is None or c.logprobs is None:
             return None
         ids, lps = c.token_ids[first_token:], c.logprobs[first_token:]
         if self.kind == "chat":
             return chat_logprobs(ids, lps, self.decode_one, self.top_logprobs)
         strs = [self.decode_one(t) for t in ids]
-        return completion_logprobs(strs, lps, ids, self.decode_one, text_offset)
+        if self.echo_prompts is None:
+            return completion_logprobs(strs, lps, ids, self.decode_one, text_offset)
+        echo_len = len(self.echo_prompts[prompt])
+        body = completion_logprobs(strs, lps, ids, self.decode_one, echo_len + text_offset)
+        entries = self.prompt_logprobs.get(prompt)
+        if first_token == 0 and entries is not None:  # the echoed prompt leads the lists
+            head = echoed_logprobs(self.prompts[prompt], entries, self.decode_one)
+            body = {key: head[key] + body[key] for key in body}
+        return body
+
+    def _prompt_fields(self, choice_or_body: dict, prompt: int, out: Any) -> None:
+        """vLLM's `prompt_logprobs` (when asked) beside a choice (completions) or the body."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt] = out.prompt_logprobs
+            choice_or_body["prompt_logprobs"] = prompt_logprobs_body(
+                out.prompt_logprobs, self.decode_one
+            )
 
     # ------------------------------------------------------------------------------ streaming
 
@@ -193,6 +244,8 @@ class ResponseFormat:
         chunks = []
         if self.cached_tokens is not None:
             self.cached_tokens[prompt_index] = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = out.prompt_logprobs
         for c in out.outputs:
             index = prompt_index * self.n + c.index
             if index in self.done:
@@ -207,7 +260,7 @@ class ResponseFormat:
             wants_logprobs = self.top_logprobs is not None and new_tokens > 0
             if not news and not c.finish_reason and not wants_logprobs:
                 continue
-            logprobs = self._logprobs(c, k0, t0)
+            logprobs = self._logprobs(c, k0, t0, prompt_index)
             self.sent_text[index], self.sent_tokens[index] = len(c.text), len(c.token_ids)
             if c.finish_reason:
                 self.done.add(index)
@@ -215,7 +268,8 @@ class ResponseFormat:
             if self.kind == "chat":
                 choice["delta"] = delta
             else:
-                choice["text"] = text
+                echo = self.echo_prompts[prompt_index] if self.echo_prompts and k0 == 0 else ""
+                choice["text"] = echo + text
             choice.update(logprobs=logprobs, finish_reason=finish_reason)
             if self.kind == "completion":
                 choice["stop_reason"] = c.stop_reason
@@ -223,6 +277,8 @@ class ResponseFormat:
                 if self.kind == "completion" and k0 == 0:
                     choice["prompt_token_ids"] = self.prompts[prompt_index]
                 choice["token_ids"] = c.token_ids[k0:]
+            if self.kind == "completion" and k0 == 0:
+                self._prompt_fields(choice, prompt_index, out)
             chunks.append(self._chunk([choice]))
         return chunks
 
@@ -252,8 +308,10 @@ class ResponseFormat:
                         message["content"] = self.echo + (message["content"] or "")
                     finish_reason = output.finish_reason(c.finish_reason)
                 else:
-                    choice["text"] = c.text
-                choice.update(logprobs=self._logprobs(c, 0, 0), finish_reason=finish_reason)
+                    echo = self.echo_prompts[i] if self.echo_prompts else ""
+                    choice["text"] = echo + c.text
+                    self._prompt_fields(choice, i, out)
+                choice.update(logprobs=self._logprobs(c, 0, 0, i), finish_reason=finish_reason)
                 if self.kind == "completion":
                     choice["stop_reason"] = c.stop_reason
                 if self.return_token_ids:
@@ -267,4 +325,6 @@ class ResponseFormat:
         body = {**self._head(obj), "choices": choices, "usage": self._usage(completion_tokens)}
         if self.return_token_ids and self.kind == "chat":
             body["prompt_token_ids"] = self.prompts[0]
+        if self.kind == "chat":
+            self._prompt_fields(body, 0, outs[0])
         return body

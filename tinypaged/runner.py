@@ -7,7 +7,9 @@ builds, on the CPU and without per-token Python loops:
     query_start_loc[B+1] = [0, cumsum(q_len)]        where each sequence's rows start
     seq_lens[B] = num_computed[b] + q_len[b]         whole context after this step
     block_tables[B, max_blocks]                       int32, padded with 0
-    logits_indices[S]                                 rows whose logits are sampled
+    logits_indices[S]                                 rows whose logits are returned: the last
+                                                      row of each sampled sequence, or every
+                                                      row of one that asks for prompt logits
 
 and copies them to the device in one pinned, non-blocking transfer. Pure-decode batches replay a
 CUDA graph captured for the nearest batch-size bucket (see `cuda_graphs.py`).
@@ -184,15 +186,28 @@ class ModelRunner:
     # ------------------------------------------------------------------ batch building
 
     def prepare(
-        self, seqs: Seq[ScheduledSeq], num_new_tokens: Seq[int], do_sample: Seq[bool]
+        self,
+        seqs: Seq[ScheduledSeq],
+        num_new_tokens: Seq[int],
+        do_sample: Seq[bool],
+        prompt_logits: Seq[bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the batch; returns (input_ids, positions, attn_metadata, logits_indices)."""
-        return self._device_inputs(self.build_step(seqs, num_new_tokens, do_sample))
+        return self._device_inputs(
+            self.build_step(seqs, num_new_tokens, do_sample, prompt_logits)
+        )
 
     def build_step(
-        self, seqs: Seq[ScheduledSeq], num_new_tokens: Seq[int], do_sample: Seq[bool]
+        self,
+        seqs: Seq[ScheduledSeq],
+        num_new_tokens: Seq[int],
+        do_sample: Seq[bool],
+        prompt_logits: Seq[bool] | None = None,
     ) -> StepInput:
-        """The flat batch as host arrays, without per-token Python loops."""
+        """The flat batch as host arrays, without per-token Python loops.
+
+        prompt_logits[b]: return the logits of every new row of sequence b (for prompt
+        logprobs), its sampled row last, instead of only the sampled row."""
         bs = self.block_size
         q_lens = np.asarray(num_new_tokens, dtype=np.int64)  # [B]
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))  # [B]
@@ -214,6 +229,14 @@ class ModelRunner:
             block_tables[i, :n] = s.block_table[:n]
         slot_mapping = block_tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
         logits_indices = (cu[1:] - 1)[np.asarray(do_sample, dtype=bool)]
+        if prompt_logits is not None and any(prompt_logits):  # rare: a loop is fine
+            rows = [np.empty(0, dtype=np.int64)]
+            for i, (every, sample) in enumerate(zip(prompt_logits, do_sample)):
+                if every:
+                    rows.append(np.arange(cu[i], cu[i + 1]))
+                elif sample:
+                    rows.append(cu[i + 1 : i + 2] - 1)
+            logits_indices = np.concatenate(rows)
         return StepInput(
             input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
             block_tables, logits_indices, int(q_lens.max()), int(seq_lens.max()),
@@ -243,13 +266,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, seqs: Seq[ScheduledSeq], num_new_tokens: Seq[int], do_sample: Seq[bool]
+        self,
+        seqs: Seq[ScheduledSeq],
+        num_new_tokens: Seq[int],
+        do_sample: Seq[bool],
+        prompt_logits: Seq[bool] | None = None,
     ) -> torch.Tensor:
-        """Run one step; returns float32 logits [num_sampled, vocab] in `seqs` order."""
-        if self.graphs is not None and max(num_new_tokens) == 1 and self.graphs.fits(len(seqs)):
+        """Run one step; returns float32 logits [num_sampled, vocab] in `seqs` order (with
+        `prompt_logits`, the rows `build_step` describes)."""
+        graphable = max(num_new_tokens) == 1 and not (prompt_logits and any(prompt_logits))
+        if self.graphs is not None and graphable and self.graphs.fits(len(seqs)):
             logits = self.graphs.run(seqs)
             return logits[np.flatnonzero(np.asarray(do_sample, dtype=bool))]
-        input_ids, positions, md, logits_indices = self.prepare(seqs, num_new_tokens, do_sample)
+        input_ids, positions, md, logits_indices = self.prepare(
+            seqs, num_new_tokens, do_sample, prompt_logits
+        )
         hidden = self.model(input_ids, positions, md)  # [T, hidden]
         return self.model.compute_logits(hidden[logits_indices])
 

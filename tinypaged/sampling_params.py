@@ -39,6 +39,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = up to the model's context length
     min_tokens: int = 0
     logprobs: int | None = None  # top logprobs to return besides the sampled token's
+    prompt_logprobs: int | None = None  # the same for each prompt token (its prefix uncached)
     skip_special_tokens: bool = True
     # Between special tokens in decoded text; honoured by slow (Python) tokenizers only, as in
     # vLLM: the fast tokenizers tinypaged loads join special tokens as they are.
@@ -58,7 +59,7 @@ class SamplingParams:
             _check_number(name, getattr(self, name), float)
         for name in ("n", "top_k", "min_tokens"):
             _check_number(name, getattr(self, name), int)
-        for name in ("max_tokens", "logprobs", "seed", "truncate_prompt_tokens"):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed", "truncate_prompt_tokens"):
             if getattr(self, name) is not None:
                 _check_number(name, getattr(self, name), int)
         for name in (
@@ -97,8 +98,9 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
                 f"and max_tokens={self.max_tokens}"
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", ">= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise bad(name, ">= 0")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise bad("truncate_prompt_tokens", "at least 1")
 

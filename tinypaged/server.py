@@ -227,6 +227,9 @@ class OpenAIServer:
             prompts,
             tok,
             prompt_tokens_details=self.prompt_tokens_details,
+            echo_prompts=[tok.decode(p, skip_special_tokens=False) for p in prompts]
+            if req.echo
+            else None,
         )
         return await self.generate(request, req, prompts, fmt, "prompt")
 

@@ -93,7 +93,7 @@ class BlockManager:
         Stops one token short of the end: the last token must be computed to get logits. Changes
         no refcounts; pass the result to `allocate`.
         """
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or seq.block_table or seq.skip_prefix_cache:
             return []
         num_full = (len(seq.token_ids) - 1) // self.block_size
         self._extend_hashes(seq, num_full)

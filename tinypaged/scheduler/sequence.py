@@ -60,6 +60,7 @@ class Sequence:
         # KV-cache state, owned by the BlockManager and the Scheduler.
         self.num_computed_tokens = 0  # tokens whose K/V rows are in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.skip_prefix_cache = False  # compute the whole prompt (its logits are wanted)
         self.block_table: list[int] = []
         # Chained hash of each full block of token_ids (computed lazily, kept across preemption
         # since the tokens do not change), and how many leading blocks of block_table were already

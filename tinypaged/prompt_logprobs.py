@@ -1,0 +1,38 @@
+"""Prompt logprobs: how likely the model found each prompt token (vLLM's `prompt_logprobs`).
+
+The logits at prompt position p predict token p + 1, so a prefill chunk over positions
+[p0, p0 + q) scores prompt tokens p0 + 1 ... p0 + q (those still inside the prompt):
+
+    logprob(prompt[p + 1]) = log_softmax(logits[p])[prompt[p + 1]]        (raw logits)
+
+The first prompt token has no logprob (None, as vLLM). The runner returns the logits of every
+row of such a chunk (`prompt_logits`); the request's own prefix is computed rather than read
+from the prefix cache, since cached positions produce no logits. Only sample 0 of a request
+collects them: its n samples share the prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def num_prompt_rows(num_computed: int, num_new: int, num_prompt_tokens: int) -> int:
+    """How many rows of a chunk starting at `num_computed` score a prompt token."""
+    return max(0, min(num_computed + num_new, num_prompt_tokens - 1) - num_computed)
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, targets: list[int], num_top: int
+) -> list[dict[int, float]]:
+    """Per row: {target token: logprob} then the `num_top` most likely tokens.
+
+    logits: [n, vocab] (row i predicts targets[i])."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    ids = torch.tensor(targets, device=logits.device).view(-1, 1)
+    chosen = logprobs.gather(1, ids).squeeze(1).tolist()
+    rows = [{t: lp} for t, lp in zip(targets, chosen)]
+    if num_top > 0:
+        top_vals, top_ids = logprobs.topk(num_top, dim=-1)
+        for row, ks, vs in zip(rows, top_ids.tolist(), top_vals.tolist()):
+            row.update(zip(ks, vs))
+    return rows
