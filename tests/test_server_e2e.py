@@ -228,6 +228,27 @@ def test_64_concurrent_streams_with_disconnects(engine, llm):
     assert metric(text, "tinypaged:num_requests_running", **name) == 0
     assert metric(text, "tinypaged:kv_cache_usage_perc", **name) == 0
     assert json.dumps(results[1][0])  # a survivor's chunks are plain JSON objects
+    # vLLM's per-request histograms count the finished requests; the phase times add up.
+    for hist in ("prompt_tokens", "generation_tokens", "max_num_generation_tokens", "params_n",
+                 "params_max_tokens", "queue_time_seconds", "prefill_time_seconds",
+                 "decode_time_seconds", "inference_time_seconds"):
+        assert metric(text, f"tinypaged:request_{hist}_count", **name) == finished, hist
+    inference = metric(text, "tinypaged:request_inference_time_seconds_sum", **name)
+    parts = sum(metric(text, f"tinypaged:request_{p}_time_seconds_sum", **name)
+                for p in ("prefill", "decode"))
+    assert inference == pytest.approx(parts, rel=1e-6)
+    assert metric(text, "tinypaged:request_params_n_sum", **name) == finished
+    assert metric(text, "tinypaged:prefix_cache_queries_total", **name) == prompt_tokens
+    hits = metric(text, "tinypaged:prefix_cache_hits_total", **name)
+    assert 0 <= hits < prompt_tokens
+    # Engine-wide since start (this engine served other tests too): every prompt token not
+    # cached and every generated token but each sample's last went through a step.
+    computed = metric(text, "tinypaged:iteration_tokens_total_sum", **name)
+    assert computed >= prompt_tokens - hits + generated - 64
+    steps = metric(text, "tinypaged:iteration_tokens_total_count", **name)
+    assert metric(text, "tinypaged:iteration_tokens_total_bucket", le="+Inf", **name) == steps
+    assert metric(text, "tinypaged:num_preemptions_total", **name) >= 0
+    assert metric(text, "tinypaged:cache_config_info", block_size="16", **name) == 1
 
 
 # ------------------------------------------------------------------ tools and template switches

@@ -16,6 +16,7 @@ sequence's blocks are freed at once.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from tinypaged.config import EngineConfig
+from tinypaged.engine_stats import IterationStats, RequestStateStats
 from tinypaged.executor import create_executor
 from tinypaged.generation_config import default_sampling_params
 from tinypaged.outputs import CompletionOutput, RequestOutput
@@ -49,6 +51,7 @@ class _Request:
     cumulative_logprob: list[float]
     stop_reasons: list[int | str | None] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # grows during the prefill
+    stats: RequestStateStats = field(default_factory=RequestStateStats)
 
     @property
     def finished(self) -> bool:
@@ -79,6 +82,7 @@ class _Request:
             finished=self.finished,
             num_cached_tokens=self.seqs[0].num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            metrics=self.stats,
         )
 
 
@@ -125,6 +129,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.runner.kv_cache_info.num_blocks)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, _Request] = {}
+        self.iteration_stats = IterationStats()
         self._errors: list[tuple[str, BaseException]] = []
         info = self.runner.kv_cache_info
         logger.info(
@@ -249,6 +254,7 @@ class Engine:
             "kv_cache_usage": s.kv_cache_usage,
             "num_free_blocks": s.num_free_blocks,
             "num_total_blocks": s.num_total_blocks,
+            "iteration_stats": self.iteration_stats,
         }
 
     def fail_running(self, exc: BaseException) -> list[str]:
@@ -277,6 +283,12 @@ class Engine:
                 raise RuntimeError("requests are pending but the scheduler holds none")
             return []
         items = out.scheduled
+        self.iteration_stats.observe_step(out.num_batched_tokens, len(out.preempted))
+        now = time.monotonic()
+        for it in items:
+            stats = self.requests[it.seq.request_id].stats
+            if stats.first_scheduled_time is None:
+                stats.first_scheduled_time = now
         sampled_items = [it for it in items if it.sample]
         prompt_rows = [self._prompt_rows(it) for it in items]
         logits = self.executor.execute(
@@ -309,9 +321,13 @@ class Engine:
         lp_by_seq = {it.seq.seq_id: lp for it, lp in zip(sampled_items, logprobs)}
 
         touched: dict[str, _Request] = {}
+        now = time.monotonic()
         for seq in self.scheduler.update(out, tokens):
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
+            if req.stats.first_token_time is None:
+                req.stats.first_token_time = now
+            req.stats.last_token_time = now
             try:
                 self._after_token(req, seq, lp_by_seq.get(seq.seq_id))
             except Exception as exc:  # a fault in one request (e.g. detokenizing) ends only it

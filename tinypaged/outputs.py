@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tinypaged.engine_stats import RequestStateStats
+
 
 @dataclass
 class CompletionOutput:
@@ -32,3 +34,4 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} for that token
     # and the top-k; None for the first token, which nothing predicts (vLLM's layout).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: RequestStateStats | None = None  # when it arrived, was scheduled, got tokens

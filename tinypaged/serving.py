@@ -128,7 +128,7 @@ class Generation:
         self.on_close = on_close
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.finished = [False] * len(prompts)
-        self.trackers = [metrics.track() for _ in prompts]
+        self.trackers = [metrics.track(p) for p in params]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks = [
             asyncio.create_task(self._pump(i, ids, p))
