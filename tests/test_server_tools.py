@@ -140,6 +140,7 @@ def test_tool_round_trip(family, stream):
     content, calls, finish, _ = ask(f, [QUESTION], stream, tools=[WEATHER])
     prompt = f.engine.prompts[-1]
     assert "get_weather" in prompt and "Current weather in a city" in prompt  # tools rendered
+    assert f.engine.params[-1].skip_special_tokens is False  # tags that are special tokens stay
     assert finish == "tool_calls"
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}

@@ -282,6 +282,9 @@ class OpenAIServer:
                     "--tool-call-parser to be set; start the server with them, or send "
                     "tool_choice 'none', 'required' or a named function",
                 )
+            # Some models' tool-call tags are special tokens (GLM-4.5's); the parser must see
+            # them, so they stay in the text unless the request says otherwise (as vLLM).
+            req.sampling.setdefault("skip_special_tokens", False)
             return
         try:
             from tinypaged.sampling_params import StructuredOutputsParams
