@@ -24,7 +24,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinypaged.protocol import bad_request
+from tinypaged.parsers.forced import tool_choice_schema
+from tinypaged.protocol import GenerationRequest, bad_request
 
 
 @dataclass
@@ -186,3 +187,35 @@ def message_extras(m: dict, where: str) -> dict:
     if m.get("tool_calls") is not None:
         extras["tool_calls"] = parse_tool_calls(m["tool_calls"], f"{where}.tool_calls")
     return extras
+
+
+def check_tool_choice(req: GenerationRequest, auto_ready: bool) -> None:
+    """"auto" needs the server's tool parser (`auto_ready`: --enable-auto-tool-choice and
+    --tool-call-parser); "required" and a named function constrain the output to the JSON of
+    `tool_choice_schema` through structured output."""
+    opts = req.chat
+    if opts is None or not opts.tools or opts.tool_choice == "none":
+        return
+    if opts.tool_choice == "auto":
+        if not auto_ready:
+            raise bad_request(
+                "tool_choice",
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set; start the server with them, or send tool_choice 'none', "
+                "'required' or a named function",
+            )
+        # Some models' tool-call tags are special tokens (GLM-4.5's); the parser must see them,
+        # so they stay in the text unless the request says otherwise (as vLLM).
+        req.sampling.setdefault("skip_special_tokens", False)
+        return
+    try:
+        from tinypaged.sampling_params import StructuredOutputsParams
+    except ImportError:
+        raise bad_request(
+            "tool_choice",
+            f"tool_choice {opts.tool_choice!r} is enforced with structured output, which this "
+            "build of tinypaged does not have yet; use 'auto' or 'none'",
+            code="unsupported",
+        ) from None
+    schema = tool_choice_schema(opts.tools, opts.tool_choice)
+    req.sampling["structured_outputs"] = StructuredOutputsParams(json=schema)

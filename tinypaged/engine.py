@@ -28,7 +28,7 @@ from tinypaged.engine_stats import IterationStats, RequestStateStats
 from tinypaged.executor import create_executor
 from tinypaged.generation_config import default_sampling_params
 from tinypaged.outputs import CompletionOutput, RequestOutput
-from tinypaged.prompt_logprobs import num_prompt_rows, prompt_logprobs
+from tinypaged.prompt_logprobs import prompt_rows_wanted, take_prompt_logprobs
 from tinypaged.sampling import Sampler, SamplingBatch, new_generator
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.scheduler import Scheduler, Sequence
@@ -290,7 +290,7 @@ class Engine:
             if stats.first_scheduled_time is None:
                 stats.first_scheduled_time = now
         sampled_items = [it for it in items if it.sample]
-        prompt_rows = [self._prompt_rows(it) for it in items]
+        prompt_rows = [prompt_rows_wanted(it, self.requests[it.seq.request_id]) for it in items]
         logits = self.executor.execute(
             [it.seq for it in items],
             [it.num_new_tokens for it in items],
@@ -298,7 +298,8 @@ class Engine:
             [n > 0 for n in prompt_rows] if any(prompt_rows) else None,
         )
         if any(prompt_rows):
-            logits = self._take_prompt_logprobs(items, prompt_rows, logits)
+            reqs = [self.requests[it.seq.request_id] for it in items]
+            logits = take_prompt_logprobs(items, reqs, prompt_rows, logits)
         tokens: dict[int, int] = {}
         logprobs: list = []
         if sampled_items:
@@ -343,35 +344,6 @@ class Engine:
             if finished:
                 del self.requests[req.request_id]
         return outputs
-
-    def _prompt_rows(self, item) -> int:
-        """Prompt tokens this step's chunk of `item` scores for its request's prompt_logprobs."""
-        seq = item.seq
-        req = self.requests[seq.request_id]
-        done = req.prompt_logprobs
-        # Sample 0 collects them once; after a preemption the recomputed rows are not needed.
-        if done is None or seq.index != 0 or len(done) != seq.num_computed_tokens + 1:
-            return 0
-        prompt_len = len(req.prompt_token_ids)
-        return num_prompt_rows(seq.num_computed_tokens, item.num_new_tokens, prompt_len)
-
-    def _take_prompt_logprobs(self, items, prompt_rows: list[int], logits: torch.Tensor):
-        """Record the prompt logprobs of the chunks that asked (all their rows came back) and
-        return the logits of the sampled rows alone, in `items` order."""
-        sampled, row = [], 0
-        for item, n in zip(items, prompt_rows):
-            width = item.num_new_tokens if n else int(item.sample)
-            if n:
-                req = self.requests[item.seq.request_id]
-                p0 = item.seq.num_computed_tokens
-                targets = req.prompt_token_ids[p0 + 1 : p0 + 1 + n]
-                req.prompt_logprobs += prompt_logprobs(
-                    logits[row : row + n], targets, req.params.prompt_logprobs
-                )
-            if item.sample:
-                sampled.append(logits[row + width - 1 : row + width])
-            row += width
-        return torch.cat(sampled) if sampled else logits[:0]
 
     def _after_token(self, req: _Request, seq: Sequence, logprobs: dict[int, float] | None) -> None:
         token = seq.last_token_id

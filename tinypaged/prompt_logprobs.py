@@ -13,12 +13,45 @@ collects them: its n samples share the prompt.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
 def num_prompt_rows(num_computed: int, num_new: int, num_prompt_tokens: int) -> int:
     """How many rows of a chunk starting at `num_computed` score a prompt token."""
     return max(0, min(num_computed + num_new, num_prompt_tokens - 1) - num_computed)
+
+
+def prompt_rows_wanted(item: Any, req: Any) -> int:
+    """Prompt tokens this step's chunk of `item` (a ScheduledItem) scores for `req`'s
+    prompt_logprobs (the engine's request state); 0 when it asks for none."""
+    seq, done = item.seq, req.prompt_logprobs
+    # Sample 0 collects them once; after a preemption the recomputed rows are not needed.
+    if done is None or seq.index != 0 or len(done) != seq.num_computed_tokens + 1:
+        return 0
+    prompt_len = len(req.prompt_token_ids)
+    return num_prompt_rows(seq.num_computed_tokens, item.num_new_tokens, prompt_len)
+
+
+def take_prompt_logprobs(
+    items: list, reqs: list, prompt_rows: list[int], logits: torch.Tensor
+) -> torch.Tensor:
+    """Append the prompt logprobs of the chunks that asked (the runner returned all their
+    rows) to their requests; return the logits of the sampled rows alone, in `items` order."""
+    sampled, row = [], 0
+    for item, req, n in zip(items, reqs, prompt_rows):
+        width = item.num_new_tokens if n else int(item.sample)
+        if n:
+            p0 = item.seq.num_computed_tokens
+            targets = req.prompt_token_ids[p0 + 1 : p0 + 1 + n]
+            req.prompt_logprobs += prompt_logprobs(
+                logits[row : row + n], targets, req.params.prompt_logprobs
+            )
+        if item.sample:
+            sampled.append(logits[row + width - 1 : row + width])
+        row += width
+    return torch.cat(sampled) if sampled else logits[:0]
 
 
 def prompt_logprobs(

@@ -31,10 +31,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tinypaged.chat_output import output_for
-from tinypaged.chat_protocol import ChatOptions, parse_chat_options
+from tinypaged.chat_protocol import ChatOptions, check_tool_choice, parse_chat_options
 from tinypaged.metrics import CONTENT_TYPE, ServerMetrics
 from tinypaged.parsers import REASONING_PARSERS, TOOL_PARSERS
-from tinypaged.parsers.forced import tool_choice_schema
 from tinypaged.protocol import (
     APIError,
     GenerationRequest,
@@ -237,7 +236,7 @@ class OpenAIServer:
         req = parse_chat_request(body or await self.read_json(request))
         model = self.check_model(req.model)
         opts = req.chat
-        self._check_tool_choice(req)
+        check_tool_choice(req, auto_ready=self.enable_auto_tool_choice and bool(self.tool_parser))
         tok = self.engine.tokenizer
         prompt = self.truncate(req, self._chat_prompt(req.messages, opts))
         last = req.messages[-1]
@@ -267,36 +266,6 @@ class OpenAIServer:
                 f"(max_model_len), got {k}",
             )
         return prompt[-(limit if k == -1 else k) :]
-
-    def _check_tool_choice(self, req: GenerationRequest) -> None:
-        """"auto" needs the server's tool parser; "required" and a named function constrain the
-        output to JSON through structured output (the tool_choice_schema)."""
-        opts = req.chat
-        if not opts.tools or opts.tool_choice == "none":
-            return
-        if opts.tool_choice == "auto":
-            if not (self.enable_auto_tool_choice and self.tool_parser):
-                raise bad_request(
-                    "tool_choice",
-                    '"auto" tool choice requires --enable-auto-tool-choice and '
-                    "--tool-call-parser to be set; start the server with them, or send "
-                    "tool_choice 'none', 'required' or a named function",
-                )
-            # Some models' tool-call tags are special tokens (GLM-4.5's); the parser must see
-            # them, so they stay in the text unless the request says otherwise (as vLLM).
-            req.sampling.setdefault("skip_special_tokens", False)
-            return
-        try:
-            from tinypaged.sampling_params import StructuredOutputsParams
-        except ImportError:
-            raise bad_request(
-                "tool_choice",
-                f"tool_choice {opts.tool_choice!r} is enforced with structured output, which "
-                "this build of tinypaged does not have yet; use 'auto' or 'none'",
-                code="unsupported",
-            ) from None
-        schema = tool_choice_schema(opts.tools, opts.tool_choice)
-        req.sampling["structured_outputs"] = StructuredOutputsParams(json=schema)
 
     def _chat_prompt(
         self, messages: list[dict], opts: ChatOptions, add_special_tokens: bool = False
