@@ -114,6 +114,21 @@ def test_chat_prompt_tokens_and_text(glm):
         glm.apply_chat_template([{"role": "tool", "content": "x"}])
 
 
+def test_chat_template_tools_and_continue_final_message(glm):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    # The built-in format puts the tools in the system turn (ChatGLM3's way).
+    text = glm.render_chat(MESSAGES, tools=tools)
+    assert '"name": "get_weather"' in text
+    assert text.index("get_weather") < text.index("<|user|>")
+    # A Jinja template can continue the final (assistant) message.
+    partial = [*MESSAGES, {"role": "assistant", "content": "Bonjour, je"}]
+    text = glm.render_chat(partial, add_generation_prompt=False,
+                           chat_template=CHATGLM3_TEMPLATE, continue_final_message=True)
+    assert text.endswith("Bonjour, je")
+    with pytest.raises(ValueError, match="Jinja"):
+        glm.render_chat(partial, add_generation_prompt=False, continue_final_message=True)
+
+
 def test_streaming_a_reply(glm):
     prompt = glm.apply_chat_template(MESSAGES[:2])
     reply = "It is sunny, 😀 你好 and warm."

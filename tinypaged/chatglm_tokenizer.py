@@ -198,9 +198,14 @@ def _turns(messages: Messages) -> list[tuple[str, str, str]]:
 
 
 def render_jinja(
-    template: str, messages: Messages, add_generation_prompt: bool, **variables: Any
+    template: str,
+    messages: Messages,
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+    **variables: Any,
 ) -> str:
-    """Render a chat template the way transformers does (sandboxed, trimmed blocks)."""
+    """Render a chat template the way transformers does (sandboxed, trimmed blocks); with
+    continue_final_message the text stops right after the final message's content."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
@@ -208,6 +213,12 @@ def render_jinja(
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(
+    text = env.from_string(template).render(
         messages=messages, add_generation_prompt=add_generation_prompt, **variables
     )
+    if continue_final_message:
+        final = (messages[-1].get("content") or "").strip()
+        if not final or final not in text:
+            raise ValueError("continue_final_message: the final message is not in the prompt")
+        text = text[: text.rindex(final) + len(final)]
+    return text
