@@ -130,6 +130,7 @@ class Engine:
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, _Request] = {}
         self.iteration_stats = IterationStats()
+        self._unscheduled: set[str] = set()  # added, never scheduled yet
         self._errors: list[tuple[str, BaseException]] = []
         info = self.runner.kv_cache_info
         logger.info(
@@ -230,6 +231,7 @@ class Engine:
             [[] if want_lp else None for _ in seqs], [0.0] * params.n, [None] * params.n,
             [None] if params.prompt_logprobs is not None else None,
         )
+        self._unscheduled.add(request_id)
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
         if self.tokenizer is None:
@@ -242,6 +244,7 @@ class Engine:
         """Drop a request at once, freeing its KV blocks; unknown ids are a no-op."""
         self.scheduler.abort(request_id)
         self.requests.pop(request_id, None)
+        self._unscheduled.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -284,13 +287,20 @@ class Engine:
             return []
         items = out.scheduled
         self.iteration_stats.observe_step(out.num_batched_tokens, len(out.preempted))
-        now = time.monotonic()
-        for it in items:
-            stats = self.requests[it.seq.request_id].stats
-            if stats.first_scheduled_time is None:
-                stats.first_scheduled_time = now
+        if self._unscheduled:  # requests scheduled for the first time: their queue time ends
+            now = time.monotonic()
+            for it in items:
+                if it.seq.request_id in self._unscheduled:
+                    self._unscheduled.discard(it.seq.request_id)
+                    self.requests[it.seq.request_id].stats.first_scheduled_time = now
         sampled_items = [it for it in items if it.sample]
-        prompt_rows = [prompt_rows_wanted(it, self.requests[it.seq.request_id]) for it in items]
+        # Only sample 0 of a request with prompt_logprobs skips the prefix cache: a cheap test.
+        prompt_rows = [
+            prompt_rows_wanted(it, self.requests[it.seq.request_id])
+            if it.seq.skip_prefix_cache
+            else 0
+            for it in items
+        ]
         logits = self.executor.execute(
             [it.seq for it in items],
             [it.num_new_tokens for it in items],
