@@ -38,15 +38,19 @@ SCHEMA = {  # bounded everywhere, so even a random model finishes it in a few do
 JSON = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer (eos 2 = <|im_end|>)."""
-    path = tmp_path_factory.mktemp("tiny_smol_vocab")
+def save_tiny_with_smollm2_vocab(path) -> None:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (eos 2 = <|im_end|>)."""
     hf = tiny_hf_model("llama", seed=5, vocab_size=VOCAB, eos_token_id=2, bos_token_id=1)
     hf.save_pretrained(path)
     source = ensure_default_model()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(source / name, path / name)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_smol_vocab")
+    save_tiny_with_smollm2_vocab(path)
     return path
 
 

@@ -144,6 +144,8 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: int | None = None  # completions: top-k count; chat: top_logprobs (0 = sampled only)
     n: int = 1
+    # SamplingParams field -> the body field it came from (structured output, logits fields)
+    logits_fields: dict[str, str] = field(default_factory=dict)
 
 
 def _common(body: dict, req: GenerationRequest) -> None:
@@ -198,7 +200,11 @@ def _common(body: dict, req: GenerationRequest) -> None:
                 code="invalid_type",
             )
         req.include_usage = usage
-    for name in ("logit_bias", "tools", "functions", "response_format", "suffix"):
+    from tinypaged.protocol_structured import parse_logits_fields
+
+    kwargs, req.logits_fields = parse_logits_fields(body)
+    s.update(kwargs)
+    for name in ("tools", "functions", "suffix"):
         if body.get(name):
             raise bad_request(name, f"'{name}' is not supported by this server", code="unsupported")
 
