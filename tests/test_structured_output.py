@@ -142,6 +142,19 @@ def test_bad_words_semantics(llm):
     assert two[1] in c.banned_tokens([5, two[0]])
 
 
+def test_json_object_starts_with_a_brace(llm, compiler):
+    tok = llm.engine.tokenizer
+    c = LogitsConstraints.build(
+        SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)), VOCAB, tok,
+        lambda: compiler,
+    )
+    masks = LogitsMaskBuilder(VOCAB, torch.device("cpu")).build([(0, c, 0, [])])
+    first = allowed_ids(masks.bitmask[0])
+    texts = {tok.decode([t]) for t in first}
+    assert "{" in texts and all(t.lstrip().startswith("{") or not t.strip() for t in texts)
+    assert not {tok.encode(w, add_special_tokens=False)[0] for w in ("[", "a", "1")} & first
+
+
 def test_mask_rows_combine_grammar_allowed_and_bad_words(llm, compiler):
     tok = llm.engine.tokenizer
     choice = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no", "ok"]))

@@ -151,8 +151,10 @@ class GrammarCompiler:
                 compiled = c.compile_json_schema(
                     json.dumps(params.json), any_whitespace=not params.disable_any_whitespace
                 )
-            elif kind == "json_object":
-                compiled = c.compile_builtin_json_grammar()
+            elif kind == "json_object":  # OpenAI: a JSON object (xgrammar's builtin: any value)
+                compiled = c.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=not params.disable_any_whitespace
+                )
             elif kind == "regex":
                 compiled = c.compile_regex(params.regex)
             elif kind == "choice":
