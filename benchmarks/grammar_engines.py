@@ -1,6 +1,6 @@
 """Which grammar engine: llguidance vs xgrammar, timed on the default model's tokenizer (CPU).
 
-    python benchmarks/grammar_engines.py [--model DIR] [--repeats 5]
+    PYTHONPATH=. python benchmarks/grammar_engines.py [--model DIR] [--repeats 5]
 
 For a nested JSON schema, each engine compiles the schema for SmolLM2's 49,152-token vocabulary,
 then walks a valid document token by token: fill the packed int32 bitmask of the allowed next
