@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 
 import jsonschema
 import numpy as np
@@ -258,3 +259,11 @@ def test_logit_bias_allowed_token_ids_and_bad_words(llm):
     assert gen(llm, ["once upon"], biased)[0].outputs[0].token_ids == paris * 6
     banned = SamplingParams(**base, logit_bias={paris[0]: 100}, bad_words=["Paris"])
     assert paris[0] not in gen(llm, ["once upon"], banned)[0].outputs[0].token_ids
+
+
+def test_missing_xgrammar_says_what_to_install(monkeypatch):
+    from tinypaged.structured_output import GrammarCompiler
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar -> ImportError
+    with pytest.raises(ImportError, match=r"tinypaged\[structured\]"):
+        GrammarCompiler(None, VOCAB, [2])
