@@ -67,6 +67,14 @@ BAD = [
     ("ignore_eos", 1),
     ("skip_special_tokens", "yes"),
     ("include_stop_str_in_output", None),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"5": 1.0}),
+    ("logit_bias", {5: float("nan")}),
+    ("logit_bias", [5]),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [1, -2]),
+    ("bad_words", "word"),
+    ("bad_words", ["ok", " "]),
 ]
 
 

@@ -224,14 +224,8 @@ FORCED = [
 def test_forced_tool_choice(family, choice, reply, finish):
     """"required" and a named function constrain the output to the tool_choice schema through
     structured output, and read it as JSON whatever the model's own format."""
-    from tinypaged import sampling_params
     from tinypaged.parsers.forced import tool_choice_schema
 
-    body = {"messages": [QUESTION], "tools": [WEATHER], "tool_choice": choice}
-    if not hasattr(sampling_params, "StructuredOutputsParams"):  # not in this build yet
-        r = post(family.url, "/v1/chat/completions", body)
-        assert_error(r, 400, "tool_choice", "structured output")
-        return
     family.engine.replies = [reply, reply]
     for stream in (False, True):
         content, calls, got_finish, _ = ask(family, [QUESTION], stream, tools=[WEATHER],

@@ -22,6 +22,7 @@ _LAZY = {
     "EngineConfig": "tinypaged.config",
     "RequestOutput": "tinypaged.outputs",
     "CompletionOutput": "tinypaged.outputs",
+    "StructuredOutputsParams": "tinypaged.structured_output",
 }
 
 __all__ = sorted(_LAZY)
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from tinypaged.llm import LLM  # noqa: F401
     from tinypaged.outputs import CompletionOutput, RequestOutput  # noqa: F401
     from tinypaged.sampling_params import SamplingParams  # noqa: F401
+    from tinypaged.structured_output import StructuredOutputsParams  # noqa: F401
 
 
 def __getattr__(name: str):

@@ -208,14 +208,7 @@ def check_tool_choice(req: GenerationRequest, auto_ready: bool) -> None:
         # so they stay in the text unless the request says otherwise (as vLLM).
         req.sampling.setdefault("skip_special_tokens", False)
         return
-    try:
-        from tinypaged.sampling_params import StructuredOutputsParams
-    except ImportError:
-        raise bad_request(
-            "tool_choice",
-            f"tool_choice {opts.tool_choice!r} is enforced with structured output, which this "
-            "build of tinypaged does not have yet; use 'auto' or 'none'",
-            code="unsupported",
-        ) from None
+    from tinypaged.sampling_params import StructuredOutputsParams
+
     schema = tool_choice_schema(opts.tools, opts.tool_choice)
     req.sampling["structured_outputs"] = StructuredOutputsParams(json=schema)

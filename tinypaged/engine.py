@@ -9,8 +9,12 @@
 A request with n samples becomes n Sequences for the scheduler (they share the prompt's cached
 blocks). After each step every sampled sequence gets its token, its text grows through an
 incremental detokenizer, and the stop conditions are checked in this order: stop token (eos unless
-ignore_eos, or stop_token_ids) -> stop string -> max_tokens -> max_model_len. A finished
-sequence's blocks are freed at once.
+ignore_eos, or stop_token_ids) -> stop string -> grammar complete (structured output) ->
+max_tokens -> max_model_len. A finished sequence's blocks are freed at once.
+
+Logits constraints (structured output, allowed_token_ids, bad_words, logit_bias) are prepared per
+request at add_request (logits_processors.py); each step their masks are built on the CPU right
+after the model's launch, so on a GPU they overlap the forward pass.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from tinypaged.config import EngineConfig
 from tinypaged.engine_stats import IterationStats, RequestStateStats
 from tinypaged.executor import create_executor
 from tinypaged.generation_config import default_sampling_params
+from tinypaged.logits_processors import LogitsConstraints, LogitsMaskBuilder
 from tinypaged.outputs import CompletionOutput, RequestOutput
 from tinypaged.prompt_logprobs import prompt_rows_wanted, take_prompt_logprobs
 from tinypaged.sampling import Sampler, SamplingBatch, new_generator
@@ -52,6 +57,7 @@ class _Request:
     stop_reasons: list[int | str | None] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # grows during the prefill
     stats: RequestStateStats = field(default_factory=RequestStateStats)
+    constraints: LogitsConstraints | None = None
 
     @property
     def finished(self) -> bool:
@@ -123,11 +129,15 @@ class Engine:
             model_dir if Path(model_dir).is_dir() else None, config.generation_config
         )
         self.vocab_size = model.vocab_size if hasattr(model, "vocab_size") else self.vocab_size
+        if self.vocab_size is None and hasattr(model, "spec"):  # e.g. ChatGLM's padded_vocab_size
+            self.vocab_size = model.spec.vocab_size
 
         torch.manual_seed(config.seed)
         self.runner = ex.init_runner()
         self.scheduler = Scheduler(config, self.runner.kv_cache_info.num_blocks)
         self.sampler = Sampler(config.seed)
+        self.mask_builder = LogitsMaskBuilder(self.vocab_size, self.device)
+        self._grammar_compiler = None  # built at the first structured-output request
         self.requests: dict[str, _Request] = {}
         self.iteration_stats = IterationStats()
         self._unscheduled: set[str] = set()  # added, never scheduled yet
@@ -211,6 +221,9 @@ class Engine:
         ]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+        constraints = LogitsConstraints.build(
+            params, self.vocab_size, self.tokenizer, self._get_grammar_compiler
+        )
         seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
         # Prompt logprobs need the logits of every prompt position: no cached prefix.
         seqs[0].skip_prefix_cache = params.prompt_logprobs is not None
@@ -230,8 +243,22 @@ class Engine:
             request_id, text, ids, params, seqs, detoks, generators,
             [[] if want_lp else None for _ in seqs], [0.0] * params.n, [None] * params.n,
             [None] if params.prompt_logprobs is not None else None,
+            constraints=constraints,
         )
         self._unscheduled.add(request_id)
+
+    def _get_grammar_compiler(self):
+        if self._grammar_compiler is None:
+            from tinypaged.structured_output import GrammarCompiler
+
+            hf = getattr(self.tokenizer, "hf", None)
+            if hf is None:
+                raise ValueError(
+                    "structured_outputs needs a Hugging Face tokenizer; this model's tokenizer "
+                    f"({type(self.tokenizer).__name__}) has none"
+                )
+            self._grammar_compiler = GrammarCompiler(hf, self.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
         if self.tokenizer is None:
@@ -315,6 +342,11 @@ class Engine:
         if sampled_items:
             seqs = [it.seq for it in sampled_items]
             reqs = [self.requests[s.request_id] for s in seqs]
+            # On a GPU the forward pass is still running: build the masks meanwhile.
+            masks = self.mask_builder.build([
+                (row, r.constraints, s.index, s.output_token_ids)
+                for row, (r, s) in enumerate(zip(reqs, seqs)) if r.constraints is not None
+            ])
             # Token histories are read only by penalties and min_tokens: skip the copies.
             needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0 for r in reqs}
             hist = [needs[id(r.params)] for r in reqs]
@@ -326,6 +358,7 @@ class Engine:
                 self.eos_token_ids,
                 logits.device,
             )
+            batch.logits_masks = masks
             result = self.sampler(logits, batch)
             tokens = {s.seq_id: t for s, t in zip(seqs, result.token_ids)}
             logprobs = result.logprobs
@@ -355,6 +388,11 @@ class Engine:
                 del self.requests[req.request_id]
         return outputs
 
+    def _grammar_done(self, matcher) -> bool:
+        from tinypaged.structured_output import grammar_only_allows_stop
+
+        return grammar_only_allows_stop(matcher, self.vocab_size, sorted(self.eos_token_ids))
+
     def _after_token(self, req: _Request, seq: Sequence, logprobs: dict[int, float] | None) -> None:
         token = seq.last_token_id
         params = req.params
@@ -375,6 +413,12 @@ class Engine:
             stop_str = detok.update(token, skip=reason is not None, check_stop=min_done)
             if reason is None and stop_str is not None:
                 reason, stop_reason = "stop", stop_str
+        if req.constraints is not None and req.constraints.matchers:
+            matcher = req.constraints.matchers[seq.index]
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"the grammar rejected sampled token {token}")
+            if reason is None and (matcher.is_terminated() or self._grammar_done(matcher)):
+                reason = "stop"
         if reason is None and params.max_tokens is not None and num_out >= params.max_tokens:
             reason = "length"
         if reason is None and len(seq) >= self.config.max_model_len:

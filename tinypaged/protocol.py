@@ -155,6 +155,8 @@ class GenerationRequest:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: all
     # that fit the context)
     echo: bool = False  # completions: the prompt's text leads the answer
+    # SamplingParams field -> the body field it came from (structured output, logits fields)
+    logits_fields: dict[str, str] = field(default_factory=dict)
 
 
 def _common(body: dict, req: GenerationRequest) -> None:
@@ -228,7 +230,11 @@ def _common(body: dict, req: GenerationRequest) -> None:
                 code="invalid_type",
             )
         req.continuous_usage_stats = continuous
-    for name in ("logit_bias", "response_format", *UNSUPPORTED):
+    from tinypaged.protocol_structured import parse_logits_fields
+
+    kwargs, req.logits_fields = parse_logits_fields(body)
+    s.update(kwargs)
+    for name in UNSUPPORTED:
         if body.get(name):
             hint = UNSUPPORTED.get(name, "")
             raise bad_request(

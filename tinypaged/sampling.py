@@ -3,8 +3,11 @@
 One engine step hands the sampler `logits [N, V]` (one row per sequence that samples this step)
 and a `SamplingBatch` describing each row. Per row, in vLLM's order:
 
-1. logprobs (when asked) = log_softmax(raw logits), before anything below touches them;
-2. min_tokens: while fewer than min_tokens tokens are out, eos and stop_token_ids get -inf;
+0. the token bitmask of structured output, allowed_token_ids and bad_words (logits_processors.py):
+   tokens not allowed get -inf, so they have no probability and no logprob;
+1. logprobs (when asked) = log_softmax(logits), before anything below touches them;
+2. logit_bias is added; min_tokens: while fewer than min_tokens tokens are out, eos and
+   stop_token_ids get -inf;
 3. penalties, with c(t) = count of t in the output so far and `seen` = in prompt or output:
    l = l / r if l > 0 else l * r        for seen tokens            (repetition_penalty r)
    l = l - f * c(t) - p * [c(t) > 0]                               (frequency f, presence p)
@@ -20,10 +23,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from tinypaged.kernels.logits import apply_logit_bias_, apply_token_bitmask_
 from tinypaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tinypaged.logits_processors import LogitsMasks
 
 
 def new_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -63,6 +71,8 @@ class SamplingBatch:
     banned_ids: torch.Tensor | None = None  # [M] int64
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int = -1  # -1 = no row asked
+    # Token bitmask and logit bias of the constrained rows (set by the engine), or None.
+    logits_masks: LogitsMasks | None = None
 
     @property
     def argmax_only(self) -> bool:
@@ -72,6 +82,7 @@ class SamplingBatch:
             and self.penalty_rows is None
             and self.banned_rows is None
             and self.max_num_logprobs < 0
+            and (self.logits_masks is None or self.logits_masks.bias_rows is None)
         )
 
     @classmethod
@@ -177,6 +188,9 @@ class Sampler:
                 f"logits has {logits.shape[0]} rows but the SamplingBatch describes "
                 f"{batch.num_rows}; build one batch row per sampled sequence"
             )
+        masks = batch.logits_masks
+        if masks is not None and masks.bitmask is not None:
+            apply_token_bitmask_(logits, masks.bitmask, masks.bitmask_rows)
         if batch.argmax_only:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
 
@@ -184,6 +198,8 @@ class Sampler:
         if batch.max_num_logprobs >= 0:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
         logits = logits.float()
+        if masks is not None and masks.bias_rows is not None:
+            apply_logit_bias_(logits, masks.bias_rows, masks.bias_ids, masks.bias_values)
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_ids] = -math.inf
         if batch.penalty_rows is not None:

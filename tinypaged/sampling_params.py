@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tinypaged.structured_output import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5  # vLLM: temperatures below this are greedy
 
 
@@ -46,6 +48,12 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (engine side)
+    # Logits constraints (logits_processors.py); token ids are checked against the vocabulary
+    # when the request is added.
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words that may not be generated
 
     def __post_init__(self) -> None:
         for name in (
@@ -115,11 +123,52 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of non-negative token ids")
         self.stop_token_ids = list(ids)
 
+        self._check_logits_constraints()
         if self.top_k == -1:
             self.top_k = 0  # one spelling of "off" downstream
         if self.temperature < _GREEDY_EPS:
             # Greedy ignores the filters; clearing them keeps the sampler's fast path simple.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_logits_constraints(self) -> None:
+        def is_id(t) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}"
+            )
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                is_id(t) and isinstance(b, (int, float)) and not isinstance(b, bool)
+                and math.isfinite(b)
+                for t, b in self.logit_bias.items()
+            ):
+                raise ValueError(
+                    "logit_bias must map token ids (non-negative integers) to finite numbers, "
+                    f"got {self.logit_bias!r:.100}"
+                )
+            # OpenAI's range: -100 bans a token in practice, +100 makes it all but certain.
+            self.logit_bias = {t: min(100.0, max(-100.0, float(b))) for t, b in
+                               self.logit_bias.items()}
+        ids = self.allowed_token_ids
+        if ids is not None and (
+            not isinstance(ids, (list, tuple)) or not ids or not all(is_id(t) for t in ids)
+        ):
+            raise ValueError(
+                f"allowed_token_ids must be a non-empty list of token ids, got {ids!r:.100}"
+            )
+        if ids is not None:
+            self.allowed_token_ids = list(ids)
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, (list, tuple))
+            or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r:.100}")
+        if words is not None:
+            self.bad_words = list(words)
 
     @property
     def is_greedy(self) -> bool:

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 
 from tinypaged.metrics import ServerMetrics
 from tinypaged.protocol import GenerationRequest, bad_request, error_body
+from tinypaged.protocol_structured import param_for
 from tinypaged.responses import ResponseFormat
 
 if TYPE_CHECKING:
@@ -224,7 +225,8 @@ async def respond(
         return Response(status_code=499)  # nobody is listening; the status is for the logs
     except ValueError as exc:  # the engine refused the request at submission
         await gen.close()
-        raise bad_request(prompt_param, str(exc)) from None
+        param = param_for(str(exc), req.logits_fields) or prompt_param
+        raise bad_request(param, str(exc)) from None
     except BaseException:
         await gen.close()
         raise

@@ -10,6 +10,7 @@ from tinypaged.kernels._triton import HAS_TRITON
 from tinypaged.kernels.activation import silu_and_mul
 from tinypaged.kernels.attention import paged_attention
 from tinypaged.kernels.kv_cache import store_kv
+from tinypaged.kernels.logits import apply_logit_bias_, apply_token_bitmask_
 from tinypaged.kernels.moe import fused_experts
 from tinypaged.kernels.moe_routing import select_experts
 from tinypaged.kernels.norm import rms_norm
@@ -17,6 +18,8 @@ from tinypaged.kernels.rotary import build_cos_sin_cache, rotary_embedding
 
 __all__ = [
     "HAS_TRITON",
+    "apply_logit_bias_",
+    "apply_token_bitmask_",
     "awq_gemm",
     "build_cos_sin_cache",
     "fused_experts",

@@ -1,0 +1,194 @@
+"""Structured output: constrain a request's tokens to a JSON schema, a regex, a choice of strings
+or a grammar, with xgrammar.
+
+    SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object", ...}))
+
+How one request is constrained:
+1. At `add_request` the constraint is compiled once for the tokenizer's vocabulary
+   (`GrammarCompiler.compile`, cached by its canonical text), and each of the n samples gets its
+   own `GrammarMatcher` (a pushdown automaton's state over the grammar).
+2. Each step, before the sampler, the matcher of every sampled constrained sequence fills one row
+   of a packed int32 bitmask [R, ceil(V / 32)] (bit t = token t may come next); the rows go to the
+   device in one copy and `kernels/logits.py` sets the other tokens' logits to -inf.
+3. After sampling, the matcher accepts the token. When the grammar is complete, the mask lets the
+   stop tokens (eos) through; the request ends when one is sampled, or at once when the grammar
+   allows nothing but a stop token.
+
+Preemption keeps a sequence's tokens, and its matcher has already accepted them, so a recompute
+changes nothing here. The grammar engine is xgrammar, chosen over llguidance by mask time per
+token on the default model's 49,152-token vocabulary (benchmarks/grammar_engines.py: median
+~2-3 us against ~20-34 us a fill, CPU; figures in benchmarks/RESULTS.md); it is also vLLM's
+default backend, so `grammar` takes the same EBNF (GBNF) text. It is an optional dependency:
+`pip install "tinypaged[structured]"`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams: set exactly one of json, regex, choice, grammar,
+    json_object. `json` is a JSON schema (a dict or its JSON text); `json_object` asks for any
+    JSON object; `disable_any_whitespace` allows no free whitespace between JSON tokens."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        chosen = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {chosen or 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema object, got {self.json!r:.80}"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and not (
+            isinstance(self.choice, (list, tuple))
+            and self.choice
+            and all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice must be a non-empty list of strings, got "
+                f"{self.choice!r:.80}"
+            )
+        if self.json_object not in (None, True):
+            raise ValueError("structured_outputs.json_object must be true when given")
+        if type(self.disable_any_whitespace) is not bool:
+            raise ValueError("structured_outputs.disable_any_whitespace must be true or false")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def cache_key(self) -> tuple[str, str, bool]:
+        """(kind, canonical text, whitespace flag): equal keys compile to the same grammar."""
+        kind = self.kind
+        value = getattr(self, kind)
+        text = json.dumps(value, sort_keys=True) if kind in ("json", "choice") else str(value)
+        return kind, text, self.disable_any_whitespace
+
+
+def _import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise ImportError(
+            "structured output (structured_outputs, response_format, guided_*) needs the "
+            "xgrammar package: pip install 'tinypaged[structured]' (or pip install xgrammar)"
+        ) from None
+    return xgrammar
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    # One EBNF string literal per choice; JSON string escapes are valid EBNF escapes.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _clean_error(exc: Exception) -> str:
+    # xgrammar prefixes its messages with "[time] /path/file.cc:line: "
+    return re.sub(r"^\[[\d:]+\] \S+: ", "", str(exc).strip()).splitlines()[0]
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and caches them (one per engine, built at the
+    first constrained request: reading the vocabulary takes ~0.2-1 s).
+
+    hf_tokenizer: a transformers tokenizer; vocab_size: the logits' width (may exceed the
+    tokenizer's length: padding ids are never allowed); stop_token_ids: the ids that end a
+    sequence (the engine's eos set), allowed once the grammar is complete."""
+
+    def __init__(
+        self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+        cache_size: int = 256,
+    ) -> None:
+        xgr = _import_xgrammar()
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids
+        )
+        # xgrammar's own cache is off: ours below is the one place a compile is reused.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=4, cache_enabled=False)
+        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self.cache_size = cache_size
+        self.num_compiles = 0
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The CompiledGrammar of `params`, from the cache when seen before. Raises ValueError
+        naming the field when the schema, regex or grammar is not valid or not supported."""
+        key = params.cache_key()
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        kind, c = key[0], self._compiler
+        try:
+            if kind == "json":
+                compiled = c.compile_json_schema(
+                    json.dumps(params.json), any_whitespace=not params.disable_any_whitespace
+                )
+            elif kind == "json_object":  # OpenAI: a JSON object (xgrammar's builtin: any value)
+                compiled = c.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=not params.disable_any_whitespace
+                )
+            elif kind == "regex":
+                compiled = c.compile_regex(params.regex)
+            elif kind == "choice":
+                compiled = c.compile_grammar(_choice_grammar(params.choice))
+            else:
+                compiled = c.compile_grammar(params.grammar)
+        except (RuntimeError, ValueError) as e:
+            what = {"json": "JSON schema", "regex": "regex", "grammar": "EBNF grammar"}
+            raise ValueError(
+                f"structured_outputs.{kind}: invalid or unsupported {what.get(kind, kind)}: "
+                f"{_clean_error(e)}"
+            ) from None
+        self.num_compiles += 1
+        self._cache[key] = compiled
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, compiled: Any) -> Any:
+        """A fresh GrammarMatcher (one per sequence) at the start of `compiled`."""
+        return self._xgr.GrammarMatcher(compiled)
+
+
+def grammar_only_allows_stop(matcher: Any, vocab_size: int, stop_token_ids: list[int]) -> bool:
+    """True when the grammar is complete and no token but a stop token may follow (checked
+    only once the grammar is complete, so the extra mask fill is rare)."""
+    if not matcher.is_completed():
+        return False
+    import numpy as np
+    import torch
+
+    mask = torch.empty((1, (vocab_size + 31) // 32), dtype=torch.int32)
+    matcher.fill_next_token_bitmask(mask, 0)
+    words = mask.numpy().view(np.uint32)
+    for t in stop_token_ids:
+        words[0, t >> 5] &= ~(1 << (t & 31)) & 0xFFFFFFFF
+    return not words.any()
