@@ -13,16 +13,16 @@ metrics in `metrics.py`. An exception inside one request ends that request only 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -35,6 +35,7 @@ from tinypaged.protocol import (
     parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,
+    parse_json_body,
     parse_tokenize_request,
 )
 from tinypaged.responses import ResponseFormat, new_id, now
@@ -44,6 +45,13 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 1
+OFF_LOOP_BYTES = 64 * 1024  # bodies and texts past this are parsed / tokenized in a thread
+# A prompt of more than max_model_len * (longest token in characters) * this many characters
+# cannot fit and is refused before tokenizing. A token covers at most its own string's length in
+# characters (byte-level BPE: one character per byte; SentencePiece: "<0x0A>" is longer than the
+# one character it stands for), so the bound holds for any tokenizer whose normalizer does not
+# delete characters; the margin covers normalizers that merge a few (NFC, NFKC).
+PROMPT_CHARS_MARGIN = 4
 
 
 class OpenAIServer:
@@ -104,16 +112,39 @@ class OpenAIServer:
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_big
         body = bytearray()
-        async for chunk in request.stream():
+        async for chunk in request.stream():  # ClientDisconnect when the client hangs up
             body += chunk
             if len(body) > limit:
                 raise too_big
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        if len(body) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(parse_json_body, bytes(body))
+        return parse_json_body(bytes(body))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Prompts longer than this many characters cannot fit in the context, whatever their
+        tokens (see PROMPT_CHARS_MARGIN)."""
+        return self.max_model_len * self.engine.tokenizer.max_token_chars * PROMPT_CHARS_MARGIN
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        limit = self.max_prompt_chars
+        if num_chars > limit:
             raise bad_request(
-                "body", f"the request body is not valid JSON: {exc}", code="invalid_json"
-            ) from None
+                param,
+                f"the prompt has {num_chars} characters, more than any prompt that fits the "
+                f"model's context of {self.max_model_len} tokens can have ({limit}); shorten it",
+                code="context_length_exceeded",
+            )
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Tokenize `text` (in a thread when long); a tokenizer error is the client's 400."""
+        encode = self.engine.tokenizer.encode
+        try:
+            if len(text) > OFF_LOOP_BYTES:
+                return await asyncio.to_thread(encode, text)
+            return encode(text)
+        except Exception as exc:  # noqa: BLE001 - whatever the tokenizer rejects
+            raise bad_request(param, f"cannot tokenize '{param}': {exc}") from None
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.model_names:
@@ -175,7 +206,12 @@ class OpenAIServer:
         req = parse_completion_request(await self.read_json(request))
         model = self.check_model(req.model)
         tok = self.engine.tokenizer
-        prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
+        prompts = []
+        for p in req.prompts:
+            if isinstance(p, str):
+                self.check_prompt_chars(len(p), "prompt")
+                p = await self.encode(p, "prompt")
+            prompts.append(p)
         fmt = ResponseFormat("completion", new_id("cmpl"), model, req, prompts, tok)
         return await self.generate(request, req, prompts, fmt, "prompt")
 
@@ -183,15 +219,15 @@ class OpenAIServer:
         req = parse_chat_request(await self.read_json(request))
         model = self.check_model(req.model)
         tok = self.engine.tokenizer
-        prompt = self._chat_prompt(req.messages)
+        self.check_prompt_chars(sum(len(m["content"]) for m in req.messages), "messages")
+        prompt = await self._chat_prompt(req.messages)
         fmt = ResponseFormat("chat", new_id("chatcmpl"), model, req, [prompt], tok)
         return await self.generate(request, req, [prompt], fmt, "messages")
 
-    def _chat_prompt(self, messages: list[dict]) -> list[int]:
-        try:
-            return list(
-                self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            )
+    async def _chat_prompt(self, messages: list[dict]) -> list[int]:
+        render = self.engine.tokenizer.apply_chat_template
+        try:  # rendering and tokenizing run in a thread: neither holds up the event loop
+            return list(await asyncio.to_thread(render, messages, add_generation_prompt=True))
         except Exception as exc:  # noqa: BLE001 - e.g. the template's own raise_exception()
             raise bad_request(
                 "messages", f"the chat template cannot render these messages: {exc}"
@@ -201,8 +237,13 @@ class OpenAIServer:
         model, prompt, messages, with_strs = parse_tokenize_request(await self.read_json(request))
         self.check_model(model)
         tok = self.engine.tokenizer
-        ids = self._chat_prompt(messages) if messages is not None else tok.encode(prompt)
-        strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if with_strs else None
+        ids = await (self._chat_prompt(messages) if messages is not None
+                     else self.encode(prompt, "prompt"))
+        strs = None
+        if with_strs:
+            strs = await asyncio.to_thread(
+                lambda: [tok.decode([t], skip_special_tokens=False) for t in ids]
+            )
         return JSONResponse(
             {
                 "count": len(ids),
@@ -215,8 +256,9 @@ class OpenAIServer:
     async def detokenize(self, request: Request) -> Response:
         model, tokens = parse_detokenize_request(await self.read_json(request))
         self.check_model(model)
+        decode = self.engine.tokenizer.decode
         try:
-            text = self.engine.tokenizer.decode(tokens, skip_special_tokens=False)
+            text = await asyncio.to_thread(decode, tokens, skip_special_tokens=False)
         except Exception as exc:  # noqa: BLE001 - ids outside the vocabulary
             raise bad_request("tokens", f"cannot decode these token ids: {exc}") from None
         return JSONResponse({"prompt": text})
@@ -256,6 +298,8 @@ class OpenAIServer:
                 return await fn(request)
             except APIError as exc:
                 return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            except ClientDisconnect:  # gone before its body was read: nothing to answer or log
+                return Response(status_code=499)
             except Exception as exc:  # a bug or engine fault: this request fails, the server lives
                 logger.exception("request to %s failed", request.url.path)
                 body = error_body(
@@ -296,9 +340,10 @@ def build_app(
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        body = error_body(
-            f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error", code=code
-        )
+        path = request.url.path
+        path = path if len(path) <= 200 else path[:200] + "..."  # never echo a huge URL back
+        body = error_body(f"{request.method} {path}: {exc.detail}", "invalid_request_error",
+                          code=code)
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @contextlib.asynccontextmanager
