@@ -20,6 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -77,6 +78,8 @@ class OpenAIServer:
         self.active: set[Generation] = set()
         self.in_flight = 0  # engine requests admitted and not yet closed
         self.created = now()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the app's loop, set at startup
+        self.draining = False  # shutting down: admit nothing new
 
     # ------------------------------------------------------------------------------ plumbing
 
@@ -157,6 +160,15 @@ class OpenAIServer:
         )
 
     def admit(self, num_prompts: int) -> None:
+        if self.draining:
+            raise APIError(
+                503,
+                "the server is shutting down and takes no new requests; retry on another replica "
+                "or once it is back",
+                type="service_unavailable",
+                code="server_shutting_down",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         if not getattr(self.engine, "is_running", True):  # e.g. a tensor-parallel worker died
             raise APIError(
                 503,
@@ -278,6 +290,12 @@ class OpenAIServer:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
+        if self.draining:
+            return JSONResponse(
+                error_body("the server is shutting down", "service_unavailable",
+                           code="server_shutting_down"),
+                status_code=503,
+            )
         if not getattr(self.engine, "is_running", True):
             return JSONResponse(
                 error_body("the engine has stopped", "server_error", code="engine_dead"),
@@ -316,6 +334,31 @@ class OpenAIServer:
         for gen in list(self.active):
             await gen.close()
 
+    def begin_shutdown(self, timeout: float) -> None:
+        """Start draining (safe from a signal handler or another thread): admit nothing new,
+        give the requests in flight `timeout` seconds, then end them with a 503 error."""
+        if self.loop is not None and not self.draining:
+            self.draining = True
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain(timeout)))
+
+    async def _drain(self, timeout: float) -> None:
+        deadline = self.loop.time() + timeout
+        while self.active and self.loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if not self.active:
+            return
+        logger.warning("shutdown timeout of %gs reached: ending %d requests still in flight",
+                       timeout, len(self.active))
+        error = APIError(
+            503,
+            f"the server shut down before this request finished (--shutdown-timeout {timeout:g}s)",
+            type="service_unavailable",
+            code="server_shutting_down",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+        for gen in list(self.active):
+            gen.stop(error)
+
 
 def build_app(
     engine: Any,
@@ -348,6 +391,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        server.loop = asyncio.get_running_loop()
         yield
         await server.shutdown()
 
@@ -356,3 +400,20 @@ def build_app(
     )
     app.state.server = server
     return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, plus vLLM's `--shutdown-timeout` on SIGTERM / Ctrl-C: new requests get 503 (with
+    Retry-After) at once, requests in flight get `shutdown_timeout` seconds to finish, then every
+    open stream ends with an OpenAI error event and `data: [DONE]` and every request still waiting
+    for its answer gets a JSON 503. uvicorn's own grace period is only a backstop after that."""
+
+    def __init__(self, config: uvicorn.Config, server: OpenAIServer, shutdown_timeout: float):
+        config.timeout_graceful_shutdown = shutdown_timeout + 2
+        super().__init__(config)
+        self.server = server
+        self.shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.server.begin_shutdown(self.shutdown_timeout)
+        super().handle_exit(sig, frame)
