@@ -115,7 +115,12 @@ def _lone_surrogate(body: Any) -> str | None:
 
 # ---------------------------------------------------------------------------------- field checks
 
-_TYPE_NAMES = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string"}
+_TYPE_NAMES = {
+    "int": "a 64-bit integer",
+    "number": "a finite number",
+    "bool": "a boolean",
+    "str": "a string",
+}
 
 
 def _is(value: Any, kind: str) -> bool:
@@ -123,10 +128,12 @@ def _is(value: Any, kind: str) -> bool:
         return isinstance(value, bool)
     if isinstance(value, bool):  # JSON true is not the number 1
         return False
-    if kind == "int":
-        return isinstance(value, int)
+    if kind == "int":  # every integer field ends up in an int64 tensor or a C long
+        return isinstance(value, int) and -(2**63) <= value < 2**63
     if kind == "number":
-        return isinstance(value, (int, float)) and math.isfinite(value)
+        if isinstance(value, int):  # beyond this, no float field has a meaning
+            return -(2**63) <= value < 2**63
+        return isinstance(value, float) and math.isfinite(value)
     return isinstance(value, str)
 
 

@@ -24,7 +24,7 @@ _REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 
 def _check_number(name: str, value, kind: type) -> None:
     ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
-    if not ok or (kind is float and not math.isfinite(value)):
+    if not ok or (isinstance(value, float) and not math.isfinite(value)):
         want = "a finite number" if kind is float else "an integer"
         raise ValueError(f"{name} must be {want}, got {value!r:.100}")
     if kind is int and not -_INT64_MAX - 1 <= value <= _INT64_MAX:

@@ -38,6 +38,7 @@ from tinypaged.protocol import (
     parse_detokenize_request,
     parse_json_body,
     parse_tokenize_request,
+    show,
 )
 from tinypaged.responses import ResponseFormat, new_id, now
 from tinypaged.serving import Generation, respond, sampling_params
@@ -154,7 +155,7 @@ class OpenAIServer:
             return model or self.model_name
         raise APIError(
             404,
-            f"the model {model!r} does not exist; this server serves {self.model_names}",
+            f"the model {show(model)} does not exist; this server serves {self.model_names}",
             param="model",
             code="model_not_found",
         )
