@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 1
-OFF_LOOP_BYTES = 64 * 1024  # bodies and texts past this are parsed / tokenized in a thread
+OFF_LOOP_BYTES = 8 * 1024  # bodies and texts past this are parsed / tokenized in a thread
 # A prompt of more than max_model_len * (longest token in characters) * this many characters
 # cannot fit and is refused before tokenizing. A token covers at most its own string's length in
 # characters (byte-level BPE: one character per byte; SentencePiece: "<0x0A>" is longer than the
@@ -140,13 +140,13 @@ class OpenAIServer:
                 code="context_length_exceeded",
             )
 
-    async def encode(self, text: str, param: str) -> list[int]:
-        """Tokenize `text` (in a thread when long); a tokenizer error is the client's 400."""
+    async def encode(self, texts: list[str], param: str) -> list[list[int]]:
+        """Tokenize `texts` (in a thread unless short); a tokenizer error is the client's 400."""
         encode = self.engine.tokenizer.encode
         try:
-            if len(text) > OFF_LOOP_BYTES:
-                return await asyncio.to_thread(encode, text)
-            return encode(text)
+            if sum(map(len, texts)) > OFF_LOOP_BYTES:
+                return await asyncio.to_thread(lambda: [encode(t) for t in texts])
+            return [encode(t) for t in texts]
         except Exception as exc:  # noqa: BLE001 - whatever the tokenizer rejects
             raise bad_request(param, f"cannot tokenize '{param}': {exc}") from None
 
@@ -219,12 +219,11 @@ class OpenAIServer:
         req = parse_completion_request(await self.read_json(request))
         model = self.check_model(req.model)
         tok = self.engine.tokenizer
-        prompts = []
-        for p in req.prompts:
-            if isinstance(p, str):
-                self.check_prompt_chars(len(p), "prompt")
-                p = await self.encode(p, "prompt")
-            prompts.append(p)
+        texts = [p for p in req.prompts if isinstance(p, str)]
+        for text in texts:
+            self.check_prompt_chars(len(text), "prompt")
+        encoded = iter(await self.encode(texts, "prompt"))
+        prompts = [next(encoded) if isinstance(p, str) else p for p in req.prompts]
         fmt = ResponseFormat("completion", new_id("cmpl"), model, req, prompts, tok)
         return await self.generate(request, req, prompts, fmt, "prompt")
 
@@ -250,8 +249,10 @@ class OpenAIServer:
         model, prompt, messages, with_strs = parse_tokenize_request(await self.read_json(request))
         self.check_model(model)
         tok = self.engine.tokenizer
-        ids = await (self._chat_prompt(messages) if messages is not None
-                     else self.encode(prompt, "prompt"))
+        if messages is not None:
+            ids = await self._chat_prompt(messages)
+        else:
+            (ids,) = await self.encode([prompt], "prompt")
         strs = None
         if with_strs:
             strs = await asyncio.to_thread(
