@@ -1,14 +1,16 @@
 """The OpenAI-compatible HTTP server: a Starlette app around one AsyncLLM.
 
     app = build_app(AsyncLLM(), served_model_name="smollm2", api_key=None, max_queue=None)
-    uvicorn.run(app, host="127.0.0.1", port=8000)      # what `tinypaged serve` does
+    GracefulServer(uvicorn.Config(app, port=8000), app.state.server, 5.0).run()  # `serve`
 
 Endpoints: GET /health, /metrics, /v1/models; POST /v1/completions, /v1/chat/completions,
 /tokenize, /detokenize. This file is the HTTP side: routes, the API key, body limits, model
-names, admission (a full queue or a dead engine is a 503) and the mapping of errors to OpenAI's
-error bodies. Request validation lives in `protocol.py`, the response shapes in `responses.py`,
-running a request against the engine (disconnects, streaming) in `serving.py`, the Prometheus
-metrics in `metrics.py`. An exception inside one request ends that request only (500).
+names, admission (a full queue, a dead engine or a shutdown is a 503), the drain on SIGTERM
+(`GracefulServer`) and the mapping of errors to OpenAI's error bodies. Long bodies are parsed,
+and prompts tokenized, in a worker thread: the event loop only routes. Request validation lives
+in `protocol.py`, the response shapes in `responses.py`, running a request against the engine
+(disconnects, streaming) in `serving.py`, the Prometheus metrics in `metrics.py`. An exception
+inside one request ends that request only (500).
 """
 
 from __future__ import annotations
