@@ -57,6 +57,8 @@ def test_serve_answers_and_stops_gracefully(model_dir):
             str(port),
             "--served-model-name",
             "tiny",
+            "--shutdown-timeout",
+            "60",
             *ENGINE_FLAGS,
         ],
         cwd=ROOT,
@@ -84,7 +86,8 @@ def test_serve_answers_and_stops_gracefully(model_dir):
             timeout=30,
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-        # SIGTERM while a stream is in flight: the stream still finishes, then the process exits.
+        # SIGTERM while a stream is in flight: within --shutdown-timeout the stream still
+        # finishes, then the process exits.
         body = {
             "prompt": "Hi",
             "max_tokens": 200,

@@ -197,3 +197,43 @@ def test_admission_errors_leave_engine_clean(llama):
         llm.generate({"prompt_token_ids": [5] * 90}, greedy(10), use_tqdm=False)
     assert run(llm, [[5, 6, 7]], greedy(3))[0]  # still serving
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [  # the three triggers of issue #14, each refused at admission
+        ({"stop_token_ids": [256], "min_tokens": 1}, "stop_token_ids"),
+        ({"top_k": 10**400, "temperature": 1.0}, "top_k"),
+        ({"stop_token_ids": [10**30], "min_tokens": 1}, "stop_token_ids"),
+    ],
+)
+def test_fields_that_would_raise_in_the_batch_are_refused_at_admission(llama, fields, match):
+    path, _ = llama
+    llm = LLM(str(path), skip_tokenizer_init=True, num_kv_blocks=32, block_size=16)
+    with pytest.raises(ValueError, match=match):
+        llm.engine.add_request("bad", [5, 6], SamplingParams(max_tokens=4, **fields))
+    assert run(llm, [[5, 6, 7]], greedy(3))[0]
+    assert_no_leak(llm)
+
+
+def test_a_request_that_fails_in_sampling_fails_alone(llama):
+    """The second wall: if sampling raises for one request anyway, it alone fails and the rest
+    of the step (here: greedy bystanders) gets the tokens it would have had."""
+    path, _ = llama
+    llm = LLM(str(path), skip_tokenizer_init=True, num_kv_blocks=64, block_size=16)
+    batch = prompts(6, seed=4)
+    expected = run(llm, batch, greedy(6))
+    engine = llm.engine
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, greedy(6))
+    poisoned = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3)
+    engine.add_request("poison", [7, 8, 9], poisoned)
+    poisoned.stop_token_ids = [10**6]  # past admission: the batched min_tokens mask raises
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    errors = dict(engine.pop_request_errors())
+    assert set(errors) == {"poison"} and "poison" not in outputs
+    assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(6)] == expected
+    assert_no_leak(llm)

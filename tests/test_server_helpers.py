@@ -76,6 +76,7 @@ class FakeTokenizer:
     """Test double of the tokenizer: one token per character, id = code point."""
 
     eos_token_ids = frozenset({0})
+    max_token_chars = 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(ch) for ch in text]

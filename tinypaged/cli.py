@@ -27,6 +27,9 @@ from tinypaged.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 logger = logging.getLogger("tinypaged")
 
+# In-flight requests get this long to finish after Ctrl-C / SIGTERM; then they end with a 503.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+
 
 class UserError(Exception):
     """A mistake the user can fix: reported as one line, exit status 1."""
@@ -127,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="usage.prompt_tokens_details.cached_tokens: prompt tokens from the prefix cache",
     )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM / Ctrl-C, how long requests in flight may still run before they are "
+        "ended with an error",
+    )
     serve.add_argument("--seed", type=int, default=0, help="engine seed")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     _engine_flags(serve)
@@ -209,10 +220,12 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tinypaged.async_llm import AsyncLLM
-    from tinypaged.server import build_app
+    from tinypaged.server import GracefulServer, build_app
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise UserError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+    if args.shutdown_timeout < 0:
+        raise UserError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.max_queue is not None and args.max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 <= args.port < 65536:
@@ -256,14 +269,14 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    userver = uvicorn.Server(config)
+    userver = GracefulServer(config, server, args.shutdown_timeout)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     logger.info("serving the OpenAI API at http://%s:%d/v1 (Ctrl-C to stop)", shown, args.port)
-    # uvicorn handles SIGINT / SIGTERM itself (stop accepting, let requests finish, run the
-    # app's shutdown which aborts stragglers), then re-raises the signal to the handler it found
-    # installed. Installing a no-op one lets us shut the engine down and exit 0 afterwards.
+    # uvicorn handles SIGINT / SIGTERM itself (GracefulServer: stop admitting, let requests
+    # finish up to --shutdown-timeout, end the rest with an error), then re-raises the signal
+    # to the handler it found installed. Installing a no-op one lets us shut the engine down
+    # and exit 0 afterwards.
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         userver.run()
@@ -274,9 +287,6 @@ def serve(args: argparse.Namespace) -> int:
     logger.info("server stopped")
     return 0 if userver.started else 1
 
-
-# In-flight requests get this long to finish after Ctrl-C / SIGTERM; then they are aborted.
-GRACEFUL_SHUTDOWN_S = 30
 
 
 def generate(args: argparse.Namespace) -> int:

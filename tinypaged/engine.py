@@ -74,7 +74,9 @@ class _Request:
                 cumulative_logprob=(
                     self.cumulative_logprob[i] if self.logprobs[i] is not None else None
                 ),
-                logprobs=self.logprobs[i],
+                # Copies, never the live lists: the engine thread keeps appending to them
+                # while the API side formats this output.
+                logprobs=None if self.logprobs[i] is None else list(self.logprobs[i]),
                 finish_reason=s.finish_reason,
                 stop_reason=self.stop_reasons[i],
             )
@@ -184,7 +186,19 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _prompt_ids(
+        self, prompt: PromptType, params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
+        text, ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM: keep the end of the prompt
+            ids = ids[-params.truncate_prompt_tokens :]
+        return text, ids
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -202,17 +216,17 @@ class Engine:
             f"prompt must be a string, token ids or a dict, got {type(prompt).__name__}"
         )
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        """Queue a request; raises ValueError now if it could never run."""
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(
-                f"sampling params must be a SamplingParams, got {type(params).__name__}"
-            )
-        text, ids = self._prompt_ids(prompt)
-        if params.truncate_prompt_tokens is not None:  # vLLM: keep the end of the prompt
-            ids = ids[-params.truncate_prompt_tokens :]
+    def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> dict[str, Any]:
+        """Tokenize and validate a request against the model without touching the engine's
+        state, so any thread may call it: returns {"prompt", "prompt_token_ids"} ready for
+        `add_request`, or raises ValueError saying what is wrong."""
+        text, ids = self._prompt_ids(prompt, params)
+        self._check_request(ids, params)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def _check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Everything that could raise later inside a batched step is refused here, one request
+        at a time: token ids outside the vocabulary, more logprobs than the vocabulary has."""
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         vocab = self.vocab_size
@@ -221,6 +235,24 @@ class Engine:
         ]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+        if vocab is None:
+            return
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab}) for this model"
+            )
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(
+                f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}"
+            )
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        """Queue a request; raises ValueError now if it could never run."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt, params)
+        self._check_request(ids, params)
         constraints = LogitsConstraints.build(
             params, self.vocab_size, self.tokenizer, self._get_grammar_compiler
         )
@@ -338,36 +370,19 @@ class Engine:
             reqs = [self.requests[it.seq.request_id] for it in items]
             logits = take_prompt_logprobs(items, reqs, prompt_rows, logits)
         tokens: dict[int, int] = {}
-        logprobs: list = []
+        lp_by_seq: dict[int, dict[int, float] | None] = {}
         if sampled_items:
             seqs = [it.seq for it in sampled_items]
-            reqs = [self.requests[s.request_id] for s in seqs]
-            # On a GPU the forward pass is still running: build the masks meanwhile.
-            masks = self.mask_builder.build([
-                (row, r.constraints, s.index, s.output_token_ids)
-                for row, (r, s) in enumerate(zip(reqs, seqs)) if r.constraints is not None
-            ])
-            # Token histories are read only by penalties and min_tokens: skip the copies.
-            needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0 for r in reqs}
-            hist = [needs[id(r.params)] for r in reqs]
-            batch = SamplingBatch.build(
-                [r.params for r in reqs],
-                [s.prompt_token_ids if h else [] for s, h in zip(seqs, hist)],
-                [s.output_token_ids if h else [] for s, h in zip(seqs, hist)],
-                [r.generators[s.index] for r, s in zip(reqs, seqs)],
-                self.eos_token_ids,
-                logits.device,
-            )
-            batch.logits_masks = masks
-            result = self.sampler(logits, batch)
-            tokens = {s.seq_id: t for s, t in zip(seqs, result.token_ids)}
-            logprobs = result.logprobs
-        lp_by_seq = {it.seq.seq_id: lp for it, lp in zip(sampled_items, logprobs)}
+            for seq, token, lp in zip(seqs, *self._sample(seqs, logits)):
+                if token is not None:
+                    tokens[seq.seq_id], lp_by_seq[seq.seq_id] = token, lp
 
         touched: dict[str, _Request] = {}
         now = time.monotonic()
         for seq in self.scheduler.update(out, tokens):
-            req = self.requests[seq.request_id]
+            req = self.requests.get(seq.request_id)
+            if req is None:  # a sibling sample failed this request earlier in the loop
+                continue
             touched[req.request_id] = req
             if req.stats.first_token_time is None:
                 req.stats.first_token_time = now
@@ -392,6 +407,55 @@ class Engine:
         from tinypaged.structured_output import grammar_only_allows_stop
 
         return grammar_only_allows_stop(matcher, self.vocab_size, sorted(self.eos_token_ids))
+
+    def _sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+        reqs = [self.requests[s.request_id] for s in seqs]
+        # On a GPU the forward pass is still running: build the grammar masks meanwhile.
+        masks = self.mask_builder.build([
+            (row, r.constraints, s.index, s.output_token_ids)
+            for row, (r, s) in enumerate(zip(reqs, seqs)) if r.constraints is not None
+        ])
+        # Token histories are read only by penalties and min_tokens: skip the copies.
+        needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0 for r in reqs}
+        hist = [needs[id(r.params)] for r in reqs]
+        batch = SamplingBatch.build(
+            [r.params for r in reqs],
+            [s.prompt_token_ids if h else [] for s, h in zip(seqs, hist)],
+            [s.output_token_ids if h else [] for s, h in zip(seqs, hist)],
+            [r.generators[s.index] for r, s in zip(reqs, seqs)],
+            self.eos_token_ids,
+            device,
+        )
+        batch.logits_masks = masks
+        return batch
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list, list]:
+        """(token or None, logprobs or None) per row of `logits` [N, V].
+
+        Admission validates every field, so the batched path should not raise; if it does, the
+        rows are sampled one by one and only the requests whose own row raises fail (the others'
+        tokens come from the retry, which may draw fresh randomness for unseeded rows)."""
+        try:
+            result = self.sampler(logits, self._sampling_batch(seqs, logits.device))
+            return result.token_ids, result.logprobs
+        except Exception:
+            logger.exception("sampling a batch of %d rows failed; retrying row by row", len(seqs))
+        tokens: list[int | None] = []
+        logprobs: list[dict[int, float] | None] = []
+        for i, seq in enumerate(seqs):
+            token, lp = None, None
+            if seq.request_id in self.requests:  # a sibling sample may have failed it already
+                try:
+                    batch = self._sampling_batch([seq], logits.device)
+                    row = self.sampler(logits[i : i + 1], batch)
+                    token, lp = row.token_ids[0], row.logprobs[0]
+                except Exception as exc:  # this request alone fails; the step goes on
+                    logger.exception("sampling failed for request %s", seq.request_id)
+                    self._errors.append((seq.request_id, exc))
+                    self.abort_request(seq.request_id)
+            tokens.append(token)
+            logprobs.append(lp)
+        return tokens, logprobs
 
     def _after_token(self, req: _Request, seq: Sequence, logprobs: dict[int, float] | None) -> None:
         token = seq.last_token_id

@@ -14,7 +14,9 @@ The response bodies are built in `responses.py`.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,9 +59,71 @@ def bad_request(param: str, message: str, code: str = "invalid_value") -> APIErr
     return APIError(400, message, param=param, code=code)
 
 
+def show(value: Any, limit: int = 100) -> str:
+    """repr(value) cut to `limit` characters: an error message never echoes a huge field."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# A UTF-16 surrogate written as a JSON escape; paired ones are fine, a lone one is not text.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Decode a request body: UTF-8 (RFC 8259), JSON, and text that is valid Unicode.
+
+    Every way this can fail is a 400: bytes that are not UTF-8, malformed JSON, nesting deeper
+    than the parser's recursion limit (RecursionError), integers longer than Python's
+    int-string limit (ValueError), and lone surrogates (`"\\ud800"`) that the JSON parser accepts
+    but no tokenizer or response encoder can handle."""
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise bad_request(
+            "body", f"the request body is not valid JSON: {why}", code="invalid_json"
+        ) from None
+    if _SURROGATE_ESCAPE.search(text):
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise bad_request(
+                where,
+                f"'{where}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                "escape), which is not text; send valid Unicode",
+                code="invalid_text",
+            )
+    return body
+
+
+def _lone_surrogate(body: Any) -> str | None:
+    """The top-level field holding a string that is not valid Unicode ("body" for the body
+    itself or a bad key), or None. Iterative: bodies nest as deep as the parser allowed."""
+    stack = [(body, "body")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                top = key if where == "body" else where
+                stack += [(item, top), (key, where)]  # the key is looked at first
+        elif isinstance(value, list):
+            stack += [(item, where) for item in value]
+    return None
+
+
 # ---------------------------------------------------------------------------------- field checks
 
-_TYPE_NAMES = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string"}
+_TYPE_NAMES = {
+    "int": "a 64-bit integer",
+    "number": "a finite number",
+    "bool": "a boolean",
+    "str": "a string",
+}
 
 
 def _is(value: Any, kind: str) -> bool:
@@ -67,10 +131,12 @@ def _is(value: Any, kind: str) -> bool:
         return isinstance(value, bool)
     if isinstance(value, bool):  # JSON true is not the number 1
         return False
-    if kind == "int":
-        return isinstance(value, int)
+    if kind == "int":  # every integer field ends up in an int64 tensor or a C long
+        return isinstance(value, int) and -(2**63) <= value < 2**63
     if kind == "number":
-        return isinstance(value, (int, float)) and math.isfinite(value)
+        if isinstance(value, int):  # beyond this, no float field has a meaning
+            return -(2**63) <= value < 2**63
+        return isinstance(value, float) and math.isfinite(value)
     return isinstance(value, str)
 
 
@@ -92,13 +158,13 @@ def field_value(
         return None
     if not _is(value, kind):
         raise bad_request(
-            name, f"'{name}' must be {_TYPE_NAMES[kind]}, got {value!r}", code="invalid_type"
+            name, f"'{name}' must be {_TYPE_NAMES[kind]}, got {show(value)}", code="invalid_type"
         )
     if lo is not None and (value <= lo if lo_open else value < lo):
         bound = f"> {lo}" if lo_open else f">= {lo}"
-        raise bad_request(name, f"'{name}' must be {bound}, got {value!r}")
+        raise bad_request(name, f"'{name}' must be {bound}, got {show(value)}")
     if hi is not None and value > hi:
-        raise bad_request(name, f"'{name}' must be <= {hi}, got {value!r}")
+        raise bad_request(name, f"'{name}' must be <= {hi}, got {show(value)}")
     return value
 
 
@@ -111,7 +177,7 @@ def _stop_list(body: dict) -> list[str] | None:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise bad_request(
             "stop",
-            f"'stop' must be a string or a list of non-empty strings, got {stop!r}",
+            f"'stop' must be a string or a list of non-empty strings, got {show(stop)}",
             code="invalid_type",
         )
     return stop
@@ -124,7 +190,7 @@ def _int_list(body: dict, name: str) -> list[int] | None:
     if not isinstance(value, list) or not all(_is(v, "int") and v >= 0 for v in value):
         raise bad_request(
             name,
-            f"'{name}' must be a list of token ids (integers >= 0), got {value!r}",
+            f"'{name}' must be a list of token ids (integers >= 0), got {show(value)}",
             code="invalid_type",
         )
     return value
@@ -163,7 +229,9 @@ def _common(body: dict, req: GenerationRequest) -> None:
     """Fields shared by completions and chat: sampling knobs, vLLM extras, streaming."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise bad_request("model", f"'model' must be a string, got {model!r}", code="invalid_type")
+        raise bad_request(
+            "model", f"'model' must be a string, got {show(model)}", code="invalid_type"
+        )
     req.model = model
     s = req.sampling
     s["n"] = req.n = field_value(body, "n", "int", lo=1, hi=128) or 1
@@ -367,7 +435,7 @@ def parse_messages(messages: Any) -> list[dict]:
         if not isinstance(role, str) or not role:
             raise bad_request(
                 f"{where}.role",
-                f"'{where}.role' must be a non-empty string, got {role!r}",
+                f"'{where}.role' must be a non-empty string, got {show(role)}",
                 code="invalid_type",
             )
         content = m.get("content")
@@ -394,7 +462,8 @@ def parse_messages(messages: Any) -> list[dict]:
         if not isinstance(content, str):
             raise bad_request(
                 f"{where}.content",
-                f"'{where}.content' must be a string or a list of text parts, got {content!r}",
+                f"'{where}.content' must be a string or a list of text parts, got "
+                f"{show(content)}",
                 code="invalid_type",
             )
         out.append({"role": role, "content": content, **message_extras(m, where)})

@@ -3,6 +3,10 @@
 Validated on construction: a bad value raises ValueError naming the field and its allowed range
 (the server turns it into a 400). Greedy requests (temperature < 1e-5, as in vLLM) have top_p,
 top_k and min_p cleared, and top_k = -1 becomes 0: one spelling of "off" for the sampler.
+Positive temperatures below 1e-2 are raised to 1e-2 (vLLM). Tighter than vLLM, so that nothing
+that reaches the batched sampler can overflow: temperature <= 100, repetition_penalty in
+[0.01, 100], and every integer fits in int64. The engine adds the checks against the model
+(token ids below the vocabulary size) when a request is admitted.
 """
 
 from __future__ import annotations
@@ -13,13 +17,20 @@ from dataclasses import dataclass
 from tinypaged.structured_output import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5  # vLLM: temperatures below this are greedy
+_MIN_TEMP = 1e-2  # vLLM raises smaller positive temperatures to this (1/t would overflow)
+_MAX_TEMP = 1e2  # fp32 keeps logits / t meaningful; far beyond any useful temperature
+_INT64_MAX = 2**63 - 1  # every int becomes an int64 tensor element somewhere
+# logits / r and logits * r stay finite in fp32 (|logit| < ~1e4) for r in this range.
+_REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 
 
 def _check_number(name: str, value, kind: type) -> None:
     ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
-    if not ok or (kind is float and not math.isfinite(value)):
+    if not ok or (isinstance(value, float) and not math.isfinite(value)):
         want = "a finite number" if kind is float else "an integer"
-        raise ValueError(f"{name} must be {want}, got {value!r}")
+        raise ValueError(f"{name} must be {want}, got {value!r:.100}")
+    if kind is int and not -_INT64_MAX - 1 <= value <= _INT64_MAX:
+        raise ValueError(f"{name} must fit in a 64-bit integer, got {value!r:.100}")
 
 
 @dataclass
@@ -80,12 +91,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
         def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r:.200}")
 
         if self.n < 1:
             raise bad("n", "at least 1")
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0 (0 means greedy)")
+        if not 0 <= self.temperature <= _MAX_TEMP:
+            raise bad("temperature", f"in [0, {_MAX_TEMP:g}] (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]")
         if self.top_k < -1:
@@ -95,8 +106,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "> 0 (1 means off)")
+        lo, hi = _REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise bad("repetition_penalty", f"in [{lo}, {hi}] (1 means off)")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", "at least 1")
         if self.min_tokens < 0:
@@ -118,7 +130,7 @@ class SamplingParams:
         self.stop = list(stop)
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(ids, (list, tuple, set)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _INT64_MAX for t in ids
         ):
             raise bad("stop_token_ids", "a list of non-negative token ids")
         self.stop_token_ids = list(ids)
@@ -126,6 +138,8 @@ class SamplingParams:
         self._check_logits_constraints()
         if self.top_k == -1:
             self.top_k = 0  # one spelling of "off" downstream
+        if _GREEDY_EPS <= self.temperature < _MIN_TEMP:
+            self.temperature = _MIN_TEMP
         if self.temperature < _GREEDY_EPS:
             # Greedy ignores the filters; clearing them keeps the sampler's fast path simple.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0

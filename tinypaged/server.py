@@ -1,32 +1,35 @@
 """The OpenAI-compatible HTTP server: a Starlette app around one AsyncLLM.
 
     app = build_app(AsyncLLM(), served_model_name="smollm2", api_key=None, max_queue=None)
-    uvicorn.run(app, host="127.0.0.1", port=8000)      # what `tinypaged serve` does
+    GracefulServer(uvicorn.Config(app, port=8000), app.state.server, 5.0).run()  # `serve`
 
 Endpoints: GET /health, /metrics, /version, /v1/models; POST /v1/completions,
 /v1/chat/completions, /invocations, /tokenize, /detokenize; CORS through Starlette's
 middleware. This file is the HTTP side: routes, the API key, body limits, model names, admission
-(a full queue or a dead engine is a 503) and the mapping of errors to OpenAI's error bodies.
-Request validation lives in `protocol.py` (chat's tool and template fields in
-`chat_protocol.py`), the response shapes in `responses.py`, running a request against the engine
+(a full queue, a dead engine or a shutdown is a 503), the drain on SIGTERM (`GracefulServer`)
+and the mapping of errors to OpenAI's error bodies. Long bodies are parsed, and prompts
+tokenized, in a worker thread: the event loop only routes. Request validation lives in
+`protocol.py` (chat's tool and template fields in `chat_protocol.py`), the response shapes in
+`responses.py`, running a request against the engine
 (disconnects, streaming) in `serving.py`, the Prometheus metrics in `metrics.py`. An exception
 inside one request ends that request only (500).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -43,7 +46,9 @@ from tinypaged.protocol import (
     parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,
+    parse_json_body,
     parse_tokenize_request,
+    show,
 )
 from tinypaged.responses import ResponseFormat, new_id, now
 from tinypaged.serving import Generation, respond, sampling_params
@@ -58,6 +63,13 @@ CORS_DEFAULTS = {
     "allow_credentials": False,
 }
 RETRY_AFTER_S = 1
+OFF_LOOP_BYTES = 8 * 1024  # bodies and texts past this are parsed / tokenized in a thread
+# A prompt of more than max_model_len * (longest token in characters) * this many characters
+# cannot fit and is refused before tokenizing. A token covers at most its own string's length in
+# characters (byte-level BPE: one character per byte; SentencePiece: "<0x0A>" is longer than the
+# one character it stands for), so the bound holds for any tokenizer whose normalizer does not
+# delete characters; the margin covers normalizers that merge a few (NFC, NFKC).
+PROMPT_CHARS_MARGIN = 4
 
 
 def _pick(registry: dict[str, type], name: str | None, what: str) -> type | None:
@@ -97,6 +109,8 @@ class OpenAIServer:
         self.active: set[Generation] = set()
         self.in_flight = 0  # engine requests admitted and not yet closed
         self.created = now()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the app's loop, set at startup
+        self.draining = False  # shutting down: admit nothing new
 
     # ------------------------------------------------------------------------------ plumbing
 
@@ -133,7 +147,7 @@ class OpenAIServer:
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_big
         body = bytearray()
-        async for chunk in request.stream():
+        async for chunk in request.stream():  # ClientDisconnect when the client hangs up
             body += chunk
             if len(body) > limit:
                 raise too_big
@@ -145,12 +159,41 @@ class OpenAIServer:
                 "allowed; send the header 'Content-Type: application/json'",
                 code="unsupported_media_type",
             )
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        if len(body) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(parse_json_body, bytes(body))
+        return parse_json_body(bytes(body))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Prompts longer than this many characters cannot fit in the context, whatever their
+        tokens (see PROMPT_CHARS_MARGIN)."""
+        return self.max_model_len * self.engine.tokenizer.max_token_chars * PROMPT_CHARS_MARGIN
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        limit = self.max_prompt_chars
+        if num_chars > limit:
             raise bad_request(
-                "body", f"the request body is not valid JSON: {exc}", code="invalid_json"
-            ) from None
+                param,
+                f"the prompt has {num_chars} characters, more than any prompt that fits the "
+                f"model's context of {self.max_model_len} tokens can have ({limit}); shorten it",
+                code="context_length_exceeded",
+            )
+
+    async def encode(
+        self, texts: list[str], param: str, add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """Tokenize `texts` (in a thread unless short); a tokenizer error is the client's 400."""
+        tok = self.engine.tokenizer
+
+        def encode() -> list[list[int]]:
+            return [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+        try:
+            if sum(map(len, texts)) > OFF_LOOP_BYTES:
+                return await asyncio.to_thread(encode)
+            return encode()
+        except Exception as exc:  # noqa: BLE001 - whatever the tokenizer rejects
+            raise bad_request(param, f"cannot tokenize '{param}': {exc}") from None
 
     def check_model(self, model: str | None) -> str:
         """The served name to answer with; absent or "" means the default model (vLLM)."""
@@ -158,12 +201,21 @@ class OpenAIServer:
             return model or self.model_name
         raise APIError(
             404,
-            f"the model {model!r} does not exist; this server serves {self.model_names}",
+            f"the model {show(model)} does not exist; this server serves {self.model_names}",
             param="model",
             code="model_not_found",
         )
 
     def admit(self, num_prompts: int) -> None:
+        if self.draining:
+            raise APIError(
+                503,
+                "the server is shutting down and takes no new requests; retry on another replica "
+                "or once it is back",
+                type="service_unavailable",
+                code="server_shutting_down",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         if not getattr(self.engine, "is_running", True):  # e.g. a tensor-parallel worker died
             raise APIError(
                 503,
@@ -216,7 +268,12 @@ class OpenAIServer:
         req = parse_completion_request(body or await self.read_json(request))
         model = self.check_model(req.model)
         tok = self.engine.tokenizer
-        prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
+        texts = [p for p in req.prompts if isinstance(p, str)]
+        if req.truncate_prompt_tokens is None:  # a truncated prompt may be any length
+            for text in texts:
+                self.check_prompt_chars(len(text), "prompt")
+        encoded = iter(await self.encode(texts, "prompt"))
+        prompts = [next(encoded) if isinstance(p, str) else p for p in req.prompts]
         prompts = [self.truncate(req, p) for p in prompts]
         fmt = ResponseFormat(
             "completion",
@@ -238,7 +295,10 @@ class OpenAIServer:
         opts = req.chat
         check_tool_choice(req, auto_ready=self.enable_auto_tool_choice and bool(self.tool_parser))
         tok = self.engine.tokenizer
-        prompt = self.truncate(req, self._chat_prompt(req.messages, opts))
+        if req.truncate_prompt_tokens is None:  # a truncated prompt may be any length
+            chars = sum(len(m["content"]) for m in req.messages if isinstance(m["content"], str))
+            self.check_prompt_chars(chars, "messages")
+        prompt = self.truncate(req, await self._chat_prompt(req.messages, opts))
         last = req.messages[-1]
         echo = last["content"] if opts.echo and last["role"] == "assistant" else ""
         fmt = ResponseFormat(
@@ -267,15 +327,20 @@ class OpenAIServer:
             )
         return prompt[-(limit if k == -1 else k) :]
 
-    def _chat_prompt(
+    async def _chat_prompt(
         self, messages: list[dict], opts: ChatOptions, add_special_tokens: bool = False
     ) -> list[int]:
         tok = self.engine.tokenizer
-        try:
+        kwargs = opts.template_kwargs()
+
+        def render() -> list[int]:
             if add_special_tokens:
-                text = tok.render_chat(messages, **opts.template_kwargs())
+                text = tok.render_chat(messages, **kwargs)
                 return list(tok.encode(text, add_special_tokens=True))
-            return list(tok.apply_chat_template(messages, **opts.template_kwargs()))
+            return list(tok.apply_chat_template(messages, **kwargs))
+
+        try:  # rendering and tokenizing run in a thread: neither holds up the event loop
+            return await asyncio.to_thread(render)
         except Exception as exc:  # noqa: BLE001 - e.g. the template's own raise_exception()
             raise bad_request(
                 "messages", f"the chat template cannot render these messages: {exc}"
@@ -290,9 +355,9 @@ class OpenAIServer:
         tok = self.engine.tokenizer
         special = field_value(body, "add_special_tokens", "bool")
         if messages is not None:
-            ids = self._chat_prompt(messages, parse_chat_options(body), bool(special))
+            ids = await self._chat_prompt(messages, parse_chat_options(body), bool(special))
         else:
-            ids = tok.encode(prompt, add_special_tokens=special is not False)
+            (ids,) = await self.encode([prompt], "prompt", add_special_tokens=special is not False)
         strs = tok.convert_ids_to_tokens(ids) if with_strs else None
         return JSONResponse(
             {
@@ -306,8 +371,9 @@ class OpenAIServer:
     async def detokenize(self, request: Request) -> Response:
         model, tokens = parse_detokenize_request(await self.read_json(request))
         self.check_model(model)
+        decode = self.engine.tokenizer.decode
         try:
-            text = self.engine.tokenizer.decode(tokens, skip_special_tokens=False)
+            text = await asyncio.to_thread(decode, tokens, skip_special_tokens=False)
         except Exception as exc:  # noqa: BLE001 - ids outside the vocabulary
             raise bad_request("tokens", f"cannot decode these token ids: {exc}") from None
         return JSONResponse({"prompt": text})
@@ -344,6 +410,12 @@ class OpenAIServer:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
+        if self.draining:
+            return JSONResponse(
+                error_body("the server is shutting down", "service_unavailable",
+                           code="server_shutting_down"),
+                status_code=503,
+            )
         if not getattr(self.engine, "is_running", True):
             return JSONResponse(
                 error_body("the engine has stopped", "server_error", code="engine_dead"),
@@ -364,6 +436,8 @@ class OpenAIServer:
                 return await fn(request)
             except APIError as exc:
                 return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            except ClientDisconnect:  # gone before its body was read: nothing to answer or log
+                return Response(status_code=499)
             except Exception as exc:  # a bug or engine fault: this request fails, the server lives
                 logger.exception("request to %s failed", request.url.path)
                 body = error_body(
@@ -379,6 +453,31 @@ class OpenAIServer:
         """Abort whatever is still in flight when the server stops."""
         for gen in list(self.active):
             await gen.close()
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """Start draining (safe from a signal handler or another thread): admit nothing new,
+        give the requests in flight `timeout` seconds, then end them with a 503 error."""
+        if self.loop is not None and not self.draining:
+            self.draining = True
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain(timeout)))
+
+    async def _drain(self, timeout: float) -> None:
+        deadline = self.loop.time() + timeout
+        while self.active and self.loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if not self.active:
+            return
+        logger.warning("shutdown timeout of %gs reached: ending %d requests still in flight",
+                       timeout, len(self.active))
+        error = APIError(
+            503,
+            f"the server shut down before this request finished (--shutdown-timeout {timeout:g}s)",
+            type="service_unavailable",
+            code="server_shutting_down",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+        for gen in list(self.active):
+            gen.stop(error)
 
 
 def build_app(
@@ -410,13 +509,15 @@ def build_app(
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        body = error_body(
-            f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error", code=code
-        )
+        path = request.url.path
+        path = path if len(path) <= 200 else path[:200] + "..."  # never echo a huge URL back
+        body = error_body(f"{request.method} {path}: {exc.detail}", "invalid_request_error",
+                          code=code)
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        server.loop = asyncio.get_running_loop()
         yield
         await server.shutdown()
 
@@ -429,3 +530,20 @@ def build_app(
     )
     app.state.server = server
     return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, plus vLLM's `--shutdown-timeout` on SIGTERM / Ctrl-C: new requests get 503 (with
+    Retry-After) at once, requests in flight get `shutdown_timeout` seconds to finish, then every
+    open stream ends with an OpenAI error event and `data: [DONE]` and every request still waiting
+    for its answer gets a JSON 503. uvicorn's own grace period is only a backstop after that."""
+
+    def __init__(self, config: uvicorn.Config, server: OpenAIServer, shutdown_timeout: float):
+        config.timeout_graceful_shutdown = shutdown_timeout + 2
+        super().__init__(config)
+        self.server = server
+        self.shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.server.begin_shutdown(self.shutdown_timeout)
+        super().handle_exit(sig, frame)

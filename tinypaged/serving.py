@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tinypaged.metrics import ServerMetrics
-from tinypaged.protocol import GenerationRequest, bad_request, error_body
+from tinypaged.protocol import APIError, GenerationRequest, bad_request, error_body
 from tinypaged.protocol_structured import param_for
 from tinypaged.responses import ResponseFormat
 
@@ -160,6 +160,10 @@ class Generation:
             return i, item
         return None
 
+    def stop(self, error: Exception) -> None:
+        """End this generation for its reader with `error` (the server's shutdown)."""
+        self.queue.put_nowait((-1, error))
+
     async def close(self) -> None:
         """Stop the pumps and abort every engine request that has not finished (idempotent)."""
         if self.closed:
@@ -257,6 +261,8 @@ async def _events(
             item = await gen.next()
         if include_usage:
             yield sse(fmt.usage_chunk())
+    except APIError as exc:  # the server is shutting down
+        yield sse(exc.body())
     except Exception as exc:
         logger.exception("request %s failed while streaming", fmt.request_id)
         yield sse(

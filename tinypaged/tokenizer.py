@@ -11,6 +11,7 @@ instruct models often end turns with a token that is not the tokenizer's eos (e.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,14 @@ class Tokenizer:
         `continue_final_message` (leave the last message open) and any variable the template
         reads (e.g. Qwen3's `enable_thinking`)."""
         raise NotImplementedError
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token string of the vocabulary, in characters: no token stands for more
+        characters of text than this (a byte-level token's string has one character per byte,
+        a SentencePiece byte token "<0x0A>" more than the one it stands for)."""
+        tokens = self.convert_ids_to_tokens(list(range(self.vocab_size)))
+        return max((len(t) for t in tokens if t), default=1)
 
     def apply_chat_template(
         self,
