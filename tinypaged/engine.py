@@ -92,7 +92,10 @@ class Engine:
         default_device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(config.device or default_device)
         if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            # Not current_device() before CUDA is initialized: it would initialize it, and then
+            # tensor-parallel workers can no longer be forked (tp_worker.start_method).
+            index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+            self.device = torch.device("cuda", index)
         # The model on every tensor-parallel rank (worker processes when tensor_parallel_size > 1).
         self.executor = create_executor(config, self.device)
         try:
