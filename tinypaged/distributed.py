@@ -33,6 +33,7 @@ after `timeout_s`, so that shutdown always returns. gloo has no abort; its destr
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -91,6 +92,9 @@ def init_tp(rank: int, world_size: int, backend: str, init_method: str,
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' (GPUs) or 'gloo' (CPU), got {backend!r}")
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    # A dead peer is handled here (abort_tp, leave_tp), not by torch's NCCL watchdog, whose
+    # default reaction to a failed collective is to take this whole process down.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s), device_id=device,
@@ -99,13 +103,16 @@ def init_tp(rank: int, world_size: int, backend: str, init_method: str,
     _GROUP_DEVICE = device or torch.device("cpu")
 
 
-def _bounded(call, timeout_s: float) -> bool:
-    """Run `call()` in a daemon thread; True if it returned (or raised) within `timeout_s`. An
-    NCCL call that waits for a peer that never comes is left behind instead of hanging us."""
+def _bounded(call, timeout_s: float, device: torch.device) -> bool:
+    """Run `call()` in a daemon thread (on `device`); True if it returned (or raised) within
+    `timeout_s`. An NCCL call that waits for a peer that never comes is left behind instead of
+    hanging us."""
     done = threading.Event()
 
     def run() -> None:
         try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
             call()
         except Exception:  # e.g. a communicator already aborted: the group is gone either way
             logger.debug("leaving the process group raised", exc_info=True)
@@ -125,7 +132,7 @@ def abort_tp(timeout_s: float = 10.0) -> None:
     with _LEAVE_LOCK:
         if _GROUP_DEVICE is None or _GROUP_DEVICE.type != "cuda" or not dist.is_initialized():
             return
-        if not _bounded(dist.distributed_c10d._abort_process_group, timeout_s):
+        if not _bounded(dist.distributed_c10d._abort_process_group, timeout_s, _GROUP_DEVICE):
             logger.warning("aborting the NCCL process group did not finish in %.0f s", timeout_s)
 
 
@@ -143,9 +150,9 @@ def leave_tp(graceful: bool, timeout_s: float = 10.0) -> bool:
         if device is None or not dist.is_initialized():  # no group, or aborted already
             return True
         nccl = device.type == "cuda"
-        if (graceful or not nccl) and _bounded(dist.destroy_process_group, timeout_s):
+        if (graceful or not nccl) and _bounded(dist.destroy_process_group, timeout_s, device):
             return True
-        if nccl and _bounded(dist.distributed_c10d._abort_process_group, timeout_s):
+        if nccl and _bounded(dist.distributed_c10d._abort_process_group, timeout_s, device):
             if graceful:
                 logger.warning("destroying the NCCL process group took over %.0f s; aborted "
                                "it instead", timeout_s)

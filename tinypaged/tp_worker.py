@@ -23,8 +23,9 @@ sequences is ~10 KiB plus its block tables. The empty byte string means "stop".
 
 Start method. Like vLLM, workers are forked while CUDA is not initialized in the engine's
 process: fork is fast and runs nothing of the user's script again. A process that already
-initialized CUDA cannot fork a child that uses it, so then the workers are spawned, and a
-spawned child imports the script that started the engine again: the engine must be built under
+initialized the CUDA driver (cuInit: torch did, or anything called torch.cuda.is_available())
+cannot fork a child that uses CUDA, so then the workers are spawned, and a spawned child imports
+the script that started the engine again: the engine must be built under
 `if __name__ == "__main__":` (checked before any process starts). TINYPAGED_WORKER_MULTIPROC_METHOD
 ("fork" or "spawn") overrides the choice, as VLLM_WORKER_MULTIPROC_METHOD does.
 """
@@ -32,6 +33,7 @@ spawned child imports the script that started the engine again: the engine must 
 from __future__ import annotations
 
 import ast
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -88,7 +90,7 @@ def start_method() -> str:
     if method not in ("", "fork", "spawn"):
         raise ValueError(f"TINYPAGED_WORKER_MULTIPROC_METHOD must be 'fork' or 'spawn', got "
                          f"{method!r}")
-    method = method or ("spawn" if torch.cuda.is_initialized() else "fork")
+    method = method or ("spawn" if _cuda_initialized() else "fork")
     if method == "spawn" and (line := _unguarded_main_line()) is not None:
         raise RuntimeError(
             f"tensor_parallel_size > 1 in a process that already initialized CUDA starts its "
@@ -97,6 +99,18 @@ def start_method() -> str:
             f"`if __name__ == \"__main__\":`"
         )
     return method
+
+
+def _cuda_initialized() -> bool:
+    """Whether this process has initialized the CUDA driver, by whatever means. Asks the driver
+    itself: before cuInit, cuDeviceGetCount answers CUDA_ERROR_NOT_INITIALIZED (3)."""
+    if torch.cuda.is_initialized():
+        return True
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no NVIDIA driver: nothing to initialize
+        return False
+    return libcuda.cuDeviceGetCount(ctypes.byref(ctypes.c_int())) != 3
 
 
 def _unguarded_main_line() -> int | None:
