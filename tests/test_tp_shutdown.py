@@ -6,6 +6,7 @@ seconds and leaves no worker behind.
 - shutdown() after a worker was SIGKILLed, and after a worker stopped answering (SIGSTOP):
   bounded, the survivor is killed, the group is left.
 - Ctrl-C (KeyboardInterrupt) in rank 0 in the middle of a step.
+- SIGTERM of `tinypaged serve -tp 2`: exits 0 within seconds, its worker gone.
 - A script that builds the LLM at module level without `if __name__ == "__main__":` runs
   (workers are forked); with spawn forced, it fails at once with one sentence naming the line to
   move; the guarded script runs under spawn and ends within seconds of SIGINT.
@@ -22,9 +23,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
-from model_helpers import single_thread, tiny_hf_model  # noqa: F401 - autouse fixture
+from model_helpers import single_thread  # noqa: F401 - autouse fixture
+from test_server_helpers import build_tiny_model, free_port
 
 import tinypaged.executor as executor_module
 from tinypaged import LLM, SamplingParams
@@ -37,9 +40,7 @@ PROMPT = {"prompt_token_ids": [5, 6, 7, 8]}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    tiny_hf_model("llama", seed=3).save_pretrained(path)
-    return path
+    return build_tiny_model(tmp_path_factory.mktemp("llama"))  # with the default tokenizer
 
 
 def timed_shutdown(llm: LLM) -> float:
@@ -181,6 +182,36 @@ def test_guarded_script_under_spawn_ends_soon_after_ctrl_c(model_dir, tmp_path):
         proc.wait(timeout=30)
         assert time.monotonic() - start < 10.0
         assert gone(worker)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_of_serve_tp2_exits_at_once_and_stops_its_worker(model_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tinypaged", "serve", str(model_dir), "-tp", "2", "--port",
+         str(port), "--dtype", "float32", "--num-kv-blocks", "32", "--max-model-len", "64"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1  # the worker, rank 1
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - start < 10.0
+        assert gone(int(children[0]))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -263,6 +263,7 @@ class MultiprocExecutor:
         self.health = _Health()
         self.workers: list[_Worker] = []
         self._graceful = [False]  # a clean stop only once every rank is up
+        # Decided last: whatever ran before (imports included) may have initialized CUDA.
         ctx = torch.multiprocessing.get_context(start_method())
         wake_recv, wake_send = ctx.Pipe(duplex=False)
         self._finalizer = weakref.finalize(
