@@ -1,8 +1,8 @@
 """A tensor-parallel worker process (ranks 1..N-1): how it starts, its loop, the step's format.
 
 The engine's executor (executor.py) starts `worker_main` in a process per rank and talks to it
-over one pipe. Startup messages are pickled tuples; after that every step is one byte
-string, `pack_step(StepInput)`:
+over one pipe: start-up messages are pickled tuples. Every step is then one byte string,
+`pack_step(StepInput)`, broadcast through shared memory (shm_broadcast.py):
 
     int64 header [B, T, max_blocks, S, max_query_len, max_seq_len]
     int64 input_ids[T], positions[T], slot_mapping[T], logits_indices[S]
@@ -11,13 +11,13 @@ string, `pack_step(StepInput)`:
 (int64 arrays first, so every array starts aligned to its element size). A decode step of 256
 sequences is ~10 KiB plus its block tables. The empty byte string means "stop".
 
-    worker                                        rank 0
-    -> ("hello", pid)                              then everyone joins the process group
+    worker (<- -> the pipe, <= shared memory)     rank 0
+    map the shm ring; -> ("hello", pid)           then everyone joins the process group
     load_model (its shard)  -> ("loaded", bytes read)
     <- EngineConfig (max_model_len resolved); ModelRunner (profile, KV min over ranks, graphs)
     -> ("ready", num_blocks)
-    <- step bytes ... run each: the same forward as every rank, logits dropped
-    <- b"" (stop)           -> ("stopping", pid), then leave the group with rank 0 and exit
+    <= step bytes ... run each: the same forward as every rank, logits dropped
+    <= b"" (stop)           -> ("stopping", pid), then leave the group with rank 0 and exit
     <- a closed pipe / a dead parent: exit without teardown
     -> ("error", traceback) on any failure, then exit(1) without teardown
 
@@ -48,6 +48,7 @@ import torch
 from tinypaged import distributed
 from tinypaged.config import EngineConfig
 from tinypaged.runner import ModelRunner, StepInput
+from tinypaged.shm_broadcast import ShmBroadcast
 
 LEAVE_TIMEOUT_S = 10.0  # how long a stopping worker waits to leave the group with rank 0
 
@@ -156,7 +157,8 @@ def _exit_with_parent() -> None:
 
 
 def worker_main(rank: int, world_size: int, backend: str, init_method: str,
-                device: torch.device, config: EngineConfig, conn: Connection) -> None:
+                device: torch.device, config: EngineConfig, conn: Connection,
+                channel_path: str) -> None:
     """Rank `rank`: join the group, load the shard, build the runner, then run every step rank
     0 sends until the empty message (stop: leave the group with rank 0) or the end of the pipe
     (engine gone)."""
@@ -169,6 +171,7 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
             torch.cuda.set_device(device)
         else:  # share the cores with the other ranks instead of oversubscribing them
             torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+        channel = ShmBroadcast.attach(channel_path, world_size - 1, rank - 1)
         conn.send(("hello", os.getpid()))
         distributed.init_tp(rank, world_size, backend, init_method)
         stats: dict = {}
@@ -178,7 +181,7 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
         torch.manual_seed(config.seed)
         runner = ModelRunner(config, model, device, next(model.parameters()).dtype)
         conn.send(("ready", runner.kv_cache_info.num_blocks))
-        while payload := conn.recv_bytes():
+        while payload := channel.recv(conn):
             runner.execute_step(unpack_step(payload))
         conn.send(("stopping", os.getpid()))  # rank 0 destroys the group once all have said so
     except EOFError:  # rank 0 closed the pipe (or stopped us during startup): just leave
