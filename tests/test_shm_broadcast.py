@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+import time
 
 import pytest
 
@@ -88,3 +89,31 @@ def test_no_readers_is_a_ring_nobody_reads():
     writer.unlink()
     for i in range(3 * NUM_SLOTS):
         writer.send(bytes([i]), lambda r: None, refuse_to_wait)
+
+
+def test_sleeping_readers_are_woken_by_the_writer(ring, monkeypatch):
+    import tinypaged.shm_broadcast as shm
+
+    monkeypatch.setattr(shm, "SPIN_S", 0.01)  # sleep on the pipe almost at once...
+    monkeypatch.setattr(shm, "IDLE_POLL_S", 60.0)  # ...so that only the wake-up can end it
+    writer, readers, pipes = ring
+    messages = [b"first", os.urandom(SLOT_BYTES + 1), b"third"]  # one over the pipe
+    got: list[list[bytes]] = [[], []]
+
+    def read(r: int) -> None:
+        for _ in messages:
+            got[r].append(readers[r].recv(pipes[r][1]))
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for i, message in enumerate(messages):
+        time.sleep(0.2)  # both readers are asleep on their pipes by now
+        sent = time.monotonic()
+        writer.send(message, lambda r: pipes[r][0], refuse_to_wait)
+        while min(map(len, got)) <= i:
+            assert time.monotonic() - sent < 5.0, "a sleeping reader was not woken"
+            time.sleep(0.001)
+    for t in threads:
+        t.join(5.0)
+    assert got == [messages, messages]

@@ -3,11 +3,11 @@
 Over a pipe, each step costs a write() system call per worker and, on the worker's side, a wake-up
 from a blocking read (the scheduler's latency: tens of microseconds, more on a busy host). Here
 rank 0 writes the step once into a ring of slots in a file under /dev/shm that every rank maps,
-and each worker, which polls while it waits, sees it within a microsecond or two (the idea of
-vLLM's shm_broadcast MessageQueue).
+and each worker, which polls while it waits, sees it within microseconds (the idea of vLLM's
+shm_broadcast MessageQueue).
 
-    [ acks: int64 per reader, each on its own 64-byte line ]   messages reader r has consumed
-    [ slot 0: int64 seq, int64 nbytes, ..., payload (SLOT_BYTES) ]
+    [ reader r: int64 ack, int64 sleeping, ... (its own 64-byte line) ] for r in 0..N-1
+    [ slot 0: int64 seq, int64 nbytes, ... (64 bytes), payload (SLOT_BYTES) ]
     [ slot 1 ] ... [ slot NUM_SLOTS - 1 ]
 
 Message n (1, 2, ...) goes to slot (n - 1) % NUM_SLOTS. The writer waits until every reader's ack
@@ -18,8 +18,12 @@ program order on x86 (TSO); the lock round trip before each publish and after ea
 full memory barrier elsewhere. A payload larger than a slot travels over the pipe instead, its
 slot saying so with nbytes = -1.
 
-Waiting readers first yield the core (os.sched_yield) and, once idle for a while, sleep in short
-naps, so that an idle engine costs no CPU and a busy one answers within microseconds.
+Waiting. A reader yields the core (os.sched_yield) between polls for up to SPIN_S, longer than
+a GPU step, so that a busy engine's steps arrive within microseconds. Then it sets its sleeping
+flag and blocks on its pipe; the writer, after publishing, sends an empty wake-up message to
+every reader whose flag it sees. (Reader: flag, barrier, check seq; writer: seq, barrier, check
+flag: at least one of them sees the other's store, so no wake-up is lost.) An idle engine's
+workers thus cost no CPU, and a wake-up costs one pipe message only after an idle spell.
 """
 
 from __future__ import annotations
@@ -32,18 +36,17 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-import numpy as np
-
 NUM_SLOTS = 4
 SLOT_BYTES = 1 << 20  # a decode step of 256 sequences is ~150 KiB; larger steps take the pipe
-LINE = 64  # bytes: one cache line per counter, so that ranks never write the same line
-SPIN_S = 0.05  # a reader waiting longer than this naps between polls
-NAP_S = 0.0005
+LINE = 64  # bytes: one cache line per reader and per slot header, never shared by two writers
+SPIN_S = 0.1  # how long a waiting reader polls before it sleeps on its pipe
+IDLE_POLL_S = 1.0  # a sleeping reader re-checks this often all the same
 
 
 class ShmBroadcast:
     """Create it in rank 0 with the number of readers; pass `path` to each reader, which calls
-    `ShmBroadcast.attach(path, reader)`; rank 0 `unlink()`s the file once all have attached."""
+    `ShmBroadcast.attach(path, num_readers, reader)`; rank 0 `unlink()`s the file once all have
+    attached."""
 
     def __init__(self, num_readers: int, path: str | None = None, reader: int = -1) -> None:
         self.num_readers, self.reader = num_readers, reader
@@ -57,11 +60,10 @@ class ShmBroadcast:
         self.path = path
         self.buffer = mmap.mmap(fd, size)
         os.close(fd)
-        self.acks = np.frombuffer(self.buffer, np.int64, num_readers * LINE // 8).reshape(
-            num_readers, LINE // 8)[:, 0]  # [num_readers]: messages consumed by each reader
+        self.words = memoryview(self.buffer).cast("q")  # the whole file as int64 words
+        self.ack_words = [r * LINE // 8 for r in range(num_readers)]  # reader r's ack
         base = LINE * num_readers
         self.slot_offsets = [base + i * (LINE + SLOT_BYTES) for i in range(NUM_SLOTS)]
-        self.headers = [np.frombuffer(self.buffer, np.int64, 2, off) for off in self.slot_offsets]
         self.count = 0  # messages written (writer) or read (reader) so far
         self._fence = threading.Lock()
 
@@ -86,37 +88,50 @@ class ShmBroadcast:
         big for a slot. `check()` runs while waiting for a free slot and raises when a reader
         is dead, so that the writer never waits for an ack that cannot come."""
         n = self.count + 1
-        slot = (n - 1) % NUM_SLOTS
-        while int(self.acks.min(initial=n)) < n - NUM_SLOTS:
+        offset = self.slot_offsets[(n - 1) % NUM_SLOTS]
+        words = self.words
+        while any(words[a] < n - NUM_SLOTS for a in self.ack_words):
             check()
             os.sched_yield()
-        header, start = self.headers[slot], self.slot_offsets[slot] + LINE
         fits = len(payload) <= SLOT_BYTES
         if fits:
-            self.buffer[start:start + len(payload)] = payload
-        header[1] = len(payload) if fits else -1
+            self.buffer[offset + LINE:offset + LINE + len(payload)] = payload
+        words[offset // 8 + 1] = len(payload) if fits else -1
         self._barrier()
-        header[0] = n  # publish
+        words[offset // 8] = n  # publish
         self.count = n
-        if not fits:  # after publishing: the readers are to be waiting on their pipes
+        self._barrier()
+        for r, a in enumerate(self.ack_words):
+            if words[a + 1]:  # asleep on its pipe: wake it
+                conn_of(r).send_bytes(b"")
+        if not fits:  # after publishing (and any wake-up): readers read the pipe in order
             for r in range(self.num_readers):
                 conn_of(r).send_bytes(payload)
 
     def recv(self, conn: Connection) -> bytes:
         """The next message (reader side), waiting as long as it takes."""
         n = self.count + 1
-        slot = (n - 1) % NUM_SLOTS
-        header, start = self.headers[slot], self.slot_offsets[slot] + LINE
+        offset = self.slot_offsets[(n - 1) % NUM_SLOTS]
+        words, seq, ack = self.words, offset // 8, self.ack_words[self.reader]
         began = time.monotonic()
-        while header[0] != n:
+        while words[seq] != n:
             if time.monotonic() - began < SPIN_S:
                 os.sched_yield()
-            else:
-                time.sleep(NAP_S)
+                continue
+            words[ack + 1] = 1  # sleeping
+            self._barrier()
+            # Until message n is published only empty wake-ups can be in the pipe.
+            if words[seq] != n and conn.poll(IDLE_POLL_S):
+                conn.recv_bytes()
+            words[ack + 1] = 0
         self._barrier()
-        nbytes = int(header[1])
-        payload = conn.recv_bytes() if nbytes < 0 else self.buffer[start:start + nbytes]
+        nbytes = words[seq + 1]
+        if nbytes < 0:
+            while not (payload := conn.recv_bytes()):  # skip wake-ups that came late
+                pass
+        else:
+            payload = self.buffer[offset + LINE:offset + LINE + nbytes]
         self._barrier()
-        self.acks[self.reader] = n
+        words[ack] = n
         self.count = n
         return payload
