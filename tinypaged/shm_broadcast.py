@@ -24,6 +24,8 @@ flag and blocks on its pipe; the writer, after publishing, sends an empty wake-u
 every reader whose flag it sees. (Reader: flag, barrier, check seq; writer: seq, barrier, check
 flag: at least one of them sees the other's store, so no wake-up is lost.) An idle engine's
 workers thus cost no CPU, and a wake-up costs one pipe message only after an idle spell.
+Polling needs a free core per worker (as on a GPU host): where ranks outnumber free cores, a
+blocking read wins (benchmarks/tp_channel.py measures both).
 """
 
 from __future__ import annotations
