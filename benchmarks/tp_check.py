@@ -214,13 +214,13 @@ def kill_check(tp: int, eager: bool) -> tuple:
 
 
 SCRIPT = """\
-import os, sys
+import sys
 from tinypaged import LLM, SamplingParams
-from tinypaged.tp_worker import start_method
-print("METHOD", start_method(), flush=True)
 llm = LLM(sys.argv[1], skip_tokenizer_init=True, tensor_parallel_size=int(sys.argv[2]),
           num_kv_blocks=256)
-print("WORKER", llm.engine.executor.workers[0].process.pid, flush=True)
+worker = llm.engine.executor.workers[0].process
+print("METHOD", type(worker).__name__, flush=True)  # ForkProcess or SpawnProcess
+print("WORKER", worker.pid, flush=True)
 params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 while True:
     print("TOKENS", llm.generate([5, 6, 7], params, use_tqdm=False)[0].outputs[0].token_ids[:4],
@@ -252,7 +252,7 @@ def signal_check(tp: int) -> list[tuple]:
             worker = int(lines["WORKER"])
             time.sleep(2.0)
             left = os.path.exists(f"/proc/{worker}")
-            note = (f"start method {lines['METHOD']}; exited {took:.2f} s after {sig.name} "
+            note = (f"worker a {lines['METHOD']}; exited {took:.2f} s after {sig.name} "
                     f"(status {proc.returncode}); worker {'STILL RUNNING' if left else 'gone'}")
         guard.cancel()
         if proc.poll() is None:
