@@ -13,8 +13,13 @@
    row-parallel all-reduce runs through NCCL, inside the captured CUDA graphs too) against the
    plain engine, on the tiny models. Runs on a one-GPU machine.
 4. --kill-check: SIGKILL worker rank 1 while requests decode at the largest TP size; prints how
-   long until LLM.generate raised the error naming it (the NCCL watchdog abort path). The script
-   exits with status 3 if no error came within 120 s (a hang).
+   long until LLM.generate raised the error naming it (the NCCL watchdog abort path) and how
+   long shutdown() took after it.
+5. --signal-check: a script that builds the LLM at module level, with no main guard (workers
+   forked), run in a subprocess at the largest TP size, ended once by SIGINT and once by
+   SIGTERM: how long until it exited, and whether its worker is gone.
+Every shutdown() is timed (the largest is printed). The script exits with status 3 at once if
+an error never comes within 120 s or a shutdown takes over 60 s (a hang).
 
     PYTHONPATH=. python benchmarks/tp_check.py --tp 2 4 --kill-check   # 4 GPUs; --tp 2 on two
     PYTHONPATH=. python benchmarks/tp_check.py --one-rank-group        # one GPU
@@ -29,6 +34,8 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -39,6 +46,7 @@ import torch
 # NVLink multicast stays off (device README: it can take a shared host's GPUs down for a day).
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 from tests.test_engine import save_tiny  # noqa: E402
 from tinypaged import LLM, SamplingParams  # noqa: E402
@@ -47,12 +55,36 @@ from tinypaged.bench import SHAPES  # noqa: E402
 KINDS = ["llama", "qwen2", "qwen3", "glm", "glm4", "chatglm"]  # all; the default is 3 of them
 
 
+SHUTDOWN_S: list[float] = []  # every timed shutdown()
+
+
+def hang_guard(seconds: float, what: str) -> threading.Timer:
+    """Exit with status 3 unless cancelled within `seconds`: a hang fails fast and loudly."""
+    def hang() -> None:
+        print(f"| {what} | HANG: not done after {seconds:.0f} s |", flush=True)
+        os._exit(3)
+
+    guard = threading.Timer(seconds, hang)
+    guard.daemon = True
+    guard.start()
+    return guard
+
+
+def timed_shutdown(llm: LLM) -> float:
+    guard = hang_guard(60.0, "shutdown")
+    start = time.monotonic()
+    llm.shutdown()
+    guard.cancel()
+    SHUTDOWN_S.append(time.monotonic() - start)
+    return SHUTDOWN_S[-1]
+
+
 def run(path: str, prompts: list[list[int]], steps: int, **engine) -> list:
     """(token ids, per-step logprobs) of each prompt; the engine (and its workers) is freed."""
     llm = LLM(path, skip_tokenizer_init=True, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.shutdown()
+    timed_shutdown(llm)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -163,13 +195,7 @@ def kill_check(tp: int, eager: bool) -> tuple:
     llm = LLM(str(path), skip_tokenizer_init=True, tensor_parallel_size=tp, num_kv_blocks=256,
               enforce_eager=eager)
     pid = llm.engine.executor.workers[0].process.pid
-
-    def hang() -> None:
-        print(f"| kill check | TP={tp} | HANG: no error 120 s after killing rank 1 |", flush=True)
-        os._exit(3)
-
-    guard = threading.Timer(120.0, hang)
-    guard.start()
+    guard = hang_guard(120.0, f"kill check TP={tp}: error after killing rank 1")
     threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
     start = time.monotonic()
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -182,9 +208,58 @@ def kill_check(tp: int, eager: bool) -> tuple:
         after = time.monotonic() - start - 1.0
         note = f"RuntimeError {after:.2f} s after the kill: {str(exc).splitlines()[0]}"
     guard.cancel()
-    llm.shutdown()
+    note += f"; shutdown() then took {timed_shutdown(llm):.2f} s"
     shutil.rmtree(path)
     return ("kill check", "float32", tp, 0, note, 0)
+
+
+SCRIPT = """\
+import sys
+from tinypaged import LLM, SamplingParams
+llm = LLM(sys.argv[1], skip_tokenizer_init=True, tensor_parallel_size=int(sys.argv[2]),
+          num_kv_blocks=256)
+worker = llm.engine.executor.workers[0].process
+print("METHOD", type(worker).__name__, flush=True)  # ForkProcess or SpawnProcess
+print("WORKER", worker.pid, flush=True)
+params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+while True:
+    print("TOKENS", llm.generate([5, 6, 7], params, use_tqdm=False)[0].outputs[0].token_ids[:4],
+          flush=True)
+"""
+
+
+def signal_check(tp: int) -> list[tuple]:
+    """A module-level script (no main guard) at TP=`tp`, ended by SIGINT, then by SIGTERM."""
+    path = Path(tempfile.mkdtemp())
+    save_tiny("llama", path)
+    script = path / "module_level.py"
+    script.write_text(SCRIPT)
+    rows = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc = subprocess.Popen([sys.executable, str(script), str(path), str(tp)], text=True,
+                                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": "."})
+        guard = hang_guard(300.0, f"signal check TP={tp} {sig.name}")
+        lines = {}
+        while "TOKENS" not in lines and (line := proc.stdout.readline()):
+            lines.update([line.rstrip().split(" ", 1)])
+        if "TOKENS" not in lines:
+            note = f"the script failed before generating (exit status {proc.wait()})"
+        else:
+            proc.send_signal(sig)
+            start = time.monotonic()
+            proc.wait()
+            took = time.monotonic() - start
+            worker = int(lines["WORKER"])
+            time.sleep(2.0)
+            left = os.path.exists(f"/proc/{worker}")
+            note = (f"worker a {lines['METHOD']}; exited {took:.2f} s after {sig.name} "
+                    f"(status {proc.returncode}); worker {'STILL RUNNING' if left else 'gone'}")
+        guard.cancel()
+        if proc.poll() is None:
+            proc.kill()
+        rows.append(("module-level script", "float32", tp, 0, note, 0))
+    shutil.rmtree(path)
+    return rows
 
 
 def main() -> None:
@@ -197,6 +272,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--skip-8b", action="store_true")
     parser.add_argument("--kill-check", action="store_true", help="kill a worker mid-decode")
+    parser.add_argument("--signal-check", action="store_true",
+                        help="SIGINT / SIGTERM a module-level script running TP")
     args = parser.parse_args()
     print(f"{torch.cuda.device_count()} GPU(s); NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
     rows = tiny_checks(args.kinds, args.dtypes, args.tp, args.eager, args.one_rank_group)
@@ -204,10 +281,13 @@ def main() -> None:
         rows += llama8b_checks(args.tp, args.eager)
     if args.tp and args.kill_check:
         rows.append(kill_check(max(args.tp), args.eager))
+    if args.tp and args.signal_check:
+        rows += signal_check(max(args.tp))
     print("| model | dtype | TP | prompts equal to TP=1 | first disagreements |")
     print("|---|---|---|---|---|")
     for model, dtype, tp, equal, note, n in rows:
         print(f"| {model} | {dtype} | {tp} | {equal}/{n} | {note} |")
+    print(f"{len(SHUTDOWN_S)} shutdown() calls, the slowest {max(SHUTDOWN_S, default=0):.2f} s")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 CHILD = r"""
 import torch
-torch.cuda.is_available = lambda: True  # tinypaged.kernels then builds GPU kernels
+torch.cuda.device_count = lambda: 1  # tinypaged.kernels then builds GPU kernels
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction

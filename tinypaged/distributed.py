@@ -16,13 +16,25 @@ nothing is imported or created, so single-GPU runs do not change at all.
     get_tp_rank(), get_tp_size()                      read by the layers when they are built
     all_reduce(x)                                     in-place sum over ranks
     min_over_ranks(n)                                 e.g. the KV-cache size every rank can hold
-    abort_tp(), destroy_tp()                          unblock after a failure / leave the group
+    abort_tp()                                        unblock collectives after a peer died
+    leave_tp(graceful, timeout_s)                     leave the group, within a time bound
     build_as(rank, size)                              layers built as that rank, without a group
+
+Leaving an NCCL group takes care. `destroy_process_group` flushes and finalizes the
+communicators (ncclCommFinalize), which waits for the other ranks: a rank that destroys while a
+peer is gone (or is not destroying too) waits forever. `abort` (ncclCommAbort) is local and safe
+when a peer is gone, but kills whatever is still in flight. So the ranks leave in order: rank 0
+tells every worker to stop, each acknowledges and then destroys, and rank 0 destroys too, all at
+the same time (`leave_tp(graceful=True)`); when a rank is dead or did not acknowledge, rank 0
+aborts instead (`leave_tp(graceful=False)`). Either call runs in a helper thread and is given up
+after `timeout_s`, so that shutdown always returns. gloo has no abort; its destroy is local.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -38,6 +50,7 @@ COLLECTIVE_TIMEOUT_S = 600.0
 _TP_RANK = 0
 _TP_SIZE = 1
 _GROUP_DEVICE: torch.device | None = None  # where collective inputs live; None = no group
+_LEAVE_LOCK = threading.Lock()  # abort (watchdog thread) and leave (finalizer) never overlap
 
 
 def get_tp_rank() -> int:
@@ -79,6 +92,9 @@ def init_tp(rank: int, world_size: int, backend: str, init_method: str,
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' (GPUs) or 'gloo' (CPU), got {backend!r}")
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    # A dead peer is handled here (abort_tp, leave_tp), not by torch's NCCL watchdog, whose
+    # default reaction to a failed collective is to take this whole process down.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s), device_id=device,
@@ -87,29 +103,63 @@ def init_tp(rank: int, world_size: int, backend: str, init_method: str,
     _GROUP_DEVICE = device or torch.device("cpu")
 
 
-def destroy_tp() -> None:
-    """Leave the group (a no-op without one); the layers built so far keep their shards."""
+def _bounded(call, timeout_s: float, device: torch.device) -> bool:
+    """Run `call()` in a daemon thread (on `device`); True if it returned (or raised) within
+    `timeout_s`. An NCCL call that waits for a peer that never comes is left behind instead of
+    hanging us."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            call()
+        except Exception:  # e.g. a communicator already aborted: the group is gone either way
+            logger.debug("leaving the process group raised", exc_info=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="tinypaged-tp-leave", daemon=True).start()
+    return done.wait(timeout_s)
+
+
+def abort_tp(timeout_s: float = 10.0) -> None:
+    """From any thread: abort the NCCL communicators so that a collective waiting for a dead
+    rank returns (with an error) instead of spinning forever. The group's state stays until
+    `leave_tp`. No-op on gloo, which notices a dead peer by itself, and without a group."""
+    import torch.distributed as dist
+
+    with _LEAVE_LOCK:
+        if _GROUP_DEVICE is None or _GROUP_DEVICE.type != "cuda" or not dist.is_initialized():
+            return
+        if not _bounded(dist.distributed_c10d._abort_process_group, timeout_s, _GROUP_DEVICE):
+            logger.warning("aborting the NCCL process group did not finish in %.0f s", timeout_s)
+
+
+def leave_tp(graceful: bool, timeout_s: float = 10.0) -> bool:
+    """Leave the group (a no-op without one): destroy it when every rank is leaving now
+    (`graceful`), else abort it (NCCL). Returns False when that did not finish within
+    `timeout_s` (a warning is logged; this process can then not join a new group). The layers
+    built so far keep their shards."""
     global _TP_RANK, _TP_SIZE, _GROUP_DEVICE
     import torch.distributed as dist
 
-    if _GROUP_DEVICE is None:
-        return
-    _TP_RANK, _TP_SIZE, _GROUP_DEVICE = 0, 1, None
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def abort_tp() -> None:
-    """Best effort, from any thread: abort the NCCL communicators so that a collective waiting
-    for a dead rank returns instead of spinning forever (gloo notices a dead peer by itself)."""
-    import torch.distributed as dist
-
-    if _GROUP_DEVICE is None or _GROUP_DEVICE.type != "cuda" or not dist.is_initialized():
-        return
-    try:
-        dist.distributed_c10d._abort_process_group()
-    except Exception:  # experimental torch API: losing it must not hide the original failure
-        logger.warning("could not abort the NCCL process group", exc_info=True)
+    with _LEAVE_LOCK:
+        device, _GROUP_DEVICE = _GROUP_DEVICE, None
+        _TP_RANK, _TP_SIZE = 0, 1
+        if device is None or not dist.is_initialized():  # no group, or aborted already
+            return True
+        nccl = device.type == "cuda"
+        if (graceful or not nccl) and _bounded(dist.destroy_process_group, timeout_s, device):
+            return True
+        if nccl and _bounded(dist.distributed_c10d._abort_process_group, timeout_s, device):
+            if graceful:
+                logger.warning("destroying the NCCL process group took over %.0f s; aborted "
+                               "it instead", timeout_s)
+            return True
+        logger.warning("could not leave the %s process group within %.0f s; giving up on it",
+                       "NCCL" if nccl else "gloo", timeout_s)
+        return False
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -97,10 +97,14 @@ class _Request:
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        default_device = "cuda" if torch.cuda.is_available() else "cpu"
+        # device_count() asks NVML; is_available() would initialize the CUDA driver here, and a
+        # process that did cannot fork tensor-parallel workers (tp_worker.start_method).
+        default_device = "cuda" if torch.cuda.device_count() > 0 else "cpu"
         self.device = torch.device(config.device or default_device)
         if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            # Not current_device() before CUDA is initialized: it would initialize it.
+            index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+            self.device = torch.device("cuda", index)
         # The model on every tensor-parallel rank (worker processes when tensor_parallel_size > 1).
         self.executor = create_executor(config, self.device)
         try:

@@ -10,24 +10,24 @@ UniprocExecutor (tensor_parallel_size 1): the model and its ModelRunner live in 
 process and `execute` is `ModelRunner.execute`. No process group, no other process.
 
 MultiprocExecutor (N > 1): rank 0 is the engine's process (it also hosts the scheduler and the
-sampler); ranks 1..N-1 are worker processes started with torch.multiprocessing's "spawn" and
-joined in one torch.distributed group: "nccl" with rank r on cuda:(i + r) when the engine runs
-on cuda:i, "gloo" on the CPU.
+sampler); ranks 1..N-1 are worker processes (forked, or spawned once CUDA is initialized here:
+tp_worker.start_method) joined in one torch.distributed group: "nccl" with rank r on
+cuda:(i + r) when the engine runs on cuda:i, "gloo" on the CPU.
 
     rank 0 (engine process)                      worker r = 1..N-1
     start the workers; join the group            join the group
     load_model: its shard                        load_model: its shard            -> "loaded"
     send the final config; ModelRunner           ModelRunner: profile, KV blocks = min over
       (the same collectives)                       ranks, CUDA graphs              -> "ready"
-    per step: build_step (numpy) --bytes, pipe--> unpack_step
+    per step: build_step (numpy) --bytes, shm--> unpack_step
               execute_step (its shard) <--all-reduces--> execute_step (its shard)
               logits -> sampler                           logits dropped
 
-A step's arrays travel as one byte string over one pipe per worker (tp_worker.py holds the
-format and the worker's loop; ~10 us to send, where a gloo broadcast of the same bytes took
-~0.5 ms on the 2-core development machine). All ranks run the
-same forward on the same arrays, so their collectives line up and their block tables agree;
-each rank's KV cache holds its own KV heads only.
+A step's arrays travel as one byte string (tp_worker.py holds the format and the worker's loop),
+written once into a shared-memory ring that every worker polls (shm_broadcast.py); the pipes
+carry start-up messages and errors. All ranks run the same forward on the same arrays, so their
+collectives line up and their block tables agree; each rank's KV cache holds its own KV heads
+only.
 
 Failures. A watchdog thread waits on the worker processes: when one dies (crash, OOM, kill), the
 step in flight and every later call raise RuntimeError naming the rank, pid and exit status (with
@@ -37,15 +37,20 @@ liveness checks rather than blocking in a collective. A failed step leaves the r
 step with each other, so after any failure the executor (and its engine) stays dead.
 
 Shutdown. `shutdown()`, garbage collection of the executor and interpreter exit all run one
-finalizer: ask the workers to stop, wait briefly, then kill what is left. Workers are daemon
+finalizer, `_stop`. While every rank is healthy: broadcast "stop"; each worker answers
+"stopping" and destroys the group; once all have answered, rank 0 destroys it too, so that
+NCCL's finalize meets every rank. When a rank is dead, failed, or did not answer within
+STOP_TIMEOUT_S: kill the workers and abort the group (distributed.leave_tp). Every wait is
+bounded, so shutdown returns within seconds whatever state the ranks are in. Workers are daemon
 processes, ignore Ctrl-C (the engine decides when they stop) and exit by themselves when the
-engine process is gone.
+engine process is gone (SIGTERM or SIGKILL of the engine included).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import threading
@@ -60,12 +65,13 @@ import torch
 from tinypaged import distributed
 from tinypaged.config import EngineConfig
 from tinypaged.runner import ModelRunner, ScheduledSeq
-from tinypaged.tp_worker import pack_step, worker_main
+from tinypaged.shm_broadcast import ShmBroadcast
+from tinypaged.tp_worker import pack_step, start_method, worker_main
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 1800.0  # loading a 70B shard from a cold disk, then profiling and capture
-STOP_TIMEOUT_S = 10.0  # a stopping worker gets this long before it is killed
+STOP_TIMEOUT_S = 10.0  # a stopping worker gets this long to answer, and again to leave and exit
 DEATH_GRACE_S = 5.0  # after a failed collective: how long to wait for the watchdog's verdict
 
 
@@ -198,20 +204,48 @@ def _watch(workers: list[_Worker], health: _Health, wake: Connection) -> None:
         distributed.abort_tp()
 
 
-def _stop(workers: list[_Worker], health: _Health, wake: Connection, graceful: list[bool]) -> None:
+def _stopping(workers: list[_Worker], timeout_s: float) -> bool:
+    """True when every worker answered the stop with "stopping" within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    for w in workers:
+        try:
+            if not w.conn.poll(max(0.0, deadline - time.monotonic())):
+                return False
+            message = w.conn.recv()
+        except (EOFError, OSError):
+            return False
+        if not (isinstance(message, tuple) and message[0] == "stopping"):
+            return False
+    return True
+
+
+def _stop(workers: list[_Worker], channel: ShmBroadcast, health: _Health, wake: Connection,
+          graceful: list[bool], owner_pid: int) -> None:
     """The finalizer: stop the watchdog and the workers, leave the process group."""
+    if os.getpid() != owner_pid:  # a forked worker's copy of the engine's objects
+        return
     health.stopping = True
     try:
         wake.send_bytes(b"")
     except OSError:
         pass
+    channel.unlink()
     clean = graceful[0] and not health.broken  # else the workers may be stuck in a collective
-    deadline = time.monotonic() + (STOP_TIMEOUT_S if clean else 0.0)
-    for w in workers:
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+
+    def give_up() -> None:  # while waiting for a free slot
+        if time.monotonic() > deadline:
+            raise TimeoutError
+
+    if clean:
         try:
-            w.conn.send_bytes(b"")  # the empty message: stop
-        except OSError:
-            pass
+            channel.send(b"", lambda r: workers[r].conn, give_up)  # the empty message: stop
+        except (TimeoutError, OSError):
+            clean = False
+    clean = clean and _stopping(workers, STOP_TIMEOUT_S)
+    if clean:  # every rank destroys the group now, each in its own process
+        distributed.leave_tp(graceful=True, timeout_s=STOP_TIMEOUT_S)
+    deadline = time.monotonic() + (STOP_TIMEOUT_S if clean else 0.0)
     for w in workers:
         w.process.join(timeout=max(0.0, deadline - time.monotonic()))
     for w in workers:
@@ -219,9 +253,8 @@ def _stop(workers: list[_Worker], health: _Health, wake: Connection, graceful: l
             w.process.kill()
             w.process.join(timeout=5.0)
         w.conn.close()
-    if not clean:
-        distributed.abort_tp()  # NCCL: do not wait on collectives a dead rank will never join
-    distributed.destroy_tp()
+    if not clean:  # the peers are gone now: abort, never wait on them
+        distributed.leave_tp(graceful=False, timeout_s=STOP_TIMEOUT_S)
 
 
 class MultiprocExecutor:
@@ -238,10 +271,13 @@ class MultiprocExecutor:
         self.health = _Health()
         self.workers: list[_Worker] = []
         self._graceful = [False]  # a clean stop only once every rank is up
-        ctx = torch.multiprocessing.get_context("spawn")
+        # Decided last: whatever ran before (imports included) may have initialized CUDA.
+        ctx = torch.multiprocessing.get_context(start_method())
         wake_recv, wake_send = ctx.Pipe(duplex=False)
+        self.channel = ShmBroadcast(world_size - 1)  # the steps, to every worker
         self._finalizer = weakref.finalize(
-            self, _stop, self.workers, self.health, wake_send, self._graceful
+            self, _stop, self.workers, self.channel, self.health, wake_send, self._graceful,
+            os.getpid(),
         )
         try:
             for rank in range(1, world_size):
@@ -249,7 +285,7 @@ class MultiprocExecutor:
                 process = ctx.Process(
                     target=worker_main, name=f"tinypaged-tp{rank}", daemon=True,
                     args=(rank, world_size, backend, init_method, devices[rank], config,
-                          child_conn),
+                          child_conn, self.channel.path),
                 )
                 process.start()
                 child_conn.close()  # so that the worker's death reads as EOF here
@@ -257,6 +293,7 @@ class MultiprocExecutor:
             threading.Thread(target=_watch, args=(self.workers, self.health, wake_recv),
                              name="tinypaged-tp-watchdog", daemon=True).start()
             self._receive("hello")  # every worker is up before rank 0 waits in the rendezvous
+            self.channel.unlink()  # every worker has mapped it
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             distributed.init_tp(0, world_size, backend, init_method)
@@ -303,8 +340,7 @@ class MultiprocExecutor:
         step = self.runner.build_step(seqs, num_new_tokens, do_sample, prompt_logits)
         payload = pack_step(step)
         try:
-            for w in self.workers:
-                w.conn.send_bytes(payload)
+            self.channel.send(payload, lambda r: self.workers[r].conn, self._raise_if_failed)
             logits = self.runner.execute_step(step)
             if logits.is_cuda:  # a hung NCCL kernel surfaces here, and the watchdog frees it
                 torch.cuda.current_stream(logits.device).synchronize()

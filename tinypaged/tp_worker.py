@@ -1,8 +1,8 @@
-"""A tensor-parallel worker process (ranks 1..N-1) and the step's wire format.
+"""A tensor-parallel worker process (ranks 1..N-1): how it starts, its loop, the step's format.
 
-The engine's executor (executor.py) starts `worker_main` in a spawned process per rank and talks
-to it over one pipe. Startup messages are pickled tuples; after that every step is one byte
-string, `pack_step(StepInput)`:
+The engine's executor (executor.py) starts `worker_main` in a process per rank and talks to it
+over one pipe: start-up messages are pickled tuples. Every step is then one byte string,
+`pack_step(StepInput)`, broadcast through shared memory (shm_broadcast.py):
 
     int64 header [B, T, max_blocks, S, max_query_len, max_seq_len]
     int64 input_ids[T], positions[T], slot_mapping[T], logits_indices[S]
@@ -11,21 +11,33 @@ string, `pack_step(StepInput)`:
 (int64 arrays first, so every array starts aligned to its element size). A decode step of 256
 sequences is ~10 KiB plus its block tables. The empty byte string means "stop".
 
-    worker                                        rank 0
-    -> ("hello", pid)                              then everyone joins the process group
+    worker (<- -> the pipe, <= shared memory)     rank 0
+    map the shm ring; -> ("hello", pid)           then everyone joins the process group
     load_model (its shard)  -> ("loaded", bytes read)
     <- EngineConfig (max_model_len resolved); ModelRunner (profile, KV min over ranks, graphs)
     -> ("ready", num_blocks)
-    <- step bytes ... run each: the same forward as every rank, logits dropped
-    <- b"" (stop)           or a closed pipe / a dead parent: exit
+    <= step bytes ... run each: the same forward as every rank, logits dropped
+    <= b"" (stop)           -> ("stopping", pid), then leave the group with rank 0 and exit
+    <- a closed pipe / a dead parent: exit without teardown
     -> ("error", traceback) on any failure, then exit(1) without teardown
+
+Start method. Like vLLM, workers are forked while CUDA is not initialized in the engine's
+process: fork is fast and runs nothing of the user's script again. A process that already
+initialized the CUDA driver (cuInit: torch did, or anything called torch.cuda.is_available())
+cannot fork a child that uses CUDA, so then the workers are spawned, and a spawned child imports
+the script that started the engine again: the engine must be built under
+`if __name__ == "__main__":` (checked before any process starts). TINYPAGED_WORKER_MULTIPROC_METHOD
+("fork" or "spawn") overrides the choice, as VLLM_WORKER_MULTIPROC_METHOD does.
 """
 
 from __future__ import annotations
 
+import ast
+import ctypes
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -36,6 +48,9 @@ import torch
 from tinypaged import distributed
 from tinypaged.config import EngineConfig
 from tinypaged.runner import ModelRunner, StepInput
+from tinypaged.shm_broadcast import ShmBroadcast
+
+LEAVE_TIMEOUT_S = 10.0  # how long a stopping worker waits to leave the group with rank 0
 
 _INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices")
 _INT32_FIELDS = ("query_start_loc", "seq_lens", "block_tables")
@@ -68,6 +83,65 @@ def unpack_step(payload: bytes) -> StepInput:
     return StepInput(**arrays, max_query_len=max_query_len, max_seq_len=max_seq_len)
 
 
+def start_method() -> str:
+    """"fork" while this process has not initialized CUDA, else "spawn" (or the value of
+    TINYPAGED_WORKER_MULTIPROC_METHOD). Raises RuntimeError at once when spawned workers would
+    build the engine again from the top level of the user's script."""
+    method = os.environ.get("TINYPAGED_WORKER_MULTIPROC_METHOD", "")
+    if method not in ("", "fork", "spawn"):
+        raise ValueError(f"TINYPAGED_WORKER_MULTIPROC_METHOD must be 'fork' or 'spawn', got "
+                         f"{method!r}")
+    method = method or ("spawn" if _cuda_initialized() else "fork")
+    if method == "spawn" and (line := _unguarded_main_line()) is not None:
+        raise RuntimeError(
+            f"tensor_parallel_size > 1 in a process that already initialized CUDA starts its "
+            f"workers with 'spawn', which runs your script again: move line {line} of "
+            f"{sys.modules['__main__'].__file__} (and the code that uses the engine) under "
+            f"`if __name__ == \"__main__\":`"
+        )
+    return method
+
+
+def _cuda_initialized() -> bool:
+    """Whether this process has initialized the CUDA driver, by whatever means. Asks the driver
+    itself: before cuInit, cuDeviceGetCount answers CUDA_ERROR_NOT_INITIALIZED (3)."""
+    if torch.cuda.is_initialized():
+        return True
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no NVIDIA driver: nothing to initialize
+        return False
+    return libcuda.cuDeviceGetCount(ctypes.byref(ctypes.c_int())) != 3
+
+
+def _unguarded_main_line() -> int | None:
+    """The line of the script's top-level statement now running, if that statement is outside
+    `if __name__ == "__main__":` and a spawned child would run it again; else None."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    name = getattr(getattr(main, "__spec__", None), "name", "") or ""
+    if path is None or name == "__main__" or name.endswith(".__main__"):
+        return None  # an interactive session or `python -m package`: spawn imports no script
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_globals is vars(main)
+                                     and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:  # the script's top level has finished running
+        return None
+    try:
+        tree = ast.parse(open(path).read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    line = frame.f_lineno
+    for node in tree.body:
+        if isinstance(node, ast.If) and node.lineno <= line <= node.end_lineno and (
+            ast.unparse(node.test).replace("'", '"') in
+            ('__name__ == "__main__"', '"__main__" == __name__')
+        ):
+            return None
+    return line
+
+
 def _exit_with_parent() -> None:
     """A daemon thread that ends this worker when the engine process is gone, however it went
     (a SIGKILLed engine cannot stop its workers)."""
@@ -83,9 +157,11 @@ def _exit_with_parent() -> None:
 
 
 def worker_main(rank: int, world_size: int, backend: str, init_method: str,
-                 device: torch.device, config: EngineConfig, conn: Connection) -> None:
+                device: torch.device, config: EngineConfig, conn: Connection,
+                channel_path: str) -> None:
     """Rank `rank`: join the group, load the shard, build the runner, then run every step rank
-    0 sends until the empty message (stop) or the end of the pipe (engine gone)."""
+    0 sends until the empty message (stop: leave the group with rank 0) or the end of the pipe
+    (engine gone)."""
     from tinypaged.models.loader import load_model
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the terminal
@@ -95,6 +171,7 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
             torch.cuda.set_device(device)
         else:  # share the cores with the other ranks instead of oversubscribing them
             torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+        channel = ShmBroadcast.attach(channel_path, world_size - 1, rank - 1)
         conn.send(("hello", os.getpid()))
         distributed.init_tp(rank, world_size, backend, init_method)
         stats: dict = {}
@@ -104,8 +181,9 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
         torch.manual_seed(config.seed)
         runner = ModelRunner(config, model, device, next(model.parameters()).dtype)
         conn.send(("ready", runner.kv_cache_info.num_blocks))
-        while payload := conn.recv_bytes():
+        while payload := channel.recv(conn):
             runner.execute_step(unpack_step(payload))
+        conn.send(("stopping", os.getpid()))  # rank 0 destroys the group once all have said so
     except EOFError:  # rank 0 closed the pipe (or stopped us during startup): just leave
         os._exit(0)
     except BaseException:  # sent to rank 0, which raises it
@@ -114,4 +192,4 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
         except OSError:
             pass
         os._exit(1)  # no teardown: a collective with the other ranks could hang
-    distributed.destroy_tp()
+    os._exit(0 if distributed.leave_tp(graceful=True, timeout_s=LEAVE_TIMEOUT_S) else 1)

@@ -22,6 +22,12 @@ import sys
 import torch
 
 
+def _has_gpu() -> bool:
+    """device_count() asks NVML, not the CUDA driver: importing the kernels must not initialize
+    CUDA, or the engine could no longer fork its tensor-parallel workers (tp_worker.py)."""
+    return torch.cuda.device_count() > 0
+
+
 def _import_triton():
     """Import triton; without a CUDA device, import it the way TRITON_INTERPRET=1 would.
 
@@ -30,7 +36,7 @@ def _import_triton():
     can run without a GPU. The variable is restored afterwards: it still means "dispatch to
     Triton on CPU" (see `use_triton`), which only the caller decides.
     """
-    if "triton" in sys.modules or torch.cuda.is_available():
+    if "triton" in sys.modules or _has_gpu():
         import triton
     else:
         previous = os.environ.get("TRITON_INTERPRET")
@@ -77,7 +83,7 @@ def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
         return lambda f: jit(f, do_not_specialize=do_not_specialize)
     if not HAS_TRITON:
         return fn
-    if not torch.cuda.is_available():
+    if not _has_gpu():
         from triton.runtime.interpreter import InterpretedFunction
 
         return InterpretedFunction(fn)

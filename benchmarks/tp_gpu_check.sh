@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Tensor parallelism on a multi-GPU machine, end to end, in one command (under 9.5 minutes):
+#   1. `tinypaged bench throughput --model-shape llama3-8b -tp N` (it used to hang at exit);
+#   2. benchmarks/tp_check.py: greedy tokens at TP=N against TP=1 (tiny models, Llama-3-8B
+#      shape), a worker killed mid-decode (--kill-check), a module-level script ended by SIGINT
+#      and by SIGTERM (--signal-check);
+# after each, no process may still hold a GPU (nvidia-smi). Logs go to $OUT (or /tmp); the last
+# lines printed are the summary.
+#
+#     bash benchmarks/tp_gpu_check.sh        # TP=2; `bash benchmarks/tp_gpu_check.sh 4` on 4 GPUs
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=.
+TP=${1:-2}
+LOGS=${OUT:-/tmp}/tp-gpu-check
+mkdir -p "$LOGS"
+SUMMARY=()
+
+gpu_processes() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; }
+
+# check NAME LIMIT_S COMMAND...: run it under a time limit, then wait up to 15 s for the GPUs to
+# be free; leftovers are reported, then killed so that the next step starts clean.
+check() {
+  local name=$1 limit=$2 start rc left
+  shift 2
+  start=$(date +%s)
+  timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  rc=$?
+  for _ in $(seq 15); do left=$(gpu_processes); [ -z "$left" ] && break; sleep 1; done
+  SUMMARY+=("$name: exit $rc after $(( $(date +%s) - start )) s; GPU processes after it: ${left:-none}")
+  for pid in $(echo "$left" | cut -d, -f1); do kill -9 "$pid" 2>/dev/null; done
+  echo "== $name (exit $rc), last lines of $LOGS/$name.log:"
+  tail -n 25 "$LOGS/$name.log"
+}
+
+nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+check bench_tp 200 python -m tinypaged bench throughput --model-shape llama3-8b -tp "$TP" \
+  --json "$LOGS/bench_tp$TP.json"
+check tp_check 320 python benchmarks/tp_check.py --tp "$TP" --dtypes bfloat16 --kill-check \
+  --signal-check
+echo "== summary (TP=$TP; exit 124 = over its time limit, 3 = a hang caught by tp_check)"
+printf '%s\n' "${SUMMARY[@]}"

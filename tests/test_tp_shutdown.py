@@ -1,0 +1,217 @@
+"""Every way a tensor-parallel engine ends, on the CPU (2 ranks over gloo): each returns within
+seconds and leaves no worker behind.
+
+- shutdown() of a healthy engine: the workers answer "stopping", leave the group with rank 0 and
+  exit 0 by themselves (not killed); the process group is gone in rank 0.
+- shutdown() after a worker was SIGKILLed, and after a worker stopped answering (SIGSTOP):
+  bounded, the survivor is killed, the group is left.
+- Ctrl-C (KeyboardInterrupt) in rank 0 in the middle of a step.
+- SIGTERM of `tinypaged serve -tp 2`: exits 0 within seconds, its worker gone.
+- A script that builds the LLM at module level without `if __name__ == "__main__":` runs
+  (workers are forked); with spawn forced, it fails at once with one sentence naming the line to
+  move; the guarded script runs under spawn and ends within seconds of SIGINT.
+(Garbage collection of an LLM: tests/test_tp.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from model_helpers import single_thread  # noqa: F401 - autouse fixture
+from test_server_helpers import build_tiny_model, free_port
+
+import tinypaged.executor as executor_module
+from tinypaged import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = dict(skip_tokenizer_init=True, num_kv_blocks=32, block_size=8, max_model_len=64)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPT = {"prompt_token_ids": [5, 6, 7, 8]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("llama"))  # with the default tokenizer
+
+
+def timed_shutdown(llm: LLM) -> float:
+    start = time.monotonic()
+    llm.shutdown()
+    return time.monotonic() - start
+
+
+def gone(pid: int, timeout: float = 10.0) -> bool:
+    """True once no process `pid` exists (a worker whose parent exited is reaped by init)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.timeout(120)
+def test_healthy_workers_leave_the_group_with_rank0_and_exit_by_themselves(model_dir):
+    llm = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
+    worker = llm.engine.executor.workers[0].process
+    assert len(llm.generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids) == 6
+    assert timed_shutdown(llm) < 10.0
+    worker.join(10.0)
+    assert worker.exitcode == 0  # answered the stop and left the group; not killed
+    assert not torch.distributed.is_initialized()
+    assert timed_shutdown(llm) < 1.0  # idempotent
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_after_a_worker_was_killed_returns_at_once(model_dir):
+    llm = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
+    worker = llm.engine.executor.workers[0].process
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10.0)
+    assert timed_shutdown(llm) < 5.0
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_does_not_answer_the_stop_is_killed(model_dir, monkeypatch):
+    monkeypatch.setattr(executor_module, "STOP_TIMEOUT_S", 1.0)
+    llm = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
+    worker = llm.engine.executor.workers[0].process
+    os.kill(worker.pid, signal.SIGSTOP)
+    assert timed_shutdown(llm) < 5.0
+    worker.join(5.0)
+    assert worker.exitcode == -signal.SIGKILL
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_the_middle_of_a_step(model_dir, monkeypatch):
+    llm = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
+    worker = llm.engine.executor.workers[0].process
+
+    def interrupted(step):  # the worker got the step and waits in its first all-reduce
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.engine.runner, "execute_step", interrupted)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPT, PARAMS, use_tqdm=False)
+    assert time.monotonic() - start < 5.0
+    worker.join(5.0)
+    assert not worker.is_alive()
+    assert not torch.distributed.is_initialized()
+    assert timed_shutdown(llm) < 1.0
+
+
+SCRIPT = """\
+from tinypaged import LLM, SamplingParams
+{guard}
+llm = LLM({path!r}, tensor_parallel_size=2, **{engine!r})
+print("WORKER", llm.engine.executor.workers[0].process.pid, flush=True)
+params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+while True:
+    print("TOKENS", llm.generate({prompt!r}, params, use_tqdm=False)[0].outputs[0].token_ids,
+          flush=True)
+    if {once}:
+        break
+"""
+
+
+def write_script(tmp_path: Path, model_dir: Path, guarded: bool, once: bool) -> Path:
+    body = SCRIPT.format(guard="", path=str(model_dir), engine=ENGINE, prompt=PROMPT, once=once)
+    if guarded:
+        head, rest = body.split("\n", 1)
+        body = head + '\nif __name__ == "__main__":\n' + textwrap.indent(rest, "    ")
+    script = tmp_path / "script.py"
+    script.write_text(body)
+    return script
+
+
+def python(script: Path, method: str | None, **kw):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TINYPAGED_WORKER_MULTIPROC_METHOD", None)
+    if method:
+        env["TINYPAGED_WORKER_MULTIPROC_METHOD"] = method
+    return subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+@pytest.mark.timeout(180)
+def test_script_without_main_guard_runs_and_exits(model_dir, tmp_path):
+    expected = LLM(str(model_dir), **ENGINE).generate(PROMPT, PARAMS, use_tqdm=False)
+    proc = python(write_script(tmp_path, model_dir, guarded=False, once=True), None)
+    out, err = proc.communicate(timeout=150)
+    assert proc.returncode == 0, err
+    lines = dict(line.split(" ", 1) for line in out.splitlines())
+    assert lines["TOKENS"] == str(expected[0].outputs[0].token_ids)
+    assert gone(int(lines["WORKER"]))  # the exiting interpreter stopped its worker
+
+
+@pytest.mark.timeout(60)
+def test_script_without_main_guard_under_spawn_fails_in_one_sentence(model_dir, tmp_path):
+    script = write_script(tmp_path, model_dir, guarded=False, once=True)
+    proc = python(script, "spawn")
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 1 and "WORKER" not in out
+    last = err.strip().splitlines()[-1]
+    assert "workers with 'spawn', which runs your script again: move line 3 of " in last
+    assert f'{script} (and the code that uses the engine) under `if __name__ == "__main__":`' \
+        in last
+    assert "bootstrapping phase" not in err  # multiprocessing's own long text never shows
+
+
+@pytest.mark.timeout(180)
+def test_guarded_script_under_spawn_ends_soon_after_ctrl_c(model_dir, tmp_path):
+    proc = python(write_script(tmp_path, model_dir, guarded=True, once=False), "spawn")
+    try:
+        worker = int(proc.stdout.readline().split()[1])
+        assert proc.stdout.readline().startswith("TOKENS")
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        proc.wait(timeout=30)
+        assert time.monotonic() - start < 10.0
+        assert gone(worker)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_of_serve_tp2_exits_at_once_and_stops_its_worker(model_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tinypaged", "serve", str(model_dir), "-tp", "2", "--port",
+         str(port), "--dtype", "float32", "--num-kv-blocks", "32", "--max-model-len", "64"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1  # the worker, rank 1
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - start < 10.0
+        assert gone(int(children[0]))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
