@@ -158,6 +158,7 @@ class _Health:
     dead: _Worker | None = None  # set by the watchdog; described by whoever reads it first
     failed: threading.Event = field(default_factory=threading.Event)
     stopping: bool = False
+    runner: ModelRunner | None = None  # rank 0's; its CUDA graphs must go before the group
 
     @property
     def broken(self) -> bool:
@@ -243,6 +244,9 @@ def _stop(workers: list[_Worker], channel: ShmBroadcast, health: _Health, wake: 
         except (TimeoutError, OSError):
             clean = False
     clean = clean and _stopping(workers, STOP_TIMEOUT_S)
+    if health.runner is not None:  # NCCL cannot leave while a graph holds a collective
+        health.runner.release_graphs()
+        health.runner = None
     if clean:  # every rank destroys the group now, each in its own process
         distributed.leave_tp(graceful=True, timeout_s=STOP_TIMEOUT_S)
     deadline = time.monotonic() + (STOP_TIMEOUT_S if clean else 0.0)
@@ -321,6 +325,7 @@ class MultiprocExecutor:
                 w.conn.send(self.config)
             torch.manual_seed(self.config.seed)
             self.runner = ModelRunner(self.config, self.model, self.device, _dtype(self.model))
+            self.health.runner = self.runner
             blocks = self._receive("ready")
         except BaseException as exc:
             self._raise_worker_failure(exc)  # profiling and capture run collectives

@@ -24,6 +24,7 @@ pass at the largest batch, on the CPU from `cpu_kv_cache_space` GiB, or `num_kv_
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -107,6 +108,17 @@ class ModelRunner:
             from tinypaged.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)
+
+    def release_graphs(self) -> None:
+        """Drop the captured decode graphs and their memory pool; later steps run eagerly.
+        Under tensor parallelism every rank must do this before leaving the process group: NCCL
+        can neither destroy nor abort a communicator that a live CUDA graph holds (a captured
+        all-reduce), and waits forever (seen on 2 x H200, torch 2.11)."""
+        if self.graphs is None:
+            return
+        self.graphs = None
+        gc.collect()  # DecodeGraphs and the runner reference each other
+        torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ KV cache
 
