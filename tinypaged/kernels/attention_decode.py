@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl
-from tinypaged.kernels.attention_varlen import attention_tile
+from tinypaged.kernels.attention_varlen import LOG2E, attention_tile
 
 
 @jit(do_not_specialize=('num_splits',))
@@ -33,10 +33,11 @@ def _decode_split_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     stride_pb, stride_ph, stride_ps,  # o_part strides (lse_part is o_part's without D)
     stride_lb, stride_lh,
-    qk_scale, num_splits,
+    qk_scale, window, softcap, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output, skip the partials
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -45,8 +46,12 @@ def _decode_split_kernel(
     token = tl.load(QUERY_START_LOC + seq).to(tl.int64)
     has_query = tl.load(QUERY_START_LOC + seq + 1) > token  # False for a 0-token padding entry
     seq_len = tl.load(SEQ_LENS + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    if SLIDING:  # the splits share the window's keys only, from the tile holding its first key
+        context_start = tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N
+    else:
+        context_start = 0
+    split_len = tl.cdiv(tl.cdiv(seq_len - context_start, num_splits), BLOCK_N) * BLOCK_N
+    start = context_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     rows = tl.arange(0, BLOCK_H)
@@ -66,8 +71,8 @@ def _decode_split_kernel(
     for start_n in range(start, end, BLOCK_N):
         acc, m_i, l_i = attention_tile(
             acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
-            stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale,
-            True, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+            stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale, window, softcap,
+            True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 for an empty split
     mask = row_valid[:, None] & d_mask[None, :]
@@ -128,9 +133,11 @@ def decode_attention_triton(
     out: torch.Tensor,  # [B, Hq, D]
     *,
     num_splits: int,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
 ) -> torch.Tensor:
     """Launch split-KV decode (and the merge when num_splits > 1); checked arguments."""
     num_seqs = seq_lens.shape[0]
@@ -151,10 +158,11 @@ def decode_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        scale * 1.4426950408889634, num_splits,
+        scale * LOG2E, sliding_window or 0, (softcap or 1.0) * LOG2E, num_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1,
+        SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
