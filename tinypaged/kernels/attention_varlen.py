@@ -23,15 +23,9 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import jit, next_power_of_2, tl
+from tinypaged.kernels.activation import tanh
 
 LOG2E = 1.4426950408889634  # scores go to base 2: exp(s) = exp2(s * log2(e))
-
-
-@jit
-def tanh(x):
-    """tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp2 overflows to inf -> 1, or
-    underflows to 0 -> -1); libdevice's tanh is not available under the interpreter."""
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 log2(e)
 
 
 @jit
