@@ -51,10 +51,11 @@ def test_prefill_and_decode_match_transformers(kind):
     check_prefill_then_decode(runner, hf, prompts, DECODE_STEPS, what=kind)
 
 
-def test_chunked_prefill_over_cached_prefix():
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])  # gemma2: windows of 8 tokens, soft-caps
+def test_chunked_prefill_over_cached_prefix(kind):
     """A prompt prefilled in two chunks (the second attending to the cached first) in a mixed
     batch with another sequence's prefill and then decode, against transformers."""
-    hf, model = model_pair("qwen3")
+    hf, model = model_pair(kind)
     runner = PagedRunner(model, block_size=8, num_blocks=16, seed=1)
     long_prompt, short_prompt = random_prompt(30, seed=7), random_prompt(9, seed=8)
     _, long_ref = greedy_reference(hf, long_prompt, 0)

@@ -69,12 +69,19 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim; with `residual`, first
-    r = x + residual and return (norm(r), r): the add and the norm in one kernel pass."""
+    r = x + residual and return (norm(r), r): the add and the norm in one kernel pass.
+    `offset`: the checkpoint stores w and the norm scales by (offset + w) (Gemma: 1), so the
+    weight is loaded as offset + w (summed in fp32)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        if offset:
+            self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded.float() + self.offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
