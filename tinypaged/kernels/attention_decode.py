@@ -8,7 +8,7 @@ sequence's context is cut into NUM_SPLITS ranges of whole BLOCK_N tiles, one pro
     pass 1, grid (B, Hk, NUM_SPLITS): o_s = softmax over split s of q k^T, times V   [GROUP, D]
                                       lse_s = log2 of that split's sum of exp2 scores [GROUP]
     pass 2, grid (B, Hq):              out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),
-                                       M = max_s lse_s
+                                       M = max_s lse_s   (online_softmax.py derives both)
 
 The GROUP = Hq / Hk query heads sharing a KV head are the M rows of `tl.dot` (padded to
 BLOCK_H >= 16, the smallest MMA), so every K/V row is read from memory once. Splits that start past
@@ -24,6 +24,7 @@ import torch
 
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl
 from tinypaged.kernels.attention_varlen import LOG2E, attention_tile
+from tinypaged.kernels.online_softmax import log_sum_exp, merge_splits, online_softmax_finish
 
 
 @jit(do_not_specialize=('num_splits',))
@@ -74,13 +75,13 @@ def _decode_split_kernel(
             stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale, window, softcap,
             True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
 
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 for an empty split
+    o = online_softmax_finish(acc, l_i)  # 0 for an empty split
     mask = row_valid[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:
         tl.store(OUT + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(OUT.dtype.element_ty), mask=mask)
     else:
-        lse = m_i + tl.log2(l_i)  # -inf for an empty split (m_i = -inf, l_i = 0)
+        lse = log_sum_exp(m_i, l_i)  # -inf for an empty split (m_i = -inf, l_i = 0)
         part = seq.to(tl.int64) * stride_pb + head[:, None] * stride_ph + split * stride_ps
         tl.store(O_PART + part + offs_d[None, :], o, mask=mask)
         tl.store(LSE_PART + seq.to(tl.int64) * stride_lb + head * stride_lh + split, lse,
@@ -104,13 +105,10 @@ def _decode_merge_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     lse = tl.load(LSE_PART + seq * stride_lb + head * stride_lh + splits,
                   mask=splits < num_splits, other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
     mask = (splits[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM)
     o = tl.load(O_PART + seq * stride_pb + head * stride_ph + splits[:, None] * stride_ps
                 + offs_d[None, :], mask=mask, other=0.0)  # [BLOCK_S, BLOCK_D]
-    total = tl.sum(weight, 0)
-    out = tl.sum(weight[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    out = merge_splits(lse, o)  # [BLOCK_D]
     tl.store(OUT + token * stride_ot + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 

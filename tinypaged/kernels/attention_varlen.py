@@ -15,7 +15,8 @@ past its sequence's last block.
 The key loop walks the context in tiles of BLOCK_N positions, independent of the cache block
 size: key p of sequence b sits in row p % block_size of physical block block_tables[b, p //
 block_size]. Tiles wholly before the block's first query position need no mask; the tiles after
-it (the causal diagonal) mask key p > query position. Softmax is online, in fp32, base 2.
+it (the causal diagonal) mask key p > query position. Softmax is online, in fp32, base 2
+(online_softmax.py derives the recurrence).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from tinypaged.kernels._triton import jit, next_power_of_2, tl
 from tinypaged.kernels.activation import tanh
+from tinypaged.kernels.online_softmax import online_softmax_finish, online_softmax_update
 
 LOG2E = 1.4426950408889634  # scores go to base 2: exp(s) = exp2(s * log2(e))
 
@@ -48,7 +50,8 @@ def attention_tile(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One step of online softmax over BLOCK_N keys; returns the updated (acc, m_i, l_i)."""
+    """One step of online softmax over BLOCK_N keys (see online_softmax.py); returns the updated
+    (acc, m_i, l_i)."""
     k_pos = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     if MASKED:
         k_in = k_pos < key_end
@@ -68,12 +71,7 @@ def attention_tile(
         if SLIDING:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    # a row that has seen no visible key yet has max -inf; subtract 0 instead so exp2 gives 0s
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-    alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated under the old max
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = online_softmax_update(m_i, l_i, qk)  # p [BLOCK_M, BLOCK_N]
     v = tl.load(V_CACHE + kv_offsets, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -164,7 +162,7 @@ def _varlen_attention_kernel(
             stride_cs, start_n, q_pos, key_end, offs_d, d_mask, qk_scale, window, softcap,
             True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = online_softmax_finish(acc, l_i)
     tl.store(OUT + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(OUT.dtype.element_ty), mask=q_mask)
 
