@@ -5,11 +5,15 @@ On a machine without a GPU, tinypaged.kernels builds its kernels for the interpr
 (kernels/_triton.py), so the launchers `*_triton` run on CPU tensors without TRITON_INTERPRET.
 """
 
+import inspect
+
 import pytest
 import torch
 
 from tinypaged.kernels import attention
 from tinypaged.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
+from tinypaged.kernels.attention_decode import decode_attention_triton
+from tinypaged.kernels.attention_varlen import varlen_attention_triton
 
 # Triton 3.6's interpreter turns loop bounds into ints through 1-element arrays (numpy < 2.4 warns),
 # and an empty decode split takes log2(0) = -inf on purpose
@@ -306,3 +310,11 @@ def test_large_logits_stay_finite(num_splits):
     out = batch.run(paged_attention_triton, num_splits=num_splits,
                     config={"block_n": 16, "block_m": 16})
     assert_close(out, dense, torch.float32)
+
+
+def test_tile_configs_have_one_source():
+    # the launchers take every tile parameter from attention.py's configs: no defaults of their own
+    for launcher, config in ((varlen_attention_triton, attention.VARLEN_CONFIG),
+                             (decode_attention_triton, attention.DECODE_CONFIG)):
+        params = inspect.signature(launcher).parameters
+        assert all(params[key].default is inspect.Parameter.empty for key in config), launcher
