@@ -16,6 +16,10 @@ a sequence's end write lse = -inf and o = 0 and weigh nothing in the merge: a fi
 valid for any lengths (CUDA-graph capture). NUM_SPLITS is a runtime argument, so a new split count
 compiles nothing new; with NUM_SPLITS == 1, pass 1 writes the output itself. Partial results are
 fp32: o_part [B, Hq, NUM_SPLITS, D], lse_part [B, Hq, NUM_SPLITS].
+
+With a sliding window of W tokens (SLIDING) the splits share only the keys from the tile holding
+position seq_len - W on, so a long context costs what its window costs; the first tile masks
+the keys before the window. SOFTCAP caps the scores before the softmax (see attention.py).
 """
 
 from __future__ import annotations

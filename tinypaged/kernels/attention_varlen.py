@@ -15,8 +15,11 @@ past its sequence's last block.
 The key loop walks the context in tiles of BLOCK_N positions, independent of the cache block
 size: key p of sequence b sits in row p % block_size of physical block block_tables[b, p //
 block_size]. Tiles wholly before the block's first query position need no mask; the tiles after
-it (the causal diagonal) mask key p > query position. Softmax is online, in fp32, base 2
-(online_softmax.py derives the recurrence).
+it (the causal diagonal) mask key p > query position. With a sliding window of W tokens
+(SLIDING), the loop starts at the tile holding the block's first query position - W + 1 (tiles
+wholly before it are never read), and the tiles up to the last query's window start are masked
+too. Softmax is online, in fp32, base 2 (online_softmax.py derives the recurrence); SOFTCAP caps
+the scores first.
 """
 
 from __future__ import annotations
