@@ -46,3 +46,16 @@ def test_yarn_scales_cos_and_sin_by_its_attention_factor():
     rope = read_rope(config, 32)
     assert rope.attention_factor == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
     assert rope.cos_sin_cache()[0, 0].item() == pytest.approx(rope.attention_factor)
+
+
+def test_gemma3_4x_config_fields():
+    # transformers 4.x wrote Gemma 3's local base as `rope_local_base_freq` beside a global
+    # `rope_theta` and `rope_scaling`
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(max_position_embeddings=64, rope_theta=1e6, rope_local_base_freq=1e4,
+                             rope_scaling={"rope_type": "linear", "factor": 8.0})
+    local = read_rope(config, 16, layer_type="sliding_attention")
+    full = read_rope(config, 16, layer_type="full_attention")
+    assert (local.theta, local.scaling) == (1e4, None)
+    assert (full.theta, full.scaling) == (1e6, {"rope_type": "linear", "factor": 8.0})
