@@ -146,6 +146,8 @@ def check_all() -> None:
         y = randn(129, 2 * 1000, dtype=dtype)
         compare("silu_and_mul [129, 2000]", activation.silu_and_mul(y),
                 activation.silu_and_mul_ref(y), dtype)
+        compare("gelu_tanh_and_mul [129, 2000]", activation.gelu_tanh_and_mul(y),
+                activation.gelu_tanh_and_mul_ref(y), dtype)
         for head_dim, rotary_dim, interleaved in ((128, 128, False), (128, 64, True)):
             cache = rotary.build_cos_sin_cache(rotary_dim, 8192, 500000.0, device=DEV)
             pos = torch.randint(0, 8192, (77,), device=DEV)
@@ -173,14 +175,20 @@ def check_all() -> None:
             "decode, 1 split": ([1] * 5, [1, 17, 100, 1000, 3000], {"num_splits": 1}),
             "decode, 32 fixed splits": ([1] * 4, [1, 40, 700, 3000], {"num_splits": 32}),
             "mixed batch": ([1, 300, 40, 1], [1000, 300, 700, 17], {}),
+            "mixed, window 64": ([1, 300, 40, 1], [1000, 300, 700, 17], {"sliding_window": 64}),
+            "decode, window 700": ([1] * 5, [1, 17, 700, 1000, 3000], {"sliding_window": 700}),
+            "mixed, softcap 50 + window 128": ([1, 300, 40, 1], [1000, 300, 700, 17],
+                                               {"sliding_window": 128, "softcap": 50.0}),
+            "decode, softcap 50": ([1] * 4, [1, 40, 700, 3000], {"softcap": 50.0}),
         }
         for (hq, hk, head_dim), (case, (q_lens, seq_lens, kw)) in itertools.product(
             [(32, 8, 128), (12, 4, 64), (16, 16, 128)], cases.items()
         ):
             batch = PagedBatch(q_lens, seq_lens, hq, hk, head_dim, dtype, poison=True)
+            window = {k: v for k, v in kw.items() if k != "num_splits"}
             compare(f"attention {case} {hq}/{hk} d{head_dim}",
                     batch.call(attention.paged_attention, **kw),
-                    batch.call(attention.paged_attention_ref), dtype)
+                    batch.call(attention.paged_attention_ref, **window), dtype)
 
 
 # ----------------------------------------------------------------------------- ceilings
@@ -224,6 +232,8 @@ def time_elementwise() -> None:
            bytes_moved=moved)
     record("silu_and_mul", shape, "torch eager bf16",
            lambda: F.silu(y[:, :inter]) * y[:, inter:], bytes_moved=moved)
+    record("gelu_tanh_and_mul", shape, "triton", lambda: activation.gelu_tanh_and_mul(y),
+           bytes_moved=moved)
 
     T, D = 8192, 128
     cache = rotary.build_cos_sin_cache(D, 8192, 500000.0, device=DEV)
@@ -275,6 +285,29 @@ def time_decode() -> None:
             record("decode paged", shape, "torch reference",
                    lambda b=batch: b.call(attention.paged_attention_ref),
                    bytes_moved=batch.kv_bytes())
+
+
+def time_windows() -> None:
+    """Sliding windows and soft-capping (Gemma 2's local layers: window 4096, cap 50): a window
+    of W keys costs ~W keys, whatever the context; the bytes and FLOPs count the visible keys."""
+    print("timings: sliding window / soft-cap attention (bf16, 32/8 heads, d128, block 16)")
+    for batch_size, ctx, window, softcap in ((64, 8192, 1024, None), (64, 8192, 1024, 50.0),
+                                             (64, 2048, None, 50.0)):
+        batch = PagedBatch([1] * batch_size, [ctx] * batch_size, 32, 8, 128, torch.bfloat16)
+        kw = {"sliding_window": window, "softcap": softcap}
+        visible = min(ctx, window or ctx)
+        row = 2 * 8 * 128 * 2  # K and V bytes of one position
+        shape = f"B{batch_size} ctx{ctx} window {window} cap {softcap}"
+        record("decode paged", shape, "triton", lambda b=batch, kw=kw: b.call(
+            attention.paged_attention, **kw), bytes_moved=row * visible * batch_size)
+    for new, window, softcap in ((8192, 4096, None), (8192, 4096, 50.0), (8192, None, 50.0)):
+        batch = PagedBatch([new], [new], 32, 8, 128, torch.bfloat16)
+        kw = {"sliding_window": window, "softcap": softcap}
+        w = window or new  # visible (query, key) pairs: a triangle, then a band of width w
+        pairs = w * (w + 1) / 2 + (new - w) * w
+        shape = f"B1 L{new} window {window} cap {softcap} 32/8"
+        record("prefill paged", shape, "triton", lambda b=batch, kw=kw: b.call(
+            attention.paged_attention, **kw), flops=4 * 32 * 128 * pairs)
 
 
 def time_prefill() -> None:
@@ -413,6 +446,7 @@ def main() -> None:
         time_elementwise()
         time_decode()
         time_prefill()
+        time_windows()
     if args.awq or args.awq_only:
         time_awq()
     if args.tune:

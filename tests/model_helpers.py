@@ -36,6 +36,11 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 32}
 
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,  # 8 frequencies of head_dim 16
+             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.5, 11.5, 15.0],
+             "original_max_position_embeddings": 64}
+
 HF_KINDS = {
     # kind: (config class, extra config fields)
     "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
@@ -61,6 +66,29 @@ HF_KINDS = {
                                    "n_shared_experts": 2, "routed_scaling_factor": 2.5,
                                    "use_qk_norm": True, "attention_bias": True,
                                    "pad_token_id": 0, "eos_token_id": 1}),
+    # sliding windows (8 tokens) shorter than the prompts; soft-caps low enough to bite
+    "mistral": ("MistralConfig", {"sliding_window": 8, "head_dim": 16}),
+    "qwen2_sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8,
+                                      "max_window_layers": 1}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "pad_token_id": 0,
+                                "attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.5}),
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 16, "sliding_window": 8, "pad_token_id": 0, "query_pre_attn_scalar": 32,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "eos_token_id": 1, "sliding_window": 8,
+                            "partial_rotary_factor": 0.5}),
+    # rope scaling computed by transformers.modeling_rope_utils
+    "qwen3_yarn": ("Qwen3Config", {"head_dim": 32, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 32}}),
+    "llama_dynamic": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),
+    "phi3_longrope": ("Phi3Config", {"pad_token_id": 0, "eos_token_id": 1,
+                                     "original_max_position_embeddings": 64,
+                                     "rope_parameters": _LONGROPE}),
 }
 
 

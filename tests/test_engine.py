@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 from tests.model_helpers import chatglm_checkpoint, greedy_reference, tiny_hf_model
 from tinypaged import LLM, SamplingParams
 
-KINDS = ["llama", "qwen2", "qwen3", "glm", "glm4", "chatglm"]
+KINDS = ["llama", "qwen2", "qwen3", "glm", "glm4", "chatglm", "mistral", "gemma2", "gemma3",
+         "phi3"]
 
 
 def save_tiny(kind: str, path) -> torch.nn.Module:
@@ -88,6 +89,21 @@ def test_scheduling_modes_keep_outputs(llama, engine_kwargs):
     assert run(llm, batch, greedy(6)) == expected
     assert run(llm, batch, greedy(6)) == expected  # second pass: cached prefixes, if enabled
     assert_no_leak(llm)
+
+
+def test_sliding_window_model_in_every_scheduling_mode(tmp_path):
+    """Gemma 2 (8-token windows on alternate layers, soft-caps): cached prefixes, chunked
+    prefills and preemption all keep transformers' greedy tokens."""
+    hf = save_tiny("gemma2", tmp_path)
+    shared = prompts(1, seed=7, lo=35, hi=35)[0]
+    batch = [shared + p for p in prompts(4, seed=2, lo=1, hi=6)] + prompts(4, seed=3)
+    expected = [greedy_reference(hf, p, 6)[0] for p in batch]
+    for kwargs in (dict(num_kv_blocks=64, block_size=16), dict(max_num_batched_tokens=8),
+                   dict(num_kv_blocks=8, block_size=8)):
+        llm = LLM(str(tmp_path), skip_tokenizer_init=True, **kwargs)
+        assert run(llm, batch, greedy(6)) == expected, kwargs
+        assert run(llm, batch, greedy(6)) == expected, kwargs  # cached prefixes
+        assert_no_leak(llm)
 
 
 def test_preemption_really_happens(llama):

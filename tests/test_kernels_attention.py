@@ -5,11 +5,15 @@ On a machine without a GPU, tinypaged.kernels builds its kernels for the interpr
 (kernels/_triton.py), so the launchers `*_triton` run on CPU tensors without TRITON_INTERPRET.
 """
 
+import inspect
+
 import pytest
 import torch
 
 from tinypaged.kernels import attention
 from tinypaged.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
+from tinypaged.kernels.attention_decode import decode_attention_triton
+from tinypaged.kernels.attention_varlen import varlen_attention_triton
 
 # Triton 3.6's interpreter turns loop bounds into ints through 1-element arrays (numpy < 2.4 warns),
 # and an empty decode split takes log2(0) = -inf on purpose
@@ -75,18 +79,22 @@ class Batch:
         kwargs.setdefault("max_seq_len", max(self.seq_lens_list))
         return fn(*self.args(), **kwargs)
 
-    def dense_float64(self):
-        """Causal softmax attention per sequence, from the dense K/V, in float64."""
+    def dense_float64(self, sliding_window=None, softcap=None):
+        """Causal softmax attention per sequence, from the dense K/V, in float64: keys
+        max(0, pos - sliding_window + 1) .. pos, scores soft-capped when asked."""
         out = torch.empty(self.q.shape, dtype=torch.float64)
         start = 0
         for q_len, seq_len, k, v in zip(self.q_lens, self.seq_lens_list, self.k, self.v):
             group = self.num_q_heads // k.shape[1]
             for i in range(q_len):
                 pos = seq_len - q_len + i
+                first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
                 for h in range(self.num_q_heads):
-                    keys = k[: pos + 1, h // group].double()
-                    values = v[: pos + 1, h // group].double()
+                    keys = k[first : pos + 1, h // group].double()
+                    values = v[first : pos + 1, h // group].double()
                     scores = keys @ self.q[start + i, h].double() * self.scale
+                    if softcap is not None:
+                        scores = softcap * torch.tanh(scores / softcap)
                     weights = torch.softmax(scores, dim=0)
                     out[start + i, h] = weights @ values
             start += q_len
@@ -105,7 +113,8 @@ def check_kernel(q_lens, seq_lens, combo, **kwargs):
     config = {"block_n": block_n, "block_m": 64, **kwargs.pop("config", {})}
     out = batch.run(paged_attention_triton, config=config, **kwargs)
     assert out.shape == batch.q.shape and out.dtype == dtype
-    assert_close(out, batch.run(paged_attention_ref), dtype)
+    kwargs.pop("num_splits", None)
+    assert_close(out, batch.run(paged_attention_ref, **kwargs), dtype)
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
@@ -133,6 +142,67 @@ def test_decode_one_split(combo):
 def test_mixed_batch(combo):
     # a decode, a prefill and a chunk over a prefix in one launch
     check_kernel([1, 20, 5, 1], [37, 20, 45, 16], combo)
+
+
+# windows of 1 token, smaller than a key tile, between tiles, equal to the longest context, larger
+WINDOWS = [1, 5, 16, 23, 40, 1000]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_prefill_and_chunks(window):
+    # a decode, a prefill, and chunks over a cached prefix in one launch, several query blocks
+    # per sequence (block_m 64); each window under another dtype / head / tile combination
+    combo = COMBOS[WINDOWS.index(window) % len(COMBOS)]
+    check_kernel([1, 20, 40, 9], [37, 20, 40, 45], combo, sliding_window=window)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sliding_window_decode(window, num_splits):
+    combo = COMBOS[WINDOWS.index(window) % len(COMBOS)]
+    check_kernel([1, 1, 1, 1], [1, 16, 40, 70], combo, num_splits=num_splits,
+                 sliding_window=window)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_tiles_outside_the_window_are_not_read(num_splits):
+    # NaN in every cache row of the key tiles wholly before each sequence's window: reading one
+    # (even masked, since 0 * NaN = NaN in the P @ V product) poisons the output
+    q_lens = [1, 1] if num_splits else [5, 1]
+    batch = Batch(q_lens, [70, 45], 2, 64, 16, torch.float32)
+    window, block_n = 20, 16
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, [70, 45])):
+        skipped = (seq_len - q_len + 1 - window) // block_n * block_n
+        assert skipped >= 16
+        for pos in range(skipped):
+            block = batch.block_tables[b, pos // 16]
+            batch.k_cache[block, pos % 16] = float("nan")
+            batch.v_cache[block, pos % 16] = float("nan")
+    out = batch.run(paged_attention_triton, num_splits=num_splits,
+                    config={"block_n": block_n, "block_m": 16}, sliding_window=window)
+    assert_close(out, batch.dense_float64(sliding_window=window), torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_softcap_with_and_without_window(num_splits):
+    # scores scaled up so that the cap (tanh saturating) changes the result
+    q_lens = [1, 1, 1] if num_splits else [3, 17, 1]
+    for window in (None, 9):
+        batch = Batch(q_lens, [20, 17, 50], 2, 64, 16, torch.float32)
+        batch.scale = 2.0
+        kwargs = {"softcap": 3.0, "sliding_window": window}
+        out = batch.run(paged_attention_triton, num_splits=num_splits,
+                        config={"block_n": 16, "block_m": 16}, **kwargs)
+        dense = batch.dense_float64(**kwargs)
+        assert_close(out, dense, torch.float32)
+        assert (dense - batch.dense_float64(sliding_window=window)).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_reference_window_matches_dense_float64(window):
+    batch = Batch([9, 1, 4], [40, 33, 4], 2, 64, 16, torch.float32)
+    torch.testing.assert_close(batch.run(paged_attention_ref, sliding_window=window).double(),
+                               batch.dense_float64(sliding_window=window), atol=1e-5, rtol=1e-5)
 
 
 def test_mixed_batch_default_tiles_and_splits():
@@ -226,3 +296,25 @@ def test_bad_arguments_name_the_argument():
         paged_attention(*args, num_splits=0)
     with pytest.raises(ValueError, match="config"):
         paged_attention(*args, config={"blockm": 64})
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_large_logits_stay_finite(num_splits):
+    # scores of a few hundred: 2^score overflows fp32 (past ~2^128) unless every exponential is
+    # taken relative to a max, within a tile, across tiles and across the split-KV partials
+    q_lens = [1, 1, 1] if num_splits else [3, 17, 1]
+    batch = Batch(q_lens, [20, 17, 300], 2, 64, 16, torch.float32)
+    batch.scale = 40.0  # |q . k| ~ 8, so scores ~ 300 (base e) and lse ~ 450 (base 2)
+    dense = batch.dense_float64()
+    assert (batch.run(paged_attention_ref).double() - dense).abs().max() < 1e-4
+    out = batch.run(paged_attention_triton, num_splits=num_splits,
+                    config={"block_n": 16, "block_m": 16})
+    assert_close(out, dense, torch.float32)
+
+
+def test_tile_configs_have_one_source():
+    # the launchers take every tile parameter from attention.py's configs: no defaults of their own
+    for launcher, config in ((varlen_attention_triton, attention.VARLEN_CONFIG),
+                             (decode_attention_triton, attention.DECODE_CONFIG)):
+        params = inspect.signature(launcher).parameters
+        assert all(params[key].default is inspect.Parameter.empty for key in config), launcher

@@ -52,6 +52,7 @@ for dtype in (torch.bfloat16, torch.float16):
     x = torch.randn(4, 4096).to(dtype)
     norm.rms_norm_triton(x, torch.randn(4096).to(dtype), 1e-6, x.clone())
     activation.silu_and_mul_triton(torch.randn(4, 2 * 14336).to(dtype))
+    activation.gelu_tanh_and_mul_triton(torch.randn(4, 2 * 14336).to(dtype))
     q, k = torch.randn(4, 32, 128).to(dtype), torch.randn(4, 8, 128).to(dtype)
     for rotary_dim, interleaved in ((128, False), (64, True)):
         cache = rotary.build_cos_sin_cache(rotary_dim, 8, 10000.0)
@@ -63,14 +64,17 @@ for dtype in (torch.bfloat16, torch.float16):
                                  k_cache.clone(), torch.arange(4))
         args = (q, k_cache, k_cache.clone(), torch.zeros(2, 4, dtype=torch.int32),
                 torch.tensor([40, 9], dtype=torch.int32))
-        for max_query_len in (3, 40, 2048):  # the three default query tiles
-            attention.paged_attention_triton(
-                *args, torch.tensor([0, 3, 4], dtype=torch.int32), 0.1,
-                max_query_len=max_query_len, max_seq_len=40)
-        for num_splits in (1, 4):
-            attention.paged_attention_triton(
-                *args, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1,
-                max_seq_len=40, num_splits=num_splits)
+        for window, softcap in ((None, None), (8, 50.0)):  # Gemma 2's local layers
+            for max_query_len in (3, 40, 2048):  # the three default query tiles
+                attention.paged_attention_triton(
+                    *args, torch.tensor([0, 3, 4], dtype=torch.int32), 0.1,
+                    max_query_len=max_query_len, max_seq_len=40, sliding_window=window,
+                    softcap=softcap)
+            for num_splits in (1, 4):
+                attention.paged_attention_triton(
+                    *args, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1,
+                    max_seq_len=40, num_splits=num_splits, sliding_window=window,
+                    softcap=softcap)
 from tinypaged.kernels import moe
 
 for dtype, token_counts in ((torch.bfloat16, (1, 64, 256, 512, 4096)), (torch.float16, (8,))):
@@ -107,7 +111,7 @@ def test_every_launcher_compiles_for_sm90():
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == sorted([
         "_decode_merge_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_rotary_kernel",
-        "_silu_and_mul_kernel", "_store_kv_kernel", "_varlen_attention_kernel",
+        "_act_and_mul_kernel", "_store_kv_kernel", "_varlen_attention_kernel",
         "_fused_moe_kernel", "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel",
         "_awq_dequantize_kernel",
     ])

@@ -83,6 +83,28 @@ def test_silu_and_mul_reference_matches_float64():
 def test_silu_and_mul_bad_arguments():
     with pytest.raises(ValueError, match="even"):
         activation.silu_and_mul(randn(2, 7))
+    with pytest.raises(ValueError, match="even"):
+        activation.gelu_tanh_and_mul(randn(2, 7))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2")  # tanh's exp2 -> inf -> 1
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter,block", [(64, None), (300, 128)])
+def test_gelu_tanh_and_mul_kernel(dtype, inter, block):
+    x = randn(5, 2 * inter, dtype=dtype) * 4  # tanh saturates at both ends
+    got = activation.gelu_tanh_and_mul_triton(x, block=block)
+    assert got.shape == (5, inter) and got.dtype == dtype
+    torch.testing.assert_close(got, activation.gelu_tanh_and_mul_ref(x), **tol(dtype))
+    assert not torch.allclose(got.float(), activation.silu_and_mul_ref(x).float(), atol=0.05)
+
+
+def test_gelu_tanh_and_mul_reference_matches_float64():
+    x = randn(3, 2, 40) * 4
+    gate, up = x.double()[..., :20], x.double()[..., 20:]
+    inner = (2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)
+    want = 0.5 * gate * (1 + torch.tanh(inner)) * up
+    torch.testing.assert_close(activation.gelu_tanh_and_mul_ref(x).double(), want, atol=1e-5,
+                               rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- rotary

@@ -51,10 +51,11 @@ def test_prefill_and_decode_match_transformers(kind):
     check_prefill_then_decode(runner, hf, prompts, DECODE_STEPS, what=kind)
 
 
-def test_chunked_prefill_over_cached_prefix():
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])  # gemma2: windows of 8 tokens, soft-caps
+def test_chunked_prefill_over_cached_prefix(kind):
     """A prompt prefilled in two chunks (the second attending to the cached first) in a mixed
     batch with another sequence's prefill and then decode, against transformers."""
-    hf, model = model_pair("qwen3")
+    hf, model = model_pair(kind)
     runner = PagedRunner(model, block_size=8, num_blocks=16, seed=1)
     long_prompt, short_prompt = random_prompt(30, seed=7), random_prompt(9, seed=8)
     _, long_ref = greedy_reference(hf, long_prompt, 0)
@@ -74,3 +75,20 @@ def test_model_exposes_cache_geometry():
     assert (model.num_layers, model.num_kv_heads, model.head_dim) == (2, 2, 32)
     hidden = torch.randn(3, 64)
     assert model.compute_logits(hidden).dtype == torch.float32
+
+
+def test_layer_windows_from_every_config_style():
+    from types import SimpleNamespace
+
+    from tinypaged.models.decoder import read_layer_windows
+
+    def config(**fields):
+        return SimpleNamespace(num_hidden_layers=6, sliding_window=8, **fields)
+
+    assert read_layer_windows(config()) == (8,) * 6  # Mistral: every layer
+    assert read_layer_windows(config(sliding_window_pattern=3)) == (8, 8, None) * 2  # Gemma 3 4.x
+    types = ["sliding_attention", "full_attention"] * 3
+    assert read_layer_windows(config(layer_types=types)) == (8, None) * 3
+    assert read_layer_windows(config(use_sliding_window=False)) == ()  # Qwen2 4.x
+    assert read_layer_windows(config(layer_types=["full_attention"] * 6)) == ()
+    assert read_layer_windows(SimpleNamespace(num_hidden_layers=2, sliding_window=None)) == ()

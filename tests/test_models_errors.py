@@ -83,7 +83,29 @@ def test_model_type_resolves_without_architectures():
 def test_unsupported_rope_type_is_refused():
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        vocab_size=64, rope_scaling={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4},
+        vocab_size=64, rope_scaling={"rope_type": "mrope", "rope_theta": 1e4},
     )
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="mrope.*supported: default"):
+        get_model_class(config)(config)
+
+
+def test_yarn_needs_a_transformers_config():
+    from types import SimpleNamespace
+
+    from tinypaged.models.rope import read_rope
+
+    config = SimpleNamespace(max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+        "original_max_position_embeddings": 16})
+    with pytest.raises(ValueError, match="yarn.*transformers config.*SimpleNamespace"):
+        read_rope(config, 16)
+
+
+def test_layer_types_of_the_wrong_length_are_refused():
+    config = transformers.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=64, sliding_window=8,
+    )
+    config.layer_types = ["sliding_attention"]
+    with pytest.raises(ValueError, match="layer_types.*1 entries for 2 layers"):
         get_model_class(config)(config)

@@ -87,6 +87,8 @@ def run_ranks(reduce: ThreadAllReduce, fns) -> list:
     ("chatglm", {}),
     ("qwen2_moe", {}),
     ("glm4_moe", {}),
+    ("gemma2", {}),  # windows and soft-caps per rank
+    ("phi3", {}),  # the checkpoint's fused qkv_proj / gate_up_proj cut per rank
 ])
 def test_two_ranks_match_transformers(monkeypatch, kind, overrides):
     hf = tiny_hf_model("glm" if kind == "chatglm" else kind, seed=5, **overrides)

@@ -31,6 +31,7 @@ def counting(pairs, counts: dict[str, int]):
 @pytest.mark.parametrize("kind, overrides", [
     ("llama_untied", {}),
     ("qwen3", {"num_key_value_heads": 1, "vocab_size": 251}),  # replicated KV, padded vocab
+    ("phi3", {}),  # fused qkv_proj / gate_up_proj: each rank reads its rows of each part
 ])
 def test_each_rank_reads_only_its_slice(tmp_path, kind, overrides):
     tiny_hf_model(kind, seed=4, **overrides).save_pretrained(tmp_path)

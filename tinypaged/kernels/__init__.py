@@ -7,7 +7,7 @@ else the torch reference, so the package imports and runs on machines without tr
 from __future__ import annotations
 
 from tinypaged.kernels._triton import HAS_TRITON
-from tinypaged.kernels.activation import silu_and_mul
+from tinypaged.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from tinypaged.kernels.attention import paged_attention
 from tinypaged.kernels.kv_cache import store_kv
 from tinypaged.kernels.logits import apply_logit_bias_, apply_token_bitmask_
@@ -23,6 +23,7 @@ __all__ = [
     "awq_gemm",
     "build_cos_sin_cache",
     "fused_experts",
+    "gelu_tanh_and_mul",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",

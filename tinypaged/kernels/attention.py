@@ -5,10 +5,14 @@ query_start_loc[b] : query_start_loc[b+1]); its whole context is seq_lens[b] tok
 last, and the K/V of all of them (new ones included) are already stored in the paged cache. New
 token i of sequence b sits at position p_i = seq_lens[b] - q_len_b + i and attends causally:
 
-    out[t, h] = sum_{j <= p_i} softmax_j(scale * q[t, h] . K[j, h // GROUP]) V[j, h // GROUP]
+    out[t, h] = sum_{j in W(p_i)} softmax_j(s_ij) V[j, h // GROUP],
+    s_ij = scale * q[t, h] . K[j, h // GROUP]
 
 with GROUP = Hq / Hk query heads per KV head (GQA; 1 = multi-head). Key j of sequence b lives in
-row j % block_size of physical block block_tables[b, j // block_size].
+row j % block_size of physical block block_tables[b, j // block_size]. W(p) is the causal range
+j <= p, or with a sliding window of w tokens (Mistral, Gemma's local layers) p - w < j <= p,
+as transformers masks it: the kernels skip the KV tiles wholly outside it. With logit
+soft-capping (Gemma 2) the scores are s_ij = cap * tanh(s_ij / cap) before the softmax.
 
 Shapes: q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D]; block_tables
 [B, max_blocks] int32; seq_lens [B] int32; query_start_loc [B + 1] int32; out [T, Hq, D] in q's
@@ -29,9 +33,10 @@ from tinypaged.kernels.attention_decode import decode_attention_triton, decode_n
 from tinypaged.kernels.attention_varlen import varlen_attention_triton
 from tinypaged.kernels.kv_cache import check_cache_pair
 
-# Tile configurations, overridable per call through `config=`. Prefill on Hopper: 128 x 64 tiles
-# and 8 warps keep the tensor cores busy; decode streams K/V in 64-key tiles with 4 warps.
-# Tuned on the H200 (benchmarks/kernels.py --tune, 2026-11-29): B4 L2048 32/8 heads, bf16.
+# The tile configurations (the launchers have no defaults of their own), overridable per call
+# through `config=`. Prefill: 128-row query tiles over 32-key tiles, 4 warps, 3 stages; decode
+# streams K/V in 64-key tiles with 4 warps. Tuned on the H200 (benchmarks/kernels.py --tune,
+# 2026-11-29): B4 L2048 32/8 heads, bf16.
 VARLEN_CONFIG = {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3}
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 
@@ -66,6 +71,8 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: dict | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The Triton launcher; arguments as checked by `paged_attention`."""
     if out is None:
@@ -79,16 +86,20 @@ def paged_attention_triton(
     if max_query_len is None:  # host sync: callers on the hot path pass these
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    window = {"sliding_window": sliding_window, "softcap": softcap}
     if max_query_len == 1:
         if num_splits is None:
             if max_seq_len is None:
                 max_seq_len = int(seq_lens.max().item())
+            if sliding_window is not None:  # the splits share the window, not the context
+                max_seq_len = min(max_seq_len, sliding_window)
             sms = num_sms(q.device.index or 0) if q.is_cuda else 8
             num_splits = decode_num_splits(seq_lens.shape[0], k_cache.shape[2], max_seq_len, sms)
-        return decode_attention_triton(*args, num_splits=num_splits,
+        return decode_attention_triton(*args, num_splits=num_splits, **window,
                                        **_override(DECODE_CONFIG, config))
     group = q.shape[1] // k_cache.shape[2]
-    return varlen_attention_triton(*args, **_override(_varlen_config(max_query_len, group), config))
+    return varlen_attention_triton(*args, **window,
+                                   **_override(_varlen_config(max_query_len, group), config))
 
 
 def paged_attention_ref(
@@ -103,6 +114,8 @@ def paged_attention_ref(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The torch reference: per sequence, gather its K/V through the block table, fp32 softmax."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -122,8 +135,13 @@ def paged_attention_ref(
         k = k_rows[slots].float().repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
         v = v_rows[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q_begin:q_end].float(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = seq_len - (q_end - q_begin) + torch.arange(q_end - q_begin, device=q.device)
-        scores.masked_fill_(pos[None, :] > q_pos[:, None], float("-inf"))
+        hidden = pos[None, :] > q_pos[:, None]  # [q_len, seq_len]
+        if sliding_window is not None:
+            hidden |= pos[None, :] <= q_pos[:, None] - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
         out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(out.dtype)
     return out
 
@@ -193,6 +211,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: dict | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its paged context; returns [T, Hq, D].
 
@@ -201,17 +221,24 @@ def paged_attention(
     decode (e.g. under CUDA-graph capture); default from batch, heads, context and SM count.
     config: tile overrides, keys of VARLEN_CONFIG / DECODE_CONFIG (block_m, block_n, num_warps,
     num_stages). num_splits and config only affect the Triton path.
+    sliding_window: each token sees only itself and the sliding_window - 1 keys before it
+    (None: the whole causal context). softcap: scores become softcap * tanh(scores / softcap).
     """
     _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, config)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None; got {num_splits}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None; got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None; got {softcap}")
+    window = {"sliding_window": sliding_window, "softcap": softcap}
     if use_triton(q):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len, out=out,
-            num_splits=num_splits, config=config,
+            num_splits=num_splits, config=config, **window,
         )
     return paged_attention_ref(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, out=out,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, out=out, **window,
     )

@@ -8,7 +8,7 @@ sequence's context is cut into NUM_SPLITS ranges of whole BLOCK_N tiles, one pro
     pass 1, grid (B, Hk, NUM_SPLITS): o_s = softmax over split s of q k^T, times V   [GROUP, D]
                                       lse_s = log2 of that split's sum of exp2 scores [GROUP]
     pass 2, grid (B, Hq):              out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),
-                                       M = max_s lse_s
+                                       M = max_s lse_s   (online_softmax.py derives both)
 
 The GROUP = Hq / Hk query heads sharing a KV head are the M rows of `tl.dot` (padded to
 BLOCK_H >= 16, the smallest MMA), so every K/V row is read from memory once. Splits that start past
@@ -16,6 +16,10 @@ a sequence's end write lse = -inf and o = 0 and weigh nothing in the merge: a fi
 valid for any lengths (CUDA-graph capture). NUM_SPLITS is a runtime argument, so a new split count
 compiles nothing new; with NUM_SPLITS == 1, pass 1 writes the output itself. Partial results are
 fp32: o_part [B, Hq, NUM_SPLITS, D], lse_part [B, Hq, NUM_SPLITS].
+
+With a sliding window of W tokens (SLIDING) the splits share only the keys from the tile holding
+position seq_len - W on, so a long context costs what its window costs; the first tile masks
+the keys before the window. SOFTCAP caps the scores before the softmax (see attention.py).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl
-from tinypaged.kernels.attention_varlen import attention_tile
+from tinypaged.kernels.attention_varlen import LOG2E, attention_tile
+from tinypaged.kernels.online_softmax import log_sum_exp, merge_splits, online_softmax_finish
 
 
 @jit(do_not_specialize=('num_splits',))
@@ -33,10 +38,11 @@ def _decode_split_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     stride_pb, stride_ph, stride_ps,  # o_part strides (lse_part is o_part's without D)
     stride_lb, stride_lh,
-    qk_scale, num_splits,
+    qk_scale, window, softcap, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output, skip the partials
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -45,8 +51,12 @@ def _decode_split_kernel(
     token = tl.load(QUERY_START_LOC + seq).to(tl.int64)
     has_query = tl.load(QUERY_START_LOC + seq + 1) > token  # False for a 0-token padding entry
     seq_len = tl.load(SEQ_LENS + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    if SLIDING:  # the splits share the window's keys only, from the tile holding its first key
+        context_start = tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N
+    else:
+        context_start = 0
+    split_len = tl.cdiv(tl.cdiv(seq_len - context_start, num_splits), BLOCK_N) * BLOCK_N
+    start = context_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     rows = tl.arange(0, BLOCK_H)
@@ -66,16 +76,16 @@ def _decode_split_kernel(
     for start_n in range(start, end, BLOCK_N):
         acc, m_i, l_i = attention_tile(
             acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
-            stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale,
-            True, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+            stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale, window, softcap,
+            True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
 
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 for an empty split
+    o = online_softmax_finish(acc, l_i)  # 0 for an empty split
     mask = row_valid[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:
         tl.store(OUT + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(OUT.dtype.element_ty), mask=mask)
     else:
-        lse = m_i + tl.log2(l_i)  # -inf for an empty split (m_i = -inf, l_i = 0)
+        lse = log_sum_exp(m_i, l_i)  # -inf for an empty split (m_i = -inf, l_i = 0)
         part = seq.to(tl.int64) * stride_pb + head[:, None] * stride_ph + split * stride_ps
         tl.store(O_PART + part + offs_d[None, :], o, mask=mask)
         tl.store(LSE_PART + seq.to(tl.int64) * stride_lb + head * stride_lh + split, lse,
@@ -99,13 +109,10 @@ def _decode_merge_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     lse = tl.load(LSE_PART + seq * stride_lb + head * stride_lh + splits,
                   mask=splits < num_splits, other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
     mask = (splits[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM)
     o = tl.load(O_PART + seq * stride_pb + head * stride_ph + splits[:, None] * stride_ps
                 + offs_d[None, :], mask=mask, other=0.0)  # [BLOCK_S, BLOCK_D]
-    total = tl.sum(weight, 0)
-    out = tl.sum(weight[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    out = merge_splits(lse, o)  # [BLOCK_D]
     tl.store(OUT + token * stride_ot + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
@@ -128,9 +135,11 @@ def decode_attention_triton(
     out: torch.Tensor,  # [B, Hq, D]
     *,
     num_splits: int,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
 ) -> torch.Tensor:
     """Launch split-KV decode (and the merge when num_splits > 1); checked arguments."""
     num_seqs = seq_lens.shape[0]
@@ -151,10 +160,11 @@ def decode_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        scale * 1.4426950408889634, num_splits,
+        scale * LOG2E, sliding_window or 0, (softcap or 1.0) * LOG2E, num_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_H=max(16, next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1,
+        SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )

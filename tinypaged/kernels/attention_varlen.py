@@ -15,7 +15,11 @@ past its sequence's last block.
 The key loop walks the context in tiles of BLOCK_N positions, independent of the cache block
 size: key p of sequence b sits in row p % block_size of physical block block_tables[b, p //
 block_size]. Tiles wholly before the block's first query position need no mask; the tiles after
-it (the causal diagonal) mask key p > query position. Softmax is online, in fp32, base 2.
+it (the causal diagonal) mask key p > query position. With a sliding window of W tokens
+(SLIDING), the loop starts at the tile holding the block's first query position - W + 1 (tiles
+wholly before it are never read), and the tiles up to the last query's window start are masked
+too. Softmax is online, in fp32, base 2 (online_softmax.py derives the recurrence); SOFTCAP caps
+the scores first.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import jit, next_power_of_2, tl
+from tinypaged.kernels.activation import tanh
+from tinypaged.kernels.online_softmax import online_softmax_finish, online_softmax_update
+
+LOG2E = 1.4426950408889634  # scores go to base 2: exp(s) = exp2(s * log2(e))
 
 
 @jit
@@ -36,12 +44,17 @@ def attention_tile(
     key_end,  # keys >= key_end are not part of this tile's range
     offs_d, d_mask,  # [BLOCK_D]
     qk_scale,  # softmax scale * log2(e): scores in base 2
+    window,  # SLIDING: key p is visible to a row at q_pos only if q_pos - p < window
+    softcap,  # SOFTCAP: the logit cap times log2(e)
     MASKED: tl.constexpr,  # False: every key of the tile is visible to every row
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # of the cache blocks: a power of two makes // and % shifts
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One step of online softmax over BLOCK_N keys; returns the updated (acc, m_i, l_i)."""
+    """One step of online softmax over BLOCK_N keys (see online_softmax.py); returns the updated
+    (acc, m_i, l_i)."""
     k_pos = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     if MASKED:
         k_in = k_pos < key_end
@@ -54,15 +67,14 @@ def attention_tile(
     kv_offsets = row[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
     k = tl.load(K_CACHE + kv_offsets, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP:  # cap * tanh(s / cap), in base 2: the cap is scaled by log2(e) like s
+        qk = softcap * tanh(qk / softcap)
     if MASKED:
         visible = k_in[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    # a row that has seen no visible key yet has max -inf; subtract 0 instead so exp2 gives 0s
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-    alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated under the old max
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = online_softmax_update(m_i, l_i, qk)  # p [BLOCK_M, BLOCK_N]
     v = tl.load(V_CACHE + kv_offsets, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -87,11 +99,12 @@ def _varlen_attention_kernel(
     Q, K_CACHE, V_CACHE, OUT, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    num_seqs, qk_scale,
+    num_seqs, qk_scale, window, softcap,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,  # rows per program, tokens per program
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,  # cache block, key tile
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # heaviest first: under the causal mask a sequence's later query blocks see more keys, and
@@ -124,21 +137,35 @@ def _varlen_attention_kernel(
     block_table = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
     kv_head_offset = kv_head.to(tl.int64) * stride_ch
 
+    if SLIDING:  # keys before the first row's window are skipped; in the tiles up to the last
+        # row's window start the window cuts through the tile, so it is masked
+        window_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_start = tl.minimum(
+            tl.cdiv(tl.maximum(key_end - window, 0), BLOCK_N) * BLOCK_N, unmasked_end)
+    else:
+        window_start = 0
+        full_start = 0
+
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for start_n in range(0, unmasked_end, BLOCK_N):
+    for start_n in range(window_start, full_start, BLOCK_N):  # empty without SLIDING
         acc, m_i, l_i = attention_tile(
             acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
-            stride_cs, start_n, q_pos, key_end, offs_d, d_mask, qk_scale,
-            False, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+            stride_cs, start_n, q_pos, key_end, offs_d, d_mask, qk_scale, window, softcap,
+            True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+    for start_n in range(full_start, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = attention_tile(
+            acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
+            stride_cs, start_n, q_pos, key_end, offs_d, d_mask, qk_scale, window, softcap,
+            False, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
     for start_n in range(unmasked_end, key_end, BLOCK_N):
         acc, m_i, l_i = attention_tile(
             acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
-            stride_cs, start_n, q_pos, key_end, offs_d, d_mask, qk_scale,
-            True, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+            stride_cs, start_n, q_pos, key_end, offs_d, d_mask, qk_scale, window, softcap,
+            True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = online_softmax_finish(acc, l_i)
     tl.store(OUT + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(OUT.dtype.element_ty), mask=q_mask)
 
@@ -153,10 +180,12 @@ def varlen_attention_triton(
     scale: float,
     out: torch.Tensor,  # [T, Hq, D]
     *,
-    block_m: int = 128,
-    block_n: int = 64,
-    num_warps: int = 8,
-    num_stages: int = 2,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
 ) -> torch.Tensor:
     """Launch the varlen kernel; checked arguments (see attention.paged_attention)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -169,9 +198,10 @@ def varlen_attention_triton(
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        seq_lens.shape[0], scale * 1.4426950408889634,
+        seq_lens.shape[0], scale * LOG2E, sliding_window or 0, (softcap or 1.0) * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
+        SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )

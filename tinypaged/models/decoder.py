@@ -1,22 +1,28 @@
 """The decoder-only transformer every supported architecture is an instance of.
 
-    h = embed(input_ids)                                   # [T, hidden]
-    per layer:  a = attention(rms_norm(h)); (Glm4: a = rms_norm(a))
+    h = embed(input_ids) (Gemma: * sqrt(hidden))           # [T, hidden]
+    per layer:  a = attention(rms_norm(h)); (Glm4, Gemma: a = rms_norm(a))
                 h = h + a
-                m = down(silu(gate(x)) * up(x)), x = rms_norm(h); (Glm4: m = rms_norm(m))
+                m = down(act(gate(x)) * up(x)), x = rms_norm(h); (Glm4, Gemma: m = rms_norm(m))
                 (MoE layers: m = the sparse mixture-of-experts block of models/moe.py)
                 h = h + m
     out = rms_norm(h)                                      # logits = out[rows] @ lm_head^T
+                                          (Gemma 2: logits = cap * tanh(logits / cap))
 
-attention(x): q, k, v = x Wqkv (+ bias) split by heads; (Qwen3: rms_norm per head on q and k);
-rotary on the first rotary_dim dims of q and k (halves or adjacent pairs); paged attention over
-the KV cache; output projection.
+act is SiLU (SwiGLU) or GELU-tanh (Gemma's GeGLU); Gemma's RMSNorms scale by (1 + w), stored
+here as weights w + 1 at load time.
+
+attention(x): q, k, v = x Wqkv (+ bias) split by heads; (Qwen3, Gemma 3: rms_norm per head on q
+and k); rotary on the first rotary_dim dims of q and k (halves or adjacent pairs); paged
+attention over the KV cache, full or over a sliding window per layer (Mistral, Gemma's local
+layers, which in Gemma 3 have their own rotary base), with optional logit soft-capping;
+output projection.
 
 Architectures differ only in the data of a `DecoderSpec` (sizes, biases, q/k norm, extra norms,
-rotary style) and in their checkpoint's tensor names; the model files (llama.py, qwen.py,
-glm.py) declare those. Residual adds are fused into the next RMSNorm (`rms_norm(x, w, eps, r)`
-returns the normalized sum and the sum). `load_weights` fuses QKV and gate-up at load time and
-refuses any missing, unexpected or mis-shaped tensor.
+rotary style, windows) and in their checkpoint's tensor names; the model files (llama.py,
+qwen.py, glm.py, gemma.py, phi3.py) declare those. Residual adds are fused into the next
+RMSNorm (`rms_norm(x, w, eps, r)` returns the normalized sum and the sum). `load_weights` fuses
+QKV and gate-up at load time and refuses any missing, unexpected or mis-shaped tensor.
 """
 
 from __future__ import annotations
@@ -61,17 +67,58 @@ class DecoderSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
-    sandwich_norms: bool = False  # Glm4: RMSNorm on the attention and MLP outputs too
+    sandwich_norms: bool = False  # Glm4, Gemma: RMSNorm on the attention and MLP outputs too
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh" (GeGLU)
+    layer_windows: tuple[int | None, ...] = ()  # sliding window of each layer; () = all full
+    local_rope: RopeSpec | None = None  # Gemma 3: the rotary of the sliding-window layers
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+    norm_offset: float = 0.0  # Gemma: RMSNorm multiplies by (offset + w)
+    embed_scale: float | None = None  # Gemma: the embeddings times sqrt(hidden)
     moe: MoESpec | None = None  # mixture-of-experts MLP in the layers it lists (models/moe.py)
+
+
+ACTIVATIONS = {"silu": kernels.silu_and_mul, "gelu_pytorch_tanh": kernels.gelu_tanh_and_mul}
+
+
+def read_layer_windows(hf_config) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers applies it: `layer_types` names the
+    "sliding_attention" layers (5.x configs); else Gemma 3's `sliding_window_pattern` (every
+    pattern-th layer global); else a set `sliding_window` applies to every layer unless
+    `use_sliding_window` is false (Qwen2). () when no layer slides."""
+    window = getattr(hf_config, "sliding_window", None)
+    num_layers = hf_config.num_hidden_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
+        return ()
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise ValueError(
+                f"layer_types in config.json has {len(layer_types)} entries for "
+                f"{num_layers} layers (num_hidden_layers); give one per layer"
+            )
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    elif getattr(hf_config, "sliding_window_pattern", None):
+        pattern = hf_config.sliding_window_pattern
+        windows = tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
+    else:
+        windows = (window,) * num_layers
+    return windows if any(w is not None for w in windows) else ()
 
 
 def spec_from_hf_config(hf_config, *, interleaved_rope: bool = False,
                         default_partial_rotary: float = 1.0, **flags) -> DecoderSpec:
     """The spec of a transformers-style config (LlamaConfig, Qwen2Config, GlmConfig, ...);
-    `flags` are the architecture's DecoderSpec switches (qkv_bias, qk_norm, ...)."""
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} in config.json is not supported; only 'silu' is")
+    `flags` are the architecture's DecoderSpec switches (qkv_bias, qk_norm, ..., and `rope`
+    where the model reads its own)."""
+    act = flags.get("hidden_act") or getattr(hf_config, "hidden_act", None) or "silu"
+    if act not in ACTIVATIONS:
+        raise ValueError(
+            f"hidden_act {act!r} in config.json is not supported; supported: "
+            f"{', '.join(ACTIVATIONS)}"
+        )
+    flags["hidden_act"] = act
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     return DecoderSpec(
@@ -83,14 +130,16 @@ def spec_from_hf_config(hf_config, *, interleaved_rope: bool = False,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         rms_norm_eps=hf_config.rms_norm_eps,
-        rope=read_rope(hf_config, head_dim, interleaved_rope, default_partial_rotary),
+        rope=flags.pop("rope", None)
+        or read_rope(hf_config, head_dim, interleaved_rope, default_partial_rotary),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         **flags,
     )
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, spec: DecoderSpec, rotary_emb: RotaryEmbedding, quant_config=None) -> None:
+    def __init__(self, spec: DecoderSpec, rotary_emb: RotaryEmbedding, quant_config=None,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads,
                                           spec.num_kv_heads, spec.qkv_bias, quant_config)
@@ -99,12 +148,14 @@ class SelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size,
                                         spec.o_bias, quant_config)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_offset)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_offset)
         self.qk_norm = spec.qk_norm
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, spec.head_dim,
-                              scale=spec.head_dim**-0.5)
+                              scale=spec.attn_scale or spec.head_dim**-0.5,
+                              sliding_window=sliding_window,
+                              logits_soft_cap=spec.attn_logit_softcap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -122,7 +173,7 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(x W_gate) * (x W_up)), gate and up in one GEMM."""
+    """SwiGLU / GeGLU: down(act(x W_gate) * (x W_up)), gate and up in one GEMM."""
 
     def __init__(self, spec: DecoderSpec, quant_config=None) -> None:
         super().__init__()
@@ -130,27 +181,28 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [inter, inter],
                                                        spec.mlp_bias, quant_config)
         self.down_proj = RowParallelLinear(inter, spec.hidden_size, spec.mlp_bias, quant_config)
+        self.act_and_mul = ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, rotary_emb: RotaryEmbedding, quant_config=None,
-                 layer_idx: int = 0) -> None:
+                 layer_idx: int = 0, sliding_window: int | None = None) -> None:
         super().__init__()
-        eps = spec.rms_norm_eps
-        self.input_layernorm = RMSNorm(spec.hidden_size, eps)
-        self.self_attn = SelfAttention(spec, rotary_emb, quant_config)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
+        eps, offset = spec.rms_norm_eps, spec.norm_offset
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps, offset)
+        self.self_attn = SelfAttention(spec, rotary_emb, quant_config, sliding_window)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, offset)
         if spec.moe is not None and layer_idx in spec.moe.sparse_layers:
             self.mlp = SparseMoeBlock(spec.hidden_size, spec.moe, quant_config)
         else:
             self.mlp = MLP(spec, quant_config)
         self.sandwich_norms = spec.sandwich_norms
         if spec.sandwich_norms:
-            self.post_self_attn_layernorm = RMSNorm(spec.hidden_size, eps)
-            self.post_mlp_layernorm = RMSNorm(spec.hidden_size, eps)
+            self.post_self_attn_layernorm = RMSNorm(spec.hidden_size, eps, offset)
+            self.post_mlp_layernorm = RMSNorm(spec.hidden_size, eps, offset)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, attn_metadata: AttentionMetadata):
@@ -169,20 +221,33 @@ class DecoderLayer(nn.Module):
         return hidden, residual
 
 
+def _rotary_embedding(rope: RopeSpec) -> RotaryEmbedding:
+    return RotaryEmbedding(rope.cos_sin_cache(), rope.rotary_dim, rope.interleaved)
+
+
 class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec, quant_config=None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size)
-        rotary_emb = RotaryEmbedding(spec.rope.cos_sin_cache(), spec.rope.rotary_dim,
-                                     spec.rope.interleaved)
+        # Gemma scales by sqrt(hidden) rounded to the model dtype, as transformers does
+        self.embed_scale = None if spec.embed_scale is None else float(
+            torch.tensor(spec.embed_scale, dtype=torch.get_default_dtype()))
+        rotary_emb = _rotary_embedding(spec.rope)
+        local_rotary_emb = rotary_emb if spec.local_rope is None else _rotary_embedding(
+            spec.local_rope)
+        windows = spec.layer_windows or (None,) * spec.num_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, rotary_emb, quant_config, i) for i in range(spec.num_layers)
+            DecoderLayer(spec, rotary_emb if window is None else local_rotary_emb, quant_config,
+                         i, window)
+            for i, window in enumerate(windows)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
@@ -218,7 +283,9 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [N, vocab] float32
+        logits = self.lm_head(hidden)  # [N, vocab] float32
+        cap = self.spec.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def map_name(self, checkpoint_name: str) -> str | None:
         """Checkpoint tensor name -> our parameter name (before QKV / gate-up packing), or None

@@ -69,12 +69,19 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim; with `residual`, first
-    r = x + residual and return (norm(r), r): the add and the norm in one kernel pass."""
+    r = x + residual and return (norm(r), r): the add and the norm in one kernel pass.
+    `offset`: the checkpoint stores w and the norm scales by (offset + w) (Gemma: 1), so the
+    weight is loaded as offset + w (summed in fp32)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        if offset:
+            self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded.float() + self.offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
@@ -283,12 +290,16 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     """Paged attention of this rank's heads: store the new K/V rows in the cache, then attend
     each new token to its whole context through the block table. The runner assigns
-    `k_cache` / `v_cache` `[num_blocks, block_size, num_kv_heads, head_dim]` before running."""
+    `k_cache` / `v_cache` `[num_blocks, block_size, num_kv_heads, head_dim]` before running.
+    `sliding_window`: this layer's window (None: full causal attention); `logits_soft_cap`:
+    scores become cap * tanh(scores / cap) (Gemma 2)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -305,4 +316,5 @@ class Attention(nn.Module):
         return kernels.paged_attention(
             q, self.k_cache, self.v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
             self.scale, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
+            sliding_window=self.sliding_window, softcap=self.logits_soft_cap,
         )  # [T, num_heads, head_dim]

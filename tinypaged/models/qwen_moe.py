@@ -7,13 +7,13 @@ other layers keep a dense MLP of `intermediate_size`. Routing is softmax top-k
 - Qwen2-MoE: q/k/v bias; a shared expert (`shared_expert_intermediate_size`) in every sparse
   layer, its output gated by sigmoid(x `shared_expert_gate`^T); norm_topk_prob false by default.
 - Qwen3-MoE: q/k norm, no bias, no shared expert.
+Sliding-window layers (`use_sliding_window`, off in the released configs) run as in qwen.py.
 """
 
 from __future__ import annotations
 
-from tinypaged.models.decoder import DecoderForCausalLM, spec_from_hf_config
+from tinypaged.models.decoder import DecoderForCausalLM, read_layer_windows, spec_from_hf_config
 from tinypaged.models.moe import MoESpec
-from tinypaged.models.qwen import _check_full_attention
 
 
 def qwen_moe_spec(hf_config, *, shared_expert: bool) -> MoESpec:
@@ -41,20 +41,20 @@ def qwen_moe_spec(hf_config, *, shared_expert: bool) -> MoESpec:
 
 class Qwen2MoeForCausalLM(DecoderForCausalLM):
     def __init__(self, hf_config, quant_config=None) -> None:
-        _check_full_attention(hf_config)
         spec = spec_from_hf_config(
             hf_config, qkv_bias=bool(getattr(hf_config, "qkv_bias", True)),
             moe=qwen_moe_spec(hf_config, shared_expert=True),
+            layer_windows=read_layer_windows(hf_config),
         )
         super().__init__(spec, quant_config)
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     def __init__(self, hf_config, quant_config=None) -> None:
-        _check_full_attention(hf_config)
         bias = bool(getattr(hf_config, "attention_bias", False))
         spec = spec_from_hf_config(
             hf_config, qkv_bias=bias, o_bias=bias, qk_norm=True,
             moe=qwen_moe_spec(hf_config, shared_expert=False),
+            layer_windows=read_layer_windows(hf_config),
         )
         super().__init__(spec, quant_config)

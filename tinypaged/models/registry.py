@@ -13,7 +13,10 @@ from torch import nn
 # architecture -> (module, class)
 _ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("qwen", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen", "Qwen3ForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
@@ -28,6 +31,9 @@ _ARCHITECTURES = {
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
