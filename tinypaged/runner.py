@@ -1,22 +1,29 @@
 """ModelRunner: turns a scheduled batch into flat tensors, runs the model, returns logits.
 
-One step's batch is B sequences with `q_len[b]` new tokens each (T = sum q_len). The runner
-builds, on the CPU and without per-token Python loops:
+One step's batch is B sequences with `q_len[b]` new tokens each (T = sum q_len). `build_step`
+makes, on the CPU and without per-token Python loops, a StepInput:
 
     input_ids[T], positions[T], slot_mapping[T]      one row per new token
     query_start_loc[B+1] = [0, cumsum(q_len)]        where each sequence's rows start
     seq_lens[B] = num_computed[b] + q_len[b]         whole context after this step
-    block_tables[B, max_blocks]                       int32, padded with 0
-    logits_indices[S]                                 rows whose logits are returned: the last
-                                                      row of each sampled sequence, or every
-                                                      row of one that asks for prompt logits
+    block_tables[B, max_blocks]                       int32
+    logits_indices[S]                                 rows whose logits are sampled
 
-and copies them to the device in one pinned, non-blocking transfer. Pure-decode batches replay a
-CUDA graph captured for the nearest batch-size bucket (see `cuda_graphs.py`).
+and `execute(step)` runs it: one host-to-device copy of the arrays, then the model. Pure-decode
+batches replay a CUDA graph captured for the nearest batch-size bucket (see `cuda_graphs.py`);
+every other batch runs eagerly. Both read the same StepInput, so the slot of each token is
+computed in one place:
+
+    slot_mapping[t] = block_tables[b, positions[t] // block_size] * block_size
+                      + positions[t] % block_size                        (t a token of seq b)
+
+Block tables change rarely (one new block every block_size tokens), so the runner keeps its
+host copy of them from step to step and rewrites a row only when the sequence in it or the
+length of its table changed: at batch 256 that saves ~256 list-to-array copies per step.
 
 Under tensor parallelism every rank has its own ModelRunner (its shard, the KV cache of its heads,
-its graphs); rank 0 builds each step's arrays once (`build_step` -> StepInput) and every rank
-runs them (`execute_step`), so all ranks see the same block tables (executor.py).
+its graphs); rank 0 builds each step's arrays once and every rank executes them, so all ranks see
+the same block tables (executor.py).
 
 The KV cache is allocated once: on the GPU from `gpu_memory_utilization` after a profiling forward
 pass at the largest batch, on the CPU from `cpu_kv_cache_space` GiB, or `num_kv_blocks` if given.
@@ -24,6 +31,7 @@ pass at the largest batch, on the CPU from `cpu_kv_cache_space` GiB, or `num_kv_
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -33,19 +41,12 @@ import torch
 
 from tinypaged import distributed
 from tinypaged.config import EngineConfig
+from tinypaged.kernels._triton import kernel_choice
 from tinypaged.models.batch import AttentionMetadata
 from tinypaged.models.layers import Attention
+from tinypaged.scheduler import ScheduledSequence, Sequence
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledSeq:
-    """What the runner needs of one scheduled sequence (the scheduler's Sequence fits)."""
-
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_table: list[int]
 
 
 @dataclass
@@ -99,6 +100,16 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.pin = device.type == "cuda"
+        self.kernels = kernel_choice(config.kernels)
+        if config.kernels == "triton" and device.type != "cuda" and dtype == torch.bfloat16:
+            raise ValueError(
+                "kernels='triton' on the CPU runs the Triton interpreter, which computes bfloat16 "
+                "wrongly (it holds bf16 as raw integer bits); use dtype float32 or float16"
+            )
+        # Host block tables kept across steps; row i holds the table of the step's i-th
+        # sequence, and row_keys[i] = (seq_id, num_preemptions, table length) says whose.
+        self.block_tables = np.zeros((config.max_num_seqs, self.max_blocks_per_seq), np.int32)
+        self.row_keys: list[tuple[int, int, int] | None] = [None] * config.max_num_seqs
         self.graphs = None  # eager while profiling; captured after the cache exists
         self.kv_cache_info = self._allocate_kv_cache()
         if device.type == "cuda":
@@ -106,7 +117,8 @@ class ModelRunner:
         if device.type == "cuda" and not config.enforce_eager:
             from tinypaged.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self)
+            with self.kernels:
+                self.graphs = DecodeGraphs(self)
 
     # ------------------------------------------------------------------ KV cache
 
@@ -145,14 +157,10 @@ class ModelRunner:
         num_seqs = -(-num_tokens // seq_len)
         blocks_per_seq = -(-seq_len // self.block_size)
         self._set_caches(num_seqs * blocks_per_seq)
-        seqs = [
-            ScheduledSeq(
-                [0] * seq_len, 0, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            )
-            for i in range(num_seqs)
-        ]
-        with torch.inference_mode():
-            self.execute(seqs, [seq_len] * num_seqs, [True] * num_seqs)
+        blocks = range(num_seqs * blocks_per_seq)
+        batch = [_dummy_prefill(seq_len, blocks[i * blocks_per_seq : (i + 1) * blocks_per_seq])
+                 for i in range(num_seqs)]
+        self.execute(self.build_step(batch))
         self._set_caches(0)
 
     def _warm_up(self) -> None:
@@ -163,18 +171,16 @@ class ModelRunner:
         group = layer.num_heads // layer.num_kv_heads
         for q_len in sorted({1, 2, max(2, 64 // group), 128}):
             q_len = min(q_len, self.max_model_len)
-            blocks = list(range(-(-q_len // self.block_size)))
+            blocks = range(-(-q_len // self.block_size))
             if len(blocks) <= self.kv_cache_info.num_blocks:
-                self.execute([ScheduledSeq([0] * q_len, 0, blocks)], [q_len], [True])
+                self.execute(self.build_step([_dummy_prefill(q_len, blocks)]))
         torch.cuda.synchronize(self.device)
 
     def _set_caches(self, num_blocks: int) -> int:
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
-        self.kv_caches = []
         for layer in self.attn_layers:
             layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self.kv_caches.append((layer.k_cache, layer.v_cache))
         return num_blocks * self._block_bytes()
 
     def _allocate_kv_cache(self) -> KVCacheInfo:
@@ -185,62 +191,55 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ batch building
 
-    def prepare(
-        self,
-        seqs: Seq[ScheduledSeq],
-        num_new_tokens: Seq[int],
-        do_sample: Seq[bool],
-        prompt_logits: Seq[bool] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flatten the batch; returns (input_ids, positions, attn_metadata, logits_indices)."""
-        return self._device_inputs(
-            self.build_step(seqs, num_new_tokens, do_sample, prompt_logits)
-        )
-
-    def build_step(
-        self,
-        seqs: Seq[ScheduledSeq],
-        num_new_tokens: Seq[int],
-        do_sample: Seq[bool],
-        prompt_logits: Seq[bool] | None = None,
-    ) -> StepInput:
-        """The flat batch as host arrays, without per-token Python loops.
-
-        prompt_logits[b]: return the logits of every new row of sequence b (for prompt
-        logprobs), its sampled row last, instead of only the sampled row."""
+    def build_step(self, scheduled: Seq[ScheduledSequence]) -> StepInput:
+        """The flat batch of one scheduled step as host arrays (see the module docstring)."""
         bs = self.block_size
-        q_lens = np.asarray(num_new_tokens, dtype=np.int64)  # [B]
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))  # [B]
-        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
+        num_seqs = len(scheduled)
+        q_lens = np.fromiter((it.num_new_tokens for it in scheduled), np.int64, num_seqs)  # [B]
+        starts = np.fromiter((it.num_computed_tokens for it in scheduled), np.int64, num_seqs)
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)  # [B + 1]
         np.cumsum(q_lens, out=cu[1:])
         total = int(cu[-1])
-        seq_lens = starts + q_lens
-
-        input_ids = np.empty(total, dtype=np.int64)
-        for i, s in enumerate(seqs):
-            input_ids[cu[i] : cu[i + 1]] = s.token_ids[starts[i] : seq_lens[i]]
-        seq_idx = np.repeat(np.arange(len(seqs)), q_lens)  # [T]
+        seq_lens = starts + q_lens  # [B]
+        new_tokens = (
+            it.seq.token_ids[a:b] for it, a, b in zip(scheduled, starts.tolist(), seq_lens.tolist())
+        )
+        input_ids = np.fromiter(itertools.chain.from_iterable(new_tokens), np.int64, total)  # [T]
+        seq_idx = np.repeat(np.arange(num_seqs), q_lens)  # [T]: which sequence each token is of
         positions = np.arange(total) - cu[seq_idx] + starts[seq_idx]  # [T]
 
         width = int(-(-seq_lens.max() // bs))
-        block_tables = np.zeros((len(seqs), width), dtype=np.int32)  # [B, max_blocks]
-        for i, s in enumerate(seqs):
-            n = min(len(s.block_table), width)
-            block_tables[i, :n] = s.block_table[:n]
+        block_tables = self._block_table_rows([it.seq for it in scheduled])[:, :width].copy()
         slot_mapping = block_tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
-        logits_indices = (cu[1:] - 1)[np.asarray(do_sample, dtype=bool)]
-        if prompt_logits is not None and any(prompt_logits):  # rare: a loop is fine
-            rows = [np.empty(0, dtype=np.int64)]
-            for i, (every, sample) in enumerate(zip(prompt_logits, do_sample)):
-                if every:
-                    rows.append(np.arange(cu[i], cu[i + 1]))
-                elif sample:
-                    rows.append(cu[i + 1 : i + 2] - 1)
-            logits_indices = np.concatenate(rows)
+        sample = np.fromiter((it.sample for it in scheduled), bool, num_seqs)
+        logits_indices = (cu[1:] - 1)[sample]  # [S]: the last new token of each sampled seq
         return StepInput(
             input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
             block_tables, logits_indices, int(q_lens.max()), int(seq_lens.max()),
         )
+
+    def _block_table_rows(self, seqs: Seq[Sequence]) -> np.ndarray:
+        """Rows 0..B-1 of the host block tables [B, max_blocks_per_seq] hold `seqs`' tables.
+
+        A row is rewritten only where its key changed; a table that only grew gets its new tail.
+        The preemption count is part of the key: a preempted sequence gets new blocks, possibly
+        as many as before. Entries past a row's table are 0."""
+        if len(seqs) > len(self.row_keys):  # only the profiling pass can be this wide
+            self.block_tables = np.zeros((len(seqs), self.max_blocks_per_seq), np.int32)
+            self.row_keys = [None] * len(seqs)
+        rows, keys = self.block_tables, self.row_keys
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            key = (seq.seq_id, seq.num_preemptions, len(table))
+            old = keys[i]
+            if old == key:
+                continue
+            old_len = 0 if old is None else old[2]
+            done = old_len if old is not None and old[:2] == key[:2] and old_len < key[2] else 0
+            rows[i, done : len(table)] = table[done:]
+            rows[i, len(table) : old_len] = 0
+            keys[i] = key
+        return rows[: len(seqs)]
 
     def _device_inputs(
         self, step: StepInput
@@ -265,32 +264,20 @@ class ModelRunner:
     # ------------------------------------------------------------------ execution
 
     @torch.inference_mode()
-    def execute(
-        self,
-        seqs: Seq[ScheduledSeq],
-        num_new_tokens: Seq[int],
-        do_sample: Seq[bool],
-        prompt_logits: Seq[bool] | None = None,
-    ) -> torch.Tensor:
-        """Run one step; returns float32 logits [num_sampled, vocab] in `seqs` order (with
-        `prompt_logits`, the rows `build_step` describes)."""
-        graphable = max(num_new_tokens) == 1 and not (prompt_logits and any(prompt_logits))
-        if self.graphs is not None and graphable and self.graphs.fits(len(seqs)):
-            logits = self.graphs.run(seqs)
-            return logits[np.flatnonzero(np.asarray(do_sample, dtype=bool))]
-        input_ids, positions, md, logits_indices = self.prepare(
-            seqs, num_new_tokens, do_sample, prompt_logits
-        )
-        hidden = self.model(input_ids, positions, md)  # [T, hidden]
-        return self.model.compute_logits(hidden[logits_indices])
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Run one step; returns float32 logits [S, vocab] of the rows in `step.logits_indices`
+        (on every tensor-parallel rank the same arrays, so the collectives line up)."""
+        with self.kernels:
+            num_seqs = len(step.seq_lens)
+            if self.graphs is not None and step.max_query_len == 1 and self.graphs.fits(num_seqs):
+                return self.graphs.run(step)[step.logits_indices]  # pure decode: every row
+            input_ids, positions, md, logits_indices = self._device_inputs(step)
+            hidden = self.model(input_ids, positions, md)  # [T, hidden]
+            return self.model.compute_logits(hidden[logits_indices])
 
-    @torch.inference_mode()
-    def execute_step(self, step: StepInput) -> torch.Tensor:
-        """Run one step given as arrays (the tensor-parallel path: the same on every rank);
-        returns float32 logits [S, vocab] of the rows in `step.logits_indices`."""
-        num_seqs = len(step.seq_lens)
-        if self.graphs is not None and step.max_query_len == 1 and self.graphs.fits(num_seqs):
-            return self.graphs.run_step(step)[step.logits_indices]
-        input_ids, positions, md, logits_indices = self._device_inputs(step)
-        hidden = self.model(input_ids, positions, md)  # [T, hidden]
-        return self.model.compute_logits(hidden[logits_indices])
+
+def _dummy_prefill(num_tokens: int, blocks: Seq[int]) -> ScheduledSequence:
+    """A whole-prompt step of `num_tokens` zeros in `blocks` (profiling and warm-up)."""
+    seq = Sequence("profile", [0] * num_tokens)
+    seq.block_table = list(blocks)
+    return ScheduledSequence(seq, num_tokens, 0, sample=True)

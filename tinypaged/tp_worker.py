@@ -105,7 +105,7 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
         runner = ModelRunner(config, model, device, next(model.parameters()).dtype)
         conn.send(("ready", runner.kv_cache_info.num_blocks))
         while payload := conn.recv_bytes():
-            runner.execute_step(unpack_step(payload))
+            runner.execute(unpack_step(payload))
     except EOFError:  # rank 0 closed the pipe (or stopped us during startup): just leave
         os._exit(0)
     except BaseException:  # sent to rank 0, which raises it
