@@ -68,7 +68,9 @@ def test_build_step_matches_the_oracle_as_rows_change_hands(runner):
     a = Sequence("a", list(range(10, 19)))  # 9 tokens: 3 blocks
     b = Sequence("b", list(range(30, 33)))
     a.block_table, b.block_table = [7, 3, 12], [5]
-    check(runner, [ScheduledSequence(a, 6, 0, sample=False), ScheduledSequence(b, 3, 0, True)])
+    # one-token prompt chunks: a step of one token per sequence that are not the last ones
+    check(runner, [ScheduledSequence(a, 1, 0, sample=False), ScheduledSequence(b, 1, 0, False)])
+    check(runner, [ScheduledSequence(a, 5, 1, sample=False), ScheduledSequence(b, 2, 1, True)])
     check(runner, [ScheduledSequence(a, 3, 6, sample=True), decode(b)])  # rows unchanged
 
     a.append_token(19)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -195,23 +196,29 @@ class ModelRunner:
         """The flat batch of one scheduled step as host arrays (see the module docstring)."""
         bs = self.block_size
         num_seqs = len(scheduled)
-        q_lens = np.fromiter((it.num_new_tokens for it in scheduled), np.int64, num_seqs)  # [B]
-        starts = np.fromiter((it.num_computed_tokens for it in scheduled), np.int64, num_seqs)
+        seqs = [it.seq for it in scheduled]
+        starts = np.fromiter(map(_num_computed, scheduled), np.int64, num_seqs)  # [B]
+        q_lens = np.fromiter(map(_num_new, scheduled), np.int64, num_seqs)  # [B]
+        seq_lens = starts + q_lens  # [B]
         cu = np.zeros(num_seqs + 1, dtype=np.int64)  # [B + 1]
         np.cumsum(q_lens, out=cu[1:])
         total = int(cu[-1])
-        seq_lens = starts + q_lens  # [B]
-        new_tokens = (
-            it.seq.token_ids[a:b] for it, a, b in zip(scheduled, starts.tolist(), seq_lens.tolist())
-        )
-        input_ids = np.fromiter(itertools.chain.from_iterable(new_tokens), np.int64, total)  # [T]
-        seq_idx = np.repeat(np.arange(num_seqs), q_lens)  # [T]: which sequence each token is of
-        positions = np.arange(total) - cu[seq_idx] + starts[seq_idx]  # [T]
+        if total == num_seqs:  # one token each (decodes, mostly): no repeat, no per-seq slices
+            seq_idx = np.arange(num_seqs)  # [T]: which sequence each token is of
+            positions = starts  # [T]
+            input_ids = np.array([s.token_ids[c] for s, c in zip(seqs, starts.tolist())], np.int64)
+        else:
+            seq_idx = np.repeat(np.arange(num_seqs), q_lens)
+            positions = np.arange(total) - cu[seq_idx] + starts[seq_idx]
+            new_tokens = itertools.chain.from_iterable(
+                s.token_ids[c:c + n] for s, c, n in zip(seqs, starts.tolist(), q_lens.tolist())
+            )
+            input_ids = np.fromiter(new_tokens, np.int64, total)
 
         width = int(-(-seq_lens.max() // bs))
-        block_tables = self._block_table_rows([it.seq for it in scheduled])[:, :width].copy()
+        block_tables = self._block_table_rows(seqs)[:, :width].copy()
         slot_mapping = block_tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
-        sample = np.fromiter((it.sample for it in scheduled), bool, num_seqs)
+        sample = np.fromiter(map(_sample, scheduled), bool, num_seqs)
         logits_indices = (cu[1:] - 1)[sample]  # [S]: the last new token of each sampled seq
         return StepInput(
             input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
@@ -274,6 +281,11 @@ class ModelRunner:
             input_ids, positions, md, logits_indices = self._device_inputs(step)
             hidden = self.model(input_ids, positions, md)  # [T, hidden]
             return self.model.compute_logits(hidden[logits_indices])
+
+
+_num_computed = operator.attrgetter("num_computed_tokens")
+_num_new = operator.attrgetter("num_new_tokens")
+_sample = operator.attrgetter("sample")
 
 
 def _dummy_prefill(num_tokens: int, blocks: Seq[int]) -> ScheduledSequence:
