@@ -11,6 +11,7 @@ import torch
 from tests.model_helpers import tiny_hf_model
 from tinypaged import LLM, SamplingParams
 from tinypaged.kernels import norm
+from tinypaged.runner import HostBlockTables, build_step
 from tinypaged.scheduler import ScheduledSequence, Sequence
 
 BLOCK = 4
@@ -26,11 +27,9 @@ def llama_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def runner(llama_dir):
-    llm = LLM(str(llama_dir), block_size=BLOCK, num_kv_blocks=64, max_num_seqs=4,
-              max_model_len=64, skip_tokenizer_init=True)
-    return llm.engine.runner
+@pytest.fixture
+def tables():
+    return HostBlockTables(max_rows=4, max_blocks_per_seq=16)
 
 
 def oracle(scheduled: list[ScheduledSequence]) -> dict[str, list]:
@@ -48,8 +47,8 @@ def oracle(scheduled: list[ScheduledSequence]) -> dict[str, list]:
             "logits_indices": logits_indices}
 
 
-def check(runner, scheduled: list[ScheduledSequence]) -> None:
-    step = runner.build_step(scheduled)
+def check(tables: HostBlockTables, scheduled: list[ScheduledSequence]) -> None:
+    step = build_step(scheduled, BLOCK, tables)
     for name, want in oracle(scheduled).items():
         assert getattr(step, name).tolist() == want, name
     width = step.block_tables.shape[1]
@@ -64,31 +63,31 @@ def decode(seq: Sequence) -> ScheduledSequence:
     return ScheduledSequence(seq, 1, len(seq) - 1, sample=True)
 
 
-def test_build_step_matches_the_oracle_as_rows_change_hands(runner):
+def test_build_step_matches_the_oracle_as_rows_change_hands(tables):
     a = Sequence("a", list(range(10, 19)))  # 9 tokens: 3 blocks
     b = Sequence("b", list(range(30, 33)))
     a.block_table, b.block_table = [7, 3, 12], [5]
     # one-token prompt chunks: a step of one token per sequence that are not the last ones
-    check(runner, [ScheduledSequence(a, 1, 0, sample=False), ScheduledSequence(b, 1, 0, False)])
-    check(runner, [ScheduledSequence(a, 5, 1, sample=False), ScheduledSequence(b, 2, 1, True)])
-    check(runner, [ScheduledSequence(a, 3, 6, sample=True), decode(b)])  # rows unchanged
+    check(tables, [ScheduledSequence(a, 1, 0, sample=False), ScheduledSequence(b, 1, 0, False)])
+    check(tables, [ScheduledSequence(a, 5, 1, sample=False), ScheduledSequence(b, 2, 1, True)])
+    check(tables, [ScheduledSequence(a, 3, 6, sample=True), decode(b)])  # rows unchanged
 
     a.append_token(19)
     b.append_token(33)
     b.block_table.append(9)  # b's table grows while it keeps its row
-    check(runner, [decode(a), decode(b)])
+    check(tables, [decode(a), decode(b)])
 
     # a is preempted and comes back in its row with as many blocks as before, but other ones
     a.num_preemptions += 1
     a.block_table = [40, 41, 42]
     b.append_token(34)
-    check(runner, [ScheduledSequence(a, 10, 0, sample=True), decode(b)])
+    check(tables, [ScheduledSequence(a, 10, 0, sample=True), decode(b)])
 
     # a short newcomer takes row 0 from a's longer table (its tail is cleared); a moves to row 1
     a.append_token(20)
     c = Sequence("c", [1, 2])
     c.block_table = [50]
-    check(runner, [ScheduledSequence(c, 2, 0, sample=True), decode(a)])
+    check(tables, [ScheduledSequence(c, 2, 0, sample=True), decode(a)])
 
 
 def test_kernels_switch_runs_the_model_through_triton(llama_dir, monkeypatch):
@@ -141,9 +140,9 @@ def test_kernels_choice_is_scoped():
         kernel_choice("fast")
 
 
-def test_block_rows_grow_for_a_batch_wider_than_max_num_seqs(runner):
-    seqs = [Sequence(f"w{i}", [i + 1] * 3) for i in range(6)]  # max_num_seqs is 4
+def test_block_rows_grow_for_a_batch_wider_than_max_num_seqs(tables):
+    seqs = [Sequence(f"w{i}", [i + 1] * 3) for i in range(6)]  # 4 rows
     for i, s in enumerate(seqs):
         s.block_table = [i]
-    check(runner, [ScheduledSequence(s, 3, 0, sample=True) for s in seqs])
-    assert np.array_equal(runner.build_step([decode(seqs[0])]).block_tables, [[0]])
+    check(tables, [ScheduledSequence(s, 3, 0, sample=True) for s in seqs])
+    assert np.array_equal(build_step([decode(seqs[0])], BLOCK, tables).block_tables, [[0]])

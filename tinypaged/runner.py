@@ -107,10 +107,7 @@ class ModelRunner:
                 "kernels='triton' on the CPU runs the Triton interpreter, which computes bfloat16 "
                 "wrongly (it holds bf16 as raw integer bits); use dtype float32 or float16"
             )
-        # Host block tables kept across steps; row i holds the table of the step's i-th
-        # sequence, and row_keys[i] = (seq_id, num_preemptions, table length) says whose.
-        self.block_tables = np.zeros((config.max_num_seqs, self.max_blocks_per_seq), np.int32)
-        self.row_keys: list[tuple[int, int, int] | None] = [None] * config.max_num_seqs
+        self.block_tables = HostBlockTables(config.max_num_seqs, self.max_blocks_per_seq)
         self.graphs = None  # eager while profiling; captured after the cache exists
         self.kv_cache_info = self._allocate_kv_cache()
         if device.type == "cuda":
@@ -194,59 +191,7 @@ class ModelRunner:
 
     def build_step(self, scheduled: Seq[ScheduledSequence]) -> StepInput:
         """The flat batch of one scheduled step as host arrays (see the module docstring)."""
-        bs = self.block_size
-        num_seqs = len(scheduled)
-        seqs = [it.seq for it in scheduled]
-        starts = np.fromiter(map(_num_computed, scheduled), np.int64, num_seqs)  # [B]
-        q_lens = np.fromiter(map(_num_new, scheduled), np.int64, num_seqs)  # [B]
-        seq_lens = starts + q_lens  # [B]
-        cu = np.zeros(num_seqs + 1, dtype=np.int64)  # [B + 1]
-        np.cumsum(q_lens, out=cu[1:])
-        total = int(cu[-1])
-        if total == num_seqs:  # one token each (decodes, mostly): no repeat, no per-seq slices
-            seq_idx = np.arange(num_seqs)  # [T]: which sequence each token is of
-            positions = starts  # [T]
-            input_ids = np.array([s.token_ids[c] for s, c in zip(seqs, starts.tolist())], np.int64)
-        else:
-            seq_idx = np.repeat(np.arange(num_seqs), q_lens)
-            positions = np.arange(total) - cu[seq_idx] + starts[seq_idx]
-            new_tokens = itertools.chain.from_iterable(
-                s.token_ids[c:c + n] for s, c, n in zip(seqs, starts.tolist(), q_lens.tolist())
-            )
-            input_ids = np.fromiter(new_tokens, np.int64, total)
-
-        width = int(-(-seq_lens.max() // bs))
-        block_tables = self._block_table_rows(seqs)[:, :width].copy()
-        slot_mapping = block_tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
-        sample = np.fromiter(map(_sample, scheduled), bool, num_seqs)
-        logits_indices = (cu[1:] - 1)[sample]  # [S]: the last new token of each sampled seq
-        return StepInput(
-            input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
-            block_tables, logits_indices, int(q_lens.max()), int(seq_lens.max()),
-        )
-
-    def _block_table_rows(self, seqs: Seq[Sequence]) -> np.ndarray:
-        """Rows 0..B-1 of the host block tables [B, max_blocks_per_seq] hold `seqs`' tables.
-
-        A row is rewritten only where its key changed; a table that only grew gets its new tail.
-        The preemption count is part of the key: a preempted sequence gets new blocks, possibly
-        as many as before. Entries past a row's table are 0."""
-        if len(seqs) > len(self.row_keys):  # only the profiling pass can be this wide
-            self.block_tables = np.zeros((len(seqs), self.max_blocks_per_seq), np.int32)
-            self.row_keys = [None] * len(seqs)
-        rows, keys = self.block_tables, self.row_keys
-        for i, seq in enumerate(seqs):
-            table = seq.block_table
-            key = (seq.seq_id, seq.num_preemptions, len(table))
-            old = keys[i]
-            if old == key:
-                continue
-            old_len = 0 if old is None else old[2]
-            done = old_len if old is not None and old[:2] == key[:2] and old_len < key[2] else 0
-            rows[i, done : len(table)] = table[done:]
-            rows[i, len(table) : old_len] = 0
-            keys[i] = key
-        return rows[: len(seqs)]
+        return build_step(scheduled, self.block_size, self.block_tables)
 
     def _device_inputs(
         self, step: StepInput
@@ -281,6 +226,77 @@ class ModelRunner:
             input_ids, positions, md, logits_indices = self._device_inputs(step)
             hidden = self.model(input_ids, positions, md)  # [T, hidden]
             return self.model.compute_logits(hidden[logits_indices])
+
+
+def build_step(
+    scheduled: Seq[ScheduledSequence], block_size: int, block_tables: HostBlockTables
+) -> StepInput:
+    """The flat batch of one scheduled step as host arrays (see the module docstring)."""
+    bs = block_size
+    num_seqs = len(scheduled)
+    seqs = [it.seq for it in scheduled]
+    starts = np.fromiter(map(_num_computed, scheduled), np.int64, num_seqs)  # [B]
+    q_lens = np.fromiter(map(_num_new, scheduled), np.int64, num_seqs)  # [B]
+    seq_lens = starts + q_lens  # [B]
+    cu = np.zeros(num_seqs + 1, dtype=np.int64)  # [B + 1]
+    np.cumsum(q_lens, out=cu[1:])
+    total = int(cu[-1])
+    if total == num_seqs:  # one token each (decodes, mostly): no repeat, no per-seq slices
+        seq_idx = np.arange(num_seqs)  # [T]: which sequence each token is of
+        positions = starts  # [T]
+        input_ids = np.array([s.token_ids[c] for s, c in zip(seqs, starts.tolist())], np.int64)
+    else:
+        seq_idx = np.repeat(np.arange(num_seqs), q_lens)
+        positions = np.arange(total) - cu[seq_idx] + starts[seq_idx]
+        new_tokens = itertools.chain.from_iterable(
+            s.token_ids[c:c + n] for s, c, n in zip(seqs, starts.tolist(), q_lens.tolist())
+        )
+        input_ids = np.fromiter(new_tokens, np.int64, total)
+
+    width = int(-(-seq_lens.max() // bs))
+    tables = block_tables.rows(seqs)[:, :width].copy()
+    slot_mapping = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
+    sample = np.fromiter(map(_sample, scheduled), bool, num_seqs)
+    logits_indices = (cu[1:] - 1)[sample]  # [S]: the last new token of each sampled seq
+    return StepInput(
+        input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
+        tables, logits_indices, int(q_lens.max()), int(seq_lens.max()),
+    )
+
+
+class HostBlockTables:
+    """The host copy of the block tables, kept from step to step: [max_rows, max_blocks] int32.
+
+    Row i holds the table of the step's i-th sequence; row_keys[i] = (seq_id, num_preemptions,
+    table length) says whose it is and how much of it is written.
+    """
+
+    def __init__(self, max_rows: int, max_blocks_per_seq: int) -> None:
+        self.array = np.zeros((max_rows, max_blocks_per_seq), np.int32)
+        self.row_keys: list[tuple[int, int, int] | None] = [None] * max_rows
+
+    def rows(self, seqs: Seq[Sequence]) -> np.ndarray:
+        """Rows 0..B-1 [B, max_blocks_per_seq], made to hold `seqs`' tables.
+
+        A row is rewritten only where its key changed; a table that only grew gets its new tail.
+        The preemption count is part of the key: a preempted sequence gets new blocks, possibly
+        as many as before. Entries past a row's table are 0."""
+        if len(seqs) > len(self.row_keys):  # only the profiling pass can be this wide
+            self.array = np.zeros((len(seqs), self.array.shape[1]), np.int32)
+            self.row_keys = [None] * len(seqs)
+        rows, keys = self.array, self.row_keys
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            key = (seq.seq_id, seq.num_preemptions, len(table))
+            old = keys[i]
+            if old == key:
+                continue
+            old_len = 0 if old is None else old[2]
+            done = old_len if old is not None and old[:2] == key[:2] and old_len < key[2] else 0
+            rows[i, done : len(table)] = table[done:]
+            rows[i, len(table) : old_len] = 0
+            keys[i] = key
+        return rows[: len(seqs)]
 
 
 _num_computed = operator.attrgetter("num_computed_tokens")
