@@ -1,7 +1,7 @@
 """Scheduler steps on two requests that share a prompt prefix, in pure Python (no model), with
 the flat batch the runner builds for each step.
 
-    python docs/walkthrough.py
+    python -m docs.walkthrough
 
 Change the numbers (block_size, the token budget, the prompts) and run it again.
 """

@@ -1,20 +1,31 @@
-"""benchmarks/kernels.py --json and docs/plots.py agree on the format: rows recorded on the CPU
-(torch ops timed for real, ceilings measured the same way) become one PNG per kernel family."""
+"""The guide's scripts: docs/walkthrough.py runs as the guide says; benchmarks/kernels.py --json
+and docs/plots.py agree on the format (rows recorded on the CPU, torch ops timed for real and
+ceilings measured the same way, become one PNG per kernel family)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-pytest.importorskip("matplotlib")
-pytest.importorskip("triton")  # benchmarks/kernels.py imports triton.testing
-
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_walkthrough_shows_a_prefix_hit_and_the_flat_batch():
+    result = subprocess.run([sys.executable, "-m", "docs.walkthrough"], cwd=ROOT, text=True,
+                            capture_output=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    step1 = lines[lines.index("--- step 1") + 1 : lines.index("--- step 2")]
+    # b's first block is a's: only its last 3 prompt tokens run, and it shares block 0
+    assert "b: positions [4, 7) blocks [0, 3] sample=True" in step1
+    assert "  slot_mapping     [8, 9, 12, 13, 14]" in step1
 
 
 def load_script(path: Path):
@@ -31,6 +42,8 @@ def cpu_ms(fn) -> float:
 
 
 def test_kernel_json_becomes_one_png_per_family(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("triton")  # benchmarks/kernels.py imports triton.testing
     bench = load_script(ROOT / "benchmarks" / "kernels.py")
     plots = load_script(ROOT / "docs" / "plots.py")
     monkeypatch.setattr(bench, "bench_ms", cpu_ms)
@@ -71,6 +84,7 @@ def test_kernel_json_becomes_one_png_per_family(tmp_path, monkeypatch):
 
 
 def test_plots_reject_a_file_that_is_not_a_kernel_run(tmp_path):
+    pytest.importorskip("matplotlib")
     plots = load_script(ROOT / "docs" / "plots.py")
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"requests": 256}))
