@@ -7,7 +7,7 @@ Change the numbers (block_size, the token budget, the prompts) and run it again.
 """
 
 from tinypaged.config import EngineConfig
-from tinypaged.runner import HostBlockTables, build_step
+from tinypaged.input_batch import HostBlockTables, build_step
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.scheduler import Scheduler, Sequence
 

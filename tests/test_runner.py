@@ -1,4 +1,4 @@
-"""The runner's flat batch against a plain per-token oracle, over steps that reuse, grow and
+"""The flat batch (input_batch.py) against a plain per-token oracle, over steps that reuse, grow and
 reassign its cached block-table rows; and the `kernels` switch that runs the whole model through
 the Triton kernels (the interpreter, on the CPU)."""
 
@@ -10,8 +10,8 @@ import torch
 
 from tests.model_helpers import tiny_hf_model
 from tinypaged import LLM, SamplingParams
+from tinypaged.input_batch import HostBlockTables, build_step
 from tinypaged.kernels import norm
-from tinypaged.runner import HostBlockTables, build_step
 from tinypaged.scheduler import ScheduledSequence, Sequence
 
 BLOCK = 4

@@ -21,8 +21,8 @@ import logging
 
 import torch
 
+from tinypaged.input_batch import StepInput
 from tinypaged.models.batch import AttentionMetadata
-from tinypaged.runner import StepInput
 
 logger = logging.getLogger(__name__)
 

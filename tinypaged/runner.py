@@ -1,25 +1,10 @@
-"""ModelRunner: turns a scheduled batch into flat tensors, runs the model, returns logits.
+"""ModelRunner: runs one step's flat batch through the model and returns the logits.
 
-One step's batch is B sequences with `q_len[b]` new tokens each (T = sum q_len). `build_step`
-makes, on the CPU and without per-token Python loops, a StepInput:
-
-    input_ids[T], positions[T], slot_mapping[T]      one row per new token
-    query_start_loc[B+1] = [0, cumsum(q_len)]        where each sequence's rows start
-    seq_lens[B] = num_computed[b] + q_len[b]         whole context after this step
-    block_tables[B, max_blocks]                       int32
-    logits_indices[S]                                 rows whose logits are sampled
-
-and `execute(step)` runs it: one host-to-device copy of the arrays, then the model. Pure-decode
-batches replay a CUDA graph captured for the nearest batch-size bucket (see `cuda_graphs.py`);
-every other batch runs eagerly. Both read the same StepInput, so the slot of each token is
-computed in one place:
-
-    slot_mapping[t] = block_tables[b, positions[t] // block_size] * block_size
-                      + positions[t] % block_size                        (t a token of seq b)
-
-Block tables change rarely (one new block every block_size tokens), so the runner keeps its
-host copy of them from step to step and rewrites a row only when the sequence in it or the
-length of its table changed: at batch 256 that saves ~256 list-to-array copies per step.
+`build_step(scheduled)` turns the scheduler's choice into a StepInput (input_batch.py: the flat
+arrays, no padding) and `execute(step)` runs it: one pinned, non-blocking host-to-device copy of
+the arrays, then the model. Pure-decode batches replay a CUDA graph captured for the nearest
+batch-size bucket (see `cuda_graphs.py`); every other batch runs eagerly. `config.kernels`
+decides, for the duration of each forward, who runs the ops (kernels/_triton.py).
 
 Under tensor parallelism every rank has its own ModelRunner (its shard, the KV cache of its heads,
 its graphs); rank 0 builds each step's arrays once and every rank executes them, so all ranks see
@@ -31,9 +16,7 @@ pass at the largest batch, on the CPU from `cpu_kv_cache_space` GiB, or `num_kv_
 
 from __future__ import annotations
 
-import itertools
 import logging
-import operator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -42,27 +25,13 @@ import torch
 
 from tinypaged import distributed
 from tinypaged.config import EngineConfig
+from tinypaged.input_batch import HostBlockTables, StepInput, build_step
 from tinypaged.kernels._triton import kernel_choice
 from tinypaged.models.batch import AttentionMetadata
 from tinypaged.models.layers import Attention
 from tinypaged.scheduler import ScheduledSequence, Sequence
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInput:
-    """One step's flat batch as host arrays (B sequences, T new tokens, S sampled rows)."""
-
-    input_ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    slot_mapping: np.ndarray  # int64 [T]
-    query_start_loc: np.ndarray  # int32 [B + 1]
-    seq_lens: np.ndarray  # int32 [B]
-    block_tables: np.ndarray  # int32 [B, max_blocks]
-    logits_indices: np.ndarray  # int64 [S]
-    max_query_len: int
-    max_seq_len: int
 
 
 @dataclass
@@ -226,82 +195,6 @@ class ModelRunner:
             input_ids, positions, md, logits_indices = self._device_inputs(step)
             hidden = self.model(input_ids, positions, md)  # [T, hidden]
             return self.model.compute_logits(hidden[logits_indices])
-
-
-def build_step(
-    scheduled: Seq[ScheduledSequence], block_size: int, block_tables: HostBlockTables
-) -> StepInput:
-    """The flat batch of one scheduled step as host arrays (see the module docstring)."""
-    bs = block_size
-    num_seqs = len(scheduled)
-    seqs = [it.seq for it in scheduled]
-    starts = np.fromiter(map(_num_computed, scheduled), np.int64, num_seqs)  # [B]
-    q_lens = np.fromiter(map(_num_new, scheduled), np.int64, num_seqs)  # [B]
-    seq_lens = starts + q_lens  # [B]
-    cu = np.zeros(num_seqs + 1, dtype=np.int64)  # [B + 1]
-    np.cumsum(q_lens, out=cu[1:])
-    total = int(cu[-1])
-    if total == num_seqs:  # one token each (decodes, mostly): no repeat, no per-seq slices
-        seq_idx = np.arange(num_seqs)  # [T]: which sequence each token is of
-        positions = starts  # [T]
-        input_ids = np.array([s.token_ids[c] for s, c in zip(seqs, starts.tolist())], np.int64)
-    else:
-        seq_idx = np.repeat(np.arange(num_seqs), q_lens)
-        positions = np.arange(total) - cu[seq_idx] + starts[seq_idx]
-        new_tokens = itertools.chain.from_iterable(
-            s.token_ids[c:c + n] for s, c, n in zip(seqs, starts.tolist(), q_lens.tolist())
-        )
-        input_ids = np.fromiter(new_tokens, np.int64, total)
-
-    width = int(-(-seq_lens.max() // bs))
-    tables = block_tables.rows(seqs)[:, :width].copy()
-    slot_mapping = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
-    sample = np.fromiter(map(_sample, scheduled), bool, num_seqs)
-    logits_indices = (cu[1:] - 1)[sample]  # [S]: the last new token of each sampled seq
-    return StepInput(
-        input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
-        tables, logits_indices, int(q_lens.max()), int(seq_lens.max()),
-    )
-
-
-class HostBlockTables:
-    """The host copy of the block tables, kept from step to step: [max_rows, max_blocks] int32.
-
-    Row i holds the table of the step's i-th sequence; row_keys[i] = (seq_id, num_preemptions,
-    table length) says whose it is and how much of it is written.
-    """
-
-    def __init__(self, max_rows: int, max_blocks_per_seq: int) -> None:
-        self.array = np.zeros((max_rows, max_blocks_per_seq), np.int32)
-        self.row_keys: list[tuple[int, int, int] | None] = [None] * max_rows
-
-    def rows(self, seqs: Seq[Sequence]) -> np.ndarray:
-        """Rows 0..B-1 [B, max_blocks_per_seq], made to hold `seqs`' tables.
-
-        A row is rewritten only where its key changed; a table that only grew gets its new tail.
-        The preemption count is part of the key: a preempted sequence gets new blocks, possibly
-        as many as before. Entries past a row's table are 0."""
-        if len(seqs) > len(self.row_keys):  # only the profiling pass can be this wide
-            self.array = np.zeros((len(seqs), self.array.shape[1]), np.int32)
-            self.row_keys = [None] * len(seqs)
-        rows, keys = self.array, self.row_keys
-        for i, seq in enumerate(seqs):
-            table = seq.block_table
-            key = (seq.seq_id, seq.num_preemptions, len(table))
-            old = keys[i]
-            if old == key:
-                continue
-            old_len = 0 if old is None else old[2]
-            done = old_len if old is not None and old[:2] == key[:2] and old_len < key[2] else 0
-            rows[i, done : len(table)] = table[done:]
-            rows[i, len(table) : old_len] = 0
-            keys[i] = key
-        return rows[: len(seqs)]
-
-
-_num_computed = operator.attrgetter("num_computed_tokens")
-_num_new = operator.attrgetter("num_new_tokens")
-_sample = operator.attrgetter("sample")
 
 
 def _dummy_prefill(num_tokens: int, blocks: Seq[int]) -> ScheduledSequence:
