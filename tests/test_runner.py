@@ -117,8 +117,12 @@ def test_kernels_setting_from_the_environment_and_its_errors(llama_dir, monkeypa
     monkeypatch.setenv("TINYPAGED_KERNELS", "torch")
     assert EngineConfig().kernels == "torch"
     assert EngineConfig(kernels="auto").kernels == "auto"
-    with pytest.raises(ValueError, match="kernels must be auto, triton or torch; got 'cuda'"):
+    with pytest.raises(ValueError, match="kernels must be auto, triton or torch; got 'cuda'$"):
         EngineConfig(kernels="cuda")
+    monkeypatch.setenv("TINYPAGED_KERNELS", "fast")
+    with pytest.raises(ValueError, match=r"got 'fast' \(from \$TINYPAGED_KERNELS\)"):
+        EngineConfig()
+    monkeypatch.delenv("TINYPAGED_KERNELS")
     pytest.importorskip("triton")
     with pytest.raises(ValueError, match="bfloat16 wrongly.*float32"):
         LLM(str(llama_dir), dtype="bfloat16", kernels="triton", num_kv_blocks=4,

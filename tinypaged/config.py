@@ -65,7 +65,11 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kernels not in ("auto", "triton", "torch"):
-            raise ValueError(f"kernels must be auto, triton or torch; got {self.kernels!r}")
+            from_env = os.environ.get("TINYPAGED_KERNELS") == self.kernels
+            source = " (from $TINYPAGED_KERNELS)" if from_env else ""
+            raise ValueError(
+                f"kernels must be auto, triton or torch; got {self.kernels!r}{source}"
+            )
         if self.quantization not in (None, "awq"):
             raise ValueError(f"quantization must be None or 'awq', got {self.quantization!r}")
 
