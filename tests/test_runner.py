@@ -111,6 +111,7 @@ def test_kernels_switch_runs_the_model_through_triton(llama_dir, monkeypatch):
     assert not norm.use_triton(torch.empty(0))  # the choice does not outlive the forward
 
 
+@pytest.mark.filterwarnings("ignore:dtype=bfloat16 on the CPU is much slower")
 def test_kernels_setting_from_the_environment_and_its_errors(llama_dir, monkeypatch):
     from tinypaged.config import EngineConfig
 
