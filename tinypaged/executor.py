@@ -3,7 +3,7 @@
     executor = create_executor(config, device)  # builds and loads the model on every rank
     executor.model, executor.hf_config, executor.model_dir   # rank 0's shard, the checkpoint's
     runner = executor.init_runner()             # once config.max_model_len is final
-    logits = executor.execute(scheduled)        # [num_sampled, vocab] float32
+    logits = executor.execute(scheduled)        # [rows, vocab] float32 (input_batch.py)
     executor.shutdown()
 
 UniprocExecutor (tensor_parallel_size 1): the model and its ModelRunner live in the engine's
@@ -95,8 +95,9 @@ class UniprocExecutor:
         self.runner = ModelRunner(self.config, self.model, self.device, _dtype(self.model))
         return self.runner
 
-    def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
-        return self.runner.execute(self.runner.build_step(scheduled))
+    def execute(self, scheduled: list[ScheduledSequence],
+                prompt_logits: list[bool] | None = None) -> torch.Tensor:
+        return self.runner.execute(self.runner.build_step(scheduled, prompt_logits))
 
     def shutdown(self) -> None:
         pass
@@ -296,10 +297,11 @@ class MultiprocExecutor:
         self._graceful[0] = True
         return self.runner
 
-    def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
+    def execute(self, scheduled: list[ScheduledSequence],
+                prompt_logits: list[bool] | None = None) -> torch.Tensor:
         """Send the step to every worker, run rank 0's shard, return its logits."""
         self._raise_if_failed()
-        step = self.runner.build_step(scheduled)
+        step = self.runner.build_step(scheduled, prompt_logits)
         payload = pack_step(step)
         try:
             for w in self.workers:

@@ -7,7 +7,9 @@ sampled). `build_step` makes, on the CPU and without per-token Python loops, a S
     query_start_loc[B+1] = [0, cumsum(q_len)]        where each sequence's rows start
     seq_lens[B] = num_computed[b] + q_len[b]         whole context after this step
     block_tables[B, max_blocks]                       int32, 0 past each table
-    logits_indices[S]                                 rows whose logits are sampled
+    logits_indices[S]                                 rows whose logits are returned: the
+                                                      last row of each sampled sequence, or
+                                                      every row of one that asks for prompt logits
 
 Eager steps, CUDA-graph replays and every tensor-parallel rank read the same StepInput, so the
 slot of each token is computed here and nowhere else:
@@ -49,9 +51,13 @@ class StepInput:
 
 
 def build_step(
-    scheduled: Seq[ScheduledSequence], block_size: int, block_tables: HostBlockTables
+    scheduled: Seq[ScheduledSequence], block_size: int, block_tables: HostBlockTables,
+    prompt_logits: Seq[bool] | None = None,
 ) -> StepInput:
-    """The flat batch of one scheduled step as host arrays (see the module docstring)."""
+    """The flat batch of one scheduled step as host arrays (see the module docstring).
+
+    prompt_logits[b]: return the logits of every new row of sequence b (for prompt logprobs),
+    its sampled row last, instead of only the sampled row."""
     bs = block_size
     num_seqs = len(scheduled)
     seqs = [it.seq for it in scheduled]
@@ -78,6 +84,14 @@ def build_step(
     slot_mapping = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
     sample = np.fromiter(map(_sample, scheduled), bool, num_seqs)
     logits_indices = (cu[1:] - 1)[sample]  # [S]: the last new token of each sampled seq
+    if prompt_logits is not None and any(prompt_logits):  # rare: a loop is fine
+        rows = [np.empty(0, dtype=np.int64)]
+        for i, (every, sampled) in enumerate(zip(prompt_logits, sample)):
+            if every:
+                rows.append(np.arange(cu[i], cu[i + 1]))
+            elif sampled:
+                rows.append(cu[i + 1 : i + 2] - 1)
+        logits_indices = np.concatenate(rows)
     return StepInput(
         input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
         tables, logits_indices, int(q_lens.max()), int(seq_lens.max()),

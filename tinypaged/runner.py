@@ -158,9 +158,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ batch building
 
-    def build_step(self, scheduled: Seq[ScheduledSequence]) -> StepInput:
-        """The flat batch of one scheduled step as host arrays (see the module docstring)."""
-        return build_step(scheduled, self.block_size, self.block_tables)
+    def build_step(
+        self, scheduled: Seq[ScheduledSequence], prompt_logits: Seq[bool] | None = None
+    ) -> StepInput:
+        """The flat batch of one scheduled step as host arrays (input_batch.build_step)."""
+        return build_step(scheduled, self.block_size, self.block_tables, prompt_logits)
 
     def _device_inputs(
         self, step: StepInput
@@ -191,7 +193,7 @@ class ModelRunner:
         with self.kernels:
             num_seqs = len(step.seq_lens)
             if self.graphs is not None and step.max_query_len == 1 and self.graphs.fits(num_seqs):
-                return self.graphs.run(step)[step.logits_indices]  # pure decode: every row
+                return self.graphs.run(step)[step.logits_indices]  # all B rows ran
             input_ids, positions, md, logits_indices = self._device_inputs(step)
             hidden = self.model(input_ids, positions, md)  # [T, hidden]
             return self.model.compute_logits(hidden[logits_indices])
