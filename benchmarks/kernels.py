@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/kernels.py            # checks, then timings, then a table
     PYTHONPATH=. python benchmarks/kernels.py --awq      # also the AWQ int4 GEMM / GEMV
     PYTHONPATH=. python benchmarks/kernels.py --tune     # also sweep attention tiles (~2 min)
+    PYTHONPATH=. python benchmarks/kernels.py --awq --json docs/kernels/h200.json   # for the plots
 
 1. Every Triton kernel is compared with its torch reference in bf16 and fp16 (max error printed);
    any mismatch stops the script with exit code 1 before a single timing.
@@ -10,7 +11,9 @@
    reported as achieved GB/s (memory-bound ops: norm, rotary, SiLU, KV store, decode attention)
    or TFLOP/s (prefill attention), next to ceilings measured in the same run (a 1 GiB device copy,
    an 8192^3 bf16 matmul) and torch peers (the reference, F.rms_norm, SDPA cuDNN / flash).
-3. A markdown table closes the output; copy it into benchmarks/RESULTS.md.
+3. A markdown table closes the output; copy it into benchmarks/RESULTS.md. With `--json PATH`
+   every row (with its bytes and FLOPs, so a roofline can place it) and the ceilings go to a JSON
+   file, which `docs/plots.py` turns into one PNG per kernel family.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
+import json
 import math
 import subprocess
 import sys
@@ -31,29 +35,41 @@ from tinypaged.kernels._triton import cdiv, num_sms
 from tinypaged.kernels.attention_decode import decode_num_splits
 
 DEV = "cuda"
-ROWS: list[tuple] = []  # (op, shape, impl, us, achieved, unit, % of ceiling)
+ROWS: list[dict] = []  # one per timing: op, shape, impl, us, bytes, flops, achieved, unit, pct
 CEILING = {"GB/s": 0.0, "TFLOP/s": 0.0}
+FAMILY = {  # op -> the docs page (docs/kernels/<family>.md) whose plot shows it
+    "rms_norm": "norm_activation", "add+rms_norm": "norm_activation",
+    "silu_and_mul": "norm_activation", "rotary (neox)": "rotary", "store_kv": "kv_cache",
+    "decode paged": "decode_attention", "decode dense": "decode_attention",
+    "prefill paged": "prefill_attention", "prefill dense": "prefill_attention",
+    "awq_gemm": "awq", "bf16 linear": "awq",
+}
 
 
 def bench_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def record(op: str, shape: str, impl: str, fn, *, bytes_moved=None, flops=None) -> float:
-    """Time fn and add a table row; returns milliseconds (nan when the impl cannot run)."""
+def record(op: str, shape: str, impl: str, fn, *, bytes_moved: float, flops: float = 0.0,
+           compute_bound: bool = False) -> float:
+    """Time fn and add a table row; returns milliseconds (nan when the impl cannot run).
+
+    bytes_moved: the least DRAM traffic the op needs; flops: its arithmetic. The row reports
+    TFLOP/s against the matmul ceiling when compute_bound, else GB/s against the copy ceiling."""
+    row = {"op": op, "family": FAMILY.get(op), "shape": shape, "impl": impl,
+           "bytes": bytes_moved, "flops": flops, "unit": "TFLOP/s" if compute_bound else "GB/s",
+           "us": float("nan"), "achieved": float("nan"), "pct": float("nan")}
+    ROWS.append(row)
     try:
         ms = bench_ms(fn)
     except (RuntimeError, NotImplementedError, ValueError) as e:  # a peer without this shape
         print(f"  {op:18s} {shape:28s} {impl:22s} n/a ({type(e).__name__}: {str(e)[:60]})")
-        ROWS.append((op, shape, impl, float("nan"), float("nan"), "", float("nan")))
         return float("nan")
-    if flops is not None:
-        value, unit = flops / ms / 1e9, "TFLOP/s"
-    else:
-        value, unit = bytes_moved / ms / 1e6, "GB/s"
-    pct = 100 * value / CEILING[unit] if CEILING[unit] else float("nan")
+    value = flops / ms / 1e9 if compute_bound else bytes_moved / ms / 1e6
+    pct = 100 * value / CEILING[row["unit"]] if CEILING[row["unit"]] else float("nan")
+    unit = row["unit"]
     print(f"  {op:18s} {shape:28s} {impl:22s} {ms * 1e3:9.1f} us {value:8.1f} {unit} {pct:5.1f}%")
-    ROWS.append((op, shape, impl, ms * 1e3, value, unit, pct))
+    row.update(us=ms * 1e3, achieved=value, pct=pct)
     return ms
 
 
@@ -214,26 +230,26 @@ def time_elementwise() -> None:
     T, H = 8192, 4096
     x, w, res = randn(T, H), randn(H), randn(T, H)
     shape = f"{T}x{H}"
-    record("rms_norm", shape, "triton", lambda: norm.rms_norm(x, w, 1e-6), bytes_moved=4 * T * H)
+    norm_cost = {"bytes_moved": 4 * T * H, "flops": 4 * T * H}  # x^2, sum, * rsqrt, * w
+    record("rms_norm", shape, "triton", lambda: norm.rms_norm(x, w, 1e-6), **norm_cost)
     record("rms_norm", shape, "torch reference", lambda: norm.rms_norm_ref(x, w, 1e-6),
-           bytes_moved=4 * T * H)
-    record("rms_norm", shape, "F.rms_norm", lambda: F.rms_norm(x, (H,), w, 1e-6),
-           bytes_moved=4 * T * H)
-    record("add+rms_norm", shape, "triton", lambda: norm.rms_norm(x, w, 1e-6, res),
-           bytes_moved=8 * T * H)
+           **norm_cost)
+    record("rms_norm", shape, "F.rms_norm", lambda: F.rms_norm(x, (H,), w, 1e-6), **norm_cost)
+    add_cost = {"bytes_moved": 8 * T * H, "flops": 5 * T * H}
+    record("add+rms_norm", shape, "triton", lambda: norm.rms_norm(x, w, 1e-6, res), **add_cost)
     record("add+rms_norm", shape, "torch reference", lambda: norm.rms_norm_ref(x, w, 1e-6, res),
-           bytes_moved=8 * T * H)
+           **add_cost)
 
     T, inter = 4096, 14336
     y = randn(T, 2 * inter)
-    moved, shape = 2 * 3 * T * inter, f"{T}x{2 * inter}"
-    record("silu_and_mul", shape, "triton", lambda: activation.silu_and_mul(y), bytes_moved=moved)
+    shape = f"{T}x{2 * inter}"
+    cost = {"bytes_moved": 2 * 3 * T * inter, "flops": 5 * T * inter}  # exp, add, div, 2 mul
+    record("silu_and_mul", shape, "triton", lambda: activation.silu_and_mul(y), **cost)
     record("silu_and_mul", shape, "torch reference", lambda: activation.silu_and_mul_ref(y),
-           bytes_moved=moved)
+           **cost)
     record("silu_and_mul", shape, "torch eager bf16",
-           lambda: F.silu(y[:, :inter]) * y[:, inter:], bytes_moved=moved)
-    record("gelu_tanh_and_mul", shape, "triton", lambda: activation.gelu_tanh_and_mul(y),
-           bytes_moved=moved)
+           lambda: F.silu(y[:, :inter]) * y[:, inter:], **cost)
+    record("gelu_tanh_and_mul", shape, "triton", lambda: activation.gelu_tanh_and_mul(y), **cost)
 
     T, D = 8192, 128
     cache = rotary.build_cos_sin_cache(D, 8192, 500000.0, device=DEV)
@@ -241,11 +257,12 @@ def time_elementwise() -> None:
     qkv = randn(T, 48 * D)
     q, k, _ = qkv.split([32 * D, 8 * D, 8 * D], dim=-1)
     q, k = q.view(T, 32, D), k.view(T, 8, D)
-    moved, shape = 2 * 2 * T * 40 * D + 4 * T * D, f"T{T} 32/8 heads d{D}"
+    shape = f"T{T} 32/8 heads d{D}"
+    cost = {"bytes_moved": 2 * 2 * T * 40 * D + 4 * T * D, "flops": 3 * T * 40 * D}
     record("rotary (neox)", shape, "triton",
-           lambda: rotary.rotary_embedding(pos, q, k, cache, D), bytes_moved=moved)
+           lambda: rotary.rotary_embedding(pos, q, k, cache, D), **cost)
     record("rotary (neox)", shape, "torch reference",
-           lambda: rotary.rotary_embedding_ref(pos, q, k, cache, D), bytes_moved=moved)
+           lambda: rotary.rotary_embedding_ref(pos, q, k, cache, D), **cost)
 
     T = 16384
     kv = randn(T, 16 * D)
@@ -272,19 +289,19 @@ def time_decode() -> None:
         batch = PagedBatch([1] * batch_size, [ctx] * batch_size, 32, 8, 128, torch.bfloat16)
         splits = decode_num_splits(batch_size, 8, ctx, num_sms(torch.cuda.current_device()))
         shape = f"B{batch_size} ctx{ctx}"
+        cost = {"bytes_moved": batch.kv_bytes(), "flops": 4 * batch_size * 32 * 128 * ctx}
         record("decode paged", shape, f"triton ({splits} splits)",
-               lambda b=batch: b.call(attention.paged_attention), bytes_moved=batch.kv_bytes())
+               lambda b=batch: b.call(attention.paged_attention), **cost)
         if (batch_size, ctx) in ((64, 2048), (256, 1024)):
             q = randn(batch_size, 32, 1, 128)
             k, v = randn(batch_size, 8, ctx, 128), randn(batch_size, 8, ctx, 128)
             for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
                 record("decode dense", shape, f"SDPA {backend.split('_')[0].lower()}",
                        lambda q=q, k=k, v=v, be=backend: sdpa(q, k, v, be, enable_gqa=True),
-                       bytes_moved=batch.kv_bytes())
+                       **cost)
         if (batch_size, ctx) == (64, 2048):
             record("decode paged", shape, "torch reference",
-                   lambda b=batch: b.call(attention.paged_attention_ref),
-                   bytes_moved=batch.kv_bytes())
+                   lambda b=batch: b.call(attention.paged_attention_ref), **cost)
 
 
 def time_windows() -> None:
@@ -320,19 +337,20 @@ def time_prefill() -> None:
                            torch.bfloat16)
         # causal FLOPs: QK^T and PV over the visible keys, 2 * 2 * D per (query, key) pair
         flops = 4 * batch_size * 32 * 128 * (new * prefix + new * new / 2)
+        cost = {"bytes_moved": batch.kv_bytes(), "flops": flops, "compute_bound": True}
         shape = f"B{batch_size} L{new}" + (f" +{prefix} cached" if prefix else "") + (
             f" {32}/{num_kv_heads}")
         record("prefill paged", shape, "triton", lambda b=batch: b.call(attention.paged_attention),
-               flops=flops)
+               **cost)
         if (batch_size, new, num_kv_heads) == (4, 2048, 32):
             record("prefill paged", shape, "torch reference",
-                   lambda b=batch: b.call(attention.paged_attention_ref), flops=flops)
+                   lambda b=batch: b.call(attention.paged_attention_ref), **cost)
         if prefix == 0 and num_kv_heads == 32:
             q, k, v = (randn(batch_size, 32, new, 128) for _ in range(3))
             for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
                 record("prefill dense", shape, f"SDPA {backend.split('_')[0].lower()}",
                        lambda q=q, k=k, v=v, be=backend: sdpa(q, k, v, be, is_causal=True),
-                       flops=flops)
+                       **cost)
 
 
 # ----------------------------------------------------------------------------- AWQ (--awq)
@@ -365,12 +383,12 @@ def time_awq() -> None:
         for m in (1, 8, 2048):
             x = randn(m, K, dtype=torch.bfloat16)
             shape = f"M{m} {K}x{N} bf16"
-            kind = {"flops": 2 * m * K * N} if m >= 256 else {"bytes_moved": packed_bytes}
+            io = 2 * m * (K + N)  # x read, y written (bf16)
+            kind = {"flops": 2 * m * K * N, "compute_bound": m >= 256}
             record("awq_gemm", shape, "triton", lambda x=x, s=scales, q=qweight, z=qzeros:
-                   awq.awq_gemm(x, q, z, s, group), **kind)
-            kind = {"flops": 2 * m * K * N} if m >= 256 else {"bytes_moved": 2 * K * N}
+                   awq.awq_gemm(x, q, z, s, group), bytes_moved=packed_bytes + io, **kind)
             record("bf16 linear", shape, "F.linear (cuBLAS)", lambda x=x, w=dense: F.linear(x, w),
-                   **kind)
+                   bytes_moved=2 * K * N + io, **kind)
 
 
 # ----------------------------------------------------------------------------- tuning (--tune)
@@ -378,7 +396,7 @@ def time_awq() -> None:
 
 def keep_fastest(start: int, count: int = 5) -> None:
     """Keep only the `count` fastest of the table rows added since `start`."""
-    ROWS[start:] = sorted(ROWS[start:], key=lambda row: row[3])[:count]
+    ROWS[start:] = sorted(ROWS[start:], key=lambda row: row["us"])[:count]
 
 
 def tune_prefill() -> None:
@@ -390,7 +408,8 @@ def tune_prefill() -> None:
                                                              (2, 3)):
         config = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
         record("prefill tune", "B4 L2048 32/8", str(config),
-               lambda c=config: prefill.call(attention.paged_attention, config=c), flops=flops)
+               lambda c=config: prefill.call(attention.paged_attention, config=c),
+               bytes_moved=prefill.kv_bytes(), flops=flops, compute_bound=True)
     keep_fastest(start)
 
 
@@ -413,11 +432,22 @@ def tune_decode() -> None:
 
 def print_table() -> None:
     print(f"\n| kernel | shape | impl | time (us) | achieved | % of ceiling |\n|{'---|' * 6}")
-    for op, shape, impl, us, value, unit, pct in ROWS:
-        if math.isnan(us):  # did not run
-            print(f"| {op} | {shape} | {impl} | n/a | | |")
+    for r in ROWS:
+        if math.isnan(r["us"]):  # did not run
+            print(f"| {r['op']} | {r['shape']} | {r['impl']} | n/a | | |")
         else:
-            print(f"| {op} | {shape} | {impl} | {us:.1f} | {value:.0f} {unit} | {pct:.0f}% |")
+            print(f"| {r['op']} | {r['shape']} | {r['impl']} | {r['us']:.1f} | "
+                  f"{r['achieved']:.0f} {r['unit']} | {r['pct']:.0f}% |")
+
+
+def write_json(path: str, header: dict) -> None:
+    """The run as JSON for docs/plots.py (NaN, for what did not run, becomes null)."""
+    clean = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()}
+             for r in ROWS]
+    ceilings = {"copy_GB_s": CEILING["GB/s"], "matmul_TFLOP_s": CEILING["TFLOP/s"]}
+    with open(path, "w") as f:
+        json.dump({**header, "ceilings": ceilings, "rows": clean}, f, indent=1)
+    print(f"wrote {len(clean)} rows to {path}")
 
 
 def main() -> None:
@@ -426,6 +456,7 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="also sweep attention tile configs")
     parser.add_argument("--keep-going", action="store_true", help="time even after a mismatch")
     parser.add_argument("--awq-only", action="store_true", help="only the AWQ checks and timings")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows and ceilings here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
@@ -435,8 +466,9 @@ def main() -> None:
                                 text=True, check=False).stdout.strip()
     except OSError:
         commit = "?"
-    print(f"{datetime.date.today()} {torch.cuda.get_device_name()} commit {commit or '?'} "
-          f"torch {torch.__version__}")
+    header = {"date": str(datetime.date.today()), "device": torch.cuda.get_device_name(),
+              "commit": commit or "?", "torch": torch.__version__}
+    print(" ".join(f"{k} {v}" for k, v in header.items()))
     if not args.awq_only:
         check_all()
         if FAILURES and not args.keep_going:
@@ -453,6 +485,8 @@ def main() -> None:
         tune_prefill()
         tune_decode()
     print_table()
+    if args.json:
+        write_json(args.json, header)
     if FAILURES:
         sys.exit(f"FAILED: {FAILURES}")
 

@@ -94,11 +94,12 @@ def main() -> None:
     engine.scheduler.update = timed("scheduler.update", engine.scheduler.update)
     engine.sampler.__class__.__call__ = timed("sample", engine.sampler.__class__.__call__)
     runner = engine.runner
+    runner.build_step = timed("build_step (host arrays)", runner.build_step)
     execute = runner.execute
 
-    def execute_split(seqs, num_new, do_sample):
-        kind = "decode (graph)" if max(num_new) == 1 else "mixed/prefill (eager)"
-        return timed(kind, execute)(seqs, num_new, do_sample)
+    def execute_split(step):
+        kind = "decode (graph)" if step.max_query_len == 1 else "mixed/prefill (eager)"
+        return timed(kind, execute)(step)
 
     runner.execute = execute_split
     reqs = [{"prompt_token_ids": p} for p in prompts]

@@ -151,6 +151,7 @@ def test_chat_streams_and_keeps_history(model_dir, llm):
         (["serve", "--port", "abc"], ["--port", "invalid int"]),
         (["generate"], ["required"]),
         (["serve", "--quantization", "gptq"], ["--quantization", "invalid choice"]),
+        (["generate", "hi", "--kernels", "cuda"], ["--kernels", "invalid choice"]),
     ],
 )
 def test_bad_flag_is_one_line(args, words):
@@ -202,3 +203,11 @@ def test_serve_reads_the_api_key_from_the_environment(model_dir, monkeypatch):
     assert seen == {"key": "from-env", "names": ["a", "b"]}
     assert main([*argv, "--api-key", "from-flag"]) == 1
     assert seen["key"] == "from-flag"
+
+
+def test_kernels_flag_reaches_the_engine(model_dir):
+    pytest.importorskip("triton")
+    # the one combination the engine refuses shows that --kernels got there
+    r = tinypaged("generate", str(model_dir), "hi", "--kernels", "triton", "--dtype", "bfloat16")
+    assert r.returncode == 1, r.stderr
+    assert "tinypaged: error:" in r.stderr and "Triton interpreter" in r.stderr, r.stderr

@@ -138,12 +138,7 @@ def test_no_safetensors_is_a_clear_error(llama_dir):
         _load(llama_dir)
 
 
-def test_unreachable_hub_id(monkeypatch, tmp_path):
-    from huggingface_hub import constants
-
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+def test_unreachable_hub_id(unreachable_hub):
     with pytest.raises(ConnectionError, match="could not be reached.*local path"):
         load_model(EngineConfig(model="someorg/some-model"), "cpu")
 

@@ -70,7 +70,7 @@ def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(fake):
     engine, url = fake
     calls = []
     encode = engine.tokenizer.encode
-    engine.tokenizer.encode = lambda text: calls.append(len(text)) or encode(text)
+    engine.tokenizer.encode = lambda text, **kw: calls.append(len(text)) or encode(text, **kw)
     try:
         # 64 tokens of context x at most 1 character per token x the margin of 4: 256 characters
         err = assert_error(post(url, "/v1/completions", {"prompt": "y" * 300}), 400, "prompt",

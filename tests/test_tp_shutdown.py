@@ -103,7 +103,7 @@ def test_ctrl_c_in_the_middle_of_a_step(model_dir, monkeypatch):
     def interrupted(step):  # the worker got the step and waits in its first all-reduce
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llm.engine.runner, "execute_step", interrupted)
+    monkeypatch.setattr(llm.engine.runner, "execute", interrupted)
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPT, PARAMS, use_tqdm=False)

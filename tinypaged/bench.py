@@ -231,12 +231,11 @@ def latency(args) -> dict:
         prompts = sample_requests(batch, args.input_len, args.input_len, cfg["vocab_size"], seed=1)
         llm.generate([{"prompt_token_ids": p} for p in prompts],
                      SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        waiting = {f"lat-{batch}-{i}" for i in range(batch)}
         for i, p in enumerate(prompts):
             engine.add_request(f"lat-{batch}-{i}", {"prompt_token_ids": p}, params)
-        while engine.scheduler.num_waiting or any(
-            not s.output_token_ids for r in engine.requests.values() for s in r.seqs
-        ):
-            engine.step()  # prefill until every sequence has its first token
+        while waiting:  # prefill until every request has its first token
+            waiting -= {out.request_id for out in engine.step()}
         sync()
         steps, start, outs = 0, time.perf_counter(), []
         while engine.has_unfinished_requests():

@@ -61,6 +61,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         metavar="auto|vllm|DIR",
         help="sampling defaults: the model's generation_config.json (auto), none (vllm), or DIR's",
     )
+    p.add_argument(
+        "--kernels", default=os.environ.get("TINYPAGED_KERNELS", "auto"),
+        choices=["auto", "triton", "torch"],
+        help="who runs the ops: auto = Triton on CUDA, torch references on the CPU; triton = "
+        "Triton everywhere (the Triton interpreter on the CPU: slow, shows kernel edits); "
+        "torch = the references (default: $TINYPAGED_KERNELS or auto)",
+    )
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -183,6 +190,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "tensor_parallel_size": args.tensor_parallel_size,
         "chat_template": chat_template,
         "generation_config": args.generation_config,
+        "kernels": args.kernels,
     }
 
 

@@ -6,7 +6,8 @@ rewriting code. `LLM`, `AsyncLLM` and the CLI all build one of these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -32,6 +33,9 @@ class EngineConfig:
     generation_config: str = "auto"
     load_format: str = "auto"  # "auto" = the checkpoint; "dummy" = random weights (benchmarks)
     skip_tokenizer_init: bool = False  # token ids in and out only (benchmarks)
+    # Who runs the ops: "auto" = Triton on CUDA, torch references on the CPU; "triton" = Triton
+    # everywhere (the interpreter on the CPU: slow, for learners); "torch" = the references.
+    kernels: str = field(default_factory=lambda: os.environ.get("TINYPAGED_KERNELS", "auto"))
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -60,6 +64,12 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.kernels not in ("auto", "triton", "torch"):
+            from_env = os.environ.get("TINYPAGED_KERNELS") == self.kernels
+            source = " (from $TINYPAGED_KERNELS)" if from_env else ""
+            raise ValueError(
+                f"kernels must be auto, triton or torch; got {self.kernels!r}{source}"
+            )
         if self.quantization not in (None, "awq"):
             raise ValueError(f"quantization must be None or 'awq', got {self.quantization!r}")
 

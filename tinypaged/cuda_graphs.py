@@ -8,8 +8,9 @@ buffers (sized for the largest bucket):
     input_ids[max_bs], positions[max_bs], slot_mapping[max_bs], seq_lens[max_bs],
     query_start_loc[max_bs + 1] = 0..max_bs, block_tables[max_bs, max_blocks_per_seq]
 
-A batch of B decodes is copied into the first B rows; rows B..bucket-1 are padding: slot -1 (no
-KV store), seq_len 1 over block 0, and their logits are dropped. Attention is captured with
+The runner's StepInput of B decodes (the same arrays an eager step reads) is copied into the first
+B rows; rows B..bucket-1 are padding: slot -1 (no KV store), seq_len 1 over the first block their
+row names, and their logits are dropped. Attention is captured with
 `max_seq_len = max_model_len` so its split count does not depend on the live batch.
 """
 
@@ -18,9 +19,9 @@ from __future__ import annotations
 import bisect
 import logging
 
-import numpy as np
 import torch
 
+from tinypaged.input_batch import StepInput
 from tinypaged.models.batch import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,6 @@ class DecodeGraphs:
         self.staging = torch.zeros((4 + runner.max_blocks_per_seq, max_bs), dtype=torch.int64)
         self.staging = self.staging.pin_memory()
         self.staging_np = self.staging.numpy()
-        self.row_keys: list[tuple[int, int] | None] = [None] * max_bs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self._capture()
@@ -86,43 +86,19 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.buckets)
 
-    def run(self, seqs) -> torch.Tensor:
-        """Replay the bucket that fits len(seqs) decodes; returns logits [len(seqs), vocab]."""
-        b = len(seqs)
-        bs = self.buckets[bisect.bisect_left(self.buckets, b)]
-        block_size = self.runner.block_size
-        stage = self.staging_np  # rows: ids, positions, slots, seq_lens, block table...
-        # Block tables change rarely (a new block every block_size tokens): rewrite only the
-        # rows whose sequence or table length differs from the last step's.
-        for i, s in enumerate(seqs):
-            key = (s.seq_id, len(s.block_table))
-            if self.row_keys[i] != key:
-                self.row_keys[i] = key
-                stage[4 : 4 + len(s.block_table), i] = s.block_table
-        pos = np.fromiter((len(s.token_ids) - 1 for s in seqs), np.int64, b)
-        stage[0, :b] = [s.token_ids[-1] for s in seqs]
-        stage[1, :b] = pos
-        stage[2, :b] = stage[4 + pos // block_size, np.arange(b)] * block_size + pos % block_size
-        stage[3, :b] = pos + 1
-        return self._replay(b, bs)
+    def run(self, step: StepInput) -> torch.Tensor:
+        """Replay the bucket that fits a decode step of B sequences; returns logits [B, vocab].
 
-    def run_step(self, step) -> torch.Tensor:
-        """Replay for a decode batch given as a runner StepInput (tensor-parallel ranks all get
-        the same arrays); returns logits [B, vocab]."""
+        The inputs are staged in columns 0..B-1 of one pinned buffer, padding rows B..bucket-1
+        are added, and the whole buffer travels to the static inputs in one copy."""
         b = len(step.seq_lens)
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
-        stage = self.staging_np
+        stage = self.staging_np  # rows: ids, positions, slots, seq_lens, block table...
         stage[0, :b] = step.input_ids
         stage[1, :b] = step.positions
         stage[2, :b] = step.slot_mapping
         stage[3, :b] = step.seq_lens
         stage[4 : 4 + step.block_tables.shape[1], :b] = step.block_tables.T
-        self.row_keys[:b] = [None] * b  # these rows no longer hold what run()'s keys describe
-        return self._replay(b, bs)
-
-    def _replay(self, b: int, bs: int) -> torch.Tensor:
-        """Pad rows b..bs-1, copy the staged inputs in one transfer, replay bucket bs."""
-        stage = self.staging_np
         stage[0:2, b:bs] = 0
         stage[2, b:bs] = -1  # padding rows store nothing and attend to one (ignored) key
         stage[3, b:bs] = 1

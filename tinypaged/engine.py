@@ -364,11 +364,8 @@ class Engine:
             else 0
             for it in items
         ]
-        logits = self.executor.execute(
-            [it.seq for it in items],
-            [it.num_new_tokens for it in items],
-            [it.sample for it in items],
-            [n > 0 for n in prompt_rows] if any(prompt_rows) else None,
+        logits = self.executor.execute(  # [rows, vocab], rows in `items` order
+            items, [n > 0 for n in prompt_rows] if any(prompt_rows) else None
         )
         if any(prompt_rows):
             reqs = [self.requests[it.seq.request_id] for it in items]

@@ -3,11 +3,12 @@
     executor = create_executor(config, device)  # builds and loads the model on every rank
     executor.model, executor.hf_config, executor.model_dir   # rank 0's shard, the checkpoint's
     runner = executor.init_runner()             # once config.max_model_len is final
-    logits = executor.execute(seqs, num_new_tokens, do_sample)  # [num_sampled, vocab] float32
+    logits = executor.execute(scheduled)        # [rows, vocab] float32 (input_batch.py)
     executor.shutdown()
 
 UniprocExecutor (tensor_parallel_size 1): the model and its ModelRunner live in the engine's
-process and `execute` is `ModelRunner.execute`. No process group, no other process.
+process and `execute` is `runner.execute(runner.build_step(scheduled))`. No process group, no
+other process.
 
 MultiprocExecutor (N > 1): rank 0 is the engine's process (it also hosts the scheduler and the
 sampler); ranks 1..N-1 are worker processes (forked, or spawned once CUDA is initialized here:
@@ -20,7 +21,7 @@ cuda:(i + r) when the engine runs on cuda:i, "gloo" on the CPU.
     send the final config; ModelRunner           ModelRunner: profile, KV blocks = min over
       (the same collectives)                       ranks, CUDA graphs              -> "ready"
     per step: build_step (numpy) --bytes, shm--> unpack_step
-              execute_step (its shard) <--all-reduces--> execute_step (its shard)
+              execute (its shard) <--all-reduces--> execute (its shard)
               logits -> sampler                           logits dropped
 
 A step's arrays travel as one byte string (tp_worker.py holds the format and the worker's loop),
@@ -56,7 +57,6 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
@@ -64,7 +64,8 @@ import torch
 
 from tinypaged import distributed
 from tinypaged.config import EngineConfig
-from tinypaged.runner import ModelRunner, ScheduledSeq
+from tinypaged.runner import ModelRunner
+from tinypaged.scheduler import ScheduledSequence
 from tinypaged.shm_broadcast import ShmBroadcast
 from tinypaged.tp_worker import pack_step, start_method, worker_main
 
@@ -100,9 +101,9 @@ class UniprocExecutor:
         self.runner = ModelRunner(self.config, self.model, self.device, _dtype(self.model))
         return self.runner
 
-    def execute(self, seqs: Seq[ScheduledSeq], num_new_tokens: Seq[int],
-                do_sample: Seq[bool], prompt_logits: Seq[bool] | None = None) -> torch.Tensor:
-        return self.runner.execute(seqs, num_new_tokens, do_sample, prompt_logits)
+    def execute(self, scheduled: list[ScheduledSequence],
+                prompt_logits: list[bool] | None = None) -> torch.Tensor:
+        return self.runner.execute(self.runner.build_step(scheduled, prompt_logits))
 
     def shutdown(self) -> None:
         pass
@@ -338,15 +339,15 @@ class MultiprocExecutor:
         self._graceful[0] = True
         return self.runner
 
-    def execute(self, seqs: Seq[ScheduledSeq], num_new_tokens: Seq[int],
-                do_sample: Seq[bool], prompt_logits: Seq[bool] | None = None) -> torch.Tensor:
+    def execute(self, scheduled: list[ScheduledSequence],
+                prompt_logits: list[bool] | None = None) -> torch.Tensor:
         """Send the step to every worker, run rank 0's shard, return its logits."""
         self._raise_if_failed()
-        step = self.runner.build_step(seqs, num_new_tokens, do_sample, prompt_logits)
+        step = self.runner.build_step(scheduled, prompt_logits)
         payload = pack_step(step)
         try:
             self.channel.send(payload, lambda r: self.workers[r].conn, self._raise_if_failed)
-            logits = self.runner.execute_step(step)
+            logits = self.runner.execute(step)
             if logits.is_cuda:  # a hung NCCL kernel surfaces here, and the watchdog frees it
                 torch.cuda.current_stream(logits.device).synchronize()
         except BaseException as exc:

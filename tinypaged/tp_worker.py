@@ -182,7 +182,7 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
         runner = ModelRunner(config, model, device, next(model.parameters()).dtype)
         conn.send(("ready", runner.kv_cache_info.num_blocks))
         while payload := channel.recv(conn):
-            runner.execute_step(unpack_step(payload))
+            runner.execute(unpack_step(payload))
         runner.release_graphs()  # NCCL cannot leave while a graph holds a collective
         conn.send(("stopping", os.getpid()))  # rank 0 destroys the group once all have said so
     except EOFError:  # rank 0 closed the pipe (or stopped us during startup): just leave

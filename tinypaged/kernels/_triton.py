@@ -10,6 +10,10 @@ Every kernel module does `from tinypaged.kernels._triton import jit, tl, use_tri
   they could run on, and tests need not care which module imported triton first.
 - `use_triton(x)` is the dispatch rule of every public op: Triton when `x` is on CUDA, or when
   TRITON_INTERPRET=1 (read at call time); otherwise the torch reference.
+- `kernel_choice(kernels)` overrides that rule while an engine runs its model (EngineConfig's
+  `kernels`, the CLI's `--kernels`, $TINYPAGED_KERNELS): "auto" keeps it, "triton" runs the Triton
+  kernels on every device (on the CPU through the interpreter: slow, but a learner's edit to a
+  kernel shows in the generated text), "torch" runs the references on every device.
 """
 
 from __future__ import annotations
@@ -95,8 +99,38 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+KERNEL_CHOICES = ("auto", "triton", "torch")
+_choice = "auto"  # set by kernel_choice() for the duration of a forward pass
+
+
+class kernel_choice:
+    """`with kernel_choice("triton"): model(...)` runs every op of the forward through Triton
+    ("torch": through the references; "auto": the default rule of `use_triton`)."""
+
+    def __init__(self, kernels: str) -> None:
+        if kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}; got {kernels!r}")
+        if kernels == "triton" and not HAS_TRITON:
+            raise ValueError(
+                "kernels='triton' needs the triton package, which could not be imported (it has "
+                "wheels for Linux only); use kernels='auto' to run the torch references"
+            )
+        self.kernels = kernels
+
+    def __enter__(self) -> None:
+        global _choice
+        self.previous, _choice = _choice, self.kernels
+
+    def __exit__(self, *exc: object) -> None:
+        global _choice
+        _choice = self.previous
+
+
 def use_triton(x: torch.Tensor) -> bool:
-    """The dispatch rule: Triton for CUDA tensors (or under the interpreter), else the reference."""
+    """The dispatch rule: Triton for CUDA tensors (or under the interpreter), else the reference;
+    inside `kernel_choice("triton" | "torch")`, that choice."""
+    if _choice != "auto":
+        return _choice == "triton"
     return HAS_TRITON and (x.is_cuda or interpreting())
 
 

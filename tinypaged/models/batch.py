@@ -21,7 +21,3 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int  # max over b of new tokens; 1 means a pure-decode batch
     max_seq_len: int  # max over b of seq_lens
-
-    @property
-    def is_decode(self) -> bool:
-        return self.max_query_len == 1

@@ -64,10 +64,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    @property
-    def sampled_seqs(self) -> list[Sequence]:
-        return [item.seq for item in self.scheduled if item.sample]
-
 
 class Scheduler:
     """`config` needs max_num_seqs, max_num_batched_tokens, max_model_len (an int by now),

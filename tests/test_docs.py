@@ -1,0 +1,92 @@
+"""The guide's scripts: docs/walkthrough.py runs as the guide says; benchmarks/kernels.py --json
+and docs/plots.py agree on the format (rows recorded on the CPU, torch ops timed for real and
+ceilings measured the same way, become one PNG per kernel family)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_walkthrough_shows_a_prefix_hit_and_the_flat_batch():
+    result = subprocess.run([sys.executable, "-m", "docs.walkthrough"], cwd=ROOT, text=True,
+                            capture_output=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    step1 = lines[lines.index("--- step 1") + 1 : lines.index("--- step 2")]
+    # b's first block is a's: only its last 3 prompt tokens run, and it shares block 0
+    assert "b: positions [4, 7) blocks [0, 3] sample=True" in step1
+    assert "  slot_mapping     [8, 9, 12, 13, 14]" in step1
+
+
+def load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cpu_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - start)
+
+
+def test_kernel_json_becomes_one_png_per_family(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("triton")  # benchmarks/kernels.py imports triton.testing
+    bench = load_script(ROOT / "benchmarks" / "kernels.py")
+    plots = load_script(ROOT / "docs" / "plots.py")
+    monkeypatch.setattr(bench, "bench_ms", cpu_ms)
+    src = torch.randn(2**20)
+    dst = torch.empty_like(src)
+    bench.CEILING["GB/s"] = 2 * 4 * src.numel() / cpu_ms(lambda: dst.copy_(src)) / 1e6
+    a = torch.randn(256, 256)
+    bench.CEILING["TFLOP/s"] = 2 * 256**3 / cpu_ms(lambda: a @ a) / 1e9
+
+    x, w = torch.randn(512, 256), torch.randn(256)
+    bench.record("rms_norm", "512x256", "torch reference",
+                 lambda: bench.norm.rms_norm_ref(x, w, 1e-6), bytes_moved=8 * x.numel(),
+                 flops=4 * x.numel())
+    bench.record("store_kv", "T512", "torch reference", lambda: dst.copy_(src),
+                 bytes_moved=8 * src.numel())  # no arithmetic: a bar, no roofline point
+
+    def unsupported():
+        raise NotImplementedError("no such backend here")
+
+    bench.record("prefill dense", "B1 L256", "SDPA nowhere", unsupported, bytes_moved=1.0,
+                 flops=1.0, compute_bound=True)
+    bench.record("prefill dense", "B1 L256", "a @ a", lambda: a @ a, bytes_moved=3 * 4 * a.numel(),
+                 flops=2 * 256**3, compute_bound=True)
+    bench.record("prefill tune", "B1 L256", "{}", lambda: a @ a, bytes_moved=1.0, flops=1.0,
+                 compute_bound=True)
+    path = tmp_path / "run.json"
+    bench.write_json(str(path), {"date": "today", "device": "cpu", "commit": "x", "torch": "t"})
+
+    run = json.loads(path.read_text())
+    assert [r["us"] is None for r in run["rows"]] == [False, False, True, False, False]
+    assert run["rows"][0]["pct"] > 0 and run["ceilings"]["copy_GB_s"] > 0
+
+    written = plots.main([str(path), "--out", str(tmp_path / "png")])
+    names = sorted(p.name for p in written)
+    assert names == ["kv_cache.png", "norm_activation.png", "prefill_attention.png"]
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_reject_a_file_that_is_not_a_kernel_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    plots = load_script(ROOT / "docs" / "plots.py")
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"requests": 256}))
+    with pytest.raises(SystemExit, match="not a benchmarks/kernels.py --json file"):
+        plots.main([str(path)])

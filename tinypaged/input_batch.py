@@ -1,0 +1,138 @@
+"""The flat batch of one step: what the scheduler picked, as the arrays a forward pass reads.
+
+One step's batch is B sequences with `q_len[b]` new tokens each (T = sum q_len, S of them
+sampled). `build_step` makes, on the CPU and without per-token Python loops, a StepInput:
+
+    input_ids[T], positions[T], slot_mapping[T]      one row per new token
+    query_start_loc[B+1] = [0, cumsum(q_len)]        where each sequence's rows start
+    seq_lens[B] = num_computed[b] + q_len[b]         whole context after this step
+    block_tables[B, max_blocks]                       int32, 0 past each table
+    logits_indices[S]                                 rows whose logits are returned: the
+                                                      last row of each sampled sequence, or
+                                                      every row of one that asks for prompt logits
+
+Eager steps, CUDA-graph replays and every tensor-parallel rank read the same StepInput, so the
+slot of each token is computed here and nowhere else:
+
+    slot_mapping[t] = block_tables[b, positions[t] // block_size] * block_size
+                      + positions[t] % block_size                        (t a token of seq b)
+
+Block tables change rarely (one new block every block_size tokens), so `HostBlockTables` keeps
+the host copy from step to step and rewrites a row only when the sequence in it or the length of
+its table changed: at batch 256 that saves ~256 list-to-array copies per step.
+`python -m docs.walkthrough` prints a few steps of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinypaged.scheduler import ScheduledSequence, Sequence
+
+
+@dataclass
+class StepInput:
+    """One step's flat batch as host arrays (B sequences, T new tokens, S sampled rows)."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    query_start_loc: np.ndarray  # int32 [B + 1]
+    seq_lens: np.ndarray  # int32 [B]
+    block_tables: np.ndarray  # int32 [B, max_blocks]
+    logits_indices: np.ndarray  # int64 [S]
+    max_query_len: int
+    max_seq_len: int
+
+
+def build_step(
+    scheduled: Seq[ScheduledSequence], block_size: int, block_tables: HostBlockTables,
+    prompt_logits: Seq[bool] | None = None,
+) -> StepInput:
+    """The flat batch of one scheduled step as host arrays (see the module docstring).
+
+    prompt_logits[b]: return the logits of every new row of sequence b (for prompt logprobs),
+    its sampled row last, instead of only the sampled row."""
+    bs = block_size
+    num_seqs = len(scheduled)
+    seqs = [it.seq for it in scheduled]
+    starts = np.fromiter(map(_num_computed, scheduled), np.int64, num_seqs)  # [B]
+    q_lens = np.fromiter(map(_num_new, scheduled), np.int64, num_seqs)  # [B]
+    seq_lens = starts + q_lens  # [B]
+    cu = np.zeros(num_seqs + 1, dtype=np.int64)  # [B + 1]
+    np.cumsum(q_lens, out=cu[1:])
+    total = int(cu[-1])
+    if total == num_seqs:  # one token each (decodes, mostly): no repeat, no per-seq slices
+        seq_idx = np.arange(num_seqs)  # [T]: which sequence each token is of
+        positions = starts  # [T]
+        input_ids = np.array([s.token_ids[c] for s, c in zip(seqs, starts.tolist())], np.int64)
+    else:
+        seq_idx = np.repeat(np.arange(num_seqs), q_lens)
+        positions = np.arange(total) - cu[seq_idx] + starts[seq_idx]
+        new_tokens = itertools.chain.from_iterable(
+            s.token_ids[c:c + n] for s, c, n in zip(seqs, starts.tolist(), q_lens.tolist())
+        )
+        input_ids = np.fromiter(new_tokens, np.int64, total)
+
+    width = int(-(-seq_lens.max() // bs))
+    tables = block_tables.rows(seqs)[:, :width].copy()
+    slot_mapping = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
+    sample = np.fromiter(map(_sample, scheduled), bool, num_seqs)
+    logits_indices = (cu[1:] - 1)[sample]  # [S]: the last new token of each sampled seq
+    if prompt_logits is not None and any(prompt_logits):  # rare: a loop is fine
+        rows = [np.empty(0, dtype=np.int64)]
+        for i, (every, sampled) in enumerate(zip(prompt_logits, sample)):
+            if every:
+                rows.append(np.arange(cu[i], cu[i + 1]))
+            elif sampled:
+                rows.append(cu[i + 1 : i + 2] - 1)
+        logits_indices = np.concatenate(rows)
+    return StepInput(
+        input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
+        tables, logits_indices, int(q_lens.max()), int(seq_lens.max()),
+    )
+
+
+class HostBlockTables:
+    """The host copy of the block tables, kept from step to step: [max_rows, max_blocks] int32.
+
+    Row i holds the table of the step's i-th sequence; row_keys[i] = (seq_id, num_preemptions,
+    table length) says whose it is and how much of it is written.
+    """
+
+    def __init__(self, max_rows: int, max_blocks_per_seq: int) -> None:
+        self.array = np.zeros((max_rows, max_blocks_per_seq), np.int32)
+        self.row_keys: list[tuple[int, int, int] | None] = [None] * max_rows
+
+    def rows(self, seqs: Seq[Sequence]) -> np.ndarray:
+        """Rows 0..B-1 [B, max_blocks_per_seq], made to hold `seqs`' tables.
+
+        A row is rewritten only where its key changed; a table that only grew gets its new tail.
+        The preemption count is part of the key: a preempted sequence gets new blocks, possibly
+        as many as before. Entries past a row's table are 0."""
+        if len(seqs) > len(self.row_keys):  # only the profiling pass can be this wide
+            self.array = np.zeros((len(seqs), self.array.shape[1]), np.int32)
+            self.row_keys = [None] * len(seqs)
+        rows, keys = self.array, self.row_keys
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            key = (seq.seq_id, seq.num_preemptions, len(table))
+            old = keys[i]
+            if old == key:
+                continue
+            old_len = 0 if old is None else old[2]
+            done = old_len if old is not None and old[:2] == key[:2] and old_len < key[2] else 0
+            rows[i, done : len(table)] = table[done:]
+            rows[i, len(table) : old_len] = 0
+            keys[i] = key
+        return rows[: len(seqs)]
+
+
+_num_computed = operator.attrgetter("num_computed_tokens")
+_num_new = operator.attrgetter("num_new_tokens")
+_sample = operator.attrgetter("sample")
