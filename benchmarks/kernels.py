@@ -324,7 +324,8 @@ def time_windows() -> None:
         pairs = w * (w + 1) / 2 + (new - w) * w
         shape = f"B1 L{new} window {window} cap {softcap} 32/8"
         record("prefill paged", shape, "triton", lambda b=batch, kw=kw: b.call(
-            attention.paged_attention, **kw), flops=4 * 32 * 128 * pairs)
+            attention.paged_attention, **kw), bytes_moved=batch.kv_bytes(),
+            flops=4 * 32 * 128 * pairs, compute_bound=True)
 
 
 def time_prefill() -> None:
