@@ -3,6 +3,10 @@ without act-order) loaded through `load_model` and `LLM`: logits and greedy toke
 transformers running the checkpoint's dequantized weights."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,7 +160,7 @@ def test_checkpoint_matches_dequantized_transformers(tmp_path, kind, bits, group
                               PROMPTS, 2, what=f"gptq int{bits}")
 
 
-def test_llm_generates_the_dequantized_models_tokens(tmp_path):
+def test_llm_and_cli_generate_the_dequantized_models_tokens(tmp_path):
     out, hf_model = gptq_pair(tmp_path, act_order=True)
     llm = LLM(str(out), num_kv_blocks=64, block_size=16, max_model_len=128,
               quantization="gptq")
@@ -165,6 +169,19 @@ def test_llm_generates_the_dequantized_models_tokens(tmp_path):
                         use_tqdm=False)
     for p, o in zip(PROMPTS, outs):
         assert o.outputs[0].token_ids == greedy_reference(hf_model, p, 6)[0]
+
+    text = llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=5),
+                        use_tqdm=False)[0].outputs[0].text
+    repo = Path(__file__).resolve().parents[1]
+    cli = subprocess.run(
+        [sys.executable, "-m", "tinypaged", "generate", str(out), "Hello there",
+         "--max-tokens", "5", "--num-kv-blocks", "64", "--max-model-len", "128",
+         "--quantization", "gptq"],
+        cwd=repo, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert cli.stdout.rstrip("\n") == text.rstrip("\n")
 
 
 def test_row_parallel_rank_holds_whole_groups(monkeypatch):
