@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--methods", default="awq,gptq,gptq-asym,gptq-asym-act-order",
                         help="awq, gptq[-asym][-act-order] (GPTQ is symmetric unless -asym)")
     parser.add_argument("--calib-samples", type=int, default=16)
+    parser.add_argument("--calib-seq-len", type=int, default=512)
     args = parser.parse_args()
     src = ensure_default_model()
     text = resources.files("tinypaged").joinpath("data/heldout.txt").read_text("utf-8")
@@ -72,7 +73,7 @@ def main() -> None:
             extra = {"n_grid": 10} if method == "awq" else {
                 "method": "gptq", "act_order": "act-order" in method, "sym": "asym" not in method}
             Q.quantize(src, out, group_size=args.group_size, calib_samples=args.calib_samples,
-                       calib_seq_len=512, **extra)
+                       calib_seq_len=args.calib_seq_len, **extra)
             model.load_state_dict(original)
             model.load_state_dict(dequantized_state(out), strict=False)
             results[method] = perplexity(model, ids)
