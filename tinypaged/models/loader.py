@@ -288,9 +288,11 @@ def _quant_config(config: EngineConfig, hf_config):
 
 def _process_weights_after_loading(model: torch.nn.Module) -> None:
     """Let a quantization method rewrite its loaded tensors once (GPTQ repacks them)."""
+    from tinypaged.models.layers import LinearBase
+
     for module in model.modules():
         method = getattr(module, "quant_config", None)
-        if hasattr(method, "process_weights_after_loading"):
+        if isinstance(module, LinearBase) and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
 
 
