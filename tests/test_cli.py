@@ -150,7 +150,7 @@ def test_chat_streams_and_keeps_history(model_dir, llm):
         (["serve", "--bogus-flag"], ["unrecognized arguments", "--bogus-flag"]),
         (["serve", "--port", "abc"], ["--port", "invalid int"]),
         (["generate"], ["required"]),
-        (["serve", "--quantization", "gptq"], ["--quantization", "invalid choice"]),
+        (["serve", "--quantization", "bitsandbytes"], ["--quantization", "invalid choice"]),
         (["generate", "hi", "--kernels", "cuda"], ["--kernels", "invalid choice"]),
     ],
 )

@@ -147,9 +147,9 @@ def test_quantization_mismatch_is_rejected(llama_dir):
     with pytest.raises(ValueError, match="quant_method"):
         load_model(EngineConfig(model=str(llama_dir), quantization="awq"), "cpu")
     config = json.loads((llama_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (llama_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="'gptq'"):
+    with pytest.raises(ValueError, match="'bitsandbytes'"):
         _load(llama_dir)
 
 

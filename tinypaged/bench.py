@@ -64,17 +64,20 @@ COPY_BW = 4.2e12  # device-to-device copy, bytes read + written, measured on the
 
 AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
               "version": "gemm"}
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+               "sym": True, "checkpoint_format": "gptq"}
 
 
 def shape_dir(shape: str, quantization: str | None = None) -> Path:
     """A model directory holding only config.json for a named shape (used with dummy weights);
-    with quantization="awq" the config declares an AutoAWQ checkpoint (group 128)."""
+    with quantization="awq" / "gptq" the config declares an AutoAWQ / AutoGPTQ int4 checkpoint
+    (group 128)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown --model-shape {shape!r}; choose from {', '.join(SHAPES)}")
     path = Path(tempfile.mkdtemp(prefix=f"tinypaged-{shape}-"))
     config = {**SHAPES[shape], "torch_dtype": "bfloat16"}
-    if quantization == "awq":
-        config["quantization_config"] = AWQ_CONFIG
+    if quantization in ("awq", "gptq"):
+        config["quantization_config"] = AWQ_CONFIG if quantization == "awq" else GPTQ_CONFIG
     (path / "config.json").write_text(json.dumps(config))
     return path
 

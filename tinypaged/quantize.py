@@ -1,4 +1,8 @@
-"""Offline AWQ quantization: `tinypaged quantize MODEL OUT --group-size 128`.
+"""Offline AWQ and GPTQ quantization: `tinypaged quantize MODEL OUT --group-size 128
+[--method gptq]`. GPTQ (`--method gptq`, the algorithm in gptq_quant.py) quantizes the linear
+groups of each layer in order (q/k/v, o, gate/up, down), each from the Hessian of its inputs as
+the already quantized groups produce them, and writes an AutoGPTQ checkpoint. The rest of this
+docstring is AWQ's.
 
 Activation-aware weight quantization: a few input channels of a linear carry much larger
 activations than the rest, and rounding errors in the weight columns they multiply dominate the
@@ -37,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from tinypaged import gptq_quant
 from tinypaged.awq_search import quantize_rtn, search_clip, search_scales
 from tinypaged.kernels.awq import SUPPORTED_GROUP_SIZES
 
@@ -142,6 +147,35 @@ def _quantize_layer(layer, hidden, kwargs, config, group_size: int, n_grid: int,
     return next_hidden, tensors, [{"layer": prefix, **r} for r in records]
 
 
+@torch.no_grad()
+def _gptq_layer(layer, hidden, kwargs, config, bits: int, group_size: int, sym: bool,
+                act_order: bool, damp: float, prefix: str):
+    """GPTQ one decoder layer in place: (next hidden, checkpoint tensors, records)."""
+    from tinypaged.kernels.gptq_format import gptq_dequantize_reference, pack_gptq
+
+    tensors, records = {}, []
+    for group in _scale_groups(layer, config):
+        name, _, linears, _ = group
+        inputs, _ = _capture_inputs(layer, [group], hidden, kwargs)
+        x = inputs[name].float()
+        H = gptq_quant.hessian(x)
+        error = rtn_error = 0.0
+        for m in linears:
+            w = m.weight.float()
+            packed = pack_gptq(*gptq_quant.gptq_quantize(w, H, bits, group_size, sym, act_order,
+                                                         damp), bits, 1)
+            wq = gptq_dequantize_reference(*packed.values(), bits, 1).t()  # [N, K]
+            error += (x @ (w - wq).t()).pow(2).mean().item()
+            rtn = gptq_quant.rtn_dequantize(w, bits, group_size, sym)
+            rtn_error += (x @ (w - rtn).t()).pow(2).mean().item()
+            m.weight.copy_(wq)  # later groups and layers see the quantized outputs
+            path = f"{prefix}.{_module_name(layer, m)}"
+            tensors.update({f"{path}.{k}": v.cpu() for k, v in packed.items()})
+        records.append({"layer": prefix, "group": name, "error": error, "rtn_error": rtn_error})
+    _, next_hidden = _capture_inputs(layer, [], hidden, kwargs)
+    return next_hidden, tensors, records
+
+
 def _module_name(root: torch.nn.Module, module: torch.nn.Module) -> str:
     return next(n for n, m in root.named_modules() if m is module)
 
@@ -169,12 +203,13 @@ def _check_model(config, model_dir: Path, group_size: int) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     in_features = {config.hidden_size, heads * head_dim, config.intermediate_size}
     fits = [g for g in SUPPORTED_GROUP_SIZES if all(k % g == 0 for k in in_features)]
-    if group_size not in fits:
+    if group_size != -1 and group_size not in fits:
         raise ValueError(f"--group-size {group_size} does not divide the input sizes "
                          f"{sorted(in_features)} of {model_dir.name}'s linears; use one of {fits}")
 
 
-def _write_checkpoint(model, tensors: dict, src_dir: Path, out_dir: Path, group_size: int):
+def _write_checkpoint(model, tensors: dict, src_dir: Path, out_dir: Path,
+                      quantization_config: dict):
     from safetensors.torch import save_file
 
     src_config = json.loads((src_dir / "config.json").read_text())
@@ -190,10 +225,7 @@ def _write_checkpoint(model, tensors: dict, src_dir: Path, out_dir: Path, group_
         tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().cpu()
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    src_config["quantization_config"] = {
-        "quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
-        "version": "gemm", "modules_to_not_convert": None,
-    }
+    src_config["quantization_config"] = quantization_config
     (out_dir / "config.json").write_text(json.dumps(src_config, indent=2) + "\n")
     for pattern in _COPY_PATTERNS:
         for f in src_dir.glob(pattern):
@@ -202,17 +234,24 @@ def _write_checkpoint(model, tensors: dict, src_dir: Path, out_dir: Path, group_
 
 def quantize(model: str | Path, out: str | Path, group_size: int = 128,
              calib_samples: int = 128, calib_seq_len: int = 512, n_grid: int = 20,
-             clip: bool = True, device: str | None = None) -> list[dict]:
-    """Write the AWQ checkpoint of `model` to `out`; returns one search record per linear group
-    ({layer, group, alpha, error, rtn_error})."""
+             clip: bool = True, device: str | None = None, method: str = "awq", bits: int = 4,
+             sym: bool = True, act_order: bool = False, damp: float = 0.01) -> list[dict]:
+    """Write the AWQ (or GPTQ: bits, sym, act_order, damp) checkpoint of `model` to `out`;
+    returns one record per linear group ({layer, group, error, rtn_error}, AWQ adds alpha)."""
     from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from tinypaged.models.loader import resolve_model
 
-    if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"--group-size {group_size} is not supported; use one of "
-                         f"{SUPPORTED_GROUP_SIZES}")
+    if method not in ("awq", "gptq"):
+        raise ValueError(f"--method must be 'awq' or 'gptq', got {method!r}")
+    gptq_sizes = (*SUPPORTED_GROUP_SIZES, -1)
+    if group_size not in (gptq_sizes if method == "gptq" else SUPPORTED_GROUP_SIZES):
+        raise ValueError(f"--group-size {group_size} is not supported with --method {method}; "
+                         f"use one of {gptq_sizes if method == 'gptq' else SUPPORTED_GROUP_SIZES}")
+    if bits not in ((4, 8) if method == "gptq" else (4,)):
+        raise ValueError(f"--bits {bits} is not supported with --method {method}; AWQ writes 4 "
+                         "bits, GPTQ 4 or 8")
     if n_grid < 1:
         raise ValueError(f"--n-grid must be at least 1 (1 = plain round-to-nearest), got {n_grid}")
     src_dir, out_dir = resolve_model(str(model)), Path(out)
@@ -233,25 +272,46 @@ def quantize(model: str | Path, out: str | Path, group_size: int = 128,
         hidden, kwargs = _layer0_inputs(hf_model, input_ids)
     tensors, records = {}, []
     layers = hf_model.model.layers
-    for i in tqdm(range(len(layers)), desc="AWQ layers", unit="layer"):
-        hidden, layer_tensors, infos = _quantize_layer(
-            layers[i], hidden, kwargs, hf_model.config, group_size, n_grid, clip,
-            f"model.layers.{i}")
+    for i in tqdm(range(len(layers)), desc=f"{method.upper()} layers", unit="layer"):
+        if method == "gptq":
+            hidden, layer_tensors, infos = _gptq_layer(
+                layers[i], hidden, kwargs, hf_model.config, bits, group_size, sym, act_order,
+                damp, f"model.layers.{i}")
+        else:
+            hidden, layer_tensors, infos = _quantize_layer(
+                layers[i], hidden, kwargs, hf_model.config, group_size, n_grid, clip,
+                f"model.layers.{i}")
         tensors.update(layer_tensors)
         records.extend(infos)
-    _write_checkpoint(hf_model, tensors, src_dir, out_dir, group_size)
+    if method == "gptq":  # AutoGPTQ's "gptq" checkpoint format (qzeros hold zero - 1)
+        qconfig = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+                   "desc_act": act_order, "sym": sym, "damp_percent": damp,
+                   "checkpoint_format": "gptq"}
+    else:
+        qconfig = {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                   "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+    _write_checkpoint(hf_model, tensors, src_dir, out_dir, qconfig)
     return records
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tinypaged quantize",
-        description="Write an AutoAWQ-format int4 checkpoint of a Llama / Mistral / Qwen2 / "
-                    "Qwen3 model, with activation-aware scales found on the shipped "
-                    "calibration text.")
+        description="Write an AutoAWQ-format int4 (or with --method gptq an AutoGPTQ-format "
+                    "int4 / int8) checkpoint of a Llama / Mistral / Qwen2 / Qwen3 model, "
+                    "calibrated on the shipped text.")
     parser.add_argument("model", help="Hugging Face model directory, .gguf file or hub id")
     parser.add_argument("out", help="directory to write the quantized checkpoint to")
-    parser.add_argument("--group-size", type=int, default=128, choices=SUPPORTED_GROUP_SIZES)
+    parser.add_argument("--method", default="awq", choices=["awq", "gptq"])
+    parser.add_argument("--group-size", type=int, default=128,
+                        choices=(*SUPPORTED_GROUP_SIZES, -1), help="-1: per channel (GPTQ)")
+    parser.add_argument("--bits", type=int, default=4, choices=[4, 8], help="8: GPTQ only")
+    parser.add_argument("--act-order", action="store_true",
+                        help="GPTQ: quantize inputs by decreasing Hessian diagonal (desc_act)")
+    parser.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
+                        help="GPTQ: symmetric (zero point 2^(bits-1)) or min-max groups")
+    parser.add_argument("--damp-percent", type=float, default=0.01,
+                        help="GPTQ: Hessian dampening, a fraction of its mean diagonal")
     parser.add_argument("--calib-samples", type=int, default=128,
                         help="calibration blocks (at most what the shipped text holds)")
     parser.add_argument("--calib-seq-len", type=int, default=512, help="tokens per block")
@@ -263,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         records = quantize(args.model, args.out, args.group_size, args.calib_samples,
-                           args.calib_seq_len, args.n_grid, not args.no_clip, args.device)
+                           args.calib_seq_len, args.n_grid, not args.no_clip, args.device,
+                           args.method, args.bits, args.sym, args.act_order, args.damp_percent)
     except (ValueError, FileNotFoundError) as e:
         print(f"tinypaged quantize: error: {e}", file=sys.stderr)
         return 1

@@ -270,15 +270,30 @@ def _quant_config(config: EngineConfig, hf_config):
     method = (raw or {}).get("quant_method")
     if config.quantization is None and method is None:
         return None
-    if method != "awq":
+    if method not in ("awq", "gptq") or config.quantization not in (None, method):
         wanted = config.quantization or "none"
         raise ValueError(
             f"quantization={wanted!r} but the checkpoint's quantization_config.quant_method is "
-            f"{method!r}; tinypaged supports AWQ checkpoints (quant_method 'awq') and dense ones"
+            f"{method!r}; tinypaged supports AWQ and GPTQ checkpoints (quant_method 'awq' or "
+            "'gptq') and dense ones"
         )
+    if method == "gptq":
+        from tinypaged.models.gptq import GPTQConfig
+
+        return GPTQConfig.from_config(raw)
     from tinypaged.models.awq import AWQConfig
 
     return AWQConfig.from_config(raw)
+
+
+def _process_weights_after_loading(model: torch.nn.Module) -> None:
+    """Let a quantization method rewrite its loaded tensors once (GPTQ repacks them)."""
+    from tinypaged.models.layers import LinearBase
+
+    for module in model.modules():
+        method = getattr(module, "quant_config", None)
+        if isinstance(module, LinearBase) and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
 
 
 def _init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
@@ -329,5 +344,6 @@ def load_model(config: EngineConfig, device: str | torch.device | None = None,
                 read_stats["bytes_total"] = sum(
                     f.stat().st_size for f in safetensors_files(model_dir)
                 )
+        _process_weights_after_loading(model)
     model.eval()
     return model, hf_config, model_dir
