@@ -24,7 +24,7 @@ class EngineConfig:
     cpu_kv_cache_space: float = 1.0  # GiB of KV cache on the CPU (vLLM: VLLM_CPU_KVCACHE_SPACE)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True = no CUDA graphs
-    quantization: str | None = None  # None (auto-detect) | "awq"
+    quantization: str | None = None  # None (auto-detect) | "awq" | "gguf"
     seed: int = 0
     tensor_parallel_size: int = 1
     chat_template: str | None = None  # a Jinja template string overriding the model's
@@ -60,8 +60,10 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.quantization not in (None, "awq"):
-            raise ValueError(f"quantization must be None or 'awq', got {self.quantization!r}")
+        if self.quantization not in (None, "awq", "gguf"):
+            raise ValueError(
+                f"quantization must be None, 'awq' or 'gguf', got {self.quantization!r}"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
