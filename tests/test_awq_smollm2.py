@@ -48,7 +48,16 @@ def test_smollm2_awq_perplexity(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(src)
     text = resources.files("tinypaged").joinpath("data/heldout.txt").read_text("utf-8")
     ids = torch.tensor(tokenizer(text)["input_ids"])
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    from transformers import AutoConfig
+
+    from tinypaged.models.gguf import dense_state_dict
+
+    config = AutoConfig.from_pretrained(src)
+    config.quantization_config = None  # the default model's weights are GGUF blocks
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(dense_state_dict(src), strict=False)
+    model.tie_weights()
+    model.eval()
     original = {k: v.clone() for k, v in model.state_dict().items()}
     ppl_fp = perplexity(model, ids)
 

@@ -213,6 +213,21 @@ def gguf_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, Any]]:
     bar.close()
 
 
+def dense_state_dict(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a converted directory's .gguf under its HF name, dequantized to float32:
+    the file as a transformers model would hold it (for `tinypaged quantize`)."""
+    from tinypaged.kernels.gguf_format import gguf_dequantize_reference
+    from tinypaged.models.gguf_layers import GGUFWeight
+
+    state = {}
+    for name, w in gguf_weights(model_dir):
+        if isinstance(w, GGUFWeight):
+            w = gguf_dequantize_reference(torch.from_numpy(np.array(w.data)), w.type_id,
+                                          w.shape[1])
+        state[name] = w
+    return state
+
+
 def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
     """tokenizer.json + tokenizer_config.json (+ chat template), rebuilt by transformers."""
     from transformers import AutoTokenizer

@@ -14,8 +14,11 @@ consecutive shards of one type, concatenated along the output features. All-same
 concatenate the outputs, as vLLM does. Matrices stored as F32/F16/BF16 become dense weights in
 the model dtype.
 
-On the CPU the quantized weights are dequantized once at load into fp32 (`cpu_dequantize`):
-measured on the default model (RESULTS.md), dequantizing per call makes decode ~20x slower.
+On the CPU the quantized matrices are dequantized once at load into fp32 (`cpu_dequantize`):
+on the default model (benchmarks/gguf_cpu.py, RESULTS.md) dequantizing inside every matmul
+instead keeps 97 MB of weights rather than 568 MB but decodes 4.6x slower (0.37 vs 1.71 tok/s
+on one core), and a CPU has the memory. The embedding table stays in blocks (a lookup decodes
+only its rows); a tied LM head gets its own fp32 copy at its first call.
 
 Embedding and LM head are module swaps (`prepare_model`), made before weights load: a row
 lookup dequantizes only the looked-up rows, and a tied LM head reads the embedding's blocks.
