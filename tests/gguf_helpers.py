@@ -14,6 +14,7 @@ FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K
 def random_blocks(type_id: int, N: int, K: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
     """uint8 [N, row_bytes] of GGML type `type_id`: random quants, fp16 fields in [0, scale)."""
     t = GGML_TYPES[type_id]
+    assert K % t.block_elems == 0, f"{t.name} rows are whole blocks of {t.block_elems}, not {K}"
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (N, K // t.block_elems, t.block_bytes), dtype=np.uint8)
     for offset in FP16_FIELDS[t.name]:

@@ -55,7 +55,7 @@ GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pro
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
               "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
               "post_attention_layernorm": "ffn_norm"}
-SIZES = {"hidden_size": 256, "intermediate_size": 512}  # k-quant rows are whole 256-blocks
+SIZES = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}  # rows of whole 256-blocks
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -128,9 +128,11 @@ def write_tiny_gguf(path, hf_model, arch: str, mix: str = "legacy") -> dict[str,
     for names, gname, w in _gguf_tensors(hf_model):
         if names == ["lm_head.weight"] and c.tie_word_embeddings:
             continue
-        if arch == "llama" and ".attn_q." in gname:
+        w = tensor.float().numpy()
+        gname = _gguf_name(name)
+        if arch in ("llama", "mistral") and ".attn_q." in gname:
             w = _llama_cpp_permute(w, c.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in gname:
+        elif arch in ("llama", "mistral") and ".attn_k." in gname:
             w = _llama_cpp_permute(w, c.num_key_value_heads)
         qtype = MIXES[mix].get(gname.split(".")[-2], Q.F32) if w.ndim == 2 else Q.F32
         types[name] = qtype
@@ -168,7 +170,8 @@ def transformers_reference(gguf_path, head_dim: int) -> torch.nn.Module:
 # (GGUF arch, model kind, type mix)
 CASES = [("llama", "llama_untied", "legacy"), ("llama", "llama_untied", "q4_k_m"),
          ("llama", "llama_untied", "q8_0"), ("qwen2", "qwen2", "q4_k_m"),
-         ("qwen3", "qwen3", "q4_k_m"), ("qwen3", "qwen3", "q8_0")]
+         ("qwen3", "qwen3", "q4_k_m"), ("qwen3", "qwen3", "q8_0"),
+         ("mistral", "llama_untied", "q4_k_m")]
 
 
 def _write_case(tmp_path, arch: str, kind: str, mix: str):
@@ -190,7 +193,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_weights_stay_in_their_blocks_and_match_transformers(tiny_gguf, tmp_path):
-    _, mix, path, hf_model, types = tiny_gguf
+    arch, mix, path, hf_model, types = tiny_gguf
     out = tp_gguf.convert_gguf(path, tmp_path / "converted")
     assert not list(out.glob("*.safetensors"))  # no float copy of the weights
     assert json.loads((out / "config.json").read_text())["quantization_config"] == {
@@ -211,7 +214,7 @@ def test_weights_stay_in_their_blocks_and_match_transformers(tiny_gguf, tmp_path
             assert err <= TOLERANCE[types[name]] * scale, f"{name} ({types[name].name}): {err}"
     assert seen == types.keys()
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == [type(hf_model).__name__]
+    assert config["architectures"] == [tp_gguf.SUPPORTED_ARCHITECTURES[arch][0]]
     assert config["tie_word_embeddings"] == hf_model.config.tie_word_embeddings
     assert config["head_dim"] == _head_dim(hf_model.config)
 

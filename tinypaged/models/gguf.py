@@ -39,6 +39,7 @@ import torch
 # GGUF `general.architecture` -> (HF architecture, HF model_type, Q/K rows permuted by llama.cpp)
 SUPPORTED_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
+    "mistral": ("MistralForCausalLM", "mistral", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
@@ -125,6 +126,7 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
         # llama.cpp stores no output.weight when the LM head is the embedding
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "sliding_window": None,  # llama.cpp runs every architecture here with full attention
     }
     scaling = _metadata(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":

@@ -99,7 +99,8 @@ def _converted_gguf(gguf_path: Path) -> Path:
     with file_lock(name):
         if not is_current_conversion(target):
             shutil.rmtree(target, ignore_errors=True)  # an older converter's output
-            print(f"tinypaged: converting {gguf_path.name} once into {target}", file=sys.stderr)
+            print(f"tinypaged: reading the config and tokenizer of {gguf_path.name} once into "
+                  f"{target}", file=sys.stderr)
             convert_gguf(gguf_path, target)
     return target
 
