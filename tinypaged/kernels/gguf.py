@@ -8,13 +8,15 @@ blocks of 32), viewing a chunk as [SUBS, SUBLEN] sub-blocks that each share one 
     W[n, 256 c + SUBLEN s + j] = scale[n, c, s] * q[n, c, s, j] + min[n, c, s]
 
 (`_chunk_parts` decodes q, scale and min from the bytes of each type). The decode GEMV
-(M <= GEMV_MAX_M) then never forms W: per sub-block
+(M <= GEMV_MAX_M) never writes W out: at M = 1 each thread accumulates (scale * q + min) * x
+for its weights and reduces once at the end; for 2 <= M <= 8 the M rows share each decoded
+chunk through, per sub-block,
 
     y[m, n] += scale * sum_j q[j] x[m, j] + min * sum_j x[m, j]
 
-so a weight costs its bit extraction and one FMA per row of x, and the packed bytes are read
-once per step. Larger M (prefill) dequantizes W into x's dtype with `_gguf_dequantize_kernel`
-and multiplies with cuBLAS, where the matmul, not the weight read, is the cost.
+so the packed bytes are read once per step whatever M. Larger M (prefill) dequantizes W into
+x's dtype with `_gguf_dequantize_kernel` and multiplies with cuBLAS, where the matmul, not the
+weight read, is the cost.
 
 The weight bytes reach the kernels through three views of the same memory (uint8, int8 and
 fp16), so that signed quants and fp16 fields load with their own type; every fp16 field sits at
@@ -127,19 +129,33 @@ def _gguf_gemv_kernel(
     s = tl.arange(0, SUBS)[None, :, None]
     j = tl.arange(0, SUBLEN)[None, None, :]
     m_idx = tl.arange(0, BLOCK_M)[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for c in range(tl.cdiv(K, 256)):
-        mask = _sub_block_mask(rows, N, c, s, K, SUBLEN)
-        q, scale, mn = _chunk_parts(u8_ptr, i8_ptr, f16_ptr, row_off, c, s, j, mask,
-                                    QTYPE, BLOCK_BYTES)
-        k = c * 256 + s * SUBLEN + j  # [1, SUBS, SUBLEN]
-        for mi in tl.static_range(BLOCK_M):
-            x = tl.load(x_ptr + mi * stride_xm + k, mask=(k < K) & (mi < M),
-                        other=0.0).to(tl.float32)
-            qx = tl.sum(q * x, axis=2, keep_dims=True)  # [BN, SUBS, 1]
-            xs = tl.sum(x, axis=2, keep_dims=True)  # [1, SUBS, 1]
-            part = tl.sum(tl.sum(qx * scale + mn * xs, axis=2), axis=1)  # [BN]
-            acc += tl.where(m_idx == mi, part[:, None], 0.0)
+    if BLOCK_M == 1:
+        # batch 1: every thread keeps its own running products, and the sums that cross
+        # threads (shuffles) happen once at the end instead of once per chunk
+        acc3 = tl.zeros((BLOCK_N, SUBS, SUBLEN), tl.float32)
+        for c in range(tl.cdiv(K, 256)):
+            mask = _sub_block_mask(rows, N, c, s, K, SUBLEN)
+            q, scale, mn = _chunk_parts(u8_ptr, i8_ptr, f16_ptr, row_off, c, s, j, mask,
+                                        QTYPE, BLOCK_BYTES)
+            k = c * 256 + s * SUBLEN + j  # [1, SUBS, SUBLEN]
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            acc3 += (q * scale + mn) * x
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[:, None]  # [BN, 1]
+    else:
+        # M rows of x share each decoded chunk: y[m] += scale * (q . x[m]) + min * sum(x[m])
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for c in range(tl.cdiv(K, 256)):
+            mask = _sub_block_mask(rows, N, c, s, K, SUBLEN)
+            q, scale, mn = _chunk_parts(u8_ptr, i8_ptr, f16_ptr, row_off, c, s, j, mask,
+                                        QTYPE, BLOCK_BYTES)
+            k = c * 256 + s * SUBLEN + j
+            for mi in tl.static_range(BLOCK_M):
+                x = tl.load(x_ptr + mi * stride_xm + k, mask=(k < K) & (mi < M),
+                            other=0.0).to(tl.float32)
+                qx = tl.sum(q * x, axis=2, keep_dims=True)  # [BN, SUBS, 1]
+                xs = tl.sum(x, axis=2, keep_dims=True)  # [1, SUBS, 1]
+                part = tl.sum(tl.sum(qx * scale + mn * xs, axis=2), axis=1)  # [BN]
+                acc += tl.where(m_idx == mi, part[:, None], 0.0)
     y_mask = (rows < N)[:, None] & (m_idx < M)
     tl.store(y_ptr + m_idx * stride_ym + rows[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=y_mask)

@@ -39,7 +39,6 @@ import torch
 # GGUF `general.architecture` -> (HF architecture, HF model_type, Q/K rows permuted by llama.cpp)
 SUPPORTED_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
-    "mistral": ("MistralForCausalLM", "mistral", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
