@@ -21,3 +21,19 @@ def random_blocks(type_id: int, N: int, K: int, seed: int = 0, scale: float = 0.
         field = (rng.random((N, K // t.block_elems, 1)) * scale).astype(np.float16)
         blocks[..., offset : offset + 2] = field.view(np.uint8)
     return blocks.reshape(N, -1)
+
+
+def transformers_model(model_dir):
+    """A converted GGUF directory (the default model) as a transformers model: its config.json
+    without the gguf quantization_config, the file's blocks dequantized to fp32."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tinypaged.models.gguf import dense_state_dict
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    config.quantization_config = None
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(dense_state_dict(model_dir), strict=False)
+    model.tie_weights()
+    return model.eval()
