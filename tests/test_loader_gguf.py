@@ -20,7 +20,13 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 from gguf.quants import quantize
 from gguf_helpers import random_blocks
-from model_helpers import PagedRunner, assert_logits_close, greedy_reference, tiny_hf_model
+from model_helpers import (
+    PagedRunner,
+    assert_logits_close,
+    checkpoint_weights,
+    greedy_reference,
+    tiny_hf_model,
+)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -38,7 +44,8 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 MIXES = {
     "legacy": {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1,
                "attn_v": Q.F16, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_0,
-               "ffn_down": Q.F16},
+               "ffn_down": Q.F16, "ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q4_1,
+               "ffn_down_exps": Q.F16},
     "q8_0": {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn_q": Q.Q8_0, "attn_k": Q.Q8_0,
              "attn_v": Q.Q8_0, "attn_output": Q.Q8_0, "ffn_gate": Q.Q8_0, "ffn_up": Q.Q8_0,
              "ffn_down": Q.Q8_0},
@@ -54,7 +61,7 @@ TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.2, Q.Q4_1: 0.2}
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
               "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
-              "post_attention_layernorm": "ffn_norm"}
+              "post_attention_layernorm": "ffn_norm", "gate": "ffn_gate_inp"}
 SIZES = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}  # rows of whole 256-blocks
 
 
@@ -128,21 +135,19 @@ def write_tiny_gguf(path, hf_model, arch: str, mix: str = "legacy") -> dict[str,
     for names, gname, w in _gguf_tensors(hf_model):
         if names == ["lm_head.weight"] and c.tie_word_embeddings:
             continue
-        w = tensor.float().numpy()
-        gname = _gguf_name(name)
         if arch == "llama" and ".attn_q." in gname:
             w = _llama_cpp_permute(w, c.num_attention_heads)
         elif arch == "llama" and ".attn_k." in gname:
             w = _llama_cpp_permute(w, c.num_key_value_heads)
-        qtype = MIXES[mix].get(gname.split(".")[-2], Q.F32) if w.ndim == 2 else Q.F32
-        types[name] = qtype
+        qtype = MIXES[mix].get(gname.split(".")[-2], Q.F32) if w.ndim >= 2 else Q.F32
+        types.update(dict.fromkeys(names, qtype))
         if qtype == Q.F32:
             writer.add_tensor(gname, w)
         elif qtype == Q.F16:
             writer.add_tensor(gname, w.astype(np.float16))
         elif qtype in RANDOM_TYPES:
             seed = len(types)
-            blocks = random_blocks(qtype, w.shape[0], w.shape[1], seed, RANDOM_SCALE[qtype])
+            blocks = random_blocks(qtype, w.shape[0], w.shape[-1], seed, RANDOM_SCALE[qtype])
             writer.add_tensor(gname, blocks, raw_dtype=qtype)
         else:
             writer.add_tensor(gname, quantize(w, qtype), raw_dtype=qtype)
@@ -297,6 +302,37 @@ def test_triton_kernels_run_the_model(tmp_path, monkeypatch):
     reference = transformers_reference(path, _head_dim(hf_model.config))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _check_greedy(model, reference, PROMPT + [7, 8], steps=2)
+
+
+def test_qwen3moe_experts_are_unstacked_and_run(tmp_path):
+    """llama.cpp's stacked expert tensors become HF's per-expert ones, dequantized at load (the
+    MoE layers take float weights only); transformers on the same weights is the reference."""
+    hf_model = tiny_hf_model("qwen3_moe", vocab_size=len(TOKENS))
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    types = write_tiny_gguf(path, hf_model, "qwen3moe")
+    out = tp_gguf.convert_gguf(path, tmp_path / "converted")
+    ours, originals = tp_gguf.dense_state_dict(out), checkpoint_weights(hf_model)
+    assert ours.keys() == originals.keys() == types.keys()
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in ours
+    assert types["model.layers.0.mlp.experts.3.up_proj.weight"] == Q.Q4_1  # quantized, 3-D
+    for name, w in ours.items():
+        err = (w - originals[name]).abs().max()
+        assert err <= TOLERANCE[types[name]] * originals[name].abs().max(), name
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert (config["num_experts"], config["num_experts_per_tok"],
+            config["moe_intermediate_size"], config["norm_topk_prob"]) == (8, 2, 32, True)
+
+    model, _, _ = loader.load_model(EngineConfig(model=str(path)), "cpu")
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(out)),
+                                                 dtype=torch.float32, attn_implementation="eager")
+    reference.load_state_dict(ours, strict=False)
+    prompt = [1, 5, 77, 200, 31, 9, 140, 3, 60, 61, 62]
+    runner = PagedRunner(model, block_size=4, num_blocks=8)
+    logits = runner.step({runner.add_sequence(): prompt})[0]
+    with torch.no_grad():
+        assert_logits_close(logits, reference.eval()(torch.tensor([prompt])).logits[0],
+                            what="prefill logits of the converted Qwen3-MoE GGUF")
 
 
 def test_a_changed_file_is_converted_again(tmp_path):

@@ -16,6 +16,11 @@ HF layout besides names:
   (its rotary kernel pairs adjacent dims, HF pairs dim i with i + head_dim/2). We undo it:
   GGUF rows per head are ordered (head_dim/2, 2); HF rows are (2, head_dim/2). A row is whole
   blocks, so this moves rows of quantized bytes unchanged.
+- MoE experts (qwen3moe) are stacked, one [E, out, in] tensor per layer and projection
+  (`blk.N.ffn_gate_exps`, ...); HF names one per expert (`model.layers.N.mlp.experts.E.
+  gate_proj.weight`), so they are yielded unstacked, and (the MoE layers taking float weights
+  only) a MoE file's tensors are all dequantized to float32 at load: config.json then declares
+  no quantization.
 
 Everything is written to a temporary sibling directory and renamed into place at the end, so a
 crash never leaves a half-written model where the cache expects a whole one.
@@ -62,6 +67,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # the MoE router
 }
+# MoE experts, stacked in one GGUF tensor [E, out, in] per projection; HF names one per expert
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 
 def _metadata(reader, key: str, default: Any = None) -> Any:
@@ -173,9 +180,16 @@ def _tensor_index(reader) -> list[list]:
     loads read the file through a memory map without parsing its metadata again (the gguf
     package's reader takes seconds on a 49k-token vocabulary). Unknown tensors fail here."""
     for tensor in reader.tensors:
-        hf_tensor_name(tensor.name)
+        if not _EXPERTS.fullmatch(tensor.name):
+            hf_tensor_name(tensor.name)
     return [[t.name, int(t.tensor_type), [int(d) for d in reversed(t.shape)], int(t.data_offset)]
             for t in reader.tensors]  # GGUF lists the fastest-varying dimension first
+
+
+def _dense(rows: np.ndarray, type_id: int, K: int) -> torch.Tensor:
+    from tinypaged.kernels.gguf_format import gguf_dequantize_reference
+
+    return gguf_dequantize_reference(torch.from_numpy(np.array(rows)), type_id, K)
 
 
 def gguf_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, Any]]:
@@ -198,9 +212,16 @@ def gguf_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, Any]]:
     bar = tqdm(source["tensors"], desc=f"Loading {path.name}", unit="tensor", leave=False,
                file=sys.stderr)
     for gguf_name, type_id, shape, offset in bar:
-        name = hf_tensor_name(gguf_name)
         nbytes = int(np.prod(shape[:-1])) * row_bytes(type_id, shape[-1])
         raw = file[offset : offset + nbytes]
+        experts = _EXPERTS.fullmatch(gguf_name)
+        if experts:  # [E, out, in] -> one float32 tensor per expert (MoE layers are dense)
+            layer, proj = experts.groups()
+            for e, rows in enumerate(raw.reshape(shape[0], shape[1], -1)):
+                yield (f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight",
+                       _dense(rows, type_id, shape[-1]))
+            continue
+        name = hf_tensor_name(gguf_name)
         if len(shape) == 1:  # vectors are F32 (or F16 / BF16): plain floats
             if type_id not in DENSE_TYPES:
                 raise ValueError(f"GGUF tensor {gguf_name!r} is a quantized vector")
@@ -210,7 +231,10 @@ def gguf_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, Any]]:
         for part, num_heads in heads.items():
             if part in name:
                 rows = _unpermute_rows(rows, num_heads)
-        yield name, GGUFWeight(type_id, rows, (shape[0], shape[1]))
+        if source.get("dense"):  # a model whose layers take float weights only (MoE)
+            yield name, _dense(rows, type_id, shape[-1])
+        else:
+            yield name, GGUFWeight(type_id, rows, (shape[0], shape[1]))
     bar.close()
 
 
@@ -302,7 +326,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     reader = GGUFReader(str(gguf_path))
     config = hf_config_from_gguf(reader)
     config["torch_dtype"] = str(_storage_dtype(reader)).removeprefix("torch.")
-    config["quantization_config"] = {"quant_method": "gguf"}
+    dense = "num_experts" in config  # MoE layers take no quant method yet: float32 at load
+    if not dense:
+        config["quantization_config"] = {"quant_method": "gguf"}
     size = gguf_path.stat().st_size
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -316,7 +342,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
                   "converter_version": CONVERTER_VERSION,
                   "qk_heads": [config["num_attention_heads"], config["num_key_value_heads"]]
                   if permuted else None,
-                  "tensors": _tensor_index(reader)}
+                  "tensors": _tensor_index(reader), "dense": dense}
         _write_tokenizer(gguf_path, reader, tmp)
         if move_file:
             os.replace(gguf_path, tmp / gguf_path.name)
