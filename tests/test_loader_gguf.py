@@ -27,6 +27,7 @@ from model_helpers import (
     greedy_reference,
     tiny_hf_model,
 )
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -324,9 +325,13 @@ def test_qwen3moe_experts_are_unstacked_and_run(tmp_path):
             config["moe_intermediate_size"], config["norm_topk_prob"]) == (8, 2, 32, True)
 
     model, _, _ = loader.load_model(EngineConfig(model=str(path)), "cpu")
-    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(out)),
-                                                 dtype=torch.float32, attn_implementation="eager")
-    reference.load_state_dict(ours, strict=False)
+    # transformers' from_pretrained maps per-expert checkpoint names onto its fused experts
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text((out / "config.json").read_text())
+    save_file(ours, str(hf_dir / "model.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                     attn_implementation="eager")
     prompt = [1, 5, 77, 200, 31, 9, 140, 3, 60, 61, 62]
     runner = PagedRunner(model, block_size=4, num_blocks=8)
     logits = runner.step({runner.add_sequence(): prompt})[0]
