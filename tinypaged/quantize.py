@@ -241,6 +241,7 @@ def quantize(model: str | Path, out: str | Path, group_size: int = 128,
     from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from tinypaged.models.gguf import dense_state_dict, gguf_file_of
     from tinypaged.models.loader import resolve_model
 
     if method not in ("awq", "gptq"):
@@ -258,11 +259,20 @@ def quantize(model: str | Path, out: str | Path, group_size: int = 128,
     if (out_dir / "config.json").exists():
         raise ValueError(f"{out_dir} already holds a model (config.json); pass a new directory")
     config = AutoConfig.from_pretrained(src_dir)
+    from_gguf = gguf_file_of(src_dir) is not None  # a .gguf (the default model): dequantized
+    if from_gguf:
+        config.quantization_config = None
     _check_model(config, src_dir, group_size)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # CPU matmuls are slow and inexact in half precision; on GPU keep the checkpoint's dtype
     dtype = torch.float32 if device.type == "cpu" else "auto"
-    hf_model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=dtype).to(device).eval()
+    if from_gguf:
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        hf_model.load_state_dict(dense_state_dict(src_dir), strict=False)
+        hf_model.tie_weights()
+    else:
+        hf_model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=dtype)
+    hf_model = hf_model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(src_dir)
     input_ids = calibration_ids(tokenizer, calib_samples, calib_seq_len).to(device)
     print(f"tinypaged quantize: {src_dir.name}, group size {group_size}, calibrating on "

