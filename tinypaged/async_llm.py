@@ -207,7 +207,7 @@ class AsyncLLM:
                 outputs = self.engine.step()
             except Exception as exc:  # a fault in the batch fails its requests, not the loop
                 logger.exception("engine step failed; failing the requests in that step")
-                failed = self.engine.fail_running(exc)
+                failed = self.engine.fail_running()
                 if self.engine.is_dead:  # a tensor-parallel rank is gone: stop for good
                     self._fatal, self._stopped = exc, True  # before the callers hear of it
                 self._deliver([(rid, exc) for rid in failed])

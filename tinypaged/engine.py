@@ -323,7 +323,7 @@ class Engine:
             "iteration_stats": self.iteration_stats,
         }
 
-    def fail_running(self, exc: BaseException) -> list[str]:
+    def fail_running(self) -> list[str]:
         """After a failed step: abort every request that was scheduled; return their ids."""
         failed = [
             rid

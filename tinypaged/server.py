@@ -116,7 +116,7 @@ class OpenAIServer:
 
     @property
     def max_model_len(self) -> int:
-        return int(getattr(self.engine, "max_model_len", None) or self.engine.config.max_model_len)
+        return int(self.engine.config.max_model_len)
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
