@@ -10,7 +10,7 @@ any model-specific parser:
 
 from __future__ import annotations
 
-from tinypaged.parsers.tool_calls import JSON_DECODER, PartialCall, ToolParser, json_call
+from tinypaged.parsers.tool_calls import PartialCall, ToolParser, json_calls
 
 
 def tool_choice_schema(tools: list[dict], tool_choice: str | dict) -> dict:
@@ -61,19 +61,4 @@ class RequiredToolParser(ToolParser):
         return len(text)  # nothing before the list is content
 
     def parse_calls(self, region: str, finished: bool) -> list[PartialCall]:
-        pos, calls = 1, []
-        while True:
-            while pos < len(region) and region[pos] in " \t\n,":
-                pos += 1
-            if pos >= len(region) or region[pos] != "{":
-                return calls
-            try:
-                _, end = JSON_DECODER.raw_decode(region, pos)
-            except ValueError:
-                call = json_call(region[pos:], complete=finished)
-                return calls + [call] if call is not None else calls
-            call = json_call(region[pos:end], complete=True)
-            if call is None:
-                return calls
-            calls.append(call)
-            pos = end
+        return json_calls(region, 1, ",", finished)  # after the list's "["

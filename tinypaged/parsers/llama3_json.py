@@ -10,7 +10,7 @@ An output whose first non-space character is anything else is plain content.
 
 from __future__ import annotations
 
-from tinypaged.parsers.tool_calls import JSON_DECODER, PartialCall, ToolParser, json_call
+from tinypaged.parsers.tool_calls import PartialCall, ToolParser, json_calls
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -32,21 +32,4 @@ class Llama3JsonToolParser(ToolParser):
     def parse_calls(self, region: str, finished: bool) -> list[PartialCall]:
         region = region.lstrip()
         pos = len(PYTHON_TAG) if region.startswith(PYTHON_TAG) else 0
-        calls = []
-        while True:
-            while pos < len(region) and region[pos] in " \t\n;":
-                pos += 1
-            if pos >= len(region) or region[pos] != "{":
-                return calls
-            try:
-                _, end = JSON_DECODER.raw_decode(region, pos)
-            except ValueError:
-                call = json_call(region[pos:], complete=finished)
-                if call is not None:
-                    calls.append(call)
-                return calls
-            call = json_call(region[pos:end], complete=True)
-            if call is None:
-                return calls
-            calls.append(call)
-            pos = end
+        return json_calls(region, pos, ";", finished)

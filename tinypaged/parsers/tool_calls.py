@@ -105,6 +105,27 @@ def json_call(body: str, complete: bool) -> PartialCall | None:
     return PartialCall(json.loads(f'"{name.group(1)}"') if name else None, arguments, False)
 
 
+def json_calls(region: str, pos: int, separators: str, finished: bool) -> list[PartialCall]:
+    """The JSON-object calls of `region` from `pos` on, one after the other with any of
+    `separators` (and whitespace) between them; the last may still be unfinished."""
+    calls = []
+    while True:
+        while pos < len(region) and region[pos] in " \t\n" + separators:
+            pos += 1
+        if pos >= len(region) or region[pos] != "{":
+            return calls
+        try:
+            _, end = JSON_DECODER.raw_decode(region, pos)
+        except ValueError:
+            call = json_call(region[pos:], complete=finished)
+            return calls + [call] if call is not None else calls
+        call = json_call(region[pos:end], complete=True)
+        if call is None:
+            return calls
+        calls.append(call)
+        pos = end
+
+
 class ToolParser:
     """One model family's tool-call format. Subclasses set `start` and write `parse_calls`."""
 
