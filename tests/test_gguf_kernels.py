@@ -99,7 +99,7 @@ def test_shape_errors_name_the_layout():
 
 COMPILE_CHILD = r"""
 import torch
-torch.cuda.is_available = lambda: True  # tinypaged.kernels then builds GPU kernels
+torch.cuda.device_count = lambda: 1  # tinypaged.kernels then builds GPU kernels
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction

@@ -29,7 +29,7 @@ SOAK_SECONDS = float(os.environ.get("TINYPAGED_SOAK_SECONDS", "6"))
 FUZZ_ROUNDS = int(os.environ.get("TINYPAGED_FUZZ_ROUNDS", "0"))
 ENGINE_ARGS = {
     "max_model_len": 256,
-    "num_kv_blocks": 48,  # 768 tokens for up to 64 sequences: preemption all the time
+    "num_kv_blocks": 24,  # 384 tokens for up to 64 sequences: preemption all the time
     "block_size": 16,
     "max_num_seqs": 64,
     "dtype": "float32",

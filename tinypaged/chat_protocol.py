@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinypaged.parsers.forced import tool_choice_schema
-from tinypaged.protocol import GenerationRequest, bad_request
+from tinypaged.protocol import GenerationRequest, bad_request, show
 
 
 @dataclass
@@ -57,7 +57,9 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(name, f"'{name}' must be a boolean, got {value!r}", code="invalid_type")
+        raise bad_request(
+            name, f"'{name}' must be a boolean, got {show(value)}", code="invalid_type"
+        )
     return value
 
 
@@ -103,11 +105,11 @@ def parse_tool_choice(body: dict, tools: list[dict] | None) -> str | dict:
         raise bad_request(
             "tool_choice",
             "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', "
-            f"'function': {{'name': ...}}}}, got {choice!r}",
+            f"'function': {{'name': ...}}}}, got {show(choice)}",
         )
     if name not in [t["function"]["name"] for t in tools]:
         raise bad_request(
-            "tool_choice", f"Tool {name!r} was not found in 'tools'; give it there first"
+            "tool_choice", f"Tool {show(name)} was not found in 'tools'; give it there first"
         )
     return {"type": "function", "function": {"name": name}}
 
@@ -128,7 +130,7 @@ def parse_chat_options(body: dict) -> ChatOptions:
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request(
-            "modalities", f"this server answers in text only (['text']), got {modalities!r}"
+            "modalities", f"this server answers in text only (['text']), got {show(modalities)}"
         )
     if opts.add_generation_prompt and opts.continue_final_message:
         raise bad_request(

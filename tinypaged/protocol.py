@@ -452,8 +452,8 @@ def parse_messages(messages: Any) -> list[dict]:
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise bad_request(
                         f"{where}.content",
-                        f"'{where}.content[{j}]' is a {kind!r} part, which this text-only model "
-                        "cannot take; parts must be {'type': 'text', 'text': str}: only text "
+                        f"'{where}.content[{j}]' is a {show(kind)} part, which this text-only "
+                        "model cannot take; parts must be {'type': 'text', 'text': str}: only text "
                         "is supported",
                         code="unsupported",
                     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tinypaged.protocol import bad_request
+from tinypaged.protocol import bad_request, show
 from tinypaged.structured_output import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -43,7 +43,8 @@ def _response_format(value: Any) -> dict | None:
     if kind != "json_schema":
         raise bad_request(
             "response_format.type",
-            f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            "'response_format.type' must be 'text', 'json_object' or 'json_schema', "
+            f"got {show(kind)}",
         )
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
