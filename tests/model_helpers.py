@@ -320,3 +320,17 @@ def check_prefill_then_decode(runner: PagedRunner, hf_model, prompts: list[list[
         for s, p, (_, ref) in zip(seqs, prompts, refs):
             assert_logits_close(out[s], ref[len(p) + i : len(p) + i + 1],
                                 what=f"{what} decode step {i} of seq {s}")
+
+
+def count_preemptions(scheduler) -> list[int]:
+    """Wrap `scheduler.schedule` so that the returned one-element list counts the sequences it
+    preempts: tests that mean to exercise preemption assert it happened."""
+    schedule, preempted = scheduler.schedule, [0]
+
+    def counting_schedule():
+        out = schedule()
+        preempted[0] += len(out.preempted)
+        return out
+
+    scheduler.schedule = counting_schedule
+    return preempted

@@ -3,13 +3,10 @@ Triton dequantize and GEMV kernels against the references under the Triton inter
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from compile_sm90 import compile_for_sm90
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from gguf_helpers import random_blocks
@@ -97,41 +94,7 @@ def test_shape_errors_name_the_layout():
         gguf.gguf_dequantize(qweight, 99, 100)
 
 
-COMPILE_CHILD = r"""
-import torch
-torch.cuda.device_count = lambda: 1  # tinypaged.kernels then builds GPU kernels
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
-from triton.runtime.jit import JITFunction
-
-
-class CompileOnlyDriver:
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-
-driver.set_active(CompileOnlyDriver())
-launch = JITFunction.run
-compiled = set()
-
-
-def compile_only(self, *args, grid, warmup, **kwargs):
-    kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
-    assert kernel.metadata.shared <= 227 * 1024, (self.__name__, kernel.metadata.shared)
-    compiled.add(self.__name__)
-
-
-JITFunction.run = compile_only
-import os
+GGUF_LAUNCHES = r"""import os
 
 from tinypaged.kernels import gguf
 from tinypaged.kernels.gguf_format import QUANTIZED_TYPES, row_bytes
@@ -144,14 +107,9 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; the batched GEMV and fp16
     gguf.gguf_dequantize(qweight, type_id, 4096, torch.bfloat16)
     if type_id == 12:
         gguf.gguf_gemv(torch.randn(8, 4096).to(torch.float16), qweight, type_id)
-print(" ".join(sorted(compiled)))
 """
 
 
 def test_kernels_compile_for_sm90():
     """The interpreter accepts programs ptxas rejects: build every variant for the H200."""
-    repo = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", COMPILE_CHILD], cwd=repo, capture_output=True,
-                            text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["_gguf_dequantize_kernel", "_gguf_gemv_kernel"]
+    assert compile_for_sm90(GGUF_LAUNCHES) == ["_gguf_dequantize_kernel", "_gguf_gemv_kernel"]

@@ -1,51 +1,9 @@
-"""Every kernel (AWQ too), through its real launcher, compiles for the H200 (sm_90) on a CPU.
+"""Every kernel (AWQ too), through its real launcher, compiles for the H200 (sm_90) on a CPU
+(see compile_sm90.py for how)."""
 
-The interpreter accepts programs the GPU compiler rejects (layouts, dot shapes, shared memory),
-so a child process builds the kernels as GPU kernels, swaps in a driver that only names the
-target, and turns each launch into a compile (`warmup`): Triton's own ptxas must accept the
-code and its shared memory must fit the H200's 227 KiB. Uses Triton 3.6 internals (driver
-config, JITFunction.run), the version the CPU constraints pin.
-"""
+from compile_sm90 import compile_for_sm90
 
-import subprocess
-import sys
-from pathlib import Path
-
-CHILD = r"""
-import torch
-torch.cuda.device_count = lambda: 1  # tinypaged.kernels then builds GPU kernels
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
-from triton.runtime.jit import JITFunction
-
-
-class CompileOnlyDriver:
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-
-driver.set_active(CompileOnlyDriver())
-compiled = []
-launch = JITFunction.run
-
-
-def compile_only(self, *args, grid, warmup, **kwargs):
-    kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
-    assert kernel.metadata.shared <= 227 * 1024, (self.__name__, kernel.metadata.shared)
-    compiled.append(self.__name__)
-
-
-JITFunction.run = compile_only
-
+LAUNCHES = r"""
 from tinypaged.kernels import activation, attention, kv_cache, norm, rotary
 
 for dtype in (torch.bfloat16, torch.float16):
@@ -100,16 +58,11 @@ for dtype in (torch.bfloat16, torch.float16):
         for m in (64, 200):
             awq._awq_gemm(torch.randn(m, K).to(dtype), qweight, qzeros, scales, group)
         awq.awq_dequantize(qweight, qzeros, scales, group)
-print(" ".join(sorted(set(compiled))))
 """
 
 
 def test_every_launcher_compiles_for_sm90():
-    repo = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", CHILD], cwd=repo, capture_output=True,
-                            text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == sorted([
+    assert compile_for_sm90(LAUNCHES) == sorted([
         "_decode_merge_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_rotary_kernel",
         "_act_and_mul_kernel", "_store_kv_kernel", "_varlen_attention_kernel",
         "_fused_moe_kernel", "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel",

@@ -20,6 +20,7 @@ import time
 
 import httpx
 import pytest
+from model_helpers import count_preemptions
 from test_server_helpers import build_tiny_model, running_server, sse_events
 
 from tinypaged import AsyncLLM
@@ -40,15 +41,7 @@ WORDS = "the a cat sat on mat and dog ran far away over hill under sky".split()
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     engine = AsyncLLM(str(build_tiny_model(tmp_path_factory.mktemp("soak"))), **ENGINE_ARGS)
-    sched = engine.engine.scheduler
-    schedule, preempted = sched.schedule, [0]
-
-    def counting_schedule():
-        out = schedule()
-        preempted[0] += len(out.preempted)
-        return out
-
-    sched.schedule = counting_schedule
+    preempted = count_preemptions(engine.engine.scheduler)
     with running_server(build_app(engine, served_model_name="tiny"), graceful_s=5) as url:
         yield engine, url, preempted
     asyncio.run(engine.shutdown())

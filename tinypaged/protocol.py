@@ -282,22 +282,13 @@ def _common(body: dict, req: GenerationRequest) -> None:
             raise bad_request(
                 "stream_options", "'stream_options' is only allowed when 'stream' is true"
             )
-        usage = options.get("include_usage", False)
-        if not isinstance(usage, bool):
-            raise bad_request(
-                "stream_options.include_usage",
-                "'include_usage' must be a boolean",
-                code="invalid_type",
-            )
-        req.include_usage = usage
-        continuous = options.get("continuous_usage_stats", False)
-        if not isinstance(continuous, bool):
-            raise bad_request(
-                "stream_options.continuous_usage_stats",
-                "'continuous_usage_stats' must be a boolean",
-                code="invalid_type",
-            )
-        req.continuous_usage_stats = continuous
+        for name in ("include_usage", "continuous_usage_stats"):
+            flag = options.get(name, False)
+            if not isinstance(flag, bool):
+                raise bad_request(
+                    f"stream_options.{name}", f"'{name}' must be a boolean", code="invalid_type"
+                )
+            setattr(req, name, flag)
     from tinypaged.protocol_structured import parse_logits_fields
 
     kwargs, req.logits_fields = parse_logits_fields(body)
