@@ -54,6 +54,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--quantization", default=None, choices=["awq", "gptq", "gguf"])
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="all tensor-parallel all-reduces through NCCL")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template")
     p.add_argument(
         "--generation-config",
@@ -188,6 +190,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "enforce_eager": args.enforce_eager,
         "quantization": args.quantization,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "disable_custom_all_reduce": args.disable_custom_all_reduce,
         "chat_template": chat_template,
         "generation_config": args.generation_config,
         "kernels": args.kernels,

@@ -28,6 +28,8 @@ class EngineConfig:
     quantization: str | None = None  # None (auto-detect) | "awq" | "gptq" | "gguf"
     seed: int = 0
     tensor_parallel_size: int = 1
+    # True = every tensor-parallel all-reduce through NCCL (custom_all_reduce.py, as in vLLM)
+    disable_custom_all_reduce: bool = False
     chat_template: str | None = None  # a Jinja template string overriding the model's
     # Sampling defaults: "auto" = the model's generation_config.json, "vllm" = none, or a folder
     generation_config: str = "auto"

@@ -9,8 +9,11 @@ are combined with one sum over ranks:
                                  and after the vocab-parallel embedding and LM head
 
 The group is a `torch.distributed` process group: backend "nccl" between GPUs (one per rank),
-"gloo" on the CPU. With one rank and no group (the default) every call here is a no-op and
-nothing is imported or created, so single-GPU runs do not change at all.
+"gloo" on the CPU. Between GPUs with P2P access, all-reduces of up to 16 MiB (every decode
+step's) go through the custom all-reduce instead (custom_all_reduce.py: one Triton kernel over
+buffers every rank maps), unless `custom_all_reduce=False`. With one rank and no group (the
+default) every call here is a no-op and nothing is imported or created, so single-GPU runs do
+not change at all.
 
     init_tp(rank, world_size, backend, init_method)   join the group (every rank, once)
     get_tp_rank(), get_tp_size()                      read by the layers when they are built
@@ -50,7 +53,9 @@ COLLECTIVE_TIMEOUT_S = 600.0
 _TP_RANK = 0
 _TP_SIZE = 1
 _GROUP_DEVICE: torch.device | None = None  # where collective inputs live; None = no group
+_CUSTOM_AR = None  # a CustomAllreduce while the group has one
 _LEAVE_LOCK = threading.Lock()  # abort (watchdog thread) and leave (finalizer) never overlap
+_ABANDONED: list = []  # custom all-reduce buffers of groups left in a hurry (see leave_tp)
 
 
 def get_tp_rank() -> int:
@@ -78,10 +83,12 @@ def build_as(rank: int, size: int) -> Iterator[None]:
 
 
 def init_tp(rank: int, world_size: int, backend: str, init_method: str,
-            timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+            timeout_s: float = COLLECTIVE_TIMEOUT_S, custom_all_reduce: bool = True) -> None:
     """Join the tensor-parallel group as `rank` of `world_size` (blocks until all ranks join).
-    On CUDA, call `torch.cuda.set_device` first: NCCL binds this rank to the current device."""
-    global _TP_RANK, _TP_SIZE, _GROUP_DEVICE
+    On CUDA, call `torch.cuda.set_device` first: NCCL binds this rank to the current device.
+    `custom_all_reduce` must be the same on every rank (EngineConfig's
+    `not disable_custom_all_reduce`)."""
+    global _TP_RANK, _TP_SIZE, _GROUP_DEVICE, _CUSTOM_AR
     import torch.distributed as dist
 
     if _GROUP_DEVICE is not None or dist.is_initialized():
@@ -101,6 +108,10 @@ def init_tp(rank: int, world_size: int, backend: str, init_method: str,
     )
     _TP_RANK, _TP_SIZE = rank, world_size
     _GROUP_DEVICE = device or torch.device("cpu")
+    if device is not None:
+        from tinypaged.custom_all_reduce import create_custom_all_reduce
+
+        _CUSTOM_AR = create_custom_all_reduce(device, disabled=not custom_all_reduce)
 
 
 def _bounded(call, timeout_s: float, device: torch.device) -> bool:
@@ -129,6 +140,8 @@ def abort_tp(timeout_s: float = 10.0) -> None:
     `leave_tp`. No-op on gloo, which notices a dead peer by itself, and without a group."""
     import torch.distributed as dist
 
+    if _CUSTOM_AR is not None:  # its kernels wait for peers on their own, not through NCCL
+        _CUSTOM_AR.abort()
     with _LEAVE_LOCK:
         if _GROUP_DEVICE is None or _GROUP_DEVICE.type != "cuda" or not dist.is_initialized():
             return
@@ -141,12 +154,17 @@ def leave_tp(graceful: bool, timeout_s: float = 10.0) -> bool:
     (`graceful`), else abort it (NCCL). Returns False when that did not finish within
     `timeout_s` (a warning is logged; this process can then not join a new group). The layers
     built so far keep their shards."""
-    global _TP_RANK, _TP_SIZE, _GROUP_DEVICE
+    global _TP_RANK, _TP_SIZE, _GROUP_DEVICE, _CUSTOM_AR
     import torch.distributed as dist
 
     with _LEAVE_LOCK:
         device, _GROUP_DEVICE = _GROUP_DEVICE, None
         _TP_RANK, _TP_SIZE = 0, 1
+        if _CUSTOM_AR is not None:
+            if not graceful:  # a kernel may still wait for a peer that is gone
+                _CUSTOM_AR.abort()
+                _ABANDONED.append(_CUSTOM_AR)  # freeing it would wait for the GPU: never
+            _CUSTOM_AR = None
         if device is None or not dist.is_initialized():  # no group, or aborted already
             return True
         nccl = device.type == "cuda"
@@ -163,7 +181,10 @@ def leave_tp(graceful: bool, timeout_s: float = 10.0) -> bool:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the tensor-parallel group in place (identity without a group)."""
+    """Sum `x` over the tensor-parallel group in place (identity without a group): through
+    the custom all-reduce when the group has one and x fits it, else through NCCL / gloo."""
+    if _CUSTOM_AR is not None and _CUSTOM_AR.fits(x):
+        return _CUSTOM_AR.all_reduce(x)
     if _GROUP_DEVICE is not None:
         torch.distributed.all_reduce(x)
     return x

@@ -301,7 +301,8 @@ class MultiprocExecutor:
             self.channel.unlink()  # every worker has mapped it
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            distributed.init_tp(0, world_size, backend, init_method)
+            distributed.init_tp(0, world_size, backend, init_method,
+                                custom_all_reduce=not config.disable_custom_all_reduce)
             stats: dict = {}
             self.model, self.hf_config, self.model_dir = load_model(config, device, stats)
             self.bytes_read = [stats.get("bytes_read", 0), *self._receive("loaded")]

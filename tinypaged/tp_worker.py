@@ -173,7 +173,8 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
             torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
         channel = ShmBroadcast.attach(channel_path, world_size - 1, rank - 1)
         conn.send(("hello", os.getpid()))
-        distributed.init_tp(rank, world_size, backend, init_method)
+        distributed.init_tp(rank, world_size, backend, init_method,
+                            custom_all_reduce=not config.disable_custom_all_reduce)
         stats: dict = {}
         model, _, _ = load_model(config, device, stats)
         conn.send(("loaded", stats.get("bytes_read", 0)))
