@@ -111,9 +111,11 @@ def unsupported_reason(device_type: str, world_size: int, disabled: bool,
 
 
 def create_custom_all_reduce(device: torch.device, disabled: bool = False,
-                             max_size: int = DEFAULT_MAX_SIZE) -> CustomAllreduce | None:
+                             max_size: int = DEFAULT_MAX_SIZE, num_programs: int = 64,
+                             **launch) -> CustomAllreduce | None:
     """Collective (every rank of the default group calls it): the buffers, mapped on every
-    rank, or None (logged) where the custom all-reduce cannot serve this group."""
+    rank, or None (logged) where the custom all-reduce cannot serve this group. `launch`:
+    CustomAllreduce's block and num_warps."""
     import torch.distributed as dist
 
     world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -130,7 +132,6 @@ def create_custom_all_reduce(device: torch.device, disabled: bool = False,
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
     import torch.distributed._symmetric_memory as symm_mem
 
-    num_programs = 64
     nbytes = buffer_bytes(world_size, max_size, num_programs)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     buffer[: flags_bytes(world_size, num_programs)].zero_()
@@ -140,7 +141,7 @@ def create_custom_all_reduce(device: torch.device, disabled: bool = False,
     # symmetric memory pool): the offset is the same on every rank.
     offset = buffer.data_ptr() - handle.buffer_ptrs[rank]
     ca = CustomAllreduce([p + offset for p in handle.buffer_ptrs], rank, device, max_size,
-                         num_programs)
+                         num_programs, **launch)
     ca.keepalive = [buffer, handle]
     logger.info("custom all-reduce on: %d ranks, messages up to %d MiB", world_size,
                 max_size >> 20)

@@ -190,6 +190,11 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def custom_all_reduce_enabled() -> bool:
+    """Whether this group has the custom all-reduce (custom_all_reduce.py)."""
+    return _CUSTOM_AR is not None
+
+
 def all_gather_columns(x: torch.Tensor) -> torch.Tensor:
     """[N, C] on each rank -> [N, tp * C], rank r's columns at [r * C, (r + 1) * C) (x itself
     without a group). Half the bytes of all-reducing a zero-padded [N, tp * C]."""
