@@ -5,10 +5,11 @@ as the engine's ranks are, so `distributed.all_reduce` takes the custom path whe
 
 1. Correctness, bf16 [rows, hidden] with random values per rank: `distributed.all_reduce`
    against NCCL's `torch.distributed.all_reduce` of the same input (max |difference|, and
-   whether the bits are equal), and whether every rank got the same bits; then a CUDA graph
-   of three calls (1 x hidden, 256 x hidden, 1 x hidden again) replayed on fresh inputs.
+   whether the bits are equal), and whether every rank got the same bits; the same for the
+   two-shot kernel (forced, whatever the size); then a CUDA graph of three calls (1 x hidden,
+   256 x hidden, 1 x hidden again) replayed on fresh inputs.
 2. Microseconds per call, rank 0's view, each rows x hidden: eager (100 calls back to back)
-   and inside a CUDA graph (20 calls per graph, 10 replays), custom vs NCCL.
+   and inside a CUDA graph (20 calls per graph, 10 replays), custom vs NCCL (and two-shot).
 3. --sweep: the custom kernel's launch settings (programs, block, warps) at a few sizes, in
    graphs, each with its own buffers.
 
@@ -73,21 +74,22 @@ def same_on_every_rank(t: torch.Tensor) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def correctness(rank: int, rows_list: list[int], hidden: int) -> list[str]:
+def correctness(rank: int, rows_list: list[int], hidden: int, two_shot) -> list[str]:
     dist = torch.distributed
     lines = []
     for repeat in range(2):  # twice: every size again, so both halves of the buffers are reused
         for rows in rows_list:
             gen = torch.Generator("cuda").manual_seed(1000 * rows + 10 * repeat + rank)
             x = torch.randn(rows, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-            want, got = x.clone(), x.clone()
+            want, got, got2 = x.clone(), x.clone(), x.clone()
             dist.all_reduce(want)
             distributed.all_reduce(got)
+            two_shot.all_reduce(got2)
             diff = (got.float() - want.float()).abs().max().item()
-            agree = same_on_every_rank(got)
+            agree = same_on_every_rank(got) and same_on_every_rank(got2)
             if repeat == 1:
                 lines.append(f"| {rows} x {hidden} | {diff:.3g} | {torch.equal(got, want)} | "
-                             f"{agree} |")
+                             f"{torch.equal(got2, want)} | {agree} |")
     # a CUDA graph: three calls, replayed on fresh inputs
     a = torch.zeros(1, hidden, device="cuda", dtype=torch.bfloat16)
     b = torch.zeros(256, hidden, device="cuda", dtype=torch.bfloat16)
@@ -108,12 +110,12 @@ def correctness(rank: int, rows_list: list[int], hidden: int) -> list[str]:
         worst = max(worst, (a.float() - want_a.float()).abs().max().item(),
                     (b.float() - want_b.float()).abs().max().item())
         agree = agree and same_on_every_rank(a) and same_on_every_rank(b)
-    lines.append(f"| CUDA graph, 3 calls, 5 replays | {worst:.3g} | {worst == 0.0} | {agree} |")
+    lines.append(f"| CUDA graph, 3 calls, 5 replays | {worst:.3g} | {worst == 0.0} | | {agree} |")
     del g
     return lines
 
 
-def timings(rows_list: list[int], hidden: int) -> list[str]:
+def timings(rows_list: list[int], hidden: int, two_shot) -> list[str]:
     lines = []
     for rows in rows_list:
         x = torch.zeros(rows, hidden, device="cuda", dtype=torch.bfloat16)
@@ -122,11 +124,12 @@ def timings(rows_list: list[int], hidden: int) -> list[str]:
                          ("nccl", lambda x=x: torch.distributed.all_reduce(x))):
             t[name, "eager"] = timed_us(fn, 100, graph=False)
             t[name, "graph"] = timed_us(fn, 20, graph=True)
+        two = timed_us(lambda x=x: two_shot.all_reduce(x), 20, graph=True)
         kib = rows * hidden * 2 / 1024
         lines.append(
             f"| {rows} x {hidden} ({kib:.0f} KiB) | {t['custom', 'graph']:.1f} | "
             f"{t['nccl', 'graph']:.1f} | {t['nccl', 'graph'] / t['custom', 'graph']:.2f}x | "
-            f"{t['custom', 'eager']:.1f} | {t['nccl', 'eager']:.1f} |")
+            f"{two:.1f} | {t['custom', 'eager']:.1f} | {t['nccl', 'eager']:.1f} |")
     return lines
 
 
@@ -156,16 +159,20 @@ def sweep(rank: int, rows_list: list[int], hidden: int) -> list[str]:
 
 
 def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    from tinypaged.custom_all_reduce import create_custom_all_reduce
+
     torch.cuda.set_device(rank)
     distributed.init_tp(rank, world_size, "nccl", f"tcp://127.0.0.1:{port}")
+    device = torch.device("cuda", rank)
+    two_shot = create_custom_all_reduce(device, two_shot_min_size=0)
     out = [f"{world_size} ranks; custom all-reduce enabled: "
            f"{distributed.custom_all_reduce_enabled()}", "",
-           "| message (bf16) | max abs diff vs NCCL | bits equal to NCCL | same on every rank |",
-           "|---|---|---|---|"]
-    out += correctness(rank, args.rows, args.hidden)
-    out += ["", "| message | custom, graph us | NCCL, graph us | speedup | custom, eager us | "
-            "NCCL, eager us |", "|---|---|---|---|---|---|"]
-    out += timings(args.rows, args.hidden)
+           "| message (bf16) | max abs diff vs NCCL | bits equal to NCCL | two-shot: equal | "
+           "same on every rank |", "|---|---|---|---|---|"]
+    out += correctness(rank, args.rows, args.hidden, two_shot)
+    out += ["", "| message | custom, graph us | NCCL, graph us | speedup | two-shot, graph us | "
+            "custom, eager us | NCCL, eager us |", "|---|---|---|---|---|---|---|"]
+    out += timings(args.rows, args.hidden, two_shot)
     if args.sweep:
         sizes = [1, 256, 2048]
         out += ["", "| programs | block | warps | " + " | ".join(

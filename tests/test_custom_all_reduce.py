@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tinypaged import custom_all_reduce as car
-from tinypaged.kernels.all_reduce import all_reduce_ref, one_shot_all_reduce
+from tinypaged.kernels.all_reduce import all_reduce_ref, custom_all_reduce
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
@@ -25,9 +25,9 @@ def make_buffers(world_size: int) -> list[torch.Tensor]:
     return [torch.zeros(nbytes, dtype=torch.uint8).share_memory_() for _ in range(world_size)]
 
 
-def run_rank(rank, buffers, calls, results) -> None:
+def run_rank(rank, buffers, calls, two_shot_min_size, results) -> None:
     ca = car.CustomAllreduce([b.data_ptr() for b in buffers], rank, torch.device("cpu"),
-                             MAX_SIZE, NUM_PROGRAMS, BLOCK)
+                             MAX_SIZE, NUM_PROGRAMS, BLOCK, two_shot_min_size=two_shot_min_size)
     outs = []
     for call, (numel, dtype) in enumerate(calls):
         x = partial(rank, call, numel, dtype)
@@ -36,16 +36,22 @@ def run_rank(rank, buffers, calls, results) -> None:
     results.put((rank, outs, ca.counters.tolist()))
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_kernel_sums_across_processes(world_size):
-    # sizes below one block, of several regions per program, up to the whole buffer; more
-    # calls than two, so that both halves of every buffer are reused
-    calls = [(10, torch.float32), (1000, torch.float32), (MAX_SIZE // 4, torch.float32),
-             (300, torch.float16), (MAX_SIZE // 2, torch.float16), (64, torch.float32)]
+F32, F16 = torch.float32, torch.float16
+
+
+# Sizes below one block, of several regions per program, up to the whole buffer; more calls
+# than two, so that both halves of every buffer are reused. With 3 ranks the calls of 1000 bytes
+# and more go two-shot, the others one-shot.
+@pytest.mark.parametrize(("world_size", "two_shot_min_size", "calls"), [
+    (2, None, [(10, F32), (1000, F32), (MAX_SIZE // 4, F32), (300, F16), (MAX_SIZE // 2, F16),
+               (64, F32)]),
+    (3, 1000, [(10, F32), (700, F32), (300, F16), (600, F16), (64, F32)]),
+], ids=["2 ranks one-shot", "3 ranks one-shot and two-shot mixed"])
+def test_kernels_sum_across_processes(world_size, two_shot_min_size, calls):
     buffers = make_buffers(world_size)
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    procs = [ctx.Process(target=run_rank, args=(r, buffers, calls, results))
+    procs = [ctx.Process(target=run_rank, args=(r, buffers, calls, two_shot_min_size, results))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -67,9 +73,10 @@ def test_abort_ends_a_wait_for_a_peer_that_never_comes():
                              MAX_SIZE, NUM_PROGRAMS, BLOCK)
     ca.abort()  # rank 1 never runs: without the flag this call would spin forever
     x = torch.ones(100)
-    one_shot_all_reduce(x, x, ca.ptrs, ca.counters, 0, ca.flags_bytes // 4, MAX_SIZE // 4,
-                        block=BLOCK, abort_every=4)
-    assert ca.counters.tolist() == [1] * NUM_PROGRAMS
+    for two_shot in (False, True):
+        custom_all_reduce(x, x, ca.ptrs, ca.counters, 0, ca.flags_bytes // 4, MAX_SIZE // 4,
+                          two_shot=two_shot, block=BLOCK, abort_every=4)
+    assert ca.counters.tolist() == [2] * NUM_PROGRAMS
 
 
 def test_reference_sums_in_rank_order_in_fp32():
@@ -103,6 +110,6 @@ def test_unsupported_reason():
 
 def test_buffer_layout_keeps_regions_aligned():
     assert car.flags_bytes(2, 64) == 512 and car.flags_bytes(8, 3) == 256
-    assert car.buffer_bytes(2, 2**20, 64) == 512 + 2 * 2**20
+    assert car.buffer_bytes(2, 2**20, 64) == 512 + 4 * 2**20
     with pytest.raises(ValueError, match="multiple of 256"):
         car.buffer_bytes(2, 1000, 64)

@@ -41,6 +41,13 @@ for dtype, token_counts in ((torch.bfloat16, (1, 64, 256, 512, 4096)), (torch.fl
         topk_ids = torch.randint(0, 4, (num_tokens, 2), dtype=torch.int32)
         moe.fused_experts_triton(torch.randn(num_tokens, 2048).to(dtype), w13, w2,
                                  torch.rand(num_tokens, 2), topk_ids)
+from tinypaged.kernels.all_reduce import custom_all_reduce
+
+for world_size in (2, 3, 8):  # the custom all-reduce's two kernels, the engine's launch
+    ptrs, counters = torch.zeros(world_size + 1, dtype=torch.int64), torch.zeros(64).int()
+    for dtype, two_shot in ((torch.bfloat16, False), (torch.float16, True)):
+        x = torch.zeros(4096).to(dtype)
+        custom_all_reduce(x, x, ptrs, counters, 1, 128, 2**20, two_shot=two_shot)
 import os
 
 from tinypaged.kernels import awq
@@ -66,5 +73,5 @@ def test_every_launcher_compiles_for_sm90():
         "_decode_merge_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_rotary_kernel",
         "_act_and_mul_kernel", "_store_kv_kernel", "_varlen_attention_kernel",
         "_fused_moe_kernel", "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel",
-        "_awq_dequantize_kernel",
+        "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel", "_two_shot_all_reduce_kernel",
     ])

@@ -14,12 +14,13 @@ Buffers come from torch's symmetric memory (torch.distributed._symmetric_memory)
 allocates on every rank, `rendezvous` (a collective) maps every rank's allocation into every
 process; plain peer loads and stores only (NVLink multicast is never asked for: keep
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, set here, keeps rendezvous from creating a multicast object).
-Each rank's buffer: int32 flags [num_programs, W], then two data halves of `max_size` bytes.
+Each rank's buffer: int32 flags [num_programs, W], then [2 halves][input, result] areas of
+`max_size` bytes each (kernels/all_reduce.py says why).
 
 Used when (as vLLM's custom all-reduce): the group runs on CUDA with 2+ ranks, every GPU can
 access every other's memory, and `disable_custom_all_reduce` is off; per call, when the message
 is at most `max_size` bytes (default 16 MiB: batch 2048 x hidden 4096 in bf16). Everything else
-goes to NCCL.
+goes to NCCL. One-shot at 2 ranks; with more, two-shot from TWO_SHOT_MIN_SIZE bytes on.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ import os
 
 import torch
 
-from tinypaged.kernels.all_reduce import one_shot_all_reduce
+from tinypaged.kernels.all_reduce import custom_all_reduce
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SIZE = 16 * 2**20
+# One-shot below this, two-shot from it on, with more than 2 ranks (at 2 ranks both read the
+# same bytes from the peer, and one-shot waits at one barrier instead of two); vLLM's threshold.
+TWO_SHOT_MIN_SIZE = 512 * 2**10
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALIGN = 256  # bytes: every region starts aligned, so the kernel's loads are 16-byte vectors
 
@@ -49,10 +53,14 @@ class CustomAllreduce:
 
     def __init__(self, buffer_ptrs: list[int], rank: int, device: torch.device,
                  max_size: int = DEFAULT_MAX_SIZE, num_programs: int = 64,
-                 block: int = 1024, num_warps: int = 4) -> None:
+                 block: int = 1024, num_warps: int = 4,
+                 two_shot_min_size: int | None = None) -> None:
         self.rank, self.world_size = rank, len(buffer_ptrs)
         self.max_size = max_size
         self.block, self.num_warps = block, num_warps
+        if two_shot_min_size is None:
+            two_shot_min_size = TWO_SHOT_MIN_SIZE if self.world_size > 2 else max_size + 1
+        self.two_shot_min_size = two_shot_min_size
         self.flags_bytes = flags_bytes(self.world_size, num_programs)
         # Host memory the GPU reads (pinned: mapped into the device's address space).
         self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
@@ -70,11 +78,11 @@ class CustomAllreduce:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
         elem = x.element_size()
-        one_shot_all_reduce(x, x, self.ptrs, self.counters, self.rank,
-                            data_offset=self.flags_bytes // elem,
-                            half_elems=self.max_size // elem,
-                            block=self.block, num_warps=self.num_warps)
-        return x
+        return custom_all_reduce(
+            x, x, self.ptrs, self.counters, self.rank, data_offset=self.flags_bytes // elem,
+            max_elems=self.max_size // elem,
+            two_shot=x.numel() * elem >= self.two_shot_min_size,
+            block=self.block, num_warps=self.num_warps)
 
     def abort(self) -> None:
         """From any thread: kernels waiting for a peer give up within a few ms (their output
@@ -87,10 +95,10 @@ def flags_bytes(world_size: int, num_programs: int) -> int:
 
 
 def buffer_bytes(world_size: int, max_size: int, num_programs: int) -> int:
-    """Bytes of each rank's buffer: the flags, then two data halves."""
+    """Bytes of each rank's buffer: the flags, then two halves of input and result areas."""
     if max_size % ALIGN:
         raise ValueError(f"max_size must be a multiple of {ALIGN} bytes, got {max_size}")
-    return flags_bytes(world_size, num_programs) + 2 * max_size
+    return flags_bytes(world_size, num_programs) + 4 * max_size
 
 
 def unsupported_reason(device_type: str, world_size: int, disabled: bool,
@@ -115,7 +123,7 @@ def create_custom_all_reduce(device: torch.device, disabled: bool = False,
                              **launch) -> CustomAllreduce | None:
     """Collective (every rank of the default group calls it): the buffers, mapped on every
     rank, or None (logged) where the custom all-reduce cannot serve this group. `launch`:
-    CustomAllreduce's block and num_warps."""
+    CustomAllreduce's block, num_warps and two_shot_min_size."""
     import torch.distributed as dist
 
     world_size, rank = dist.get_world_size(), dist.get_rank()
