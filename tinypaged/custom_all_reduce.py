@@ -54,10 +54,10 @@ class CustomAllreduce:
     def __init__(self, buffer_ptrs: list[int], rank: int, device: torch.device,
                  max_size: int = DEFAULT_MAX_SIZE, num_programs: int = 64,
                  block: int = 1024, num_warps: int = 4,
-                 two_shot_min_size: int | None = None) -> None:
+                 two_shot_min_size: int | None = None, volatile_poll: bool = False) -> None:
         self.rank, self.world_size = rank, len(buffer_ptrs)
         self.max_size = max_size
-        self.block, self.num_warps = block, num_warps
+        self.block, self.num_warps, self.volatile_poll = block, num_warps, volatile_poll
         if two_shot_min_size is None:
             two_shot_min_size = TWO_SHOT_MIN_SIZE if self.world_size > 2 else max_size + 1
         self.two_shot_min_size = two_shot_min_size
@@ -82,7 +82,7 @@ class CustomAllreduce:
             x, x, self.ptrs, self.counters, self.rank, data_offset=self.flags_bytes // elem,
             max_elems=self.max_size // elem,
             two_shot=x.numel() * elem >= self.two_shot_min_size,
-            block=self.block, num_warps=self.num_warps)
+            block=self.block, num_warps=self.num_warps, volatile_poll=self.volatile_poll)
 
     def abort(self) -> None:
         """From any thread: kernels waiting for a peer give up within a few ms (their output
@@ -123,7 +123,7 @@ def create_custom_all_reduce(device: torch.device, disabled: bool = False,
                              **launch) -> CustomAllreduce | None:
     """Collective (every rank of the default group calls it): the buffers, mapped on every
     rank, or None (logged) where the custom all-reduce cannot serve this group. `launch`:
-    CustomAllreduce's block, num_warps and two_shot_min_size."""
+    CustomAllreduce's block, num_warps, two_shot_min_size and volatile_poll."""
     import torch.distributed as dist
 
     world_size, rank = dist.get_world_size(), dist.get_rank()
