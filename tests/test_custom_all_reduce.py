@@ -113,3 +113,24 @@ def test_buffer_layout_keeps_regions_aligned():
     assert car.buffer_bytes(2, 2**20, 64) == 512 + 4 * 2**20
     with pytest.raises(ValueError, match="multiple of 256"):
         car.buffer_bytes(2, 1000, 64)
+
+
+def test_all_reduce_takes_the_custom_path_when_the_message_fits(monkeypatch):
+    from tinypaged import distributed
+
+    class Custom:
+        def fits(self, x):
+            return x.numel() <= 4
+
+        def all_reduce(self, x):
+            return x.mul_(10)  # stands for the kernel
+
+    def nccl(x):
+        x.add_(1)
+
+    monkeypatch.setattr(distributed, "_CUSTOM_AR", Custom())
+    monkeypatch.setattr(distributed, "_GROUP_DEVICE", torch.device("cpu"))
+    monkeypatch.setattr(torch.distributed, "all_reduce", nccl)
+    assert distributed.custom_all_reduce_enabled()
+    assert distributed.all_reduce(torch.ones(4)).tolist() == [10.0] * 4
+    assert distributed.all_reduce(torch.ones(5)).tolist() == [2.0] * 5
