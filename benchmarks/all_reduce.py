@@ -10,8 +10,8 @@ as the engine's ranks are, so `distributed.all_reduce` takes the custom path whe
    256 x hidden, 1 x hidden again) replayed on fresh inputs.
 2. Microseconds per call, rank 0's view, each rows x hidden: eager (100 calls back to back)
    and inside a CUDA graph (20 calls per graph, 10 replays), custom vs NCCL (and two-shot).
-3. --sweep: the custom kernel's launch settings (programs, block, warps, how the barrier polls)
-   at a few sizes, in graphs, each with its own buffers.
+3. --sweep: the custom kernel's launch settings (programs, block, warps) at a few sizes, in
+   graphs, each with its own buffers.
 
     PYTHONPATH=. python benchmarks/all_reduce.py --tp 2 --sweep
 Every process ends within --timeout seconds (the parent kills what is left).
@@ -33,9 +33,9 @@ import torch  # noqa: E402
 
 from tinypaged import distributed  # noqa: E402
 
-SWEEP = [(64, 1024, 4, False), (64, 1024, 4, True), (32, 1024, 4, False), (132, 1024, 4, False),
-         (64, 2048, 8, False), (132, 2048, 8, False), (132, 4096, 16, False), (16, 512, 4, False),
-         (132, 2048, 8, True)]  # (num_programs, block, num_warps, volatile_poll)
+# (num_programs, block, num_warps); the first is the default on an H200 (132 SMs)
+SWEEP = [(132, 4096, 16), (132, 8192, 16), (264, 4096, 16), (264, 2048, 8), (132, 4096, 8),
+         (66, 8192, 16)]
 
 
 def timed_us(fn, calls: int, graph: bool) -> float:
@@ -139,9 +139,9 @@ def sweep(rank: int, rows_list: list[int], hidden: int) -> list[str]:
 
     lines = []
     device = torch.device("cuda", torch.cuda.current_device())
-    for num_programs, block, num_warps, volatile_poll in SWEEP:
+    for num_programs, block, num_warps in SWEEP:
         ca = create_custom_all_reduce(device, num_programs=num_programs, block=block,
-                                      num_warps=num_warps, volatile_poll=volatile_poll)
+                                      num_warps=num_warps)
         cells = []
         for rows in rows_list:
             gen = torch.Generator("cuda").manual_seed(rows + rank)
@@ -153,8 +153,7 @@ def sweep(rank: int, rows_list: list[int], hidden: int) -> list[str]:
             us = timed_us(lambda ca=ca, x=x: ca.all_reduce(x), 20, graph=True)
             cells.append(f"{us:.1f}"
                          + ("" if ok else " WRONG"))
-        lines.append(f"| {num_programs} | {block} | {num_warps} | {volatile_poll} | "
-                     + " | ".join(cells) + " |")
+        lines.append(f"| {num_programs} | {block} | {num_warps} | " + " | ".join(cells) + " |")
         del ca
         torch.cuda.synchronize()
     return lines
@@ -176,8 +175,8 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
             "custom, eager us | NCCL, eager us |", "|---|---|---|---|---|---|---|"]
     out += timings(args.rows, args.hidden, two_shot)
     if args.sweep:
-        sizes = [1, 256, 2048]
-        out += ["", "| programs | block | warps | volatile poll | " + " | ".join(
+        sizes = [1, 256, 2048, 8192]
+        out += ["", "| programs | block | warps | " + " | ".join(
             f"{r} x {args.hidden} graph us" for r in sizes) + " |", "|---|---|---|---|---|---|---|"]
         out += sweep(rank, sizes, args.hidden)
     if rank == 0:
@@ -192,7 +191,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--rows", type=int, nargs="+",
-                        default=[1, 2, 8, 32, 64, 128, 256, 512, 1024, 2048])
+                        default=[1, 8, 64, 256, 512, 1024, 2048, 4096, 8192])
     parser.add_argument("--sweep", action="store_true", help="try the kernel's launch settings")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()

@@ -19,7 +19,7 @@ Each rank's buffer: int32 flags [num_programs, W], then [2 halves][input, result
 
 Used when (as vLLM's custom all-reduce): the group runs on CUDA with 2+ ranks, every GPU can
 access every other's memory, and `disable_custom_all_reduce` is off; per call, when the message
-is at most `max_size` bytes (default 16 MiB: batch 2048 x hidden 4096 in bf16). Everything else
+is at most `max_size` bytes (default 64 MiB: 8192 tokens x hidden 4096 in bf16). Everything else
 goes to NCCL. One-shot at 2 ranks; with more, two-shot from TWO_SHOT_MIN_SIZE bytes on.
 """
 
@@ -30,11 +30,12 @@ import os
 
 import torch
 
+from tinypaged.kernels._triton import num_sms
 from tinypaged.kernels.all_reduce import custom_all_reduce
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_SIZE = 16 * 2**20
+DEFAULT_MAX_SIZE = 64 * 2**20  # a prefill chunk of 8192 tokens x hidden 4096 in bf16
 # One-shot below this, two-shot from it on, with more than 2 ranks (at 2 ranks both read the
 # same bytes from the peer, and one-shot waits at one barrier instead of two); vLLM's threshold.
 TWO_SHOT_MIN_SIZE = 512 * 2**10
@@ -52,12 +53,12 @@ class CustomAllreduce:
     rank must build it with the same arguments and make the same calls in the same order."""
 
     def __init__(self, buffer_ptrs: list[int], rank: int, device: torch.device,
-                 max_size: int = DEFAULT_MAX_SIZE, num_programs: int = 64,
-                 block: int = 1024, num_warps: int = 4,
-                 two_shot_min_size: int | None = None, volatile_poll: bool = False) -> None:
+                 max_size: int = DEFAULT_MAX_SIZE, num_programs: int = 132,
+                 block: int = 4096, num_warps: int = 16,
+                 two_shot_min_size: int | None = None) -> None:
         self.rank, self.world_size = rank, len(buffer_ptrs)
         self.max_size = max_size
-        self.block, self.num_warps, self.volatile_poll = block, num_warps, volatile_poll
+        self.block, self.num_warps = block, num_warps
         if two_shot_min_size is None:
             two_shot_min_size = TWO_SHOT_MIN_SIZE if self.world_size > 2 else max_size + 1
         self.two_shot_min_size = two_shot_min_size
@@ -82,7 +83,7 @@ class CustomAllreduce:
             x, x, self.ptrs, self.counters, self.rank, data_offset=self.flags_bytes // elem,
             max_elems=self.max_size // elem,
             two_shot=x.numel() * elem >= self.two_shot_min_size,
-            block=self.block, num_warps=self.num_warps, volatile_poll=self.volatile_poll)
+            block=self.block, num_warps=self.num_warps)
 
     def abort(self) -> None:
         """From any thread: kernels waiting for a peer give up within a few ms (their output
@@ -119,16 +120,20 @@ def unsupported_reason(device_type: str, world_size: int, disabled: bool,
 
 
 def create_custom_all_reduce(device: torch.device, disabled: bool = False,
-                             max_size: int = DEFAULT_MAX_SIZE, num_programs: int = 64,
+                             max_size: int = DEFAULT_MAX_SIZE, num_programs: int | None = None,
                              **launch) -> CustomAllreduce | None:
     """Collective (every rank of the default group calls it): the buffers, mapped on every
-    rank, or None (logged) where the custom all-reduce cannot serve this group. `launch`:
-    CustomAllreduce's block, num_warps, two_shot_min_size and volatile_poll."""
+    rank, or None (logged) where the custom all-reduce cannot serve this group. The kernels'
+    grid is `num_programs` (default: one per SM of the smallest GPU); `launch`: CustomAllreduce's
+    block, num_warps and two_shot_min_size (the defaults are the fastest of a sweep on 2 x H200,
+    benchmarks/all_reduce.py --sweep)."""
     import torch.distributed as dist
 
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    devices: list[int | None] = [None] * world_size
-    dist.all_gather_object(devices, device.index if device.type == "cuda" else None)
+    mine = (device.index, num_sms(device.index)) if device.type == "cuda" else (None, 0)
+    ranks: list[tuple] = [mine] * world_size
+    dist.all_gather_object(ranks, mine)
+    devices = [index for index, _ in ranks]
     peer_access = [[i == j or (a is not None and b is not None
                                and torch.cuda.can_device_access_peer(a, b))
                     for j, b in enumerate(devices)] for i, a in enumerate(devices)]
@@ -140,6 +145,7 @@ def create_custom_all_reduce(device: torch.device, disabled: bool = False,
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
     import torch.distributed._symmetric_memory as symm_mem
 
+    num_programs = num_programs or min(sms for _, sms in ranks)
     nbytes = buffer_bytes(world_size, max_size, num_programs)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     buffer[: flags_bytes(world_size, num_programs)].zero_()

@@ -54,7 +54,7 @@ from tinypaged.kernels._triton import jit, next_power_of_2, tl
 
 @jit
 def _barrier(PTRS, pid, rank, target, WORLD_SIZE: tl.constexpr, WORLD_POW2: tl.constexpr,
-             ABORT_EVERY: tl.constexpr, VOLATILE_POLL: tl.constexpr):
+             ABORT_EVERY: tl.constexpr):
     """Tell program `pid` of every rank that this one reached `target`; wait until all did."""
     tl.debug_barrier()  # every thread's stores come before the signal
     ranks = tl.arange(0, WORLD_POW2)
@@ -65,24 +65,15 @@ def _barrier(PTRS, pid, rank, target, WORLD_SIZE: tl.constexpr, WORLD_POW2: tl.c
                    sem="release", scope="sys")
     mine = tl.load(PTRS + rank).to(tl.pointer_type(tl.int32)) + slot + ranks
     abort = tl.load(PTRS + WORLD_SIZE).to(tl.pointer_type(tl.int32))
-    if VOLATILE_POLL:
-        seen = tl.load(mine, mask=in_group, other=0, volatile=True)
-    else:
-        seen = tl.atomic_add(mine, tl.zeros_like(ranks), mask=in_group, sem="acquire",
-                             scope="sys")
+    seen = tl.atomic_add(mine, tl.zeros_like(ranks), mask=in_group, sem="acquire", scope="sys")
     polls = 0
     aborted = 0
     while (tl.min(tl.where(in_group, seen - target, 0)) < 0) & (aborted == 0):
-        if VOLATILE_POLL:
-            seen = tl.load(mine, mask=in_group, other=0, volatile=True)
-        else:
-            seen = tl.atomic_add(mine, tl.zeros_like(ranks), mask=in_group, sem="acquire",
-                                 scope="sys")
+        seen = tl.atomic_add(mine, tl.zeros_like(ranks), mask=in_group, sem="acquire",
+                             scope="sys")
         polls += 1
         if polls % ABORT_EVERY == 0:
             aborted = tl.load(abort, volatile=True)
-    if VOLATILE_POLL:  # one acquire after the cheap polls
-        tl.atomic_add(mine, tl.zeros_like(ranks), mask=in_group, sem="acquire", scope="sys")
     tl.debug_barrier()  # every thread's loads come after the wait
 
 
@@ -99,7 +90,7 @@ def _one_shot_all_reduce_kernel(
     data_offset,  # elements from a buffer's start to its data
     max_elems,  # elements per data area
     WORLD_SIZE: tl.constexpr, WORLD_POW2: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    BLOCK: tl.constexpr, ABORT_EVERY: tl.constexpr, VOLATILE_POLL: tl.constexpr,
+    BLOCK: tl.constexpr, ABORT_EVERY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = tl.load(COUNTERS + pid) + 1
@@ -111,8 +102,7 @@ def _one_shot_all_reduce_kernel(
         for start in range(pid * BLOCK, n, NUM_PROGRAMS * BLOCK):  # 1. copy
             offs = start + tl.arange(0, BLOCK)
             tl.store(mine + offs, tl.load(X + offs, mask=offs < n), mask=offs < n)
-        _barrier(PTRS, pid, rank, 2 * epoch - 1, WORLD_SIZE, WORLD_POW2, ABORT_EVERY,
-                 VOLATILE_POLL)
+        _barrier(PTRS, pid, rank, 2 * epoch - 1, WORLD_SIZE, WORLD_POW2, ABORT_EVERY)
         for start in range(pid * BLOCK, n, NUM_PROGRAMS * BLOCK):  # 3. sum
             offs = start + tl.arange(0, BLOCK)
             acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -127,7 +117,7 @@ def _two_shot_all_reduce_kernel(
     X, OUT, PTRS, COUNTERS, n, rank, data_offset, max_elems,  # as the one-shot kernel's
     WORLD_SIZE: tl.constexpr, WORLD_POW2: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     SLICE: tl.constexpr,  # a region is WORLD_SIZE slices; rank s reduces slice s of each
-    ABORT_EVERY: tl.constexpr, VOLATILE_POLL: tl.constexpr,
+    ABORT_EVERY: tl.constexpr,
 ):
     REGION: tl.constexpr = SLICE * WORLD_SIZE
     pid = tl.program_id(0)
@@ -142,8 +132,7 @@ def _two_shot_all_reduce_kernel(
             for j in tl.static_range(WORLD_SIZE):
                 offs = start + j * SLICE + tl.arange(0, SLICE)
                 tl.store(mine + offs, tl.load(X + offs, mask=offs < n), mask=offs < n)
-        _barrier(PTRS, pid, rank, 2 * epoch - 1, WORLD_SIZE, WORLD_POW2, ABORT_EVERY,
-                 VOLATILE_POLL)
+        _barrier(PTRS, pid, rank, 2 * epoch - 1, WORLD_SIZE, WORLD_POW2, ABORT_EVERY)
         my_results = _buffer(PTRS, rank, results, dtype)
         for start in range(pid * REGION, n, NUM_PROGRAMS * REGION):  # 3. reduce my slice
             offs = start + rank * SLICE + tl.arange(0, SLICE)
@@ -152,8 +141,7 @@ def _two_shot_all_reduce_kernel(
                 theirs = _buffer(PTRS, s, inputs, dtype)
                 acc += tl.load(theirs + offs, mask=offs < n, other=0.0).to(tl.float32)
             tl.store(my_results + offs, acc.to(dtype), mask=offs < n)
-        _barrier(PTRS, pid, rank, 2 * epoch, WORLD_SIZE, WORLD_POW2, ABORT_EVERY,
-                 VOLATILE_POLL)
+        _barrier(PTRS, pid, rank, 2 * epoch, WORLD_SIZE, WORLD_POW2, ABORT_EVERY)
         for start in range(pid * REGION, n, NUM_PROGRAMS * REGION):  # 5. gather the slices
             for s in tl.static_range(WORLD_SIZE):
                 offs = start + s * SLICE + tl.arange(0, SLICE)
@@ -164,7 +152,7 @@ def _two_shot_all_reduce_kernel(
 def custom_all_reduce(
     x: torch.Tensor, out: torch.Tensor, ptrs: torch.Tensor, counters: torch.Tensor, rank: int,
     data_offset: int, max_elems: int, two_shot: bool = False, block: int = 1024,
-    num_warps: int = 4, abort_every: int = 1024, volatile_poll: bool = False,
+    num_warps: int = 4, abort_every: int = 1024,
 ) -> torch.Tensor:
     """out = the sum over ranks of every rank's contiguous `x` (the same shape, dtype and call
     sequence on every rank; out may be x); `two_shot` picks the kernel. Every rank passes the
@@ -176,7 +164,7 @@ def custom_all_reduce(
     world_pow2 = next_power_of_2(world_size)
     num_programs = counters.numel()
     common = dict(WORLD_SIZE=world_size, WORLD_POW2=world_pow2, NUM_PROGRAMS=num_programs,
-                  ABORT_EVERY=abort_every, VOLATILE_POLL=volatile_poll, num_warps=num_warps)
+                  ABORT_EVERY=abort_every, num_warps=num_warps)
     args = (x, out, ptrs, counters, x.numel(), rank, data_offset, max_elems)
     if two_shot:
         _two_shot_all_reduce_kernel[(num_programs,)](*args, SLICE=block // world_pow2, **common)
