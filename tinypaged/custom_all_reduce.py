@@ -5,15 +5,17 @@ layer; NCCL's fixed cost per call is then most of the time. When every GPU of th
 load from every other's memory (P2P over NVLink), kernels/all_reduce.py does the sum in one
 kernel over buffers that all ranks map. This module allocates those buffers and decides:
 
-    create_custom_all_reduce(group, device)    at init_tp; None where it cannot be used
+    create_custom_all_reduce(device)           at init_tp; None where it cannot be used
     ca.fits(x)                                 x small enough, a supported dtype, contiguous
     ca.all_reduce(x)                           in place, CUDA-graph capturable
     ca.abort()                                 make kernels waiting for a dead peer return
 
 Buffers come from torch's symmetric memory (torch.distributed._symmetric_memory): `empty`
 allocates on every rank, `rendezvous` (a collective) maps every rank's allocation into every
-process; plain peer loads and stores only (NVLink multicast is never asked for: keep
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1, set here, keeps rendezvous from creating a multicast object).
+process. Plain peer loads and stores only: NVLink multicast is never used, and
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (set here) keeps rendezvous from creating a multicast object.
+The kernel copies its input into the buffer itself (a layer cannot write its output there
+directly: which half a call uses is decided on the GPU, so that CUDA graphs can replay it).
 Each rank's buffer: int32 flags [num_programs, W], then [2 halves][input, result] areas of
 `max_size` bytes each (kernels/all_reduce.py says why).
 
