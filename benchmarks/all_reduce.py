@@ -12,6 +12,8 @@ as the engine's ranks are, so `distributed.all_reduce` takes the custom path whe
    and inside a CUDA graph (20 calls per graph, 10 replays), custom vs NCCL (and two-shot).
 3. --sweep: the custom kernel's launch settings (programs, block, warps) at a few sizes, in
    graphs, each with its own buffers.
+4. --abort-check: rank 0 all-reduces alone (its peer never comes, as if it had died) and
+   another thread calls abort() after 1 s: how long until the kernel returned.
 
     PYTHONPATH=. python benchmarks/all_reduce.py --tp 2 --sweep
 Every process ends within --timeout seconds (the parent kills what is left).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import threading
 import time
 
 # NVLink multicast stays off (device README: it can take a shared host's GPUs down for a day).
@@ -159,6 +162,25 @@ def sweep(rank: int, rows_list: list[int], hidden: int) -> list[str]:
     return lines
 
 
+def abort_check(rank: int, hidden: int) -> list[str]:
+    """Rank 0 waits in the kernel for peers that never come until another thread aborts
+    (what the engine's watchdog does through distributed.abort_tp when a worker dies)."""
+    from tinypaged.custom_all_reduce import create_custom_all_reduce
+
+    ca = create_custom_all_reduce(torch.device("cuda", torch.cuda.current_device()))
+    line = []
+    if rank == 0:
+        x = torch.zeros(256, hidden, device="cuda", dtype=torch.bfloat16)
+        threading.Timer(1.0, ca.abort).start()
+        start = time.monotonic()
+        ca.all_reduce(x)
+        torch.cuda.synchronize()
+        line = ["", f"abort check: rank 0's lone all-reduce returned "
+                f"{time.monotonic() - start - 1.0:.3f} s after abort()"]
+    torch.distributed.barrier()
+    return line
+
+
 def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
     from tinypaged.custom_all_reduce import create_custom_all_reduce
 
@@ -179,6 +201,8 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
         out += ["", "| programs | block | warps | " + " | ".join(
             f"{r} x {args.hidden} graph us" for r in sizes) + " |", "|---|---|---|---|---|---|---|"]
         out += sweep(rank, sizes, args.hidden)
+    if args.abort_check:
+        out += abort_check(rank, args.hidden)
     if rank == 0:
         print("\n".join(out), flush=True)
     torch.cuda.synchronize()
@@ -193,6 +217,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+",
                         default=[1, 8, 64, 256, 512, 1024, 2048, 4096, 8192])
     parser.add_argument("--sweep", action="store_true", help="try the kernel's launch settings")
+    parser.add_argument("--abort-check", action="store_true", help="a lone rank, then abort")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
     with socket.socket() as s:
