@@ -105,7 +105,7 @@ def main() -> None:
           f"on {same_tokens}/{n} prompts, logprobs equal on {same_logprobs}/{n}")
     print(f"| all-reduce | decode ms/step batch 1 | batch {args.batch} | shutdown s |")
     print("|---|---|---|---|")
-    for name, r in (("NCCL only", nccl), ("custom (<= 64 MiB)", custom)):
+    for name, r in (("NCCL only", nccl), ("custom (<= 16 MiB)", custom)):
         print(f"| {name} | {r['b1']:.2f} | {r['bN']:.2f} | {r['shutdown']:.2f} |")
 
 

@@ -21,7 +21,7 @@ Each rank's buffer: int32 flags [num_programs, W], then [2 halves][input, result
 
 Used when (as vLLM's custom all-reduce): the group runs on CUDA with 2+ ranks, every GPU can
 access every other's memory, and `disable_custom_all_reduce` is off; per call, when the message
-is at most `max_size` bytes (default 64 MiB: 8192 tokens x hidden 4096 in bf16). Everything else
+is at most `max_size` bytes (default 16 MiB: 2048 tokens x hidden 4096 in bf16). Everything else
 goes to NCCL. One-shot at 2 ranks; with more, two-shot from TWO_SHOT_MIN_SIZE bytes on.
 """
 
@@ -37,7 +37,7 @@ from tinypaged.kernels.all_reduce import custom_all_reduce
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_SIZE = 64 * 2**20  # a prefill chunk of 8192 tokens x hidden 4096 in bf16
+DEFAULT_MAX_SIZE = 16 * 2**20  # measured faster than NCCL up to here (benchmarks/RESULTS.md)
 # One-shot below this, two-shot from it on, with more than 2 ranks (at 2 ranks both read the
 # same bytes from the peer, and one-shot waits at one barrier instead of two); vLLM's threshold.
 TWO_SHOT_MIN_SIZE = 512 * 2**10

@@ -9,7 +9,7 @@ are combined with one sum over ranks:
                                  and after the vocab-parallel embedding and LM head
 
 The group is a `torch.distributed` process group: backend "nccl" between GPUs (one per rank),
-"gloo" on the CPU. Between GPUs with P2P access, all-reduces of up to 64 MiB (every decode
+"gloo" on the CPU. Between GPUs with P2P access, all-reduces of up to 16 MiB (every decode
 step's) go through the custom all-reduce instead (custom_all_reduce.py: one Triton kernel over
 buffers every rank maps), unless `custom_all_reduce=False`. With one rank and no group (the
 default) every call here is a no-op and nothing is imported or created, so single-GPU runs do
