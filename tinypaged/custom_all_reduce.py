@@ -37,7 +37,7 @@ from tinypaged.kernels.all_reduce import custom_all_reduce
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_SIZE = 16 * 2**20  # measured faster than NCCL up to here (benchmarks/RESULTS.md)
+DEFAULT_MAX_SIZE = 16 * 2**20  # 2048 x 4096 bf16: still 1.3x faster than NCCL (RESULTS.md)
 # One-shot below this, two-shot from it on, with more than 2 ranks (at 2 ranks both read the
 # same bytes from the peer, and one-shot waits at one barrier instead of two); vLLM's threshold.
 TWO_SHOT_MIN_SIZE = 512 * 2**10
