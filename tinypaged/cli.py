@@ -258,7 +258,6 @@ def serve(args: argparse.Namespace) -> int:
     )
     server = app.state.server
     kv = engine.kv_cache_info
-    kv = kv.as_dict() if hasattr(kv, "as_dict") else dict(kv)
     logger.info("model: %s (served as %s)", engine.model_name, ", ".join(server.model_names))
     logger.info(
         "device: %s, dtype: %s, max_model_len: %d", kv["device"], kv["dtype"], server.max_model_len
