@@ -25,71 +25,18 @@ import argparse
 import asyncio
 import json
 import random
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tinypaged import bench_serve
+from tinypaged.model_shapes import SHAPES, shape_dir
 
 if TYPE_CHECKING:
     from tinypaged.engine_client import EngineClient
 
-SHAPES = {
-    # Qwen3-0.6B: 28 layers, hidden 1024, 16/8 heads, head_dim 128, vocab 151936, tied.
-    "qwen3-0.6b": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
-        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-    ),
-    # Llama-3-8B: 32 layers, hidden 4096, 32/8 heads, head_dim 128, vocab 128256.
-    "llama3-8b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
-        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
-        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-    ),
-    # Llama-3-70B: 80 layers, hidden 8192, 64/8 heads, head_dim 128, vocab 128256 (TP >= 2).
-    "llama3-70b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192,
-        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
-        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-    ),
-    # Qwen3-30B-A3B: 48 layers, hidden 2048, 32/4 heads, head_dim 128, every layer 128 experts
-    # top-8 of moe_intermediate 768 (30.5B parameters, 3.3B active per token).
-    "qwen3-30b-a3b": dict(
-        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
-        intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, rope_theta=1000000.0,
-    ),
-}
 PEAK_FLOPS = 790e12  # bf16 matmul measured on the H200
 COPY_BW = 4.2e12  # device-to-device copy, bytes read + written, measured on the H200
-
-
-AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-              "version": "gemm"}
-GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
-               "sym": True, "checkpoint_format": "gptq"}
-
-
-def shape_dir(shape: str, quantization: str | None = None) -> Path:
-    """A model directory holding only config.json for a named shape (used with dummy weights);
-    with quantization="awq" / "gptq" the config declares an AutoAWQ / AutoGPTQ int4 checkpoint
-    (group 128)."""
-    if shape not in SHAPES:
-        raise ValueError(f"unknown --model-shape {shape!r}; choose from {', '.join(SHAPES)}")
-    path = Path(tempfile.mkdtemp(prefix=f"tinypaged-{shape}-"))
-    config = {**SHAPES[shape], "torch_dtype": "bfloat16"}
-    if quantization in ("awq", "gptq"):
-        config["quantization_config"] = AWQ_CONFIG if quantization == "awq" else GPTQ_CONFIG
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 def sample_requests(num: int, min_len: int, max_len: int, vocab: int, seed: int = 0):
