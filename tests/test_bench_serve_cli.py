@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 from test_server_helpers import build_tiny_model, post, running_server
@@ -14,7 +12,6 @@ from tinypaged.model_shapes import SHAPES, shape_dir
 from tinypaged.server import GracefulServer
 from tinypaged.tokenizer import load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FLAGS = ["--max-model-len", "256", "--num-kv-blocks", "64", "--dtype", "float32",
                 "--max-num-batched-tokens", "256"]
 TINY_SHAPE = dict(
