@@ -83,7 +83,7 @@ def test_model_and_shape_together_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag", ["--request-rate=0", "--random-range-ratio=1.5",
-                                  "--max-concurrency=0"])
+                                  "--max-concurrency=0", "--endpoint=/v1/chat/completions"])
 def test_bench_serve_refuses_bad_values(flag):
     with pytest.raises(SystemExit, match=flag.split("=")[0]):
         main(["bench", "serve", flag])

@@ -248,6 +248,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
+    if args.endpoint.rstrip("/").endswith("chat/completions") or not args.endpoint.startswith("/"):
+        raise SystemExit(f"--endpoint must be a completions path like /v1/completions (the "
+                         f"prompts are token ids), got {args.endpoint!r}")
     if not 0 <= args.random_range_ratio < 1:
         raise SystemExit(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     if args.request_rate <= 0:
