@@ -26,6 +26,7 @@ IN_LEN=${RANDOM_INPUT_LEN:-256}
 OUT_LEN=${RANDOM_OUTPUT_LEN:-128}
 LOGS=${OUT:-/tmp}/serve-compare
 mkdir -p "$LOGS"
+ulimit -n 65536 2>/dev/null  # a server that falls behind holds one connection per waiting request
 # The same limits for both engines (vLLM's serve defaults on an H200 where it has one).
 LIMITS=(--dtype "${DTYPE:-bfloat16}" --max-model-len "${MAX_MODEL_LEN:-2048}" --max-num-seqs 256
         --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85 --served-model-name "$SHAPE"
