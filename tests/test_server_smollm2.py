@@ -58,7 +58,9 @@ def test_smollm2_through_the_openai_client(served):
 def test_bench_serve_measures_the_server(served, tmp_path, capsys):
     _, url = served
     port = url.rsplit(":", 1)[1]
-    main(["bench", "serve", "--port", port, "--num-prompts", "4", "--request-rate", "20",
+    # a vllm bench serve command line, unchanged
+    main(["bench", "serve", "--backend", "vllm", "--dataset-name", "random", "--port", port,
+          "--num-prompts", "4", "--request-rate", "20",
           "--random-input-len", "16", "--random-output-len", "6", "--ignore-eos",
           "--max-concurrency", "2", "--save-result", "--result-dir", str(tmp_path),
           "--result-filename", "r.json"])

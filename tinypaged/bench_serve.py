@@ -226,6 +226,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--endpoint", default="/v1/completions")
+    # vLLM's command lines run unchanged: its completions backends and its random dataset are
+    # the only ones here.
+    p.add_argument("--backend", default="vllm", choices=["vllm", "openai"],
+                   help="both: the OpenAI completions API")
+    p.add_argument("--dataset-name", default="random", choices=["random"])
     p.add_argument("--model", default=None, help="default: the first of the server's /v1/models")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--num-prompts", type=int, default=1000)
