@@ -97,7 +97,7 @@ async def one_request(url: str, headers: dict, body: dict) -> RequestResult:
                     last = now
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-        result.latency = time.perf_counter() - start
+            result.latency = time.perf_counter() - start
         result.success = result.ttft > 0.0
         if not result.success:
             result.error = "the stream ended without any choice"
@@ -205,6 +205,9 @@ async def run(args: argparse.Namespace) -> dict:
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     summary = summarize(results, duration, percentiles)
     print_summary(summary, percentiles)
+    if any(r.success and not r.output_tokens for r in results):
+        print("note: some streams ended without usage.completion_tokens (stream_options."
+              "include_usage): their tokens are not counted, and TPOT leaves them out")
     errors = [r.error for r in results if not r.success]
     if errors:
         print(f"first error of {len(errors)}: {errors[0]}")
