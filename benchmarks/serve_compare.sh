@@ -10,7 +10,8 @@
 # see the same requests: random token-id prompts, RANDOM_INPUT_LEN in, RANDOM_OUTPUT_LEN out with
 # ignore_eos, Poisson arrivals, RATE * DURATION requests per rate. Each server first answers a
 # correctness probe (a completion of the right length) and a warm-up burst, then the timed runs;
-# it is stopped with SIGTERM (its process group is killed if it has not exited 30 s later).
+# it is stopped with SIGTERM (its process group is killed if it has not exited 30 s later; no
+# other process is touched).
 # Prints one table at the end; the JSON of every run lands in $OUT (or /tmp/serve-compare).
 #
 # Knobs (environment): SHAPE (llama3-8b), RATES ("4 16 64"), DURATION (s per rate, 20),
@@ -48,7 +49,8 @@ python -c "import starlette, uvicorn" || {
 MODEL_DIR=${MODEL_DIR:-$(python -c "from tinypaged.model_shapes import shape_dir
 print(shape_dir('$SHAPE', tokenizer=True))")} || exit 1
 echo "model folder: $MODEL_DIR ($SHAPE, dummy weights)"
-nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null
+nvidia-smi -i "${CUDA_VISIBLE_DEVICES:-0}" --query-gpu=name,memory.used --format=csv,noheader \
+  2>/dev/null
 
 # wait_ready PORT PID LIMIT_S: until /health answers 200; fails if the server died or took longer.
 wait_ready() {
@@ -62,7 +64,9 @@ wait_ready() {
   echo "ready after $(( SECONDS - start )) s"
 }
 
-# stop PID: SIGTERM, then the whole process group after 30 s; reports GPU processes left over.
+# stop PID: SIGTERM, then its whole process group (the server and any child of it) 30 s later;
+# then waits up to 15 s for the group to be gone. Only this server's processes are ever killed:
+# other jobs may share the machine.
 stop() {
   kill -TERM "$1" 2>/dev/null
   for _ in $(seq 30); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
@@ -72,14 +76,14 @@ stop() {
   fi
   wait "$1" 2>/dev/null
   echo "server exit status $?"
-  SERVER_PID=""
-  sleep 2
-  local left
-  left=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null)
-  if [ -n "$left" ]; then
-    echo "GPU processes left over: $left"
-    for p in $(echo "$left" | cut -d, -f1); do kill -9 "$p" 2>/dev/null; done
+  for _ in $(seq 15); do pgrep -g "$1" >/dev/null || break; sleep 1; done
+  if pgrep -g "$1" >/dev/null; then
+    echo "processes of the server left after it exited: $(pgrep -g "$1" | tr '\n' ' ')"
+    kill -KILL -- "-$1" 2>/dev/null
   fi
+  SERVER_PID=""
+  nvidia-smi -i "${CUDA_VISIBLE_DEVICES:-0}" --query-gpu=memory.used --format=csv,noheader \
+    2>/dev/null | sed 's/^/GPU memory in use after the stop: /'
 }
 
 # bench NAME PORT ARGS...: bench serve against the server on PORT, for 3 x DURATION + 60 s at most
@@ -100,6 +104,7 @@ run() {
   setsid "$@" --port "$port" >"$SERVER_LOG" 2>&1 &
   local pid=$!
   SERVER_PID=$pid
+  echo "server pid $pid (its own process group)"
   if ! wait_ready "$port" "$pid" 240; then
     tail -n 30 "$LOGS/$engine-server.log"; stop "$pid"; return 1
   fi
