@@ -11,8 +11,13 @@ import pytest
 
 from tests.test_server_helpers import build_tiny_model, running_server
 from tinypaged import AsyncLLM
-from tinypaged.bench import SHAPES, main, roofline_seconds, sample_requests
+from tinypaged.bench import SHAPES, main, roofline_seconds, sample_requests, warmup_requests
 from tinypaged.server import build_app
+
+
+def test_warmup_prompts_share_no_block_with_the_measured_ones():
+    measured = {tuple(p[:16]) for p in sample_requests(256, 100, 1024, 151936)}
+    assert not measured & {tuple(p[:16]) for p in warmup_requests(100, 1024, 151936)}
 
 
 def test_requests_follow_the_recipe():
@@ -83,19 +88,30 @@ def test_throughput_and_latency_on_cpu(tiny_dir, tmp_path):
     out = main(["throughput", *common, "--num-prompts", "6", "--min-input-len", "5",
                 "--max-input-len", "40", "--json", str(tmp_path / "t.json")])
     assert out["requests"] == 6 and out["output_tokens"] == 24
+    # the warm-up ran prompts of its own: nothing of the measured run was in the prefix cache
+    assert out["cached_prompt_tokens"] == 0
     assert out["output_tok_s"] > 0 and out["roofline_fraction"] > 0
     assert json.loads((tmp_path / "t.json").read_text())["output_tokens"] == 24
     lat = main(["latency", *common, "--input-len", "16", "--batch-sizes", "1", "2"])
-    assert set(lat) == {1, 2} and all(r["steps"] == 3 for r in lat.values())
+    assert set(lat) == {1, 2}
+    assert [r["decode_tokens"] for r in lat.values()] == [3, 6]  # all but each first token
+    assert all(r["tok_s_per_seq"] > 0 and r["GB_s"] > 0 for r in lat.values())
 
 
-def test_serve_mode_against_a_server(tiny_dir):
+def test_serve_mode_against_a_server(tiny_dir, tmp_path):
     engine = AsyncLLM(str(tiny_dir), dtype="float32", max_model_len=256, num_kv_blocks=200)
     try:
         with running_server(build_app(engine)) as url:
             out = main(["serve", "--base-url", url, "--num-prompts", "4", "--request-rate", "50",
-                        "--input-len", "8", "--output-len", "5"])
-        assert out["requests_per_s"] > 0
-        assert out["ttft_p50_ms"] > 0 and out["tpot_p50_ms"] > 0
+                        "--random-input-len", "8", "--random-output-len", "5", "--ignore-eos",
+                        "--save-result", "--result-dir", str(tmp_path),
+                        "--result-filename", "serve.json"])
     finally:
         asyncio.run(engine.shutdown())
+    assert out["completed"] == 4 and out["failed"] == 0
+    assert out["total_output_tokens"] == 20 and out["total_input_tokens"] == 32
+    assert out["request_throughput"] > 0 and out["output_throughput"] > 0
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < out[f"median_{name}_ms"] <= out[f"p99_{name}_ms"]
+    assert out["mean_ttft_ms"] < out["mean_e2el_ms"]
+    assert json.loads((tmp_path / "serve.json").read_text())["output_lens"] == [5] * 4

@@ -28,8 +28,7 @@ def test_read_from_generation_config(tmp_path):
 
 
 def test_server_fills_fields_the_request_left_out():
-    engine = FakeEngine()
-    engine.default_sampling_params = {"temperature": 0.6, "top_k": 20, "max_tokens": 5}
+    engine = FakeEngine(default_sampling_params={"temperature": 0.6, "top_k": 20, "max_tokens": 5})
     with running_server(build_app(engine)) as url:
         post(url, "/v1/completions", {"prompt": "a"})
         p = engine.seen_params[-1]

@@ -278,7 +278,7 @@ def test_shutdown_aborts_requests_still_running_after_the_grace_period():
 
 def test_a_stopped_engine_answers_503():
     engine = FakeEngine()
-    engine.is_running = False  # what AsyncLLM reports once a tensor-parallel worker has died
+    engine.stopped = True  # is_running is False, as AsyncLLM's once a tensor-parallel worker died
     with running_server(build_app(engine)) as url:
         r = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 2})
         err = assert_error(r, 503, None, "engine has stopped")

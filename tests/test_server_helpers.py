@@ -11,12 +11,16 @@ import re
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import uvicorn
 
+from tinypaged.config import EngineConfig
+from tinypaged.engine_client import EngineClient
 from tinypaged.outputs import CompletionOutput, RequestOutput
+
+FAKE_KV_CACHE_INFO = {"num_blocks": 64, "block_size": 16, "num_tokens": 1024, "bytes": 0,
+                      "device": "cpu", "dtype": "float32"}
 
 
 @contextlib.contextmanager
@@ -97,19 +101,35 @@ class FakeTokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt))
 
 
-class FakeEngine:
+class FakeEngine(EngineClient):
     """Test double of AsyncLLM. Sample j of a request writes letters starting at
     (first prompt id + j) mod 26, one per step. Markers in the prompt: REFUSE (ValueError at
     submission), FAIL-EARLY / FAIL-LATE (RuntimeError before the first / at the third token),
     SLOW (0.5 s per step)."""
 
-    def __init__(self, max_model_len: int = 64, max_num_seqs: int = 2):
-        self.config = SimpleNamespace(max_model_len=max_model_len, max_num_seqs=max_num_seqs)
-        self.model_name = "fake-model"
-        self.tokenizer = FakeTokenizer()
+    def __init__(
+        self,
+        max_model_len: int = 64,
+        max_num_seqs: int = 2,
+        default_sampling_params: dict | None = None,
+    ):
+        self._config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        self._tokenizer = FakeTokenizer()
+        self._defaults = default_sampling_params or {}
         self.live: set[str] = set()
         self.aborted: list[str] = []
         self.seen_params: list = []
+        self.stopped = False
+
+    tokenizer = property(lambda self: self._tokenizer)
+    config = property(lambda self: self._config)
+    model_name = property(lambda self: "fake-model")
+    default_sampling_params = property(lambda self: self._defaults)
+    is_running = property(lambda self: not self.stopped)
+    kv_cache_info = property(lambda self: FAKE_KV_CACHE_INFO)
+
+    async def shutdown(self) -> None:
+        self.stopped = True
 
     def get_stats(self) -> dict:
         return {"num_running": len(self.live), "num_waiting": 0, "kv_cache_usage": 0.0}

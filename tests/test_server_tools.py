@@ -19,9 +19,11 @@ from types import SimpleNamespace
 import openai
 import pytest
 from chat_templates import GLM45, LLAMA3, QWEN
-from test_server_helpers import assert_error, post, running_server
+from test_server_helpers import FAKE_KV_CACHE_INFO, assert_error, post, running_server
 from test_tokenizer import train_bpe
 
+from tinypaged.config import EngineConfig
+from tinypaged.engine_client import EngineClient
 from tinypaged.outputs import CompletionOutput, RequestOutput
 from tinypaged.server import build_app
 from tinypaged.tokenizer import load_tokenizer
@@ -63,17 +65,26 @@ FAMILIES = {
 }
 
 
-class ScriptedEngine:
+class ScriptedEngine(EngineClient):
     """Test double of AsyncLLM: answers each request with the next of `replies`, three
     characters per step, and keeps the prompt of every request as text in `prompts`."""
 
     def __init__(self, tokenizer):
-        self.config = SimpleNamespace(max_model_len=4096, max_num_seqs=4)
-        self.model_name = "scripted"
-        self.tokenizer = tokenizer
+        self._config = EngineConfig(max_model_len=4096, max_num_seqs=4)
+        self._tokenizer = tokenizer
         self.replies: list[str] = []
         self.prompts: list[str] = []
         self.params: list = []
+
+    tokenizer = property(lambda self: self._tokenizer)
+    config = property(lambda self: self._config)
+    model_name = property(lambda self: "scripted")
+    default_sampling_params = property(lambda self: {})
+    is_running = property(lambda self: True)
+    kv_cache_info = property(lambda self: FAKE_KV_CACHE_INFO)
+
+    async def shutdown(self) -> None:
+        pass
 
     def get_stats(self) -> dict:
         return {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}

@@ -32,6 +32,7 @@ from typing import Any
 
 from tinypaged.config import EngineConfig
 from tinypaged.engine import Engine, PromptType
+from tinypaged.engine_client import EngineClient
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling_params import SamplingParams
 
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 _Item = RequestOutput | BaseException
 
 
-class AsyncLLM:
+class AsyncLLM(EngineClient):
     def __init__(self, model: str | None = None, **kwargs: Any):
         self._init(Engine(EngineConfig.from_kwargs(model=model, **kwargs)))
 
@@ -62,7 +63,7 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._loop, name="tinypaged-engine", daemon=True)
         self._thread.start()
 
-    # What the server reads.
+    # The EngineClient interface (engine_client.py): what the server, CLI and bench read.
     @property
     def tokenizer(self):
         return self.engine.tokenizer

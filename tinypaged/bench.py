@@ -9,10 +9,14 @@ throughput  The offline workload of the design notes: N requests (default 256), 
                 t_bound = prefill FLOPs / peak_flops
                         + sum over decode steps (weight bytes + live KV bytes) / copy_bandwidth
 
+            The warm-up runs 8 prompts of their own (seed 1), so no measured prompt is in the
+            prefix cache when the timed run starts (`cached_prompt_tokens` in the result says).
             `--baseline hf` runs transformers' paged `generate_batch` on the same requests in the
             same process and prints the ratio.
-latency     Single-request decode speed (batch 1 and 8): tok/s per sequence and achieved GB/s.
-serve       Poisson arrivals against a running server: TTFT, TPOT, ITL p50/p99, request rate.
+latency     Decode speed of 1 and 8 concurrent requests through the EngineClient (AsyncLLM, as
+            the server sees the engine): tok/s per sequence and achieved GB/s.
+serve       Poisson arrivals against any OpenAI-compatible server (`vllm serve` too): TTFT, TPOT,
+            ITL, request and token throughput (bench_serve.py).
 """
 
 from __future__ import annotations
@@ -21,65 +25,18 @@ import argparse
 import asyncio
 import json
 import random
-import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-SHAPES = {
-    # Qwen3-0.6B: 28 layers, hidden 1024, 16/8 heads, head_dim 128, vocab 151936, tied.
-    "qwen3-0.6b": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
-        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-    ),
-    # Llama-3-8B: 32 layers, hidden 4096, 32/8 heads, head_dim 128, vocab 128256.
-    "llama3-8b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
-        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
-        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-    ),
-    # Llama-3-70B: 80 layers, hidden 8192, 64/8 heads, head_dim 128, vocab 128256 (TP >= 2).
-    "llama3-70b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192,
-        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
-        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-    ),
-    # Qwen3-30B-A3B: 48 layers, hidden 2048, 32/4 heads, head_dim 128, every layer 128 experts
-    # top-8 of moe_intermediate 768 (30.5B parameters, 3.3B active per token).
-    "qwen3-30b-a3b": dict(
-        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
-        intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, rope_theta=1000000.0,
-    ),
-}
+from tinypaged import bench_serve
+from tinypaged.model_shapes import SHAPES, shape_dir
+
+if TYPE_CHECKING:
+    from tinypaged.engine_client import EngineClient
+
 PEAK_FLOPS = 790e12  # bf16 matmul measured on the H200
 COPY_BW = 4.2e12  # device-to-device copy, bytes read + written, measured on the H200
-
-
-AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-              "version": "gemm"}
-GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
-               "sym": True, "checkpoint_format": "gptq"}
-
-
-def shape_dir(shape: str, quantization: str | None = None) -> Path:
-    """A model directory holding only config.json for a named shape (used with dummy weights);
-    with quantization="awq" / "gptq" the config declares an AutoAWQ / AutoGPTQ int4 checkpoint
-    (group 128)."""
-    if shape not in SHAPES:
-        raise ValueError(f"unknown --model-shape {shape!r}; choose from {', '.join(SHAPES)}")
-    path = Path(tempfile.mkdtemp(prefix=f"tinypaged-{shape}-"))
-    config = {**SHAPES[shape], "torch_dtype": "bfloat16"}
-    if quantization in ("awq", "gptq"):
-        config["quantization_config"] = AWQ_CONFIG if quantization == "awq" else GPTQ_CONFIG
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 def sample_requests(num: int, min_len: int, max_len: int, vocab: int, seed: int = 0):
@@ -89,6 +46,12 @@ def sample_requests(num: int, min_len: int, max_len: int, vocab: int, seed: int 
         length = rng.randint(min_len, max_len)
         out.append([rng.randrange(1000, vocab - 1000) for _ in range(length)])
     return out
+
+
+def warmup_requests(min_len: int, max_len: int, vocab: int) -> list[list[int]]:
+    """8 warm-up prompts drawn with seed 1, as the vLLM anchor kit does: none is a measured
+    prompt (seed 0), so no measured prompt finds its blocks in the prefix cache."""
+    return sample_requests(8, min_len, max_len, vocab, seed=1)
 
 
 def experts_hit(num_experts: int, top_k: int, num_tokens: int) -> float:
@@ -111,21 +74,43 @@ def _mlp_params(cfg: dict, num_tokens: int) -> tuple[float, float]:
     return router + top_k * per_expert, router + read
 
 
-def roofline_seconds(cfg: dict, prompt_lens: list[int], output_len: int) -> float:
+# Bytes per weight of an int4 linear, group 128: 4 bits, plus an fp16 scale and a 4-bit zero point
+# per group. Embeddings, the LM head and norms stay in 16 bits.
+INT4_G128_BYTES = 0.5 + (2 + 0.5) / 128
+
+
+def _attn_params(cfg: dict) -> int:
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    return h * hd * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) + (
+        cfg["num_attention_heads"] * hd * h
+    )
+
+
+def weight_bytes(cfg: dict, num_tokens: int, quantization: str | None = None) -> float:
+    """Bytes of weights a decode step of `num_tokens` tokens reads: every linear of every layer
+    (of a MoE layer only the experts the batch hits), the LM head and, untied, the embedding
+    table; 2 bytes per weight, or INT4_G128_BYTES for the linears of an AWQ / GPTQ checkpoint."""
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    linear = cfg["num_hidden_layers"] * (_attn_params(cfg) + _mlp_params(cfg, num_tokens)[1])
+    per_linear = INT4_G128_BYTES if quantization in ("awq", "gptq") else 2
+    tables = vocab * h * (1 if cfg["tie_word_embeddings"] else 2)
+    return linear * per_linear + 2 * tables
+
+
+def roofline_seconds(
+    cfg: dict, prompt_lens: list[int], output_len: int, quantization: str | None = None
+) -> float:
     """Lower bound on the run: compute-bound prefill plus bandwidth-bound decode steps (all
     sequences decoding together; a MoE step reads only the experts its batch routes to)."""
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    hd, vocab = cfg["head_dim"], cfg["vocab_size"]
-    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    attn = h * hd * (nq + 2 * nkv) + nq * hd * h
-    mlp_flop_params, mlp_read_params = _mlp_params(cfg, len(prompt_lens))
-    params = layers * (attn + mlp_flop_params) + vocab * h  # LM head; embedding lookups are free
-    read_params = layers * (attn + mlp_read_params) + vocab * h
-    weight_bytes = 2 * (read_params + (0 if cfg["tie_word_embeddings"] else vocab * h))
-    kv_token_bytes = 2 * layers * nkv * hd * 2
+    hd, vocab, nq = cfg["head_dim"], cfg["vocab_size"], cfg["num_attention_heads"]
+    mlp_flop_params = _mlp_params(cfg, len(prompt_lens))[0]
+    params = layers * (_attn_params(cfg) + mlp_flop_params) + vocab * h  # embedding: lookups
+    step_bytes = weight_bytes(cfg, len(prompt_lens), quantization)
+    kv_token_bytes = 2 * layers * cfg["num_key_value_heads"] * hd * 2
     prefill_flops = sum(2 * params * n + 2 * layers * nq * hd * n * n for n in prompt_lens)
     decode_bytes = sum(
-        weight_bytes + kv_token_bytes * sum(n + t for n in prompt_lens) for t in range(output_len)
+        step_bytes + kv_token_bytes * sum(n + t for n in prompt_lens) for t in range(output_len)
     )
     return prefill_flops / PEAK_FLOPS + decode_bytes / COPY_BW
 
@@ -161,19 +146,24 @@ def throughput(args) -> dict:
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm = LLM(path, **engine_args)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)  # warm-up
+    # Warm up (compile the kernels, capture the graphs) on prompts of their own: warming up on
+    # measured ones would leave them in the prefix cache and flatter the timed run.
+    warmup = warmup_requests(args.min_input_len, args.max_input_len, cfg["vocab_size"])
+    llm.generate([{"prompt_token_ids": p} for p in warmup], params, use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs)
     in_tokens = sum(map(len, prompts))
     llm.shutdown()  # tensor-parallel workers free their GPUs now
     # N GPUs at best split every FLOP and every byte N ways.
     gpus = args.tensor_parallel_size
-    bound = roofline_seconds(cfg, [len(p) for p in prompts], args.output_len) / gpus
+    bound = roofline_seconds(cfg, [len(p) for p in prompts], args.output_len,
+                             args.quantization) / gpus
     result = {
         "requests": len(prompts), "tensor_parallel_size": gpus, "elapsed_s": elapsed,
-        "output_tokens": out_tokens,
+        "output_tokens": out_tokens, "cached_prompt_tokens": cached,
         "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed,
         "roofline_output_tok_s": out_tokens / bound, "roofline_fraction": bound / elapsed,
     }
@@ -203,7 +193,8 @@ def hf_generate_batch(path: str, cfg: dict, prompts: list[list[int]], output_len
         ).eval()
     gen = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None,
                            pad_token_id=0, use_cuda_graph=False)
-    model.generate_batch(inputs=prompts[:8], generation_config=gen)  # warm-up
+    warmup = warmup_requests(100, 1024, cfg["vocab_size"])
+    model.generate_batch(inputs=warmup, generation_config=gen)
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = model.generate_batch(inputs=prompts, generation_config=gen)
@@ -213,105 +204,62 @@ def hf_generate_batch(path: str, cfg: dict, prompts: list[list[int]], output_len
 
 
 def latency(args) -> dict:
-    """Decode speed of `batch` concurrent requests: every step after the first token is timed."""
-    import torch
+    """Decode speed of `batch` concurrent requests, measured through the EngineClient (the
+    server's view of the engine): per request, the tokens after its first output over the time
+    they took to arrive."""
+    from tinypaged import AsyncLLM
 
-    from tinypaged import LLM, SamplingParams
-
+    if args.output_len < 2:
+        raise ValueError(f"--output-len must be >= 2 to time decode steps, got {args.output_len}")
     path, cfg, engine_args = _model_args(args)
-    llm = LLM(path, **engine_args)
-    engine = llm.engine
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    engine = AsyncLLM(path, **engine_args)
+    try:
+        return asyncio.run(_latency(engine, cfg, args))
+    finally:
+        asyncio.run(engine.shutdown())  # tensor-parallel workers free their GPUs now
+
+
+async def _latency(engine: EngineClient, cfg: dict, args) -> dict:
     kv_token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
-    # Rank 0 holds 1/N of the weights (the few replicated norms are noise at this scale).
-    named = list(engine.runner.model.named_parameters())
-    weights = sum(p.numel() * p.element_size() for n, p in named if ".experts." not in n)
-    experts = sum(p.numel() * p.element_size() for n, p in named if ".experts." in n)
-    weights, experts = weights * args.tensor_parallel_size, experts * args.tensor_parallel_size
     gpus = f", all {args.tensor_parallel_size} GPUs" if args.tensor_parallel_size > 1 else ""
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     result = {}
     for batch in args.batch_sizes:
         prompts = sample_requests(batch, args.input_len, args.input_len, cfg["vocab_size"], seed=1)
-        llm.generate([{"prompt_token_ids": p} for p in prompts],
-                     SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        waiting = {f"lat-{batch}-{i}" for i in range(batch)}
-        for i, p in enumerate(prompts):
-            engine.add_request(f"lat-{batch}-{i}", {"prompt_token_ids": p}, params)
-        while waiting:  # prefill until every request has its first token
-            waiting -= {out.request_id for out in engine.step()}
-        sync()
-        steps, start, outs = 0, time.perf_counter(), []
-        while engine.has_unfinished_requests():
-            outs += engine.step(finished_only=True)
-            steps += 1
-        sync()
-        per_step = (time.perf_counter() - start) / steps
-        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        await _decode(engine, prompts, 8, f"warm-{batch}")
+        spans = await _decode(engine, prompts, args.output_len, f"lat-{batch}")
+        generated = sum(n for _, (_, n) in spans)
         if generated != batch * args.output_len:
             raise RuntimeError(f"expected {batch * args.output_len} tokens, got {generated}")
+        # One decode step per token after the first output of each request.
+        per_step = sum((t1 - t0) / (n1 - n0) for (t0, n0), (t1, n1) in spans) / batch
         ctx = args.input_len + args.output_len / 2
-        if experts:  # a decode step reads only the experts its batch routes to
-            hit = experts_hit(cfg["num_experts"], cfg["num_experts_per_tok"], batch)
-            read = weights + experts * hit / cfg["num_experts"]
-        else:
-            read = weights
-        gbs = (read + batch * ctx * kv_token_bytes) / per_step / 1e9
-        result[batch] = {"tok_s_per_seq": 1 / per_step, "GB_s": gbs, "steps": steps}
+        gbs = (weight_bytes(cfg, batch, args.quantization) + batch * ctx * kv_token_bytes)
+        gbs = gbs / per_step / 1e9
+        tokens = sum(n1 - n0 for (_, n0), (_, n1) in spans)
+        result[batch] = {"tok_s_per_seq": 1 / per_step, "GB_s": gbs, "decode_tokens": tokens}
         print(f"batch {batch}: {1 / per_step:,.1f} tok/s per sequence, {batch / per_step:,.0f} "
-              f"tok/s total over {steps} decode steps, {gbs:,.0f} GB/s (weights read + KV per step"
-              f"{gpus})")
-    llm.shutdown()
+              f"tok/s total over {tokens} decoded tokens, {gbs:,.0f} GB/s (weights read + KV per "
+              f"step{gpus})")
     return result
 
 
-async def _serve_one(client, url, model, prompt_len, output_len, vocab_words, rng, stats):
-    prompt = " ".join(rng.choice(vocab_words) for _ in range(prompt_len))
-    # logprobs=0 makes each chunk list its tokens: one chunk may carry several under load.
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
-            "ignore_eos": True, "temperature": 0.0, "logprobs": 0}
-    start = time.perf_counter()
-    times = []  # one entry per token: the arrival time of the chunk that carried it
-    async with client.stream("POST", url, json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                now = time.perf_counter()
-                choice = json.loads(line[6:])["choices"][0]
-                times += [now] * max(1, len((choice.get("logprobs") or {}).get("tokens") or []))
-    stats.append((start, times))
+async def _decode(
+    engine: EngineClient, prompts: list[list[int]], output_len: int, tag: str
+) -> list[tuple[tuple[float, int], tuple[float, int]]]:
+    """Run `prompts` together, greedy, EOS ignored; per request (time, tokens) at its first
+    output and at its last."""
+    from tinypaged import SamplingParams
 
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
-def serve(args) -> dict:
-    import httpx
-    import numpy as np
+    async def one(i: int, prompt: list[int]):
+        first = last = None
+        async for out in engine.generate({"prompt_token_ids": prompt}, params, f"{tag}-{i}"):
+            last = (time.perf_counter(), len(out.outputs[0].token_ids))
+            first = first or last
+        return first, last
 
-    async def run():
-        rng = random.Random(0)
-        words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "green", "seven"]
-        stats: list = []
-        async with httpx.AsyncClient(timeout=600) as client:
-            model = (await client.get(f"{args.base_url}/v1/models")).json()["data"][0]["id"]
-            tasks, start = [], time.perf_counter()
-            for _ in range(args.num_prompts):
-                tasks.append(asyncio.create_task(_serve_one(
-                    client, f"{args.base_url}/v1/completions", model, args.input_len,
-                    args.output_len, words, rng, stats)))
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-            await asyncio.gather(*tasks)
-            return stats, time.perf_counter() - start
-
-    stats, elapsed = asyncio.run(run())
-    ttft = [t[0] - s for s, t in stats if t]
-    itl = [b - a for _, t in stats for a, b in zip(t, t[1:]) if b > a]  # gaps between chunks
-    tpot = [(t[-1] - t[0]) / (len(t) - 1) for _, t in stats if len(t) > 1]
-    pct = lambda xs, q: 1000 * float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
-    result = {"requests_per_s": len(stats) / elapsed}
-    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
-        result[f"{name}_p50_ms"], result[f"{name}_p99_ms"] = pct(xs, 50), pct(xs, 99)
-        print(f"{name.upper():5s} p50 {pct(xs, 50):8.1f} ms   p99 {pct(xs, 99):8.1f} ms")
-    print(f"request throughput: {result['requests_per_s']:.2f} req/s")
-    return result
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -341,15 +289,11 @@ def main(argv: list[str] | None = None) -> dict:
     lat = sub.choices["latency"]
     lat.add_argument("--input-len", type=int, default=512)
     lat.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    sv = sub.add_parser("serve")
-    sv.add_argument("--base-url", default="http://127.0.0.1:8000")
-    sv.add_argument("--request-rate", type=float, default=4.0, help="mean arrivals per second")
-    sv.add_argument("--num-prompts", type=int, default=64)
-    sv.add_argument("--input-len", type=int, default=128)
-    sv.add_argument("--output-len", type=int, default=64)
-    sv.add_argument("--json", help="also write the result to this file")
+    bench_serve.add_arguments(sub.add_parser("serve", help=bench_serve.__doc__.split("\n")[0]))
     args = parser.parse_args(argv)
-    result = {"throughput": throughput, "latency": latency, "serve": serve}[args.mode](args)
+    if args.mode == "serve":
+        return bench_serve.main(args)
+    result = {"throughput": throughput, "latency": latency}[args.mode](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

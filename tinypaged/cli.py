@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tinypaged.model_shapes import SHAPES
 from tinypaged.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 logger = logging.getLogger("tinypaged")
@@ -53,6 +54,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--quantization", default=None, choices=["awq", "gptq", "gguf"])
+    p.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"],
+        help="dummy = random weights in the model's shape, its real tokenizer (benchmarks: no "
+        "weights to download)",
+    )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="all tensor-parallel all-reduces through NCCL")
@@ -97,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
     serve.add_argument("model", nargs="?", default=None, help="default: built-in SmolLM2")
+    serve.add_argument(
+        "--model-shape", default=None, choices=sorted(SHAPES),
+        help="serve a named shape instead of MODEL: random weights (--load-format dummy) and a "
+        "made-up one-word-per-id tokenizer of its vocabulary (see model_shapes.py)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", nargs="+", default=None)
@@ -194,11 +205,19 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "chat_template": chat_template,
         "generation_config": args.generation_config,
         "kernels": args.kernels,
+        "load_format": args.load_format,
     }
 
 
 def _load(cls, kwargs: dict[str, Any]):
     """Build an LLM / AsyncLLM; any failure to load becomes one UserError line."""
+    model = kwargs.get("model")
+    if kwargs.get("load_format") == "dummy" and (model is None or model.lower().endswith(".gguf")):
+        raise UserError(
+            f"--load-format dummy needs a Hugging Face model folder or hub id (config.json and "
+            f"tokenizer files), got {model or 'the built-in GGUF default model'}; pass one, or "
+            f"--model-shape NAME (serve)"
+        )
     try:
         return cls(**kwargs)
     except (KeyboardInterrupt, SystemExit):
@@ -242,10 +261,19 @@ def serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     api_key = args.api_key or os.environ.get("TINYPAGED_API_KEY") or None
-    engine = _load(AsyncLLM, {**_engine_kwargs(args, args.model), "seed": args.seed})
+    model, served_model_name = args.model, args.served_model_name
+    if args.model_shape is not None:
+        if model is not None:
+            raise UserError(f"give MODEL ({model}) or --model-shape, not both")
+        from tinypaged.model_shapes import shape_dir
+
+        model = str(shape_dir(args.model_shape, args.quantization, tokenizer=True))
+        args.load_format = "dummy"
+        served_model_name = served_model_name or [args.model_shape]
+    engine = _load(AsyncLLM, {**_engine_kwargs(args, model), "seed": args.seed})
     app = build_app(
         engine,
-        args.served_model_name,
+        served_model_name,
         api_key,
         args.max_queue,
         tool_call_parser=args.tool_call_parser,
@@ -261,7 +289,6 @@ def serve(args: argparse.Namespace) -> int:
     )
     server = app.state.server
     kv = engine.kv_cache_info
-    kv = kv.as_dict() if hasattr(kv, "as_dict") else dict(kv)
     logger.info("model: %s (served as %s)", engine.model_name, ", ".join(server.model_names))
     logger.info(
         "device: %s, dtype: %s, max_model_len: %d", kv["device"], kv["dtype"], server.max_model_len

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
@@ -51,6 +51,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from tinypaged.engine_stats import ITERATION_TOKEN_BUCKETS, IterationStats
 from tinypaged.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from tinypaged.engine_client import EngineClient
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -138,7 +141,7 @@ class _EngineGauges:
     """A custom collector: asks the engine for its queue lengths, cache usage and step counts on
     each scrape."""
 
-    def __init__(self, engine: Any, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.engine = engine
         self.model_name = model_name
 
@@ -173,10 +176,7 @@ class _EngineGauges:
         yield hist
 
     def _config_info(self):
-        info = getattr(self.engine, "kv_cache_info", None)
-        if info is None:
-            return
-        info = info.as_dict() if hasattr(info, "as_dict") else dict(info)
+        info = self.engine.kv_cache_info
         gauge = GaugeMetricFamily(
             "tinypaged:cache_config_info",
             "The KV cache's configuration (value 1).",
@@ -187,7 +187,7 @@ class _EngineGauges:
 
 
 class ServerMetrics:
-    def __init__(self, engine: Any, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         reg, labels = self.registry, ["model_name"]

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: a Starlette app around one AsyncLLM.
+"""The OpenAI-compatible HTTP server: a Starlette app around one engine (an EngineClient: AsyncLLM).
 
     app = build_app(AsyncLLM(), served_model_name="smollm2", api_key=None, max_queue=None)
     GracefulServer(uvicorn.Config(app, port=8000), app.state.server, 5.0).run()  # `serve`
@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 from tinypaged.chat_output import output_for
 from tinypaged.chat_protocol import ChatOptions, check_tool_choice, parse_chat_options
+from tinypaged.engine_client import EngineClient
 from tinypaged.metrics import CONTENT_TYPE, ServerMetrics
 from tinypaged.parsers import REASONING_PARSERS, TOOL_PARSERS
 from tinypaged.protocol import (
@@ -84,7 +85,7 @@ class OpenAIServer:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         served_model_name: str | list[str] | None = None,
         api_key: str | None = None,
         max_queue: int | None = None,
@@ -94,6 +95,11 @@ class OpenAIServer:
         reasoning_parser: str | None = None,
         enable_prompt_tokens_details: bool = False,
     ):
+        if not isinstance(engine, EngineClient):
+            raise TypeError(
+                f"the server needs an EngineClient (e.g. AsyncLLM), got {type(engine).__name__}; "
+                "subclass tinypaged.engine_client.EngineClient"
+            )
         self.engine = engine
         self.tool_parser = _pick(TOOL_PARSERS, tool_call_parser, "tool_call_parser")
         self.enable_auto_tool_choice = enable_auto_tool_choice
@@ -216,7 +222,7 @@ class OpenAIServer:
                 code="server_shutting_down",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        if not getattr(self.engine, "is_running", True):  # e.g. a tensor-parallel worker died
+        if not self.engine.is_running:  # e.g. a tensor-parallel worker died
             raise APIError(
                 503,
                 "the engine has stopped and cannot take requests; see the server log",
@@ -252,7 +258,7 @@ class OpenAIServer:
         prompt_param: str,
     ) -> Response:
         limit = self.max_model_len
-        defaults = getattr(self.engine, "default_sampling_params", None)
+        defaults = self.engine.default_sampling_params
         params = [
             sampling_params(req, len(ids), prompt_param, limit, defaults) for ids in prompts
         ]
@@ -416,7 +422,7 @@ class OpenAIServer:
                            code="server_shutting_down"),
                 status_code=503,
             )
-        if not getattr(self.engine, "is_running", True):
+        if not self.engine.is_running:
             return JSONResponse(
                 error_body("the engine has stopped", "server_error", code="engine_dead"),
                 status_code=503,
@@ -481,7 +487,7 @@ class OpenAIServer:
 
 
 def build_app(
-    engine: Any,
+    engine: EngineClient,
     served_model_name: str | list[str] | None = None,
     api_key: str | None = None,
     max_queue: int | None = None,
@@ -489,10 +495,11 @@ def build_app(
     cors: dict[str, Any] | None = None,
     **options: Any,
 ) -> Starlette:
-    """The Starlette app serving `engine` (an AsyncLLM). The engine outlives the app: the caller
-    shuts it down. `options`: tool_call_parser, enable_auto_tool_choice, reasoning_parser (see
-    OpenAIServer). `cors`: Starlette CORSMiddleware arguments (allow_origins, allow_methods,
-    allow_headers, allow_credentials); by default any origin, as vLLM's defaults."""
+    """The Starlette app serving `engine` (an EngineClient, e.g. AsyncLLM). The engine outlives
+    the app: the caller shuts it down. `options`: tool_call_parser, enable_auto_tool_choice,
+    reasoning_parser (see OpenAIServer). `cors`: Starlette CORSMiddleware arguments
+    (allow_origins, allow_methods, allow_headers, allow_credentials); by default any origin, as
+    vLLM's defaults."""
     server = OpenAIServer(engine, served_model_name, api_key, max_queue, max_body_bytes, **options)
     e = server.endpoint
     routes = [

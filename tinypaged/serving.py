@@ -30,6 +30,7 @@ from tinypaged.protocol_structured import param_for
 from tinypaged.responses import ResponseFormat
 
 if TYPE_CHECKING:
+    from tinypaged.engine_client import EngineClient
     from tinypaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class Generation:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         metrics: ServerMetrics,
         request_id: str,
         prompts: list[list[int]],
