@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, num_sms, tl
+from tinypaged.kernels.awq_unpack import _asm_nibble_minus_zero
 
 # ----------------------------------------------------------------------------- batch-1 kernel
 
@@ -159,19 +160,31 @@ def _store_column(acc, unscale, y_ptr, partial_ptr, w, c: tl.constexpr, w_mask,
 
 @jit
 def _dot_column(x, words, zero_words, x_sum, scale, shift: tl.constexpr, MAGIC16: tl.constexpr,
-                OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr, ASM: tl.constexpr = False):
     # s * (x @ (q - z)) for the column whose nibble sits at `shift`: [M, BK] x [BK, W] -> [M, W].
     # 16-bit x: MAGIC16 | q is OFFSET + q exactly as bf16 (0x4300: 128 + q) or fp16 (0x6400:
     # 1024 + q), two instructions a weight; x @ (OFFSET + q) - (OFFSET + z) * sum(x) is the
     # product with q - z. fp32 x: q through fp32's 2**23 trick, OFFSET = 0.
-    nibbles = (words >> shift) & 0xF  # [BK, W]
-    if MAGIC16:
-        w = (nibbles | MAGIC16).to(tl.int16).to(x.dtype, bitcast=True)
+    if ASM:
+        HIGH: tl.constexpr = (shift // 4) % 2
+        zf = ((zero_words >> shift) & 0xF).to(tl.float32)
+        nz = (-(OFFSET + zf * (1 + 15 * HIGH))).to(x.dtype)[None, :]  # [1, W]
+        w = _asm_nibble_minus_zero(words, nz, shift, MAGIC16, x.dtype)
+        xw = tl.dot(x, w, input_precision=DOT_PRECISION)
+        if HIGH:
+            res = xw * (scale * 0.0625)[None, :]
+        else:
+            res = xw * scale[None, :]
     else:
-        w = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    z = ((zero_words >> shift) & 0xF).to(tl.float32)  # [W]
-    xw = tl.dot(x, w, input_precision=DOT_PRECISION)  # [M, W] fp32
-    return (xw - x_sum * (OFFSET + z)[None, :]) * scale[None, :]
+        nibbles = (words >> shift) & 0xF  # [BK, W]
+        if MAGIC16:
+            w = (nibbles | MAGIC16).to(tl.int16).to(x.dtype, bitcast=True)
+        else:
+            w = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        z = ((zero_words >> shift) & 0xF).to(tl.float32)  # [W]
+        xw = tl.dot(x, w, input_precision=DOT_PRECISION)  # [M, W] fp32
+        res = (xw - x_sum * (OFFSET + z)[None, :]) * scale[None, :]
+    return res
 
 
 @jit(do_not_specialize=("M", "split_k"))
@@ -181,7 +194,7 @@ def _awq_gemv_kernel(
     M, N, K, stride_xm, stride_q, stride_sg, stride_sc, stride_sw, split_k,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, WORDS: tl.constexpr, BLOCK_K: tl.constexpr,
     MAGIC16: tl.constexpr, OFFSET: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ASM: tl.constexpr = False,
 ):
     # 2 <= M <= 16 (batched decode). grid: (cdiv(N / 8, WORDS), split_k). Memory-bound like
     # M = 1, but the M rows make CUDA-core FMAs too many, so each of the 8 columns of a word gets
@@ -218,14 +231,14 @@ def _awq_gemv_kernel(
             scales_ptr + g * stride_sg + offs_w * stride_sw, stride_sc, w_mask)
         x_sum = tl.sum(x.to(tl.float32), axis=1)[:, None]  # [BLOCK_M, 1]
         # column c sits at shift 4 * [0, 4, 1, 5, 2, 6, 3, 7][c]
-        acc0 += _dot_column(x, words, zw, x_sum, s0, 0, MAGIC16, OFFSET, DOT_PRECISION)
-        acc1 += _dot_column(x, words, zw, x_sum, s1, 16, MAGIC16, OFFSET, DOT_PRECISION)
-        acc2 += _dot_column(x, words, zw, x_sum, s2, 4, MAGIC16, OFFSET, DOT_PRECISION)
-        acc3 += _dot_column(x, words, zw, x_sum, s3, 20, MAGIC16, OFFSET, DOT_PRECISION)
-        acc4 += _dot_column(x, words, zw, x_sum, s4, 8, MAGIC16, OFFSET, DOT_PRECISION)
-        acc5 += _dot_column(x, words, zw, x_sum, s5, 24, MAGIC16, OFFSET, DOT_PRECISION)
-        acc6 += _dot_column(x, words, zw, x_sum, s6, 12, MAGIC16, OFFSET, DOT_PRECISION)
-        acc7 += _dot_column(x, words, zw, x_sum, s7, 28, MAGIC16, OFFSET, DOT_PRECISION)
+        acc0 += _dot_column(x, words, zw, x_sum, s0, 0, MAGIC16, OFFSET, DOT_PRECISION, ASM)
+        acc1 += _dot_column(x, words, zw, x_sum, s1, 16, MAGIC16, OFFSET, DOT_PRECISION, ASM)
+        acc2 += _dot_column(x, words, zw, x_sum, s2, 4, MAGIC16, OFFSET, DOT_PRECISION, ASM)
+        acc3 += _dot_column(x, words, zw, x_sum, s3, 20, MAGIC16, OFFSET, DOT_PRECISION, ASM)
+        acc4 += _dot_column(x, words, zw, x_sum, s4, 8, MAGIC16, OFFSET, DOT_PRECISION, ASM)
+        acc5 += _dot_column(x, words, zw, x_sum, s5, 24, MAGIC16, OFFSET, DOT_PRECISION, ASM)
+        acc6 += _dot_column(x, words, zw, x_sum, s6, 12, MAGIC16, OFFSET, DOT_PRECISION, ASM)
+        acc7 += _dot_column(x, words, zw, x_sum, s7, 28, MAGIC16, OFFSET, DOT_PRECISION, ASM)
     rows = offs_m[:, None] * N
     mask = m_mask[:, None] & w_mask[None, :]
     cols = 8 * offs_w[None, :]
@@ -352,7 +365,7 @@ _MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0),
 
 
 def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=None, block_k=64, split_k=None,
-              num_warps=4, num_stages=3, scales_t=None):
+              num_warps=4, num_stages=3, scales_t=None, asm=False):
     """2 <= M <= 16: _awq_gemv_kernel, split-K, one launch."""
     M, K = x.shape
     N = qweight.shape[1] * 8
@@ -371,6 +384,7 @@ def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=None, block_k=64, 
         x, qweight, qzeros, scales, y, partial, count, M, N, K, x.stride(0), N // 8, sg, sc, sw,
         split_k, GROUP_SIZE=group_size, BLOCK_M=16, WORDS=block_n // 8, BLOCK_K=block_k,
         MAGIC16=magic, OFFSET=offset, SPLIT=split_k > 1, STAGES=num_stages,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps,
+        DOT_PRECISION=_dot_precision(x.dtype), ASM=asm and magic != 0, num_warps=num_warps,
     )
     return y
+

@@ -33,39 +33,15 @@ from tinypaged.kernels.awq_gemv import (
     _scale_strides,
     _split_k_workspace,
 )
+from tinypaged.kernels.awq_unpack import (
+    _asm_dequant,
+    _asm_nibble_minus_zero,
+    _nibble,
+    _unpack_columns,
+)
 
 _MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0),
             torch.float32: (0, 0.0)}
-
-
-@jit
-def _unpack_columns(words, MAGIC16: tl.constexpr, DTYPE: tl.constexpr):
-    # int32 [R, W] -> [R, 8 W] in natural column order, each value OFFSET + q in DTYPE (MAGIC16)
-    # or q in fp32. Column 8w + c is nibble [0, 4, 1, 5, 2, 6, 3, 7][c] of word w.
-    R: tl.constexpr = words.shape[0]
-    W: tl.constexpr = words.shape[1]
-    c0 = _nibble(words, 0, MAGIC16, DTYPE)
-    c1 = _nibble(words, 16, MAGIC16, DTYPE)
-    c2 = _nibble(words, 4, MAGIC16, DTYPE)
-    c3 = _nibble(words, 20, MAGIC16, DTYPE)
-    c4 = _nibble(words, 8, MAGIC16, DTYPE)
-    c5 = _nibble(words, 24, MAGIC16, DTYPE)
-    c6 = _nibble(words, 12, MAGIC16, DTYPE)
-    c7 = _nibble(words, 28, MAGIC16, DTYPE)
-    # [R, W, 2, 2, 2], index (e, f, g) = column 4e + 2f + g of the word
-    even = tl.join(tl.join(c0, c4), tl.join(c2, c6))
-    odd = tl.join(tl.join(c1, c5), tl.join(c3, c7))
-    return tl.reshape(tl.join(even, odd), (R, 8 * W))
-
-
-@jit
-def _nibble(words, shift: tl.constexpr, MAGIC16: tl.constexpr, DTYPE: tl.constexpr):
-    q = (words >> shift) & 0xF
-    if MAGIC16:
-        v = (q | MAGIC16).to(tl.int16).to(DTYPE, bitcast=True)
-    else:
-        v = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return v
 
 
 @jit
@@ -180,7 +156,8 @@ def awq_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales
         split_k = max(1, min(steps, _programs_target(x.device) // 2 // tiles))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    partial, count = _split_k_workspace(x.device, M * N if split_k > 1 else 0, tiles)
+    # without split-K the workspace is not read: no allocation (prefill grids can be large)
+    partial, count = _split_k_workspace(x.device, M * N, tiles) if split_k > 1 else (y, y)
     magic, offset = _MAGIC16[x.dtype]
     _awq_mma_kernel[(tiles, split_k)](
         x, qweight, qzeros, scales, y, partial, count, M, N, K, x.stride(0), split_k,
@@ -192,50 +169,34 @@ def awq_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales
 
 
 @jit
-def _asm_nibble_minus_zero(words, nz, shift: tl.constexpr, MAGIC16: tl.constexpr,
-                           DTYPE: tl.constexpr):
-    # (OFFSET + q) - (OFFSET + z), or 16 q - 16 z for a nibble at bits 4-7 of its 16-bit lane,
-    # two elements per 3-4 instructions: the pair's 16-bit lanes side by side (prmt), the nibble
-    # masked into the bits of OFFSET (lop3), minus the zero by a paired fma with 1.0.
-    # nz: -(OFFSET + z) (or -(OFFSET + 16 z)) in DTYPE, exact. The per-shift constants arrive
-    # as uniform tensors; ptxas folds them into immediates.
-    sel = tl.full(words.shape, 0x5410 if shift < 16 else 0x7632, tl.int32)
-    shr = tl.full(words.shape, 8 if shift % 16 >= 8 else 0, tl.int32)
-    mask = tl.full(words.shape, 0x00F000F0 if (shift // 4) % 2 else 0x000F000F, tl.int32)
-    if MAGIC16 == 0x4300:
-        w = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, one; mov.b32 one, 0x3F803F80; prmt.b32 t, $1, $2, $4; "
-            "shr.u32 t, t, $6; lop3.b32 t, t, $8, 0x43004300, 0xEA; fma.rn.bf16x2 $0, t, one, $3; }",
-            "=r,r,r,r,r,r,r,r,r,r", [words, nz, sel, shr, mask], dtype=nz.dtype, is_pure=True,
-            pack=2)
-    else:
-        w = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; prmt.b32 t, $1, $2, $4; "
-            "shr.u32 t, t, $6; lop3.b32 t, t, $8, 0x64006400, 0xEA; fma.rn.f16x2 $0, t, one, $3; }",
-            "=r,r,r,r,r,r,r,r,r,r", [words, nz, sel, shr, mask], dtype=nz.dtype, is_pure=True,
-            pack=2)
-    return w
-
-
-@jit
-def _column_dot(words_t, xt, z_words, s_ptrs, shift: tl.constexpr, MAGIC16: tl.constexpr,
-                OFFSET: tl.constexpr, DTYPE: tl.constexpr, w_mask, DOT_PRECISION: tl.constexpr,
-                ASM: tl.constexpr):
-    # s * ((q - z) @ x^T) for the column at nibble `shift` of each word: [W, BK] x [BK, BM]
+def _column_dot(acc, words_t, xt, z_words, s_ptrs, shift: tl.constexpr, MAGIC16: tl.constexpr,
+                OFFSET: tl.constexpr, w_mask, DOT_PRECISION: tl.constexpr,
+                ASM: tl.constexpr, SCALE_W: tl.constexpr):
+    # acc + s * ((q - z) @ x^T) for the column at nibble `shift` of each word:
+    # [W, BK] x [BK, BM] -> [W, BM]
     s = tl.load(s_ptrs, mask=w_mask, other=0.0).to(tl.float32)  # [W, 1]
     if ASM:
         # a nibble at bits 4-7 of a 16-bit lane reads as OFFSET + 16 q: exact, and needs no
         # shift; the 1/16 goes into the scale
         HIGH: tl.constexpr = (shift // 4) % 2
         zf = ((z_words >> shift) & 0xF).to(tl.float32)
-        nz = (-(OFFSET + zf * (1 + 15 * HIGH))).to(DTYPE)  # [W, 1], exact
-        w = _asm_nibble_minus_zero(words_t, nz, shift, MAGIC16, DTYPE)
+        nz = (-(OFFSET + zf * (1 + 15 * HIGH))).to(xt.dtype)  # [W, 1], exact
         if HIGH:
             s = s * 0.0625
+        if SCALE_W:
+            w = _asm_dequant(words_t, nz, s.to(xt.dtype), shift, MAGIC16)
+            acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        else:
+            w = _asm_nibble_minus_zero(words_t, nz, shift, MAGIC16, xt.dtype)
+            acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * s
     else:
-        w = _nibble(words_t, shift, MAGIC16, DTYPE) - _nibble(z_words, shift, MAGIC16, DTYPE)
-    p = tl.dot(w, xt, input_precision=DOT_PRECISION)  # [W, BM] fp32
-    return p * s
+        w = (_nibble(words_t, shift, MAGIC16, xt.dtype)
+             - _nibble(z_words, shift, MAGIC16, xt.dtype))
+        if SCALE_W:
+            acc = tl.dot(w * s.to(xt.dtype), xt, acc, input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * s
+    return acc
 
 
 @jit(do_not_specialize=("M", "split_k"))
@@ -244,7 +205,7 @@ def _awq_mma_cols_kernel(
     M, N, K, stride_xm, stride_sg, stride_sc, stride_sw, split_k,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, WORDS: tl.constexpr,
     BLOCK_K: tl.constexpr, MAGIC16: tl.constexpr, OFFSET: tl.constexpr, ASM: tl.constexpr,
-    SPLIT: tl.constexpr, STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCALE_W: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # swapped and per column: y^T [8 W, BM] as 8 products [W, BK] x [BK, BM], one per nibble
     pid = tl.program_id(0)
@@ -275,15 +236,14 @@ def _awq_mma_cols_kernel(
                           other=0)  # [W, BK]
         zw = tl.load(qzeros_ptr + g * (N // 8) + offs_w[:, None], mask=w_mask, other=0)
         s_ptrs = scales_ptr + g * stride_sg + offs_w[:, None] * stride_sw
-        DT: tl.constexpr = xt.dtype
-        acc0 += _column_dot(words_t, xt, zw, s_ptrs, 0, MAGIC16, OFFSET, DT, w_mask, DOT_PRECISION, ASM)
-        acc1 += _column_dot(words_t, xt, zw, s_ptrs + 1 * stride_sc, 16, MAGIC16, OFFSET, DT, w_mask, DOT_PRECISION, ASM)
-        acc2 += _column_dot(words_t, xt, zw, s_ptrs + 2 * stride_sc, 4, MAGIC16, OFFSET, DT, w_mask, DOT_PRECISION, ASM)
-        acc3 += _column_dot(words_t, xt, zw, s_ptrs + 3 * stride_sc, 20, MAGIC16, OFFSET, DT, w_mask, DOT_PRECISION, ASM)
-        acc4 += _column_dot(words_t, xt, zw, s_ptrs + 4 * stride_sc, 8, MAGIC16, OFFSET, DT, w_mask, DOT_PRECISION, ASM)
-        acc5 += _column_dot(words_t, xt, zw, s_ptrs + 5 * stride_sc, 24, MAGIC16, OFFSET, DT, w_mask, DOT_PRECISION, ASM)
-        acc6 += _column_dot(words_t, xt, zw, s_ptrs + 6 * stride_sc, 12, MAGIC16, OFFSET, DT, w_mask, DOT_PRECISION, ASM)
-        acc7 += _column_dot(words_t, xt, zw, s_ptrs + 7 * stride_sc, 28, MAGIC16, OFFSET, DT, w_mask, DOT_PRECISION, ASM)
+        acc0 = _column_dot(acc0, words_t, xt, zw, s_ptrs, 0, MAGIC16, OFFSET, w_mask, DOT_PRECISION, ASM, SCALE_W)
+        acc1 = _column_dot(acc1, words_t, xt, zw, s_ptrs + 1 * stride_sc, 16, MAGIC16, OFFSET, w_mask, DOT_PRECISION, ASM, SCALE_W)
+        acc2 = _column_dot(acc2, words_t, xt, zw, s_ptrs + 2 * stride_sc, 4, MAGIC16, OFFSET, w_mask, DOT_PRECISION, ASM, SCALE_W)
+        acc3 = _column_dot(acc3, words_t, xt, zw, s_ptrs + 3 * stride_sc, 20, MAGIC16, OFFSET, w_mask, DOT_PRECISION, ASM, SCALE_W)
+        acc4 = _column_dot(acc4, words_t, xt, zw, s_ptrs + 4 * stride_sc, 8, MAGIC16, OFFSET, w_mask, DOT_PRECISION, ASM, SCALE_W)
+        acc5 = _column_dot(acc5, words_t, xt, zw, s_ptrs + 5 * stride_sc, 24, MAGIC16, OFFSET, w_mask, DOT_PRECISION, ASM, SCALE_W)
+        acc6 = _column_dot(acc6, words_t, xt, zw, s_ptrs + 6 * stride_sc, 12, MAGIC16, OFFSET, w_mask, DOT_PRECISION, ASM, SCALE_W)
+        acc7 = _column_dot(acc7, words_t, xt, zw, s_ptrs + 7 * stride_sc, 28, MAGIC16, OFFSET, w_mask, DOT_PRECISION, ASM, SCALE_W)
     at = offs_m[None, :] * N + 8 * offs_w[:, None]  # [W, BM]: y[m, 8w]
     mask = m_mask[None, :] & w_mask
     _store_cols(acc0, y_ptr, partial_ptr, at + 0, mask, SPLIT)
@@ -316,7 +276,7 @@ def _store_cols(acc, y_ptr, partial_ptr, at, mask, SPLIT: tl.constexpr):
 
 
 def awq_mma_cols(x, qweight, qzeros, scales, group_size, block_n=512, block_k=64, split_k=None,
-                 num_warps=4, num_stages=3, scales_t=None, asm=False):
+                 num_warps=4, num_stages=3, scales_t=None, asm=False, scale_w=False):
     M, K = x.shape
     N = qweight.shape[1] * 8
     block_m = max(16, 1 << (M - 1).bit_length())
@@ -327,13 +287,13 @@ def awq_mma_cols(x, qweight, qzeros, scales, group_size, block_n=512, block_k=64
         split_k = max(1, min(steps, _programs_target(x.device) // 2 // tiles))
     split_k = cdiv(steps, cdiv(steps, split_k))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    partial, count = _split_k_workspace(x.device, M * N if split_k > 1 else 0, tiles)
+    partial, count = _split_k_workspace(x.device, M * N, tiles) if split_k > 1 else (y, y)
     magic, offset = _MAGIC16[x.dtype]
     scales, sg, sc, sw = _scale_strides(scales, scales_t, N)
     _awq_mma_cols_kernel[(tiles, split_k)](
         x, qweight, qzeros, scales, y, partial, count, M, N, K, x.stride(0), sg, sc, sw, split_k,
         GROUP_SIZE=group_size, BLOCK_M=block_m, WORDS=block_n // 8, BLOCK_K=block_k,
-        MAGIC16=magic, OFFSET=offset, ASM=asm and magic != 0, SPLIT=split_k > 1, STAGES=num_stages,
+        MAGIC16=magic, OFFSET=offset, ASM=asm and magic != 0, SCALE_W=scale_w, SPLIT=split_k > 1, STAGES=num_stages,
         DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps,
     )
     return y

@@ -1,0 +1,60 @@
+"""The AWQ tensor-core GEMMs (kernels/awq_mma.py) under the Triton interpreter, fp32 and fp16,
+against the fp32 reference; bf16 and the inline-PTX dequant are checked on the GPU
+(benchmarks/awq_gemv.py --layers)."""
+
+import pytest
+import torch
+
+from tinypaged.kernels import awq, awq_mma
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def random_awq(K, N, group_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (K, N), generator=g)
+    z = torch.randint(0, 16, (K // group_size, N), generator=g)
+    s = (torch.rand(K // group_size, N, generator=g) * 0.02 + 0.002).half()
+    qweight, qzeros = awq.pack_awq(q, z)
+    return qweight, qzeros, s, torch.randn(64, K, generator=g)
+
+
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=1e-2, atol=1e-2)}
+
+
+def assert_workspace_zero():
+    for partial, count in awq._SPLIT_K_WORKSPACE.values():
+        assert not partial.any() and not count.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,K,N,group_size,split_k", [
+    (2, 256, 1024, 128, 1), (5, 256, 520, 64, 2), (16, 128, 1024, 32, 3), (3, 512, 512, 128, 4)])
+def test_column_kernel_matches_reference(dtype, M, K, N, group_size, split_k):
+    qweight, qzeros, s, x = random_awq(K, N, group_size, seed=M + K + N)
+    x = x[:M].to(dtype)
+    ref = awq.awq_gemm_reference(x, qweight, qzeros, s, group_size)
+    for scales_t in (None, awq.gemv_scales(s)):
+        y = awq_mma.awq_mma_cols(x, qweight, qzeros, s, group_size, block_n=512,
+                                 split_k=split_k, scales_t=scales_t)
+        assert y.dtype == dtype and y.shape == (M, N)
+        torch.testing.assert_close(y, ref, **TOL[dtype])
+        assert_workspace_zero()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,K,N,group_size,block_m,split_k", [
+    (8, 256, 256, 128, 16, 2), (33, 128, 136, 32, 64, 1), (64, 256, 384, 64, 64, 3),
+    (130, 128, 256, 128, 128, 1)])
+def test_tiled_kernel_matches_reference(dtype, M, K, N, group_size, block_m, split_k):
+    qweight, qzeros, s, x = random_awq(K, N, group_size, seed=M + K + N)
+    x = torch.cat([x, x, x])[:M].to(dtype)
+    ref = awq.awq_gemm_reference(x, qweight, qzeros, s, group_size)
+    y = awq_mma.awq_mma(x, qweight, qzeros, s, group_size, block_m=block_m, block_n=128,
+                        split_k=split_k)
+    assert y.dtype == dtype and y.shape == (M, N)
+    torch.testing.assert_close(y, ref, **TOL[dtype])
+    assert_workspace_zero()

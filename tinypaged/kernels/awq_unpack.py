@@ -1,0 +1,94 @@
+"""Int4 nibbles to 16-bit floats in registers, shared by the AWQ tensor-core kernels.
+
+Two ways, both exact:
+- portable (_nibble, _unpack_columns; the Triton interpreter runs them): the nibble q ORed into
+  the bits of 128.0 (bf16, 0x4300) or 1024.0 (fp16, 0x6400) is OFFSET + q, since the float's
+  last mantissa bit is worth 1 there; fp32 takes 2**23 + q and subtracts 2**23.
+- paired PTX (_asm_nibble_minus_zero, _asm_dequant; GPU only): two weights per 32-bit register,
+  so each instruction converts two. A nibble at bits 4-7 of a 16-bit lane reads as
+  OFFSET + 16 q, still exact, so half the nibbles need no shift; the kernels fold the 16 into
+  the scale.
+"""
+
+from __future__ import annotations
+
+from tinypaged.kernels._triton import jit, tl
+
+
+@jit
+def _unpack_columns(words, MAGIC16: tl.constexpr, DTYPE: tl.constexpr):
+    # int32 [R, W] -> [R, 8 W] in natural column order, each value OFFSET + q in DTYPE (MAGIC16)
+    # or q in fp32. Column 8w + c is nibble [0, 4, 1, 5, 2, 6, 3, 7][c] of word w.
+    R: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    c0 = _nibble(words, 0, MAGIC16, DTYPE)
+    c1 = _nibble(words, 16, MAGIC16, DTYPE)
+    c2 = _nibble(words, 4, MAGIC16, DTYPE)
+    c3 = _nibble(words, 20, MAGIC16, DTYPE)
+    c4 = _nibble(words, 8, MAGIC16, DTYPE)
+    c5 = _nibble(words, 24, MAGIC16, DTYPE)
+    c6 = _nibble(words, 12, MAGIC16, DTYPE)
+    c7 = _nibble(words, 28, MAGIC16, DTYPE)
+    # [R, W, 2, 2, 2], index (e, f, g) = column 4e + 2f + g of the word
+    even = tl.join(tl.join(c0, c4), tl.join(c2, c6))
+    odd = tl.join(tl.join(c1, c5), tl.join(c3, c7))
+    return tl.reshape(tl.join(even, odd), (R, 8 * W))
+
+
+@jit
+def _nibble(words, shift: tl.constexpr, MAGIC16: tl.constexpr, DTYPE: tl.constexpr):
+    q = (words >> shift) & 0xF
+    if MAGIC16:
+        v = (q | MAGIC16).to(tl.int16).to(DTYPE, bitcast=True)
+    else:
+        v = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return v
+
+
+@jit
+def _asm_nibble_minus_zero(words, nz, shift: tl.constexpr, MAGIC16: tl.constexpr,
+                           DTYPE: tl.constexpr):
+    # (OFFSET + q) - (OFFSET + z), or 16 q - 16 z for a nibble at bits 4-7 of its 16-bit lane,
+    # two elements per 3-4 instructions: the pair's 16-bit lanes side by side (prmt), the nibble
+    # masked into the bits of OFFSET (lop3), minus the zero by a paired fma with 1.0.
+    # nz: -(OFFSET + z) (or -(OFFSET + 16 z)) in DTYPE, exact. The per-shift constants arrive
+    # as uniform tensors; ptxas folds them into immediates.
+    sel = tl.full(words.shape, 0x5410 if shift < 16 else 0x7632, tl.int32)
+    shr = tl.full(words.shape, 8 if shift % 16 >= 8 else 0, tl.int32)
+    mask = tl.full(words.shape, 0x00F000F0 if (shift // 4) % 2 else 0x000F000F, tl.int32)
+    if MAGIC16 == 0x4300:
+        w = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, one; mov.b32 one, 0x3F803F80; prmt.b32 t, $1, $2, $4; "
+            "shr.u32 t, t, $6; lop3.b32 t, t, $8, 0x43004300, 0xEA; fma.rn.bf16x2 $0, t, one, $3; }",
+            "=r,r,r,r,r,r,r,r,r,r", [words, nz, sel, shr, mask], dtype=nz.dtype, is_pure=True,
+            pack=2)
+    else:
+        w = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; prmt.b32 t, $1, $2, $4; "
+            "shr.u32 t, t, $6; lop3.b32 t, t, $8, 0x64006400, 0xEA; fma.rn.f16x2 $0, t, one, $3; }",
+            "=r,r,r,r,r,r,r,r,r,r", [words, nz, sel, shr, mask], dtype=nz.dtype, is_pure=True,
+            pack=2)
+    return w
+
+
+@jit
+def _asm_dequant(words, nz, s, shift: tl.constexpr, MAGIC16: tl.constexpr):
+    # _asm_nibble_minus_zero times s (x's dtype), two elements a paired fma
+    sel = tl.full(words.shape, 0x5410 if shift < 16 else 0x7632, tl.int32)
+    shr = tl.full(words.shape, 8 if shift % 16 >= 8 else 0, tl.int32)
+    mask = tl.full(words.shape, 0x00F000F0 if (shift // 4) % 2 else 0x000F000F, tl.int32)
+    if MAGIC16 == 0x4300:
+        w = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, one, mz; mov.b32 one, 0x3F803F80; mov.b32 mz, 0x80008000; "
+            "prmt.b32 t, $1, $2, $4; shr.u32 t, t, $6; lop3.b32 t, t, $8, 0x43004300, 0xEA; "
+            "fma.rn.bf16x2 t, t, one, $3; fma.rn.bf16x2 $0, t, $10, mz; }",
+            "=r,r,r,r,r,r,r,r,r,r,r", [words, nz, sel, shr, mask, s], dtype=nz.dtype,
+            is_pure=True, pack=2)
+    else:
+        w = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, one, mz; mov.b32 one, 0x3C003C00; mov.b32 mz, 0x80008000; "
+            "prmt.b32 t, $1, $2, $4; shr.u32 t, t, $6; lop3.b32 t, t, $8, 0x64006400, 0xEA; "
+            "fma.rn.f16x2 t, t, one, $3; fma.rn.f16x2 $0, t, $10, mz; }",
+            "=r,r,r,r,r,r,r,r,r,r,r", [words, nz, sel, shr, mask, s], dtype=nz.dtype,
+            is_pure=True, pack=2)
+    return w
