@@ -66,9 +66,11 @@ def _awq_mma_kernel(
     # grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k); GROUP_SIZE % BLOCK_K == 0
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
+    # consecutive programs share a weight tile and sweep the rows of x: each weight is read from
+    # memory once, x (small next to W) stays in L2
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    pid_n = pid // num_pid_m
+    pid_m = pid % num_pid_m
     WORDS: tl.constexpr = BLOCK_N // 8
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -276,10 +278,11 @@ def _store_cols(acc, y_ptr, partial_ptr, at, mask, SPLIT: tl.constexpr):
 
 
 def awq_mma_cols(x, qweight, qzeros, scales, group_size, block_n=512, block_k=64, split_k=None,
-                 num_warps=4, num_stages=3, scales_t=None, asm=False, scale_w=False):
+                 num_warps=4, num_stages=3, scales_t=None, asm=False, scale_w=False,
+                 min_block_m=16):
     M, K = x.shape
     N = qweight.shape[1] * 8
-    block_m = max(16, 1 << (M - 1).bit_length())
+    block_m = max(min_block_m, 1 << (M - 1).bit_length())
     block_k = min(block_k, group_size)
     tiles = cdiv(N, block_n)
     steps = K // block_k
