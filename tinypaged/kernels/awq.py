@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from tinypaged.kernels import awq_mma as mma
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
 
 # the format and references live in awq_format.py; re-exported so `awq.pack_awq` etc. keep working
@@ -34,7 +35,7 @@ from tinypaged.kernels.awq_format import (
     unpack_int4,
 )
 
-# the decode GEMVs live in awq_gemv.py
+# the decode GEMVs live in awq_gemv.py, the tensor-core GEMMs in awq_mma.py
 from tinypaged.kernels.awq_gemv import (  # noqa: F401  (the workspace: tests read it here)
     _SPLIT_K_WORKSPACE,
     _awq_gemv,
@@ -44,15 +45,15 @@ from tinypaged.kernels.awq_gemv import (  # noqa: F401  (the workspace: tests re
 )
 
 __all__ = [
-    "AWQ_PACK_ORDER", "DENSE_MIN_M", "GEMV_MAX_M", "SUPPORTED_GROUP_SIZES", "TILED_MIN_N_OVER_K",
+    "AWQ_PACK_ORDER", "DENSE_MIN_M", "GEMV_MAX_M", "MMA_MAX_M", "SUPPORTED_GROUP_SIZES",
     "awq_dequantize", "awq_dequantize_reference", "awq_gemm", "awq_gemm_reference",
     "gemv_scales", "pack_awq", "pack_int4", "unpack_awq", "unpack_int4",
 ]
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-GEMV_MAX_M = 16  # up to here the split-K GEMVs (tl.dot tiles need at least 16 rows)
-DENSE_MIN_M = 128  # from here always dequantize once and use torch.matmul
-TILED_MIN_N_OVER_K = 3  # below DENSE_MIN_M the tiled GEMM wins only for layers this wide
+GEMV_MAX_M = 16  # up to here the layers pass gemv_scales' copy of the scales
+MMA_MAX_M = 64  # up to here the tensor-core kernels of awq_mma.py; above: dequantize + cuBLAS
+DENSE_MIN_M = MMA_MAX_M + 1  # from here always dequantize once and use torch.matmul
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -236,8 +237,26 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
                          f"{[scales.shape[0], 8, N // 8]}, got {list(scales_t.shape)}")
     if M == 1:
         return _awq_gemv1(x, qweight, qzeros, scales, group_size, scales_t=scales_t)
-    if M <= GEMV_MAX_M:
-        return _awq_gemv(x, qweight, qzeros, scales, group_size, scales_t=scales_t)
-    if M >= DENSE_MIN_M or N < TILED_MIN_N_OVER_K * K:
+    if M > MMA_MAX_M:
         return x @ awq_dequantize(qweight, qzeros, scales, group_size, dtype=x.dtype)
-    return _awq_gemm(x, qweight, qzeros, scales, group_size)
+    name, config = tensor_core_path(M, N, K)
+    if name == "awq_mma_cols":
+        # the paired-PTX dequant on the GPU; the interpreter runs the portable one
+        config = dict(config, scales_t=scales_t, asm=x.is_cuda)
+    return getattr(mma, name)(x, qweight, qzeros, scales, group_size, **config)
+
+
+# (max M, min N / K, awq_mma.py launcher, tile configuration) for 2 <= M <= MMA_MAX_M: the one
+# place the crossovers live, measured on the H200 (benchmarks/awq_gemv.py --layers, RESULTS.md)
+TENSOR_CORE_PATHS = (
+    (16, 0, "awq_mma_cols", dict(block_n=512, scale_w=True)),
+    (MMA_MAX_M, 0, "awq_mma", dict(block_m=64, block_n=128, block_k=64, dequant=3)),
+)
+
+
+def tensor_core_path(M: int, N: int, K: int) -> tuple[str, dict]:
+    """The first row of TENSOR_CORE_PATHS whose max M and min N / K fit."""
+    for max_m, min_n_over_k, name, config in TENSOR_CORE_PATHS:
+        if M <= max_m and N >= min_n_over_k * K:
+            return name, config
+    raise ValueError(f"no tensor-core path for M={M} (at most MMA_MAX_M={MMA_MAX_M} rows)")

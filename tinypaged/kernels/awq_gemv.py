@@ -166,15 +166,10 @@ def _dot_column(x, words, zero_words, x_sum, scale, shift: tl.constexpr, MAGIC16
     # 1024 + q), two instructions a weight; x @ (OFFSET + q) - (OFFSET + z) * sum(x) is the
     # product with q - z. fp32 x: q through fp32's 2**23 trick, OFFSET = 0.
     if ASM:
-        HIGH: tl.constexpr = (shift // 4) % 2
         zf = ((zero_words >> shift) & 0xF).to(tl.float32)
-        nz = (-(OFFSET + zf * (1 + 15 * HIGH))).to(x.dtype)[None, :]  # [1, W]
+        nz = (-(OFFSET + zf)).to(x.dtype)[None, :]  # [1, W]
         w = _asm_nibble_minus_zero(words, nz, shift, MAGIC16, x.dtype)
-        xw = tl.dot(x, w, input_precision=DOT_PRECISION)
-        if HIGH:
-            res = xw * (scale * 0.0625)[None, :]
-        else:
-            res = xw * scale[None, :]
+        res = tl.dot(x, w, input_precision=DOT_PRECISION) * scale[None, :]
     else:
         nibbles = (words >> shift) & 0xF  # [BK, W]
         if MAGIC16:
@@ -312,15 +307,16 @@ def _split_k_workspace(device: torch.device, numel: int, blocks: int):
     calls (the kernels re-zero them).
 
     One pair per device, shared by every layer: the calls of a forward pass run one after
-    another on one stream. Sized generously on first use (16 rows of 65536 columns, 4 MiB), so
-    that it is not reallocated while a CUDA graph is being captured.
+    another on one stream. Sized generously on first use (64 rows of 65536 columns, 16 MiB:
+    awq_mma.py's kernels split K up to 64 rows), so that it is not reallocated once CUDA graphs
+    hold it.
     """
     ws = _SPLIT_K_WORKSPACE.get(device)
     if ws is None or ws[0].numel() < numel or ws[1].numel() < blocks:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("awq_gemm: the GEMV workspace must be allocated before CUDA "
                                "graph capture; run one eager forward pass first")
-        ws = (torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device),
+        ws = (torch.zeros(max(numel, 1 << 22), dtype=torch.float32, device=device),
               torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device))
         _SPLIT_K_WORKSPACE[device] = ws
     return ws

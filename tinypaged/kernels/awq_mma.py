@@ -178,13 +178,7 @@ def _column_dot(acc, words_t, xt, z_words, s_ptrs, shift: tl.constexpr, MAGIC16:
     # [W, BK] x [BK, BM] -> [W, BM]
     s = tl.load(s_ptrs, mask=w_mask, other=0.0).to(tl.float32)  # [W, 1]
     if ASM:
-        # a nibble at bits 4-7 of a 16-bit lane reads as OFFSET + 16 q: exact, and needs no
-        # shift; the 1/16 goes into the scale
-        HIGH: tl.constexpr = (shift // 4) % 2
-        zf = ((z_words >> shift) & 0xF).to(tl.float32)
-        nz = (-(OFFSET + zf * (1 + 15 * HIGH))).to(xt.dtype)  # [W, 1], exact
-        if HIGH:
-            s = s * 0.0625
+        nz = (-(OFFSET + ((z_words >> shift) & 0xF).to(tl.float32))).to(xt.dtype)  # [W, 1]
         if SCALE_W:
             w = _asm_dequant(words_t, nz, s.to(xt.dtype), shift, MAGIC16)
             acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)

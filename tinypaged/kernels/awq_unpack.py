@@ -4,10 +4,10 @@ Two ways, both exact:
 - portable (_nibble, _unpack_columns; the Triton interpreter runs them): the nibble q ORed into
   the bits of 128.0 (bf16, 0x4300) or 1024.0 (fp16, 0x6400) is OFFSET + q, since the float's
   last mantissa bit is worth 1 there; fp32 takes 2**23 + q and subtracts 2**23.
-- paired PTX (_asm_nibble_minus_zero, _asm_dequant; GPU only): two weights per 32-bit register,
-  so each instruction converts two. A nibble at bits 4-7 of a 16-bit lane reads as
-  OFFSET + 16 q, still exact, so half the nibbles need no shift; the kernels fold the 16 into
-  the scale.
+- paired PTX (_asm_nibble_minus_zero, _asm_dequant; GPU only): two weights per 32-bit register
+  (a byte permute puts the same 16-bit half of two words side by side), so each shift, mask and
+  subtraction converts two. (Only the low 4 bits of a 16-bit lane can carry the nibble: in bf16,
+  bit 7 is already the exponent's.)
 """
 
 from __future__ import annotations
@@ -48,14 +48,14 @@ def _nibble(words, shift: tl.constexpr, MAGIC16: tl.constexpr, DTYPE: tl.constex
 @jit
 def _asm_nibble_minus_zero(words, nz, shift: tl.constexpr, MAGIC16: tl.constexpr,
                            DTYPE: tl.constexpr):
-    # (OFFSET + q) - (OFFSET + z), or 16 q - 16 z for a nibble at bits 4-7 of its 16-bit lane,
-    # two elements per 3-4 instructions: the pair's 16-bit lanes side by side (prmt), the nibble
-    # masked into the bits of OFFSET (lop3), minus the zero by a paired fma with 1.0.
-    # nz: -(OFFSET + z) (or -(OFFSET + 16 z)) in DTYPE, exact. The per-shift constants arrive
-    # as uniform tensors; ptxas folds them into immediates.
+    # q - z for the nibble at `shift` of each word, two elements per 3-4 instructions: the
+    # pair's 16-bit halves side by side (prmt), the nibble shifted to bits 0-3 and ORed into the
+    # bits of OFFSET (shr, lop3), minus OFFSET + z by a paired fma with 1.0 (exact).
+    # nz: -(OFFSET + z) in DTYPE. The per-shift constants arrive as uniform tensors; ptxas
+    # folds them into immediates.
     sel = tl.full(words.shape, 0x5410 if shift < 16 else 0x7632, tl.int32)
-    shr = tl.full(words.shape, 8 if shift % 16 >= 8 else 0, tl.int32)
-    mask = tl.full(words.shape, 0x00F000F0 if (shift // 4) % 2 else 0x000F000F, tl.int32)
+    shr = tl.full(words.shape, shift % 16, tl.int32)
+    mask = tl.full(words.shape, 0x000F000F, tl.int32)
     if MAGIC16 == 0x4300:
         w = tl.inline_asm_elementwise(
             "{ .reg .b32 t, one; mov.b32 one, 0x3F803F80; prmt.b32 t, $1, $2, $4; "
@@ -75,8 +75,8 @@ def _asm_nibble_minus_zero(words, nz, shift: tl.constexpr, MAGIC16: tl.constexpr
 def _asm_dequant(words, nz, s, shift: tl.constexpr, MAGIC16: tl.constexpr):
     # _asm_nibble_minus_zero times s (x's dtype), two elements a paired fma
     sel = tl.full(words.shape, 0x5410 if shift < 16 else 0x7632, tl.int32)
-    shr = tl.full(words.shape, 8 if shift % 16 >= 8 else 0, tl.int32)
-    mask = tl.full(words.shape, 0x00F000F0 if (shift // 4) % 2 else 0x000F000F, tl.int32)
+    shr = tl.full(words.shape, shift % 16, tl.int32)
+    mask = tl.full(words.shape, 0x000F000F, tl.int32)
     if MAGIC16 == 0x4300:
         w = tl.inline_asm_elementwise(
             "{ .reg .b32 t, one, mz; mov.b32 one, 0x3F803F80; mov.b32 mz, 0x80008000; "
