@@ -1,11 +1,11 @@
-"""The AWQ tensor-core GEMMs (kernels/awq_mma.py) under the Triton interpreter, fp32 and fp16,
-against the fp32 reference; bf16 and the inline-PTX dequant are checked on the GPU
-(benchmarks/awq_gemv.py --layers)."""
+"""The AWQ tensor-core GEMMs (kernels/awq_mma.py, awq_tiled.py) under the Triton interpreter,
+fp32 and fp16, against the fp32 reference; bf16 and the paired-PTX dequant are checked on the
+GPU (benchmarks/awq_gemv.py --layers)."""
 
 import pytest
 import torch
 
-from tinypaged.kernels import awq, awq_mma
+from tinypaged.kernels import awq, awq_mma, awq_tiled
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +38,7 @@ def test_column_kernel_matches_reference(dtype, M, K, N, group_size, split_k):
     x = x[:M].to(dtype)
     ref = awq.awq_gemm_reference(x, qweight, qzeros, s, group_size)
     for scales_t in (None, awq.gemv_scales(s)):
-        y = awq_mma.awq_mma_cols(x, qweight, qzeros, s, group_size, block_n=512,
+        y = awq_mma.awq_mma(x, qweight, qzeros, s, group_size, block_n=512,
                                  split_k=split_k, scales_t=scales_t)
         assert y.dtype == dtype and y.shape == (M, N)
         torch.testing.assert_close(y, ref, **TOL[dtype])
@@ -53,8 +53,8 @@ def test_tiled_kernel_matches_reference(dtype, M, K, N, group_size, block_m, spl
     qweight, qzeros, s, x = random_awq(K, N, group_size, seed=M + K + N)
     x = torch.cat([x, x, x])[:M].to(dtype)
     ref = awq.awq_gemm_reference(x, qweight, qzeros, s, group_size)
-    y = awq_mma.awq_mma(x, qweight, qzeros, s, group_size, block_m=block_m, block_n=128,
-                        split_k=split_k)
+    y = awq_tiled.awq_tiled(x, qweight, qzeros, s, group_size, block_m=block_m, block_n=128,
+                            split_k=split_k)
     assert y.dtype == dtype and y.shape == (M, N)
     torch.testing.assert_close(y, ref, **TOL[dtype])
     assert_workspace_zero()

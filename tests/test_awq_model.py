@@ -62,7 +62,7 @@ def test_forced_awq_through_the_triton_interpreter(tmp_path, monkeypatch):
     """quantization="awq" given explicitly, and every kernel (awq_gemm's per-column tensor-core
     kernel for the decode of two, its tiled one for the 27-token prefill) run by Triton under
     the interpreter."""
-    from tinypaged.kernels import awq_mma
+    from tinypaged.kernels import awq_mma, awq_tiled
 
     out, hf_model = quantized_pair("llama", tmp_path)
     model, _, _ = load_model(EngineConfig(model=str(out), quantization="awq"), "cpu")
@@ -70,17 +70,18 @@ def test_forced_awq_through_the_triton_interpreter(tmp_path, monkeypatch):
     calls = []
 
     def counted(name):
-        launcher = getattr(awq_mma, name)
+        module = awq_mma if name == "awq_mma" else awq_tiled
+        launcher = getattr(module, name)
 
         def run(x, *args, **kwargs):
             calls.append((name, x.shape[0]))
             return launcher(x, *args, **kwargs)
         return run
 
-    for name in ("awq_mma_cols", "awq_mma"):
-        monkeypatch.setattr(awq_mma, name, counted(name))
+    monkeypatch.setattr(awq_mma, "awq_mma", counted("awq_mma"))
+    monkeypatch.setattr(awq_tiled, "awq_tiled", counted("awq_tiled"))
     check_against(model, hf_model)
-    assert ("awq_mma", 27) in calls and ("awq_mma_cols", 2) in calls
+    assert ("awq_tiled", 27) in calls and ("awq_mma", 2) in calls
 
 
 @pytest.mark.parametrize("change, match", [

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels import awq_mma as mma
+from tinypaged.kernels import awq_mma, awq_tiled
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
 
 # the format and references live in awq_format.py; re-exported so `awq.pack_awq` etc. keep working
@@ -52,7 +52,7 @@ __all__ = [
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 GEMV_MAX_M = 16  # up to here the layers pass gemv_scales' copy of the scales
-MMA_MAX_M = 64  # up to here the tensor-core kernels of awq_mma.py; above: dequantize + cuBLAS
+MMA_MAX_M = 64  # up to here tensor-core kernels (awq_mma.py, awq_tiled.py); above: dequantize
 DENSE_MIN_M = MMA_MAX_M + 1  # from here always dequantize once and use torch.matmul
 
 
@@ -240,17 +240,19 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     if M > MMA_MAX_M:
         return x @ awq_dequantize(qweight, qzeros, scales, group_size, dtype=x.dtype)
     name, config = tensor_core_path(M, N, K)
-    if name == "awq_mma_cols":
+    if name == "awq_mma":
         # the paired-PTX dequant on the GPU; the interpreter runs the portable one
-        config = dict(config, scales_t=scales_t, asm=x.is_cuda)
-    return getattr(mma, name)(x, qweight, qzeros, scales, group_size, **config)
+        return awq_mma.awq_mma(x, qweight, qzeros, scales, group_size, scales_t=scales_t,
+                               asm=x.is_cuda, **config)
+    return awq_tiled.awq_tiled(x, qweight, qzeros, scales, group_size, **config)
 
 
-# (max M, min N / K, awq_mma.py launcher, tile configuration) for 2 <= M <= MMA_MAX_M: the one
-# place the crossovers live, measured on the H200 (benchmarks/awq_gemv.py --layers, RESULTS.md)
+# (max M, min N / K, kernel, tile configuration) for 2 <= M <= MMA_MAX_M, kernel "awq_mma"
+# (awq_mma.py) or "awq_tiled" (awq_tiled.py): the one place the crossovers live, measured on the
+# H200 (benchmarks/awq_gemv.py --layers, RESULTS.md)
 TENSOR_CORE_PATHS = (
-    (16, 0, "awq_mma_cols", dict(block_n=512, scale_w=True)),
-    (MMA_MAX_M, 0, "awq_mma", dict(block_m=64, block_n=128, block_k=64, dequant=3)),
+    (16, 0, "awq_mma", dict(block_n=512, scale_w=True)),
+    (MMA_MAX_M, 0, "awq_tiled", dict(block_m=64, block_n=128, block_k=64)),
 )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, num_sms, tl
-from tinypaged.kernels.awq_unpack import _asm_nibble_minus_zero
+from tinypaged.kernels.awq_unpack import MAGIC16, _asm_nibble_minus_zero
 
 # ----------------------------------------------------------------------------- batch-1 kernel
 
@@ -356,8 +356,6 @@ def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=256, rows=8, spli
     return y
 
 
-_MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0),
-            torch.float32: (0, 0.0)}
 
 
 def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=None, block_k=64, split_k=None,
@@ -375,7 +373,7 @@ def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=None, block_k=64, 
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     partial, count = _split_k_workspace(x.device, M * N, n_blocks)
     scales, sg, sc, sw = _scale_strides(scales, scales_t, N)
-    magic, offset = _MAGIC16[x.dtype]
+    magic, offset = MAGIC16[x.dtype]
     _awq_gemv_kernel[(n_blocks, split_k)](
         x, qweight, qzeros, scales, y, partial, count, M, N, K, x.stride(0), N // 8, sg, sc, sw,
         split_k, GROUP_SIZE=group_size, BLOCK_M=16, WORDS=block_n // 8, BLOCK_K=block_k,

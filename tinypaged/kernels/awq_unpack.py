@@ -12,7 +12,13 @@ Two ways, both exact:
 
 from __future__ import annotations
 
+import torch
+
 from tinypaged.kernels._triton import jit, tl
+
+# x's dtype -> (bits of OFFSET as a 16-bit float, OFFSET); fp32 uses the 2**23 trick instead
+MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0),
+           torch.float32: (0, 0.0)}
 
 
 @jit
@@ -59,13 +65,15 @@ def _asm_nibble_minus_zero(words, nz, shift: tl.constexpr, MAGIC16: tl.constexpr
     if MAGIC16 == 0x4300:
         w = tl.inline_asm_elementwise(
             "{ .reg .b32 t, one; mov.b32 one, 0x3F803F80; prmt.b32 t, $1, $2, $4; "
-            "shr.u32 t, t, $6; lop3.b32 t, t, $8, 0x43004300, 0xEA; fma.rn.bf16x2 $0, t, one, $3; }",
+            "shr.u32 t, t, $6; lop3.b32 t, t, $8, 0x43004300, 0xEA; "
+            "fma.rn.bf16x2 $0, t, one, $3; }",
             "=r,r,r,r,r,r,r,r,r,r", [words, nz, sel, shr, mask], dtype=nz.dtype, is_pure=True,
             pack=2)
     else:
         w = tl.inline_asm_elementwise(
             "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; prmt.b32 t, $1, $2, $4; "
-            "shr.u32 t, t, $6; lop3.b32 t, t, $8, 0x64006400, 0xEA; fma.rn.f16x2 $0, t, one, $3; }",
+            "shr.u32 t, t, $6; lop3.b32 t, t, $8, 0x64006400, 0xEA; "
+            "fma.rn.f16x2 $0, t, one, $3; }",
             "=r,r,r,r,r,r,r,r,r,r", [words, nz, sel, shr, mask], dtype=nz.dtype, is_pure=True,
             pack=2)
     return w
