@@ -1,4 +1,4 @@
-"""AWQ decode GEMVs (M = 1, 2..16) against the bf16 linear on the GPU: checks, then timings.
+"""AWQ int4 GEMV / GEMMs against the bf16 linear on the GPU: checks, then timings.
 
 At M=1 a call takes 5-30 us, so `do_bench` (one launch per timing) mostly measures the Python
 launch gap; decode replays CUDA graphs, so this times graphs of 50 calls. Each call in a graph
@@ -7,6 +7,7 @@ weights from HBM (one copy of a 4096x14336 AWQ weight, 30 MB, would otherwise st
 
     PYTHONPATH=. python benchmarks/awq_gemv.py               # Llama-3-8B shapes, M = 1 and 8
     PYTHONPATH=. python benchmarks/awq_gemv.py --sweep     # also tile / split / stage sweeps
+    PYTHONPATH=. python benchmarks/awq_gemv.py --layers    # awq_gemm's paths, M = 1 .. 2048
 """
 import argparse
 import itertools
@@ -14,7 +15,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from tinypaged.kernels import awq
+from tinypaged.kernels import awq, awq_mma, awq_tiled
 from tinypaged.kernels._triton import cdiv, num_sms
 
 GROUP = 128
@@ -117,16 +118,79 @@ def crossover(ms=(16, 32, 64, 128, 256)):
                   flush=True)
 
 
+LAYER_MS = (1, 2, 4, 8, 16, 64, 512, 2048)
+
+
+def layer_paths(M):
+    """name -> fn(x, (qweight, qzeros, scales, scales_t)): awq_gemm ("awq_gemm", the dispatch)
+    and every path it can take at M rows, for the crossover table (awq.TENSOR_CORE_PATHS)."""
+    def dense(x, w):
+        return x @ awq.awq_dequantize(*w[:3], GROUP, dtype=x.dtype)
+
+    def row(name, config):
+        if name == "awq_mma":
+            return lambda x, w: awq_mma.awq_mma(x, *w[:3], GROUP, scales_t=w[3], asm=True,
+                                                **config)
+        return lambda x, w: awq_tiled.awq_tiled(x, *w[:3], GROUP, **config)
+
+    paths = {"awq_gemm": lambda x, w: awq.awq_gemm(x, *w[:3], GROUP, scales_t=w[3])}
+    if M == 1:
+        return paths
+    if M <= awq.MMA_MAX_M:
+        for max_m, _, name, config in awq.TENSOR_CORE_PATHS:
+            if M <= max_m:
+                paths[f"{name} {config}"] = row(name, config)
+    paths["dequantize + cuBLAS"] = dense
+    return paths
+
+
+def layers():
+    """awq_gemm and its alternatives against the bf16 linear, Llama-3-8B layers, M = 1 .. 2048:
+    each checked against the fp32 reference (bf16 and fp16 x, three calls: repeatable, split-K
+    workspace left zeroed), then timed in CUDA graphs over weight copies larger than L2."""
+    print("| layer | M | bf16 linear (us) | awq_gemm (us) | vs bf16 | alternatives (us) |")
+    print("|---|---|---|---|---|---|")
+    for K, N, name in SHAPES[:4]:
+        weights = awq_weights(K, N, max(2, cdiv(3 * L2_BYTES, K * N // 2)))
+        dense = [torch.randn(N, K, device="cuda").bfloat16() for _ in range(2)]
+        w_ref = awq.awq_dequantize_reference(*weights[0][:3], GROUP)  # fp32 [K, N]
+        for M in LAYER_MS:
+            paths = layer_paths(M)
+            for dtype in (torch.float16, torch.bfloat16):
+                x = torch.randn(M, K, device="cuda").to(dtype)
+                ref = x.float() @ w_ref
+                for path, fn in paths.items():
+                    errs = [((fn(x, weights[0]).float() - ref).norm() / ref.norm()).item()
+                            for _ in range(3)]
+                    partial, count = awq._SPLIT_K_WORKSPACE.get(x.device, (ref[:0], ref[:0]))
+                    assert max(errs) < 1e-2 and max(errs) - min(errs) < 1e-3, (name, M, path, errs)
+                    assert not partial.any() and not count.any(), (name, M, path)
+            reps = 20 if M <= 64 else 5
+            base = graph_us([lambda w=w, x=x: F.linear(x, w) for w in dense], reps=reps)
+            t = {path: graph_us([lambda w=w, fn=fn, x=x: fn(x, w) for w in weights], reps=reps)
+                 for path, fn in paths.items()}
+            gemm = t.pop("awq_gemm")
+            others = ", ".join(f"{path} {us:.1f}" for path, us in t.items())
+            print(f"| {name} {K}x{N} | {M} | {base:.1f} | {gemm:.1f} | {base / gemm:.2f}x | "
+                  f"{others} |", flush=True)
+        del weights, dense, w_ref
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--crossover", action="store_true",
                         help="only time the tiled GEMM against dequantize + cuBLAS")
+    parser.add_argument("--layers", action="store_true",
+                        help="only awq_gemm and its alternatives, M = 1 .. 2048 (~1 min)")
     parser.add_argument("--sweep", action="store_true", help="split / stage sweep at M = 1")
     parser.add_argument("--m", type=int, nargs="+", default=[1, 8], help="rows of x")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.crossover:
         return crossover()
+    if args.layers:
+        return layers()
     bw = copy_bandwidth()
     sms = num_sms(0)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs")
