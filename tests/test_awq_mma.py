@@ -58,3 +58,21 @@ def test_tiled_kernel_matches_reference(dtype, M, K, N, group_size, block_m, spl
     assert y.dtype == dtype and y.shape == (M, N)
     torch.testing.assert_close(y, ref, **TOL[dtype])
     assert_workspace_zero()
+
+
+def test_every_batch_size_has_one_path(monkeypatch):
+    for M in range(2, awq.MMA_MAX_M + 1):
+        for N, K in ((6144, 4096), (28672, 4096), (4096, 14336)):
+            name, config = awq.tensor_core_path(M, N, K)
+            assert name in ("awq_mma", "awq_tiled") and isinstance(config, dict)
+    with pytest.raises(ValueError, match="MMA_MAX_M"):
+        awq.tensor_core_path(awq.MMA_MAX_M + 1, 4096, 4096)
+    # past MMA_MAX_M awq_gemm dequantizes once and multiplies densely
+    qweight, qzeros, s, x = random_awq(128, 64, 32, seed=9)
+    calls = []
+    real = awq.awq_dequantize
+    monkeypatch.setattr(awq, "awq_dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.cat([x, x])[:awq.MMA_MAX_M + 1]
+    y = awq.awq_gemm(x, qweight, qzeros, s, 32)
+    torch.testing.assert_close(y, awq.awq_gemm_reference(x, qweight, qzeros, s, 32), **TOL[x.dtype])
+    assert calls == [1]
