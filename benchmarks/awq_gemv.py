@@ -15,7 +15,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from tinypaged.kernels import awq, awq_mma, awq_tiled
+from tinypaged.kernels import awq, awq_mma
 from tinypaged.kernels._triton import cdiv, num_sms
 
 GROUP = 128
@@ -73,10 +73,12 @@ def awq_weights(K, N, copies):
 
 
 def gemv(x, weights, **config):
-    """The path awq_gemm picks for x's rows (M = 1 or 2..16), with the layer's scales_t."""
+    """The GEMVs (M = 1, or the batched one for 2..16 with the paired-PTX dequant), with the
+    layer's scales_t."""
     qw, qz, s, s_t = weights
-    fn = awq._awq_gemv1 if x.shape[0] == 1 else awq._awq_gemv
-    return fn(x, qw, qz, s, GROUP, scales_t=s_t, **config)
+    if x.shape[0] == 1:
+        return awq._awq_gemv1(x, qw, qz, s, GROUP, scales_t=s_t, **config)
+    return awq._awq_gemv(x, qw, qz, s, GROUP, scales_t=s_t, asm=True, **config)
 
 
 def check(x, weights, **config):
@@ -123,24 +125,23 @@ LAYER_MS = (1, 2, 4, 8, 16, 64, 512, 2048)
 
 def layer_paths(M):
     """name -> fn(x, (qweight, qzeros, scales, scales_t)): awq_gemm ("awq_gemm", the dispatch)
-    and every path it can take at M rows, for the crossover table (awq.TENSOR_CORE_PATHS)."""
-    def dense(x, w):
-        return x @ awq.awq_dequantize(*w[:3], GROUP, dtype=x.dtype)
-
-    def row(name, config):
-        if name == "awq_mma":
-            return lambda x, w: awq_mma.awq_mma(x, *w[:3], GROUP, scales_t=w[3], asm=True,
-                                                **config)
-        return lambda x, w: awq_tiled.awq_tiled(x, *w[:3], GROUP, **config)
-
+    and every path it could take at M rows, for the crossover tables (awq.DECODE_PATHS,
+    DENSE_MIN_M, TILED_MIN_N_OVER_K)."""
     paths = {"awq_gemm": lambda x, w: awq.awq_gemm(x, *w[:3], GROUP, scales_t=w[3])}
     if M == 1:
         return paths
-    if M <= awq.MMA_MAX_M:
-        for max_m, _, name, config in awq.TENSOR_CORE_PATHS:
-            if M <= max_m:
-                paths[f"{name} {config}"] = row(name, config)
-    paths["dequantize + cuBLAS"] = dense
+    if M <= awq.GEMV_MAX_M:
+        paths["batched GEMV"] = lambda x, w: awq._awq_gemv(x, *w[:3], GROUP, scales_t=w[3],
+                                                           asm=True)
+        for _, _, name, config in awq.DECODE_PATHS:
+            if name == "awq_mma":
+                paths[f"awq_mma {config}"] = lambda x, w, c=config: awq_mma.awq_mma(
+                    x, *w[:3], GROUP, scales_t=w[3], asm=True, **c)
+        return paths
+    if M < awq.DENSE_MIN_M:
+        paths["tiled GEMM"] = lambda x, w: awq._awq_gemm(x, *w[:3], GROUP)
+    paths["dequantize + cuBLAS"] = lambda x, w: x @ awq.awq_dequantize(*w[:3], GROUP,
+                                                                       dtype=x.dtype)
     return paths
 
 

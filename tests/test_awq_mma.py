@@ -1,11 +1,11 @@
-"""The AWQ tensor-core GEMMs (kernels/awq_mma.py, awq_tiled.py) under the Triton interpreter,
-fp32 and fp16, against the fp32 reference; bf16 and the paired-PTX dequant are checked on the
-GPU (benchmarks/awq_gemv.py --layers)."""
+"""The AWQ decode GEMM with the weights in the MMA's M slot (kernels/awq_mma.py) under the Triton
+interpreter, fp32 and fp16, against the fp32 reference, and awq_gemm's decode table; bf16 and
+the paired-PTX dequant are checked on the GPU (benchmarks/awq_gemv.py --layers)."""
 
 import pytest
 import torch
 
-from tinypaged.kernels import awq, awq_mma, awq_tiled
+from tinypaged.kernels import awq, awq_mma
 
 
 @pytest.fixture(autouse=True)
@@ -45,34 +45,20 @@ def test_column_kernel_matches_reference(dtype, M, K, N, group_size, split_k):
         assert_workspace_zero()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("M,K,N,group_size,block_m,split_k", [
-    (8, 256, 256, 128, 16, 2), (33, 128, 136, 32, 64, 1), (64, 256, 384, 64, 64, 3),
-    (130, 128, 256, 128, 128, 1)])
-def test_tiled_kernel_matches_reference(dtype, M, K, N, group_size, block_m, split_k):
-    qweight, qzeros, s, x = random_awq(K, N, group_size, seed=M + K + N)
-    x = torch.cat([x, x, x])[:M].to(dtype)
-    ref = awq.awq_gemm_reference(x, qweight, qzeros, s, group_size)
-    y = awq_tiled.awq_tiled(x, qweight, qzeros, s, group_size, block_m=block_m, block_n=128,
-                            split_k=split_k)
-    assert y.dtype == dtype and y.shape == (M, N)
-    torch.testing.assert_close(y, ref, **TOL[dtype])
-    assert_workspace_zero()
-
-
-def test_every_batch_size_has_one_path(monkeypatch):
-    for M in range(2, awq.MMA_MAX_M + 1):
+def test_every_decode_batch_has_one_path():
+    for M in range(2, awq.GEMV_MAX_M + 1):
         for N, K in ((6144, 4096), (28672, 4096), (4096, 14336)):
-            name, config = awq.tensor_core_path(M, N, K)
-            assert name in ("awq_mma", "awq_tiled") and isinstance(config, dict)
-    with pytest.raises(ValueError, match="MMA_MAX_M"):
-        awq.tensor_core_path(awq.MMA_MAX_M + 1, 4096, 4096)
-    # past MMA_MAX_M awq_gemm dequantizes once and multiplies densely
-    qweight, qzeros, s, x = random_awq(128, 64, 32, seed=9)
-    calls = []
-    real = awq.awq_dequantize
-    monkeypatch.setattr(awq, "awq_dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
-    x = torch.cat([x, x])[:awq.MMA_MAX_M + 1]
-    y = awq.awq_gemm(x, qweight, qzeros, s, 32)
-    torch.testing.assert_close(y, awq.awq_gemm_reference(x, qweight, qzeros, s, 32), **TOL[x.dtype])
-    assert calls == [1]
+            name, config = awq.decode_path(M, N, K)
+            assert name in ("awq_mma", "awq_gemv") and isinstance(config, dict)
+    with pytest.raises(ValueError, match="GEMV_MAX_M"):
+        awq.decode_path(awq.GEMV_MAX_M + 1, 4096, 4096)
+
+
+@pytest.mark.parametrize("M", [3, 8])
+def test_min_block_m_8(M):
+    qweight, qzeros, s, x = random_awq(256, 512, 128, seed=M)
+    x = x[:M].half()
+    ref = awq.awq_gemm_reference(x, qweight, qzeros, s, 128)
+    y = awq_mma.awq_mma(x, qweight, qzeros, s, 128, split_k=2, scale_w=True, min_block_m=8)
+    torch.testing.assert_close(y, ref, **TOL[torch.float16])
+    assert_workspace_zero()

@@ -59,10 +59,9 @@ def test_quantized_checkpoint_matches_dequantized_transformers(kind, tmp_path):
 
 
 def test_forced_awq_through_the_triton_interpreter(tmp_path, monkeypatch):
-    """quantization="awq" given explicitly, and every kernel (awq_gemm's per-column tensor-core
-    kernel for the decode of two, its tiled one for the 27-token prefill) run by Triton under
-    the interpreter."""
-    from tinypaged.kernels import awq_mma, awq_tiled
+    """quantization="awq" given explicitly, and every kernel (awq_gemm's GEMV for decode, its
+    tiled GEMM for the 27-token prefill) run by Triton under the interpreter."""
+    from tinypaged.kernels import awq
 
     out, hf_model = quantized_pair("llama", tmp_path)
     model, _, _ = load_model(EngineConfig(model=str(out), quantization="awq"), "cpu")
@@ -70,18 +69,17 @@ def test_forced_awq_through_the_triton_interpreter(tmp_path, monkeypatch):
     calls = []
 
     def counted(name):
-        module = awq_mma if name == "awq_mma" else awq_tiled
-        launcher = getattr(module, name)
+        launcher = getattr(awq, name)
 
         def run(x, *args, **kwargs):
             calls.append((name, x.shape[0]))
             return launcher(x, *args, **kwargs)
         return run
 
-    monkeypatch.setattr(awq_mma, "awq_mma", counted("awq_mma"))
-    monkeypatch.setattr(awq_tiled, "awq_tiled", counted("awq_tiled"))
+    for name in ("_awq_gemv", "_awq_gemm"):
+        monkeypatch.setattr(awq, name, counted(name))
     check_against(model, hf_model)
-    assert ("awq_tiled", 27) in calls and ("awq_mma", 2) in calls
+    assert ("_awq_gemm", 27) in calls and ("_awq_gemv", 2) in calls
 
 
 @pytest.mark.parametrize("change, match", [

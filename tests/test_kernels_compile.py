@@ -50,7 +50,7 @@ for world_size in (2, 3, 8):  # the custom all-reduce's two kernels, the engine'
         custom_all_reduce(x, x, ptrs, counters, 1, 128, 2**20, two_shot=two_shot)
 import os
 
-from tinypaged.kernels import awq, awq_mma, awq_tiled
+from tinypaged.kernels import awq, awq_mma
 
 os.environ["TRITON_INTERPRET"] = "1"  # only so awq_dequantize's dispatch picks the kernel
 for dtype in (torch.bfloat16, torch.float16):
@@ -64,11 +64,12 @@ for dtype in (torch.bfloat16, torch.float16):
         awq._awq_gemv(torch.randn(8, K).to(dtype), qweight, qzeros, scales, group, split_k=2)
         for m in (64, 200):
             awq._awq_gemm(torch.randn(m, K).to(dtype), qweight, qzeros, scales, group)
-        for m in (2, 16, 64):  # awq_gemm's tensor-core paths, as on the GPU (paired-PTX dequant)
-            name, config = awq.tensor_core_path(m, N, K)
-            launcher = getattr(awq_mma if name == "awq_mma" else awq_tiled, name)
-            extra = {"asm": True, "scales_t": awq.gemv_scales(scales)} if name == "awq_mma" else {}
-            launcher(torch.randn(m, K).to(dtype), qweight, qzeros, scales, group, **config, **extra)
+        for m in (2, 16):  # the decode paths as on the GPU (paired-PTX dequant)
+            awq._awq_gemv(torch.randn(m, K).to(dtype), qweight, qzeros, scales, group,
+                          scales_t=awq.gemv_scales(scales), asm=True)
+            awq_mma.awq_mma(torch.randn(m, K).to(dtype), qweight, qzeros, scales, group,
+                            scales_t=awq.gemv_scales(scales), asm=True,
+                            **awq.DECODE_PATHS[0][3])
         awq.awq_dequantize(qweight, qzeros, scales, group)
 """
 
@@ -78,6 +79,6 @@ def test_every_launcher_compiles_for_sm90():
         "_decode_merge_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_rotary_kernel",
         "_act_and_mul_kernel", "_store_kv_kernel", "_varlen_attention_kernel",
         "_fused_moe_kernel", "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel",
-        "_awq_mma_kernel", "_awq_tiled_kernel", "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel",
+        "_awq_mma_kernel", "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel",
         "_two_shot_all_reduce_kernel",
     ])

@@ -7,21 +7,21 @@ Column 8j + c of a packed word sits at shift 4 * [0, 4, 1, 5, 2, 6, 3, 7][c]; th
 unpack with those shifts and a 0xF mask.
 
 Four ways to compute y [M, N] (fp32 accumulation, result in x's dtype), picked by awq_gemm:
-- Batch-1 GEMV (M = 1: single-stream decode) and
-- batched GEMV (2 <= M <= 16: batched decode): memory-bound, in awq_gemv.py.
+- Batch-1 GEMV (M = 1: single-stream decode), awq_gemv.py, on CUDA cores.
+- Batched decode (2 <= M <= 16): memory-bound, on tensor cores: the batched GEMV of
+  awq_gemv.py (one tl.dot per column of a word, x in the M slot) or awq_mma.py (the weights in
+  the M slot), chosen per shape by DECODE_PATHS, the table measured on the H200.
 - Tiled GEMM (16 < M < 128, wide layers N >= 3K only). Each K tile is dequantized in registers
   and fed to tl.dot.
 - Dense (every other M > 16: prefill, large decode batches). Dequantizing the whole weight once
   (~2.5 bytes per weight of traffic) and calling cuBLAS beats dequantizing per tile of M, as in
-  vLLM. On the H200 (benchmarks/awq_gemv.py --crossover, Llama-3-8B layers) the tiled GEMM won
-  only for gate_up (4096x28672) and 4096x14336 at M = 32..64, and lost 2-3x on qkv, o and down.
+  vLLM: on the H200 a Triton int4 GEMM lost 2-3x to it at M = 512 and 2048 (RESULTS.md).
 """
-
 from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels import awq_mma, awq_tiled
+from tinypaged.kernels import awq_mma
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
 
 # the format and references live in awq_format.py; re-exported so `awq.pack_awq` etc. keep working
@@ -45,15 +45,16 @@ from tinypaged.kernels.awq_gemv import (  # noqa: F401  (the workspace: tests re
 )
 
 __all__ = [
-    "AWQ_PACK_ORDER", "DENSE_MIN_M", "GEMV_MAX_M", "MMA_MAX_M", "SUPPORTED_GROUP_SIZES",
+    "AWQ_PACK_ORDER", "DECODE_PATHS", "DENSE_MIN_M", "GEMV_MAX_M", "SUPPORTED_GROUP_SIZES",
+    "TILED_MIN_N_OVER_K", "decode_path",
     "awq_dequantize", "awq_dequantize_reference", "awq_gemm", "awq_gemm_reference",
     "gemv_scales", "pack_awq", "pack_int4", "unpack_awq", "unpack_int4",
 ]
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-GEMV_MAX_M = 16  # up to here the layers pass gemv_scales' copy of the scales
-MMA_MAX_M = 64  # up to here tensor-core kernels (awq_mma.py, awq_tiled.py); above: dequantize
-DENSE_MIN_M = MMA_MAX_M + 1  # from here always dequantize once and use torch.matmul
+GEMV_MAX_M = 16  # up to here the decode kernels (DECODE_PATHS), with gemv_scales' scales
+DENSE_MIN_M = 128  # from here always dequantize once and use torch.matmul
+TILED_MIN_N_OVER_K = 3  # below DENSE_MIN_M the tiled GEMM wins only for layers this wide
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -237,28 +238,30 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
                          f"{[scales.shape[0], 8, N // 8]}, got {list(scales_t.shape)}")
     if M == 1:
         return _awq_gemv1(x, qweight, qzeros, scales, group_size, scales_t=scales_t)
-    if M > MMA_MAX_M:
-        return x @ awq_dequantize(qweight, qzeros, scales, group_size, dtype=x.dtype)
-    name, config = tensor_core_path(M, N, K)
-    if name == "awq_mma":
+    if M <= GEMV_MAX_M:
         # the paired-PTX dequant on the GPU; the interpreter runs the portable one
-        return awq_mma.awq_mma(x, qweight, qzeros, scales, group_size, scales_t=scales_t,
-                               asm=x.is_cuda, **config)
-    return awq_tiled.awq_tiled(x, qweight, qzeros, scales, group_size, **config)
+        name, config = decode_path(M, N, K)
+        launcher = _awq_gemv if name == "awq_gemv" else awq_mma.awq_mma
+        return launcher(x, qweight, qzeros, scales, group_size, scales_t=scales_t,
+                        asm=x.is_cuda, **config)
+    if M >= DENSE_MIN_M or N < TILED_MIN_N_OVER_K * K:
+        return x @ awq_dequantize(qweight, qzeros, scales, group_size, dtype=x.dtype)
+    return _awq_gemm(x, qweight, qzeros, scales, group_size)
 
 
-# (max M, min N / K, kernel, tile configuration) for 2 <= M <= MMA_MAX_M, kernel "awq_mma"
-# (awq_mma.py) or "awq_tiled" (awq_tiled.py): the one place the crossovers live, measured on the
-# H200 (benchmarks/awq_gemv.py --layers, RESULTS.md)
-TENSOR_CORE_PATHS = (
-    (16, 0, "awq_mma", dict(block_n=512, scale_w=True)),
-    (MMA_MAX_M, 0, "awq_tiled", dict(block_m=64, block_n=128, block_k=64)),
+# (max M, min N / K, kernel, tile configuration) for 2 <= M <= GEMV_MAX_M, kernel "awq_mma"
+# (awq_mma.py) or "awq_gemv" (awq_gemv.py's batched GEMV): the one place these crossovers live,
+# measured on the H200 (benchmarks/awq_gemv.py --layers, RESULTS.md). Wide layers (gate_up)
+# stream fastest with the weights in the MMA's M slot; the rest with x there.
+DECODE_PATHS = (
+    (8, 3, "awq_mma", dict(block_n=512, scale_w=True, min_block_m=8)),
+    (GEMV_MAX_M, 0, "awq_gemv", {}),
 )
 
 
-def tensor_core_path(M: int, N: int, K: int) -> tuple[str, dict]:
-    """The first row of TENSOR_CORE_PATHS whose max M and min N / K fit."""
-    for max_m, min_n_over_k, name, config in TENSOR_CORE_PATHS:
+def decode_path(M: int, N: int, K: int) -> tuple[str, dict]:
+    """The first row of DECODE_PATHS whose max M and min N / K fit."""
+    for max_m, min_n_over_k, name, config in DECODE_PATHS:
         if M <= max_m and N >= min_n_over_k * K:
             return name, config
-    raise ValueError(f"no tensor-core path for M={M} (at most MMA_MAX_M={MMA_MAX_M} rows)")
+    raise ValueError(f"no decode path for M={M} (at most GEMV_MAX_M={GEMV_MAX_M} rows)")

@@ -10,6 +10,9 @@ and their arithmetic per weight has to stay small:
 - 2 <= M <= 16 (_awq_gemv_kernel): M FMAs per weight would be too many, so each of the 8
   columns of a word gets its own tl.dot over a K step, fed weights built by OR-ing the nibble into
   the bits of 128.0 (bf16) or 1024.0 (fp16); offset and zero point come off through sum(x).
+  With asm=True (the GPU) the weights are q - z already, two per instruction (awq_unpack.py's
+  paired PTX), and sum(x) is not needed. awq_mma.py is the other decode kernel (the weights in
+  the MMA's M slot); awq.DECODE_PATHS picks per shape.
 Both split K so ~2-3 programs per SM stream weights, pipeline tiles through shared memory
 (tl.range num_stages), read scales from gemv_scales' [K/G, 8, N/8] copy (coalesced), and finish in
 one launch: split-K partial sums go by atomics to a persistent zeroed fp32 workspace, and the last
@@ -307,16 +310,16 @@ def _split_k_workspace(device: torch.device, numel: int, blocks: int):
     calls (the kernels re-zero them).
 
     One pair per device, shared by every layer: the calls of a forward pass run one after
-    another on one stream. Sized generously on first use (64 rows of 65536 columns, 16 MiB:
-    awq_mma.py's kernels split K up to 64 rows), so that it is not reallocated once CUDA graphs
-    hold it.
+    another on one stream (awq_mma.py's kernel shares it too). Sized generously on first use
+    (16 rows of 65536 columns, 4 MiB), so that it is not reallocated while a CUDA graph is being
+    captured.
     """
     ws = _SPLIT_K_WORKSPACE.get(device)
     if ws is None or ws[0].numel() < numel or ws[1].numel() < blocks:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("awq_gemm: the GEMV workspace must be allocated before CUDA "
                                "graph capture; run one eager forward pass first")
-        ws = (torch.zeros(max(numel, 1 << 22), dtype=torch.float32, device=device),
+        ws = (torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device),
               torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device))
         _SPLIT_K_WORKSPACE[device] = ws
     return ws
@@ -360,7 +363,8 @@ def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=256, rows=8, spli
 
 def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=None, block_k=64, split_k=None,
               num_warps=4, num_stages=3, scales_t=None, asm=False):
-    """2 <= M <= 16: _awq_gemv_kernel, split-K, one launch."""
+    """2 <= M <= 16: _awq_gemv_kernel, split-K, one launch; asm: the paired-PTX dequant (GPU
+    only, 16-bit x)."""
     M, K = x.shape
     N = qweight.shape[1] * 8
     block_n = block_n or 256

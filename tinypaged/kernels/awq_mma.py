@@ -3,19 +3,20 @@
 W is the AutoAWQ packing (awq_format.py): qweight int32 [K, N/8], column 8w + c of word w at
 nibble [0, 4, 1, 5, 2, 6, 3, 7][c], W[k, n] = (q - z) * s per group of G rows. At decode
 batch sizes the weights are the big operand and the rows of x few, so the product is computed
-transposed, y^T = W^T x^T, with the weights in the M slot of tl.dot (64 words of a tile make the
-64 rows a Hopper warpgroup MMA takes, straight from registers) and x^T, padded to 16 (or 8)
-columns, in the N slot. And it is computed per column of a word: column c of words
+transposed, y^T = W^T x^T: the weights take the M slot of tl.dot (the MMA's A operand, fed
+straight from registers; 64 words a tile) and x^T, padded to min_block_m = 8 (an m16n8k16 MMA)
+or 16 columns, the N slot. It is computed per column of a word: column c of words
 [w0, w0 + W) is one [W, BLOCK_K] operand, elementwise from the loaded tile (no unpack into
-natural order, no shuffle), so a K step is 8 MMAs [W, BLOCK_K] x [BLOCK_K, BLOCK_M], one per
-column c, each accumulating y[:, 8w + c].
+natural order, no shuffle), so a K step is 8 products [W, BLOCK_K] x [BLOCK_K, BLOCK_M], one
+per column c, each accumulating y[:, 8w + c].
 Dequantization (awq_unpack.py) is the paired PTX on the GPU, two weights per instruction, and
 the portable conversion under the interpreter; scale_w multiplies the scale into the weights
 (one more paired instruction) so that tl.dot accumulates in place, instead of scaling each
 step's product. K is split so that ~2 programs per SM stream weights; the partial sums finish
 as in awq_gemv.py (atomics into a zeroed workspace, the last program writes y).
+On the H200 this beats awq_gemv.py's batched GEMV on wide layers (N >= 3K) up to 8 rows
+(awq.DECODE_PATHS; benchmarks/RESULTS.md).
 """
-
 from __future__ import annotations
 
 import torch
@@ -152,7 +153,7 @@ def awq_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
             min_block_m: int = 16) -> torch.Tensor:
     """y [M, N] = x [M, K] @ ((q - z) * s), 2 <= M <= 16, fp32 accumulation, in x's dtype.
 
-    block_n: columns per program (block_n / 8 words: 512 makes the 64 rows of a warpgroup MMA);
+    block_n: columns per program (block_n / 8 words, the M slot of the MMA);
     split_k: programs sharing a column block's K steps (default ~2 programs per SM);
     scales_t: gemv_scales(scales), read coalesced; asm: the paired-PTX dequant (GPU only);
     scale_w: scales multiplied into the weights; min_block_m: x^T padded to at least this many

@@ -1,7 +1,7 @@
-"""Int4 nibbles to 16-bit floats in registers, shared by the AWQ tensor-core kernels.
+"""Int4 nibbles to 16-bit floats in registers, shared by the AWQ decode kernels on tensor cores.
 
 Two ways, both exact:
-- portable (_nibble, _unpack_columns; the Triton interpreter runs them): the nibble q ORed into
+- portable (_nibble; the Triton interpreter runs it): the nibble q ORed into
   the bits of 128.0 (bf16, 0x4300) or 1024.0 (fp16, 0x6400) is OFFSET + q, since the float's
   last mantissa bit is worth 1 there; fp32 takes 2**23 + q and subtracts 2**23.
 - paired PTX (_asm_nibble_minus_zero, _asm_dequant; GPU only): two weights per 32-bit register
@@ -19,26 +19,6 @@ from tinypaged.kernels._triton import jit, tl
 # x's dtype -> (bits of OFFSET as a 16-bit float, OFFSET); fp32 uses the 2**23 trick instead
 MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0),
            torch.float32: (0, 0.0)}
-
-
-@jit
-def _unpack_columns(words, MAGIC16: tl.constexpr, DTYPE: tl.constexpr):
-    # int32 [R, W] -> [R, 8 W] in natural column order, each value OFFSET + q in DTYPE (MAGIC16)
-    # or q in fp32. Column 8w + c is nibble [0, 4, 1, 5, 2, 6, 3, 7][c] of word w.
-    R: tl.constexpr = words.shape[0]
-    W: tl.constexpr = words.shape[1]
-    c0 = _nibble(words, 0, MAGIC16, DTYPE)
-    c1 = _nibble(words, 16, MAGIC16, DTYPE)
-    c2 = _nibble(words, 4, MAGIC16, DTYPE)
-    c3 = _nibble(words, 20, MAGIC16, DTYPE)
-    c4 = _nibble(words, 8, MAGIC16, DTYPE)
-    c5 = _nibble(words, 24, MAGIC16, DTYPE)
-    c6 = _nibble(words, 12, MAGIC16, DTYPE)
-    c7 = _nibble(words, 28, MAGIC16, DTYPE)
-    # [R, W, 2, 2, 2], index (e, f, g) = column 4e + 2f + g of the word
-    even = tl.join(tl.join(c0, c4), tl.join(c2, c6))
-    odd = tl.join(tl.join(c1, c5), tl.join(c3, c7))
-    return tl.reshape(tl.join(even, odd), (R, 8 * W))
 
 
 @jit
