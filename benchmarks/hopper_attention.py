@@ -29,7 +29,7 @@ import multiprocessing
 import sys
 
 import torch
-from kernels import FAILURES, ROWS, PagedBatch, compare, randn, record, sdpa
+from kernels import FAILURES, ROWS, PagedBatch, compare, measure_ceilings, randn, record, sdpa
 
 from tinypaged.kernels import attention
 from tinypaged.kernels.attention_hopper import hopper_attention_triton, is_hopper
@@ -42,22 +42,26 @@ SHAPES = {  # name: (batch, new tokens, cached prefix)
 }
 SWEEP = [  # (block_m, block_n, num_warps, num_stages, maxnreg), on the default 16-token blocks
     (128, 64, 8, 2, None), (128, 64, 8, 4, None), (128, 128, 8, 2, None),
-    (128, 128, 8, 3, None), (64, 64, 4, 2, None), (64, 64, 4, 3, None), (64, 32, 4, 3, None),
+    (64, 64, 4, 2, None), (64, 64, 4, 3, None), (64, 32, 4, 3, None),
     (128, 64, 8, 2, 128), (128, 32, 4, 3, None),
 ]
+PORTABLE_VARIANT = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
 TMA_SWEEP = [(128, 64, 8, 3, None), (128, 64, 8, 4, None), (128, 128, 8, 2, None),
              (64, 64, 4, 3, None)]
-CHECK_CASES = {
-    "varlen prefill": ([1, 17, 300, 129], [1, 17, 300, 129]),
-    "chunks over a cached prefix": ([9, 200, 1, 77], [400, 1000, 33, 77]),
-    "one long prefill, partial last block": ([1000], [1000]),
-    "mixed with decodes": ([1, 300, 40, 1], [1000, 300, 700, 17]),
+CHECK_CASES = {  # name: (q_lens, seq_lens, kwargs); the last three run the portable kernels
+    "varlen prefill": ([1, 17, 300, 129], [1, 17, 300, 129], {}),
+    "chunks over a cached prefix": ([9, 200, 1, 77], [400, 1000, 33, 77], {}),
+    "one long prefill, partial last block": ([1000], [1000], {}),
+    "mixed with decodes": ([1, 300, 40, 1], [1000, 300, 700, 17], {}),
+    "mixed, window 64 + softcap 50": ([1, 300, 40, 1], [1000, 300, 700, 17],
+                                      {"sliding_window": 64, "softcap": 50.0}),
+    "decode, split-KV": ([1] * 5, [1, 17, 100, 1000, 3000], {}),
+    "decode, window 700": ([1] * 4, [1, 17, 1000, 3000], {"sliding_window": 700}),
 }
 CHECK_GROUPS = [  # (dtype, query heads, KV heads, head_dim, cache block size)
-    (dtype, *heads, block_size) for dtype, heads, block_size in itertools.product(
-        (torch.bfloat16, torch.float16),
+    (torch.bfloat16, *heads, block_size) for heads, block_size in itertools.product(
         ((32, 8, 128), (12, 4, 64), (16, 16, 128), (28, 4, 128)), (16, 128))
-]
+] + [(torch.float16, 32, 8, 128, 16), (torch.float16, 32, 8, 128, 128)]
 
 
 def config_of(variant) -> dict:
@@ -81,8 +85,8 @@ def hopper(batch: PagedBatch, config: dict):
         *a, torch.empty_like(batch.q), **full))
 
 
-def portable(batch: PagedBatch):
-    config = attention._varlen_config(max(batch.q_lens), 4)
+def portable(batch: PagedBatch, config: dict | None = None):
+    config = {**attention._varlen_config(max(batch.q_lens), 4), **(config or {})}
     return batch.call(lambda *a, max_query_len, max_seq_len: varlen_attention_triton(
         *a, torch.empty_like(batch.q), **config))
 
@@ -97,16 +101,20 @@ def _job(job) -> tuple[str, list[str]]:
         try:
             if job[0] == "check":
                 dtype, hq, hk, d, block_size = job[1]
-                for name, (q_lens, seq_lens) in CHECK_CASES.items():
+                for name, (q_lens, seq_lens, kwargs) in CHECK_CASES.items():
                     batch = PagedBatch(q_lens, seq_lens, hq, hk, d, dtype, block_size=block_size,
                                        poison=True)
                     compare(f"{name} {hq}/{hk} d{d} block {block_size}",
-                            batch.call(attention.paged_attention),
-                            batch.call(attention.paged_attention_ref), dtype)
+                            batch.call(attention.paged_attention, **kwargs),
+                            batch.call(attention.paged_attention_ref, **kwargs), dtype)
             else:
                 _, variant, block_size = job
                 for batch, _ in batches(block_size).values():
-                    hopper(batch, {**config_of(variant), "tma": block_size >= 64})
+                    if variant == "portable":  # at its config and at PORTABLE_VARIANT
+                        portable(batch)
+                        portable(batch, PORTABLE_VARIANT)
+                    else:
+                        hopper(batch, {**config_of(variant), "tma": block_size >= 64})
                 torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - reported, and a failed check fails the run
             print(f"  {job}: {type(e).__name__}: {str(e)[:300]}")
@@ -116,10 +124,10 @@ def _job(job) -> tuple[str, list[str]]:
 
 
 def run_jobs(jobs) -> None:
-    """The jobs in 12 processes; in this one if the pool breaks (the checks must still run)."""
+    """The jobs in 14 processes; in this one if the pool breaks (the checks must still run)."""
     ctx = multiprocessing.get_context("spawn")
     try:
-        with concurrent.futures.ProcessPoolExecutor(12, mp_context=ctx) as pool:
+        with concurrent.futures.ProcessPoolExecutor(14, mp_context=ctx) as pool:
             results = list(pool.map(_job, jobs))
     except concurrent.futures.process.BrokenProcessPool as e:
         print(f"  process pool broke ({e}); running the jobs here")
@@ -148,6 +156,9 @@ def time_all(sweep: bool) -> None:
                       lambda q=q, k=k, v=v, be=backend: sdpa(q, k, v, be, is_causal=True),
                       flops, batch)
         timed(name, "portable varlen", lambda b=batch: portable(b), flops, batch)
+        if sweep:
+            timed(name, f"portable varlen {PORTABLE_VARIANT}",
+                  lambda b=batch: portable(b, PORTABLE_VARIANT), flops, batch)
         timed(name, "hopper HOPPER_CONFIG", lambda b=batch: b.call(attention.paged_attention),
               flops, batch)
         for variant in SWEEP if sweep else ():
@@ -162,9 +173,19 @@ def time_all(sweep: bool) -> None:
                       lambda b=batch, c=config: hopper(b, c), flops, batch)
 
 
+def time_decode() -> None:
+    """Decode shares attention_tile with the portable prefill kernel: watch it for regressions."""
+    print("timings: decode attention, bf16, 32/8 heads, d128, block 16 (GB/s of K/V read)")
+    for batch_size, ctx in ((64, 2048), (256, 1024)):
+        batch = PagedBatch([1] * batch_size, [ctx] * batch_size, 32, 8, 128, torch.bfloat16)
+        record("decode", f"B{batch_size} ctx{ctx}", "triton split-KV",
+               lambda b=batch: b.call(attention.paged_attention), bytes_moved=batch.kv_bytes())
+
+
 def print_summary() -> None:
     """TFLOP/s per implementation and shape, and the ratio to cuDNN on that shape."""
     cudnn = {r["shape"]: r["achieved"] for r in ROWS if r["impl"].startswith("SDPA cudnn")}
+    ROWS[:] = [r for r in ROWS if r["op"] == "prefill"]
     print(f"\n| impl | {' | '.join(SHAPES)} |\n|---|{'---|' * len(SHAPES)}")
     for impl in dict.fromkeys(r["impl"] for r in ROWS):
         cells = []
@@ -190,12 +211,15 @@ def main() -> None:
                     ("block_m", "block_n", "num_warps", "num_stages", "maxnreg"))
     jobs = [("check", group) for group in CHECK_GROUPS] + [("compile", default, 16)]
     if args.sweep:
-        jobs += [("compile", v, 16) for v in SWEEP] + [("compile", v, 128) for v in TMA_SWEEP]
+        jobs += [("compile", v, 16) for v in [*SWEEP, "portable"]]
+        jobs += [("compile", v, 128) for v in TMA_SWEEP]
     run_jobs(jobs)
     if FAILURES:
         sys.exit(f"FAILED: {FAILURES}")
     torch.manual_seed(0)
+    measure_ceilings()
     time_all(args.sweep)
+    time_decode()
     print_summary()
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl
-from tinypaged.kernels.attention_varlen import LOG2E, attention_tile
+from tinypaged.kernels.attention_varlen import LOG2E, attention_tile, tile_blocks
 from tinypaged.kernels.online_softmax import log_sum_exp, merge_splits, online_softmax_finish
 
 
@@ -73,11 +73,13 @@ def _decode_split_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    block = tile_blocks(block_table, start, end, BLOCK_SIZE, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         acc, m_i, l_i = attention_tile(
-            acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
+            acc, m_i, l_i, q, K_CACHE, V_CACHE, block, kv_head_offset, stride_cb,
             stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale, window, softcap,
             True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+        block = tile_blocks(block_table, start_n + BLOCK_N, end, BLOCK_SIZE, BLOCK_N)
 
     o = online_softmax_finish(acc, l_i)  # 0 for an empty split
     mask = row_valid[:, None] & d_mask[None, :]
