@@ -149,8 +149,14 @@ def timed(name: str, impl: str, fn, flops: float, batch: PagedBatch) -> None:
 
 
 def time_all(sweep: bool) -> None:
+    shapes = batches(16)
+    batch = shapes["B4 L2048"][0]
+    same = torch.equal(batch.call(attention.paged_attention), hopper(batch, {}))
+    print(f"dispatch: paged_attention on sm_90 gives the Hopper kernel's bits: {same}")
+    if not same:
+        FAILURES.append("dispatch")
     print("timings: causal prefill attention, bf16, 32/8 heads, d128, cache block 16")
-    for name, (batch, flops) in batches(16).items():
+    for name, (batch, flops) in shapes.items():
         batch_size, new, prefix = SHAPES[name]
         if not prefix:
             q, k, v = (randn(batch_size, 32, new, 128) for _ in range(3))
