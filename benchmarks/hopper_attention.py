@@ -42,15 +42,15 @@ SHAPES = {  # name: (batch, new tokens, cached prefix)
     "B4 L512 +1536 cached": (4, 512, 1536),
 }
 SWEEP = [  # (block_m, block_n, num_warps, num_stages, maxnreg), on the default 16-token blocks;
-    # 64-row tiles and a 128-register cap let 2-3 programs share an SM (one's softmax then
-    # overlaps another's MMA)
-    (128, 64, 8, 2, None), (128, 64, 8, 4, None), (128, 128, 8, 2, None),
-    (64, 64, 4, 2, None), (64, 64, 4, 3, None), (64, 32, 4, 3, None), (64, 32, 4, 4, None),
-    (128, 64, 8, 2, 128), (128, 32, 8, 3, 128), (128, 32, 4, 3, None),
+    # a 128-register cap lets two 8-warp programs share an SM (one's softmax then overlaps the
+    # other's MMA); 64-row tiles on 4 warps do the same with twice the K/V reads
+    (128, 64, 8, 3, None), (128, 32, 8, 3, None), (128, 32, 8, 2, 128), (128, 32, 8, 3, 128),
+    (128, 32, 8, 4, 128), (64, 64, 4, 3, None),
 ]
 PORTABLE_VARIANT = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
-TMA_SWEEP = [(128, 64, 8, 3, None), (128, 64, 8, 4, None), (128, 128, 8, 2, None),
-             (64, 64, 4, 2, None)]
+TMA_BLOCK_SIZE = 64  # cache blocks that hold whole 64-key tiles: K/V by TMA
+TMA_SWEEP = [(128, 64, 8, 3, None), (128, 64, 8, 2, 128), (128, 32, 8, 3, 128),
+             (128, 32, 8, 4, 128), (64, 64, 4, 3, None)]
 CHECK_CASES = {  # name: (q_lens, seq_lens, kwargs); the last three run the portable kernels
     "varlen prefill": ([1, 17, 300, 129], [1, 17, 300, 129], {}),
     "chunks over a cached prefix": ([9, 200, 1, 77], [400, 1000, 33, 77], {}),
@@ -118,11 +118,20 @@ def _job(job) -> tuple[str, list[str]]:
                         portable(batch, PORTABLE_VARIANT)
                     else:
                         hopper(batch, {**config_of(variant), "tma": block_size >= 64})
+                if variant != "portable":  # each timed config is checked too
+                    batch = PagedBatch([300, 9, 1, 77], [300, 1000, 33, 77], 32, 8, 128,
+                                       torch.bfloat16, block_size=block_size, poison=True)
+                    width = batch.block_tables.shape[1]  # as wide as the timed batches' tables,
+                    batch.block_tables = torch.nn.functional.pad(  # so no new compile
+                        batch.block_tables, (0, 2048 // block_size - width),
+                        value=batch.k_cache.shape[0] - 1)
+                    compare(f"{variant} block {block_size}: varlen + prefix",
+                            hopper(batch, {**config_of(variant), "tma": block_size >= 64}),
+                            batch.call(attention.paged_attention_ref), torch.bfloat16)
                 torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - reported, and a failed check fails the run
             print(f"  {job}: {type(e).__name__}: {str(e)[:300]}")
-            if job[0] == "check":
-                FAILURES.append(f"{job}: {type(e).__name__}")
+            FAILURES.append(f"{job}: {type(e).__name__}")
     return out.getvalue(), list(FAILURES)
 
 
@@ -174,11 +183,12 @@ def time_all(sweep: bool) -> None:
             config = config_of(variant)
             timed(name, f"hopper {variant}", lambda b=batch, c=config: hopper(b, c), flops, batch)
     if sweep:
-        for name, (batch, flops) in batches(128).items():
-            timed(name, "portable varlen, block 128", lambda b=batch: portable(b), flops, batch)
+        for name, (batch, flops) in batches(TMA_BLOCK_SIZE).items():
+            timed(name, f"portable varlen, block {TMA_BLOCK_SIZE}", lambda b=batch: portable(b),
+                  flops, batch)
             for variant in TMA_SWEEP:
                 config = {**config_of(variant), "tma": True}
-                timed(name, f"hopper TMA block 128 {variant}",
+                timed(name, f"hopper TMA block {TMA_BLOCK_SIZE} {variant}",
                       lambda b=batch, c=config: hopper(b, c), flops, batch)
 
 
@@ -222,7 +232,7 @@ def main() -> None:
     jobs = [("check", group) for group in CHECK_GROUPS] + [("compile", default, 16)]
     if args.sweep:
         jobs += [("compile", v, 16) for v in [*SWEEP, "portable"]]
-        jobs += [("compile", v, 128) for v in [*TMA_SWEEP, "portable"]]
+        jobs += [("compile", v, TMA_BLOCK_SIZE) for v in [*TMA_SWEEP, "portable"]]
     run_jobs(jobs)
     if FAILURES and not args.keep_going:
         sys.exit(f"FAILED: {FAILURES}")
