@@ -5,9 +5,13 @@ program owns BLOCK_Q new tokens of one sequence times the GROUP query heads of K
 `program_id(1)` packed into BLOCK_M = BLOCK_Q * GROUP rows, and streams the sequence's keys
 through the block table in tiles of BLOCK_N. What changes is how a tile is computed:
 
-- Big tiles, two warpgroups: BLOCK_M 128 rows by BLOCK_N 64-128 keys on 8 warps, so each
-  `tl.dot` is a warpgroup MMA (wgmma) of 64 rows per warpgroup, and num_stages 3-4 deep
-  asynchronous copies keep the next tiles' K/V in flight while this one is computed.
+- Big tiles, two warpgroups: BLOCK_M 128 rows by BLOCK_N 64 keys on 8 warps, so each `tl.dot`
+  is a warpgroup MMA (wgmma) of 64 rows per warpgroup. Within a program the MMAs and the
+  softmax between them run one after the other; registers capped at 128 let two programs share
+  an SM, so one's softmax overlaps the other's MMA (HOPPER_CONFIG in attention.py).
+- K/V stay in flight: the block ids of the next tile are loaded while this one is computed
+  (attention_varlen.tile_blocks says why that matters), so Triton keeps num_stages - 1 tiles of
+  asynchronous copies ahead of the math.
 - Only the diagonal is masked: the keys below the block's first query position are visible to
   every row, so that loop has no mask, no `where`, no bounds; the last one or two tiles (the
   causal diagonal) mask key p > query position with a large negative score (-1e6 in base 2:
@@ -32,7 +36,7 @@ import functools
 import torch
 
 from tinypaged.kernels._triton import jit, next_power_of_2, tl
-from tinypaged.kernels.attention_varlen import LOG2E, _find_sequence
+from tinypaged.kernels.attention_varlen import LOG2E, _find_sequence, tile_blocks
 
 
 @functools.cache
@@ -49,8 +53,7 @@ def _tile_blocks(block_table, start_n, key_end, USE_TMA: tl.constexpr,
     if USE_TMA:
         blocks = tl.load(block_table + start_n // BLOCK_SIZE, mask=start_n < key_end, other=0)
     else:
-        k_pos = start_n + tl.arange(0, BLOCK_N)
-        blocks = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_pos < key_end, other=0)
+        blocks = tile_blocks(block_table, start_n, key_end, BLOCK_SIZE, BLOCK_N)
     return blocks
 
 
@@ -67,8 +70,7 @@ def _load_kv_tile(CACHE, blocks, kv_head, start_n, k_in, offs_d, stride_cb, stri
             tile = tl.where(k_in[:, None], tile, 0.0)
     else:
         k_pos = start_n + tl.arange(0, BLOCK_N)
-        row = (blocks.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
-               + kv_head * stride_ch)
+        row = blocks * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         offsets = row[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
         if MASKED:
             tile = tl.load(CACHE + offsets, mask=k_in[:, None], other=0.0)
@@ -209,13 +211,13 @@ def hopper_attention_triton(
     """Launch the Hopper kernel (arguments checked by attention.paged_attention). tma: load K/V
     by TMA where the layout allows it (see the module docstring)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     block_m = max(block_m, next_power_of_2(group))
     block_q = block_m // group
     use_tma = (tma and block_size % block_n == 0
                and k_cache.stride(1) == num_kv_heads * head_dim and k_cache.stride(2) == head_dim
-               and k_cache.stride(0) % 8 == 0)  # TMA: row strides in 16-byte units
+               and k_cache.stride(0) * k_cache.element_size() % 16 == 0)  # TMA's stride unit
     grid = (num_tokens // block_q + seq_lens.shape[0], num_kv_heads)
     _hopper_attention_kernel[grid](
         q, _kv_operand(k_cache, use_tma, block_n), _kv_operand(v_cache, use_tma, block_n), out,
