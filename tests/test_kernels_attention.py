@@ -313,24 +313,24 @@ def test_large_logits_stay_finite(num_splits):
     assert_close(out, dense, torch.float32)
 
 
-# (dtype, head_dim, group, block_size, key tile, TMA): block 16 with 32-key tiles gathers K/V by
-# pointer loads; tiles that fit in a block go through the TMA descriptor (the interpreter runs
-# both); a group of 3 leaves 2 of the 128 rows empty
+# (dtype, head_dim, group, block_size, rows, key tile, TMA): block 16 with 32-key tiles gathers
+# K/V by pointer loads; tiles that fit in a block go through the TMA descriptor (the interpreter
+# runs both); a group of 3 leaves 2 of the 32 rows empty
 HOPPER_COMBOS = [
-    (torch.float16, 64, 4, 16, 32, False),
-    (torch.float32, 128, 3, 32, 16, True),
-    (torch.float16, 64, 1, 16, 16, True),
+    (torch.float16, 64, 4, 16, 64, 32, False),
+    (torch.float32, 128, 3, 32, 32, 16, True),
+    (torch.float16, 64, 1, 16, 32, 16, True),
 ]
 
 
-@pytest.mark.parametrize("combo", HOPPER_COMBOS, ids=lambda c: f"{str(c[0])[6:]}-g{c[2]}-tma{c[5]}")
+@pytest.mark.parametrize("combo", HOPPER_COMBOS, ids=lambda c: f"{str(c[0])[6:]}-g{c[2]}-tma{c[6]}")
 def test_hopper_kernel_varlen_prefix_and_partial_blocks(combo):
     # the sm_90 prefill kernel, interpreted: a prefill, a chunk whose queries start inside a
     # cached prefix, a one-token chunk, a sequence of several query blocks; every sequence ends
     # inside a cache block (unowned slots hold NaN)
-    dtype, head_dim, group, block_size, block_n, tma = combo
+    dtype, head_dim, group, block_size, block_m, block_n, tma = combo
     batch = Batch([20, 9, 1, 45], [20, 40, 33, 45], group, head_dim, block_size, dtype)
-    config = {**attention.HOPPER_CONFIG, "block_m": 32, "block_n": block_n, "tma": tma}
+    config = {**attention.HOPPER_CONFIG, "block_m": block_m, "block_n": block_n, "tma": tma}
     out = hopper_attention_triton(*batch.args(), torch.empty_like(batch.q), **config)
     assert_close(out, batch.dense_float64(), dtype)
 
