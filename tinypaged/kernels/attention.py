@@ -46,7 +46,8 @@ DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 # tiles on two warpgroups, 2 stages, registers capped at 128 so that two programs share an SM
 # (one's softmax overlaps the other's MMA; a few registers spill, and it still wins). H200,
 # benchmarks/hopper_attention.py --sweep, 2026-12-01: B4 L2048 / B1 L8192 32/8 heads, bf16,
-# 359 / 428 TFLOP/s against 333 / 419 with 3 stages and no cap (one program per SM).
+# 360 / 427 TFLOP/s against 343 / 419 with 3 stages and no cap (one program per SM) and at most
+# 330 / 386 with 128 x 32 tiles under the cap (RESULTS.md).
 HOPPER_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True,
                  "maxnreg": 128}
 
