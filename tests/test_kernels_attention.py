@@ -13,6 +13,7 @@ import torch
 from tinypaged.kernels import attention
 from tinypaged.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
 from tinypaged.kernels.attention_decode import decode_attention_triton
+from tinypaged.kernels.attention_hopper import hopper_attention_triton
 from tinypaged.kernels.attention_varlen import varlen_attention_triton
 
 # Triton 3.6's interpreter turns loop bounds into ints through 1-element arrays (numpy < 2.4 warns),
@@ -312,9 +313,41 @@ def test_large_logits_stay_finite(num_splits):
     assert_close(out, dense, torch.float32)
 
 
+# (dtype, head_dim, group, block_size, rows, key tile, TMA): block 16 with 32-key tiles gathers
+# K/V by pointer loads; tiles that fit in a block go through the TMA descriptor (the interpreter
+# runs both); a group of 3 leaves 2 of the 32 rows empty
+HOPPER_COMBOS = [
+    (torch.float16, 64, 4, 16, 64, 32, False),
+    (torch.float32, 128, 3, 32, 32, 16, True),
+    (torch.float16, 64, 1, 16, 32, 16, True),
+]
+
+
+@pytest.mark.parametrize("combo", HOPPER_COMBOS, ids=lambda c: f"{str(c[0])[6:]}-g{c[2]}-tma{c[6]}")
+def test_hopper_kernel_varlen_prefix_and_partial_blocks(combo):
+    # the sm_90 prefill kernel, interpreted: a prefill, a chunk whose queries start inside a
+    # cached prefix, a one-token chunk, a sequence of several query blocks; every sequence ends
+    # inside a cache block (unowned slots hold NaN)
+    dtype, head_dim, group, block_size, block_m, block_n, tma = combo
+    batch = Batch([20, 9, 1, 45], [20, 40, 33, 45], group, head_dim, block_size, dtype)
+    config = {**attention.HOPPER_CONFIG, "block_m": block_m, "block_n": block_n, "tma": tma}
+    out = hopper_attention_triton(*batch.args(), torch.empty_like(batch.q), **config)
+    assert_close(out, batch.dense_float64(), dtype)
+
+
+def test_hopper_kernel_large_logits_stay_finite():
+    # as test_large_logits_stay_finite: scores of a few hundred over 19 key tiles
+    batch = Batch([3, 17, 1], [20, 17, 300], 2, 64, 16, torch.float32)
+    batch.scale = 40.0
+    config = {**attention.HOPPER_CONFIG, "block_m": 16, "block_n": 16, "tma": False}
+    out = hopper_attention_triton(*batch.args(), torch.empty_like(batch.q), **config)
+    assert_close(out, batch.dense_float64(), torch.float32)
+
+
 def test_tile_configs_have_one_source():
     # the launchers take every tile parameter from attention.py's configs: no defaults of their own
     for launcher, config in ((varlen_attention_triton, attention.VARLEN_CONFIG),
-                             (decode_attention_triton, attention.DECODE_CONFIG)):
+                             (decode_attention_triton, attention.DECODE_CONFIG),
+                             (hopper_attention_triton, attention.HOPPER_CONFIG)):
         params = inspect.signature(launcher).parameters
         assert all(params[key].default is inspect.Parameter.empty for key in config), launcher

@@ -33,6 +33,13 @@ for dtype in (torch.bfloat16, torch.float16):
                     *args, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1,
                     max_seq_len=40, num_splits=num_splits, sliding_window=window,
                     softcap=softcap)
+        # the sm_90 prefill kernel at its config: pointer loads from 16-token blocks, TMA from
+        # 64-token blocks (CPU tensors never dispatch to it, so call its launcher)
+        for block_size in (16, 64):
+            k_cache = torch.randn(8, block_size, num_kv_heads, head_dim).to(dtype)
+            attention.hopper_attention_triton(
+                q, k_cache, k_cache.clone(), *args[3:], torch.tensor([0, 3, 4], dtype=torch.int32),
+                0.1, torch.empty_like(q), **attention.HOPPER_CONFIG)
 from tinypaged.kernels import moe
 
 for dtype, token_counts in ((torch.bfloat16, (1, 64, 256, 512, 4096)), (torch.float16, (8,))):
@@ -78,6 +85,7 @@ def test_every_launcher_compiles_for_sm90():
     assert compile_for_sm90(LAUNCHES) == sorted([
         "_decode_merge_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_rotary_kernel",
         "_act_and_mul_kernel", "_store_kv_kernel", "_varlen_attention_kernel",
+        "_hopper_attention_kernel",
         "_fused_moe_kernel", "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel",
         "_awq_mma_kernel", "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel",
         "_two_shot_all_reduce_kernel",

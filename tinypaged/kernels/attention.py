@@ -18,10 +18,12 @@ Shapes: q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D]; block_ta
 [B, max_blocks] int32; seq_lens [B] int32; query_start_loc [B + 1] int32; out [T, Hq, D] in q's
 dtype. A prefill is q_len = seq_len; a chunked prefill q_len < seq_len; a decode q_len = 1.
 
-Two Triton kernels (see their files): batches with a query longer than 1 run the varlen kernel
-(attention_varlen.py); pure-decode batches (max_query_len == 1) the split-KV flash-decoding
-kernel (attention_decode.py). Neither reads a tensor on the host when max_query_len and
-max_seq_len are passed, so a step stays asynchronous and graph-capturable.
+Three Triton kernels (see their files): batches with a query longer than 1 run the varlen kernel
+(attention_varlen.py), or on Hopper GPUs (sm_90), when the query tiles fill 128 rows and there
+is no window or soft-cap, its Hopper-shaped twin (attention_hopper.py); pure-decode batches
+(max_query_len == 1) the split-KV flash-decoding kernel (attention_decode.py). None reads a
+tensor on the host when max_query_len and max_seq_len are passed, so a step stays asynchronous
+and graph-capturable.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 from tinypaged.kernels._triton import num_sms, use_triton
 from tinypaged.kernels.attention_decode import decode_attention_triton, decode_num_splits
+from tinypaged.kernels.attention_hopper import hopper_attention_triton, hopper_supports, is_hopper
 from tinypaged.kernels.attention_varlen import varlen_attention_triton
 from tinypaged.kernels.kv_cache import check_cache_pair
 
@@ -39,6 +42,14 @@ from tinypaged.kernels.kv_cache import check_cache_pair
 # 2026-11-29): B4 L2048 32/8 heads, bf16.
 VARLEN_CONFIG = {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3}
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+# Prefill on sm_90 (attention_hopper.py), for batches whose query tiles fill 128 rows: 128 x 64
+# tiles on two warpgroups, 2 stages, registers capped at 128 so that two programs share an SM
+# (one's softmax overlaps the other's MMA; a few registers spill, and it still wins). H200,
+# benchmarks/hopper_attention.py --sweep, 2026-12-01: B4 L2048 / B1 L8192 32/8 heads, bf16,
+# 360 / 427 TFLOP/s against 343 / 419 with 3 stages and no cap (one program per SM) and at most
+# 330 / 386 with 128 x 32 tiles under the cap (RESULTS.md).
+HOPPER_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True,
+                 "maxnreg": 128}
 
 
 def _varlen_config(max_query_len: int, group: int) -> dict:
@@ -98,6 +109,9 @@ def paged_attention_triton(
         return decode_attention_triton(*args, num_splits=num_splits, **window,
                                        **_override(DECODE_CONFIG, config))
     group = q.shape[1] // k_cache.shape[2]
+    if (max_query_len * group > 64 and q.is_cuda and is_hopper(q.device.index or 0)
+            and hopper_supports(q, sliding_window, softcap)):
+        return hopper_attention_triton(*args, **_override(HOPPER_CONFIG, config))
     return varlen_attention_triton(*args, **window,
                                    **_override(_varlen_config(max_query_len, group), config))
 
@@ -189,12 +203,10 @@ def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ou
     )
     if any(t.device != q.device for t in tensors):
         raise ValueError(f"every tensor must be on q's device {q.device}")
-    unknown = set(config or {}) - set(VARLEN_CONFIG) - set(DECODE_CONFIG)
+    known = set(VARLEN_CONFIG) | set(DECODE_CONFIG) | set(HOPPER_CONFIG)
+    unknown = set(config or {}) - known
     if unknown:
-        raise ValueError(
-            f"config has unknown keys {sorted(unknown)}; "
-            f"known: {sorted(set(VARLEN_CONFIG) | set(DECODE_CONFIG))}"
-        )
+        raise ValueError(f"config has unknown keys {sorted(unknown)}; known: {sorted(known)}")
 
 
 def paged_attention(
@@ -219,8 +231,9 @@ def paged_attention(
     max_query_len / max_seq_len: pass them (host ints) to keep the call free of host syncs;
     max_query_len == 1 selects the split-KV decode kernel. num_splits: fixed split count for
     decode (e.g. under CUDA-graph capture); default from batch, heads, context and SM count.
-    config: tile overrides, keys of VARLEN_CONFIG / DECODE_CONFIG (block_m, block_n, num_warps,
-    num_stages). num_splits and config only affect the Triton path.
+    config: tile overrides, keys of VARLEN_CONFIG / DECODE_CONFIG / HOPPER_CONFIG (block_m,
+    block_n, num_warps, num_stages; tma, maxnreg on Hopper). num_splits and config only affect
+    the Triton path.
     sliding_window: each token sees only itself and the sliding_window - 1 keys before it
     (None: the whole causal context). softcap: scores become softcap * tanh(scores / softcap).
     """

@@ -37,7 +37,8 @@ LOG2E = 1.4426950408889634  # scores go to base 2: exp(s) = exp2(s * log2(e))
 def attention_tile(
     acc, m_i, l_i,  # running state: [BLOCK_M, BLOCK_D] fp32 sum of p * v, [BLOCK_M] max, sum of p
     q,  # [BLOCK_M, BLOCK_D]
-    K_CACHE, V_CACHE, block_table,  # block_table: this sequence's row of block_tables
+    K_CACHE, V_CACHE,
+    block,  # [BLOCK_N] int64: the cache block of each key of the tile (tile_blocks)
     kv_head_offset, stride_cb, stride_cs,
     start_n,  # first key position of the tile
     q_pos,  # [BLOCK_M] absolute position of each query row (keys <= q_pos are visible)
@@ -58,10 +59,8 @@ def attention_tile(
     k_pos = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     if MASKED:
         k_in = k_pos < key_end
-        block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)
         kv_mask = k_in[:, None] & d_mask[None, :]
     else:
-        block = tl.load(block_table + k_pos // BLOCK_SIZE).to(tl.int64)
         kv_mask = d_mask[None, :]
     row = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head_offset  # [BLOCK_N]
     kv_offsets = row[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
@@ -78,6 +77,17 @@ def attention_tile(
     v = tl.load(V_CACHE + kv_offsets, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@jit
+def tile_blocks(block_table, start_n, key_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] int64: the cache block of keys start_n .. start_n + BLOCK_N - 1 (0 past key_end).
+
+    The key loops load tile i + 1's blocks while tile i is computed and pass them in: with the
+    block-table load in the same iteration as the K/V loads it addresses, Triton's pipeliner
+    waits for every outstanding copy at each tile, so no K/V load overlaps the math."""
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    return tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_pos < key_end, other=0).to(tl.int64)
 
 
 @jit
@@ -149,21 +159,25 @@ def _varlen_attention_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    block = tile_blocks(block_table, window_start, key_end, BLOCK_SIZE, BLOCK_N)
     for start_n in range(window_start, full_start, BLOCK_N):  # empty without SLIDING
         acc, m_i, l_i = attention_tile(
-            acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
+            acc, m_i, l_i, q, K_CACHE, V_CACHE, block, kv_head_offset, stride_cb,
             stride_cs, start_n, q_pos, key_end, offs_d, d_mask, qk_scale, window, softcap,
             True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+        block = tile_blocks(block_table, start_n + BLOCK_N, key_end, BLOCK_SIZE, BLOCK_N)
     for start_n in range(full_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = attention_tile(
-            acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
+            acc, m_i, l_i, q, K_CACHE, V_CACHE, block, kv_head_offset, stride_cb,
             stride_cs, start_n, q_pos, key_end, offs_d, d_mask, qk_scale, window, softcap,
             False, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+        block = tile_blocks(block_table, start_n + BLOCK_N, key_end, BLOCK_SIZE, BLOCK_N)
     for start_n in range(unmasked_end, key_end, BLOCK_N):
         acc, m_i, l_i = attention_tile(
-            acc, m_i, l_i, q, K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
+            acc, m_i, l_i, q, K_CACHE, V_CACHE, block, kv_head_offset, stride_cb,
             stride_cs, start_n, q_pos, key_end, offs_d, d_mask, qk_scale, window, softcap,
             True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+        block = tile_blocks(block_table, start_n + BLOCK_N, key_end, BLOCK_SIZE, BLOCK_N)
 
     out = online_softmax_finish(acc, l_i)
     tl.store(OUT + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
