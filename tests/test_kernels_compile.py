@@ -4,7 +4,7 @@
 from compile_sm90 import compile_for_sm90
 
 LAUNCHES = r"""
-from tinypaged.kernels import activation, attention, kv_cache, norm, rotary
+from tinypaged.kernels import activation, attention, kv_cache, norm, rotary, rotary_kv_cache
 
 for dtype in (torch.bfloat16, torch.float16):
     x = torch.randn(4, 4096).to(dtype)
@@ -20,6 +20,12 @@ for dtype in (torch.bfloat16, torch.float16):
         k_cache = torch.randn(8, 16, num_kv_heads, head_dim).to(dtype)
         kv_cache.store_kv_triton(q[:, :num_kv_heads], q[:, :num_kv_heads], k_cache,
                                  k_cache.clone(), torch.arange(4))
+        cache = rotary.build_cos_sin_cache(head_dim // 2, 8, 10000.0)
+        norm_w = torch.ones(head_dim).to(dtype)
+        for interleaved, weights in ((False, (norm_w, norm_w)), (True, (None, None))):
+            rotary_kv_cache.rotary_store_kv_triton(
+                torch.arange(4), q, q[:, :num_kv_heads], q[:, :num_kv_heads], k_cache,
+                k_cache.clone(), torch.arange(4), cache, head_dim // 2, interleaved, *weights)
         args = (q, k_cache, k_cache.clone(), torch.zeros(2, 4, dtype=torch.int32),
                 torch.tensor([40, 9], dtype=torch.int32))
         for window, softcap in ((None, None), (8, 50.0)):  # Gemma 2's local layers
@@ -64,7 +70,8 @@ for dtype in (torch.bfloat16, torch.float16):
 def test_every_launcher_compiles_for_sm90():
     assert compile_for_sm90(LAUNCHES) == sorted([
         "_decode_merge_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_rotary_kernel",
-        "_act_and_mul_kernel", "_store_kv_kernel", "_varlen_attention_kernel",
+        "_act_and_mul_kernel", "_store_kv_kernel", "_rotary_store_kv_kernel",
+        "_varlen_attention_kernel",
         "_fused_moe_kernel", "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel",
         "_awq_dequantize_kernel",
     ])
