@@ -1,11 +1,12 @@
 """Mixture-of-experts: routing against transformers' routers, the block-padded sort by expert
-checked by its invariants, and the fused grouped GEMM under the Triton interpreter (fp32, fp16)
-against the loop-over-experts reference, which is itself checked against a per-token float64 sum."""
+checked by its invariants, and the fused grouped GEMM and the small-T GEMVs under the Triton
+interpreter (fp32, fp16) against the loop-over-experts reference, which is itself checked against
+a per-token float64 sum."""
 
 import pytest
 import torch
 
-from tinypaged.kernels import moe, moe_routing
+from tinypaged.kernels import moe, moe_gemv, moe_routing
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
@@ -154,12 +155,45 @@ def test_fused_moe_kernel_matches_reference(num_tokens, hidden, inter, num_exper
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
-def test_fused_experts_dispatch_and_errors(monkeypatch):
-    x, w13, w2, weights, ids = moe_case(3, 32, 16, 4, 2, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "num_tokens,hidden,inter,num_experts,top_k,block_k",
+    [
+        (1, 64, 32, 8, 2, None),  # decode: one token, the default tiles (masked N and K)
+        (3, 96, 40, 16, 3, 32),  # K loops of 3 (96) and 2 ragged tiles (40); N tiles ragged
+    ],
+)
+def test_moe_gemv_matches_reference(num_tokens, hidden, inter, num_experts, top_k, block_k,
+                                    dtype):
+    x, w13, w2, weights, ids = moe_case(num_tokens, hidden, inter, num_experts, top_k, dtype)
+    ids[0, 1] = ids[0, 0] if num_tokens == 1 else ids[1, 0]  # an expert picked twice
+    config = None if block_k is None else {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4}
+    got = moe_gemv.fused_experts_gemv(x, w13, w2, weights, ids, gate_up_config=config,
+                                      down_config=config)
+    want = moe.fused_experts_ref(x, w13, w2, weights, ids)
+    assert got.shape == (num_tokens, hidden) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_use_gemv_for_few_pairs_only():
+    assert moe_gemv.use_gemv(1, 8, 8)  # one token: always
+    assert moe_gemv.use_gemv(8, 8, 128) and not moe_gemv.use_gemv(9, 8, 128)  # Qwen3-30B-A3B
+    assert moe_gemv.use_gemv(2, 2, 8) and not moe_gemv.use_gemv(3, 2, 8)  # Mixtral
+
+
+@pytest.mark.parametrize("num_tokens,path", [(2, "fused_experts_gemv"),
+                                             (5, "fused_experts_triton")])
+def test_fused_experts_dispatch_and_errors(monkeypatch, num_tokens, path):
+    x, w13, w2, weights, ids = moe_case(num_tokens, 32, 16, 8, 2, torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    real = getattr(moe, path)
+    monkeypatch.setattr(moe, path, lambda *a, **k: calls.append(1) or real(*a, **k))
     torch.testing.assert_close(moe.fused_experts(x, w13, w2, weights, ids),
                                moe.fused_experts_ref(x, w13, w2, weights, ids),
                                atol=1e-4, rtol=1e-4)
+    assert calls == [1]
     with pytest.raises(ValueError, match="w2"):
         moe.fused_experts(x, w13, w2[:, :, :8], weights, ids)
     assert moe.fused_experts(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
