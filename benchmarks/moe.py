@@ -15,7 +15,8 @@ For T in (1, 8, 64, 512, 4096) tokens:
    any timing.
 2. Timings: `fused_experts`, the grouped GEMM path (`fused_experts_triton`: sort by expert + two
    grouped-GEMM launches + the top-k sum), the routing alone, a dense bf16 GEMM of the same
-   FLOPs (x [T, 2048] @ W [8 * 3 * 768, 2048]^T, cuBLAS) and vLLM's fused_experts if importable;
+   FLOPs (x [T, 2048] @ W [8 * 3 * 768, 2048]^T, cuBLAS), vLLM's fused_experts if importable
+   and the routing (its kernel and its torch reference; the kernel is checked first too);
    eager (triton.testing.do_bench, median, L2 flushed: the host's launch cost shows when it is
    longer than the GPU work) and, for ours, replayed from a CUDA graph (what a captured decode
    step pays). Reported as TFLOP/s and as GB/s of the weights of the experts actually hit (each
@@ -75,7 +76,12 @@ def check(token_counts) -> bool:
     ok = True
     for dtype in (torch.bfloat16, torch.float16):
         for t in token_counts:
-            x, w13, w2, _, weights, ids = case(t, dtype, seed=t)
+            x, w13, w2, logits, weights, ids = case(t, dtype, seed=t)
+            ref_weights, ref_ids = moe_routing.select_experts_ref(logits, TOP_K, renormalize=True)
+            same = torch.equal(ids, ref_ids) and torch.allclose(weights, ref_weights, atol=1e-6)
+            ok &= same
+            print(f"  check routing kernel {str(dtype):15s} T={t:5d}  "
+                  f"{'ok' if same else 'MISMATCH'}")
             want = moe.fused_experts_ref(x, w13, w2, weights, ids).float()
             for name, fn in (("fused_experts", moe.fused_experts),
                              ("grouped", moe.fused_experts_triton)):
@@ -139,6 +145,8 @@ def time_one(t: int, dense_w: torch.Tensor, vllm_fn) -> dict:
     row["ours_graph_us"] = graph_over_routings(moe.fused_experts, x, w13, w2, t)
     row["grouped_graph_us"] = graph_over_routings(moe.fused_experts_triton, x, w13, w2, t)
     row["routing_graph_us"] = graph_us([timed["routing"]], reps=10)
+    row["routing_torch_graph_us"] = graph_us(
+        [lambda: moe_routing.select_experts_ref(logits, TOP_K, renormalize=True)], reps=10)
     ours_s = row["ours_graph_us"] / 1e6
     row["ours_TFLOPs"] = flops / ours_s / 1e12
     row["ours_weight_GBs"] = weight_bytes / ours_s / 1e9
@@ -240,14 +248,15 @@ def main() -> int:
     print("\n(graph: replayed over 4 routings; bound and GB/s from their mean experts hit)")
     print("\n| T | experts hit | fused_experts us (graph) | % of bound | weight GB/s | "
           "grouped GEMM us (graph) | fused_experts us (eager) | grouped us (eager) | "
-          "dense bf16 GEMM us (same FLOPs) | vLLM fused_experts us | routing us (graph) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "dense bf16 GEMM us (same FLOPs) | vLLM fused_experts us | routing us (graph) | "
+          "torch routing us (graph) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['T']} | {r['experts_hit']:.1f} | {r['ours_graph_us']:.1f} | "
               f"{r['ours_pct_of_bound']:.0f}% | {r['ours_weight_GBs']:.0f} | "
               f"{r['grouped_graph_us']:.1f} | {r['ours_us']:.1f} | {r['grouped_us']:.1f} | "
               f"{r['dense_gemm_us']:.1f} | {r.get('vllm_us', float('nan')):.1f} | "
-              f"{r['routing_graph_us']:.1f} |")
+              f"{r['routing_graph_us']:.1f} | {r['routing_torch_graph_us']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

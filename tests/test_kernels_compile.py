@@ -39,7 +39,7 @@ for dtype in (torch.bfloat16, torch.float16):
                     *args, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1,
                     max_seq_len=40, num_splits=num_splits, sliding_window=window,
                     softcap=softcap)
-from tinypaged.kernels import moe, moe_gemv
+from tinypaged.kernels import moe, moe_gemv, moe_routing
 
 for dtype, token_counts in ((torch.bfloat16, (1, 64, 256, 512, 4096)), (torch.float16, (8,))):
     w13, w2 = torch.zeros(4, 2 * 768, 2048).to(dtype), torch.zeros(4, 2048, 768).to(dtype)
@@ -47,6 +47,10 @@ for dtype, token_counts in ((torch.bfloat16, (1, 64, 256, 512, 4096)), (torch.fl
         topk_ids = torch.randint(0, 4, (num_tokens, 2), dtype=torch.int32)
         moe.fused_experts_triton(torch.randn(num_tokens, 2048).to(dtype), w13, w2,
                                  torch.rand(num_tokens, 2), topk_ids)
+        for scoring_func, bias in (("softmax", None), ("sigmoid", torch.zeros(128))):
+            moe_routing.select_experts_triton(torch.randn(num_tokens, 128).to(dtype), 8,
+                                              renormalize=True, scoring_func=scoring_func,
+                                              e_score_correction_bias=bias)
         if num_tokens <= 8:  # the decode GEMVs
             moe_gemv.fused_experts_gemv(torch.randn(num_tokens, 2048).to(dtype), w13, w2,
                                         torch.rand(num_tokens, 2), topk_ids)
@@ -76,6 +80,7 @@ def test_every_launcher_compiles_for_sm90():
         "_act_and_mul_kernel", "_store_kv_kernel", "_rotary_store_kv_kernel",
         "_varlen_attention_kernel",
         "_fused_moe_kernel", "_moe_gemv_gate_up_kernel", "_moe_gemv_down_kernel",
+        "_topk_routing_kernel",
         "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel",
         "_awq_dequantize_kernel",
     ])

@@ -78,6 +78,39 @@ def test_grouped_sigmoid_matches_glm_router(groups, topk_group):
         assert all(len(set((i // 4).tolist())) <= topk_group for i in got[1])
 
 
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,kwargs",
+    [
+        (9, 16, 4, {"renormalize": True}),  # Qwen3-MoE
+        (5, 60, 4, {"renormalize": False}),  # Qwen1.5-MoE: 60 experts, masked to 64
+        (6, 24, 3, {"renormalize": True, "scoring_func": "sigmoid",  # GLM-4.5 without groups
+                    "routed_scaling_factor": 2.5}),
+    ],
+)
+def test_routing_kernel_matches_reference(num_tokens, num_experts, top_k, kwargs):
+    logits = randn(num_tokens, num_experts, seed=4, scale=2.0)
+    if kwargs.get("scoring_func") == "sigmoid":
+        kwargs = {**kwargs, "e_score_correction_bias": randn(num_experts, seed=5)}
+    got = moe_routing.select_experts_triton(logits, top_k, **kwargs)
+    want = moe_routing.select_experts_ref(logits, top_k, **kwargs)
+    assert torch.equal(got[1], want[1])  # the same experts in the same (descending) order
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+
+
+def test_routing_dispatch_keeps_expert_groups_in_torch(monkeypatch):
+    logits, bias = randn(3, 16, seed=2), randn(16, seed=3)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    real = moe_routing.select_experts_triton
+    monkeypatch.setattr(moe_routing, "select_experts_triton",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    for groups in (1, 4):
+        moe_routing.select_experts(logits, 2, renormalize=True, scoring_func="sigmoid",
+                                   e_score_correction_bias=bias, num_expert_group=groups,
+                                   topk_group=2)
+    assert calls == [1]
+
+
 def test_routing_bad_arguments():
     logits = randn(3, 8)
     with pytest.raises(ValueError, match="top_k"):
