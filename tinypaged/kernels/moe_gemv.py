@@ -19,7 +19,10 @@ nothing is sorted:
 
 Every weight tile of a hit expert is read once per token that picked it, so the bytes are
 (pairs / distinct experts hit) times the floor; `use_gemv` keeps that ratio near 1 (it expects
-about 1 + T k / 2E). Two launches, no host synchronization: CUDA graphs capture it.
+about 1 + T k / 2E). H and I are compile-time constants (one build per model) so that the
+loops over K and over the k experts unroll and every weight load can be in flight at once: a
+program's work is a few hundred KB, too little to hide the memory latency one load at a time.
+Two launches, no host synchronization: CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from tinypaged.kernels._triton import cdiv, jit, tl
 def _moe_gemv_gate_up_kernel(
     X, W13, ACT, TOPK_IDS,
     stride_x, stride_we, stride_wn, stride_act,
-    N, K,  # N = I (the gate and up halves are N rows apart), K = H
+    N: tl.constexpr, K: tl.constexpr,  # N = I (gate and up are N rows apart), K = H
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
@@ -45,7 +48,7 @@ def _moe_gemv_gate_up_kernel(
     w_ptrs = W13 + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
     up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in tl.static_range(0, (K + BLOCK_K - 1) // BLOCK_K):  # unrolled: every load issued early
         k_ok = offs_k < K - k * BLOCK_K
         x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         mask = n_ok[:, None] & k_ok[None, :]  # [BLOCK_N, BLOCK_K]
@@ -63,7 +66,7 @@ def _moe_gemv_gate_up_kernel(
 def _moe_gemv_down_kernel(
     ACT, W2, OUT, TOPK_IDS, TOPK_WEIGHTS,
     stride_act, stride_we, stride_wn, stride_out,
-    N, K,  # N = H, K = I
+    N: tl.constexpr, K: tl.constexpr,  # N = H, K = I
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -78,7 +81,7 @@ def _moe_gemv_down_kernel(
         w_ptrs = W2 + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
         w_ptrs += offs_k[None, :]
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in tl.static_range(0, (K + BLOCK_K - 1) // BLOCK_K):
             k_ok = offs_k < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
