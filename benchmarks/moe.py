@@ -11,8 +11,8 @@ Shape: hidden 2048, 128 experts, top-8 (softmax, renormalized), moe_intermediate
 For T in (1, 8, 64, 512, 4096) tokens:
 1. `fused_experts` as the engine calls it (the GEMVs of moe_gemv.py up to 8 tokens, the grouped
    GEMM above) and the grouped GEMM at every T, against the loop-over-experts reference (fp32
-   math) in bf16 and fp16: max error / max |ref| must be under 1e-2, else exit code 1 before
-   any timing.
+   math) in bf16 (fp16 at T <= 8 only, which keeps the compiles few): max error / max |ref|
+   must be under 1e-2, else exit code 1 before any timing.
 2. Timings: `fused_experts`, the grouped GEMM path (`fused_experts_triton`: sort by expert + two
    grouped-GEMM launches + the top-k sum), the routing alone, a dense bf16 GEMM of the same
    FLOPs (x [T, 2048] @ W [8 * 3 * 768, 2048]^T, cuBLAS), vLLM's fused_experts if importable
@@ -48,8 +48,7 @@ DEV = "cuda"
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
 COPY_BW, PEAK_FLOPS = 4.2e12, 790e12
 GEMV_SWEEP = [  # (BLOCK_N, BLOCK_K, num_warps) of both GEMV launches
-    (16, 256, 4), (8, 256, 4), (8, 512, 4), (4, 1024, 4), (16, 512, 8), (32, 256, 8),
-    (32, 128, 4), (8, 1024, 8),
+    (16, 256, 4), (8, 256, 4), (8, 512, 4), (4, 1024, 4), (32, 256, 8), (16, 512, 8),
 ]
 SWEEP = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
     (16, 64, 128, 4, 3), (16, 128, 128, 4, 2), (16, 64, 256, 4, 2), (16, 128, 64, 4, 4),
@@ -75,7 +74,7 @@ def case(num_tokens: int, dtype: torch.dtype, seed: int = 0):
 def check(token_counts) -> bool:
     ok = True
     for dtype in (torch.bfloat16, torch.float16):
-        for t in token_counts:
+        for t in [t for t in token_counts if dtype == torch.bfloat16 or t <= 8]:
             x, w13, w2, logits, weights, ids = case(t, dtype, seed=t)
             ref_weights, ref_ids = moe_routing.select_experts_ref(logits, TOP_K, renormalize=True)
             same = torch.equal(ids, ref_ids) and torch.allclose(weights, ref_weights, atol=1e-6)
@@ -221,6 +220,21 @@ def profile(t: int) -> None:
                                         max_name_column_width=45))
 
 
+def print_table(rows: list[dict]) -> None:
+    print("\n(graph: replayed over 4 routings; bound and GB/s from their mean experts hit)")
+    print("\n| T | experts hit | fused_experts us (graph) | % of bound | weight GB/s | "
+          "grouped GEMM us (graph) | fused_experts us (eager) | grouped us (eager) | "
+          "dense bf16 GEMM us (same FLOPs) | vLLM fused_experts us | routing us (graph) | "
+          "torch routing us (graph) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['T']} | {r['experts_hit']:.1f} | {r['ours_graph_us']:.1f} | "
+              f"{r['ours_pct_of_bound']:.0f}% | {r['ours_weight_GBs']:.0f} | "
+              f"{r['grouped_graph_us']:.1f} | {r['ours_us']:.1f} | {r['grouped_us']:.1f} | "
+              f"{r['dense_gemm_us']:.1f} | {r.get('vllm_us', float('nan')):.1f} | "
+              f"{r['routing_graph_us']:.1f} | {r['routing_torch_graph_us']:.1f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
@@ -237,29 +251,18 @@ def main() -> int:
         print("MISMATCH: no timings")
         return 1
     rows = timings(args.tokens, vllm_fused_experts())
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.profile:
+        profile(args.profile)
     if args.sweep:
         sweep(args.tokens)
     if args.sweep_gemv:
         for t in args.tokens:
             if moe_gemv.use_gemv(t, TOP_K, EXPERTS):
                 sweep_gemv(t)
-    if args.profile:
-        profile(args.profile)
-    print("\n(graph: replayed over 4 routings; bound and GB/s from their mean experts hit)")
-    print("\n| T | experts hit | fused_experts us (graph) | % of bound | weight GB/s | "
-          "grouped GEMM us (graph) | fused_experts us (eager) | grouped us (eager) | "
-          "dense bf16 GEMM us (same FLOPs) | vLLM fused_experts us | routing us (graph) | "
-          "torch routing us (graph) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['T']} | {r['experts_hit']:.1f} | {r['ours_graph_us']:.1f} | "
-              f"{r['ours_pct_of_bound']:.0f}% | {r['ours_weight_GBs']:.0f} | "
-              f"{r['grouped_graph_us']:.1f} | {r['ours_us']:.1f} | {r['grouped_us']:.1f} | "
-              f"{r['dense_gemm_us']:.1f} | {r.get('vllm_us', float('nan')):.1f} | "
-              f"{r['routing_graph_us']:.1f} | {r['routing_torch_graph_us']:.1f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     return 0
 
 
