@@ -52,8 +52,9 @@ def cos_sin_tables(rotary_dim):
 def run_both(dtype, heads, head_dim, rotary_dim, interleaved, table, with_norm, tokens=7):
     positions, q, k, v, (k_cache, v_cache), slots = step(tokens, *heads, head_dim, dtype)
     cache = cos_sin_tables(rotary_dim)[table]
-    weights = (randn(head_dim, seed=7) + 1, randn(head_dim, seed=8) + 1) if with_norm else (None,
-                                                                                          None)
+    weights = (None, None)
+    if with_norm:
+        weights = (randn(head_dim, seed=7) + 1, randn(head_dim, seed=8) + 1)
     k_before, v_before = k.clone(), v.clone()
     q_ref, k_ref_cache, v_ref_cache = q.clone(), k_cache.clone(), v_cache.clone()
     got = rotary_kv_cache.rotary_store_kv_triton(positions, q, k, v, k_cache, v_cache, slots,
