@@ -52,7 +52,7 @@ def check() -> bool:
                                                    (True, 64, False), (False, 64, True)):
             positions, q, k, v, (kc, vc), slots, weights = make_step(96, dtype)
             slots[::4] = -1
-            table = RopeSpec(500000.0, rotary_dim, 8192, scaling=LLAMA3).cos_sin_cache()
+            table = RopeSpec(500000.0, rotary_dim, 8192, scaling=LLAMA3).cos_sin_cache().to(DEV)
             norms = weights if with_norm else (None, None)
             q_ref, kc_ref, vc_ref = q.clone(), kc.clone(), vc.clone()
             rotary_kv_cache.rotary_store_kv_triton(positions, q, k, v, kc, vc, slots, table,
@@ -92,6 +92,7 @@ def time_one(t: int, with_norm: bool, table: torch.Tensor) -> tuple[list[float],
 
 def time_shape(name: str, with_norm: bool, token_counts) -> list[str]:
     table = RopeSpec(500000.0, D, 8192, scaling=None if with_norm else LLAMA3).cos_sin_cache()
+    table = table.to(DEV)
     rows = []
     for t in token_counts:
         graph, eager = time_one(t, with_norm, table)
