@@ -16,7 +16,8 @@ For T in (1, 8, 64, 512, 4096) tokens:
 2. Timings: `fused_experts`, the grouped GEMM path (`fused_experts_triton`: sort by expert + two
    grouped-GEMM launches + the top-k sum), the routing alone, a dense bf16 GEMM of the same
    FLOPs (x [T, 2048] @ W [8 * 3 * 768, 2048]^T, cuBLAS), vLLM's fused_experts if importable
-   and the routing (its kernel and its torch reference; the kernel is checked first too);
+   and the routing and the sort by expert (their kernels and torch references, the kernels
+   checked first too);
    eager (triton.testing.do_bench, median, L2 flushed: the host's launch cost shows when it is
    longer than the GPU work) and, for ours, replayed from a CUDA graph (what a captured decode
    step pays). Reported as TFLOP/s and as GB/s of the weights of the experts actually hit (each
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from benchmarks.awq_gemv import graph_us
-from tinypaged.kernels import moe, moe_gemv, moe_routing
+from tinypaged.kernels import moe, moe_align, moe_gemv, moe_routing
 
 DEV = "cuda"
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
@@ -80,8 +81,14 @@ def check(token_counts) -> bool:
             ref_weights, ref_ids = moe_routing.select_experts_ref(logits, TOP_K, renormalize=True)
             same = torch.equal(ids, ref_ids) and torch.allclose(weights, ref_weights, atol=1e-6)
             ok &= same
+            block_m = moe.get_config(t)["BLOCK_M"]
+            aligned = zip(moe_align.moe_align_block_size_triton(ids, block_m, EXPERTS),
+                          moe_align.moe_align_block_size_ref(ids, block_m, EXPERTS))
+            same_align = all(torch.equal(a, b) for a, b in aligned)
+            ok &= same_align
             print(f"  check routing kernel {str(dtype):15s} T={t:5d}  "
-                  f"{'ok' if same else 'MISMATCH'}")
+                  f"{'ok' if same else 'MISMATCH'}; align kernel "
+                  f"{'ok' if same_align else 'MISMATCH'}")
             want = moe.fused_experts_ref(x, w13, w2, weights, ids).float()
             for name, fn in (("fused_experts", moe.fused_experts),
                              ("grouped", moe.fused_experts_triton)):
@@ -147,6 +154,10 @@ def time_one(t: int, dense_w: torch.Tensor, vllm_fn) -> dict:
     row["routing_graph_us"] = graph_us([timed["routing"]], reps=10)
     row["routing_torch_graph_us"] = graph_us(
         [lambda: moe_routing.select_experts_ref(logits, TOP_K, renormalize=True)], reps=10)
+    block_m = moe.get_config(t)["BLOCK_M"]
+    for name, align in (("align", moe_align.moe_align_block_size_triton),
+                        ("align_torch", moe_align.moe_align_block_size_ref)):
+        row[f"{name}_graph_us"] = graph_us([lambda a=align: a(ids, block_m, EXPERTS)], reps=10)
     ours_s = row["ours_graph_us"] / 1e6
     row["ours_TFLOPs"] = flops / ours_s / 1e12
     row["ours_weight_GBs"] = weight_bytes / ours_s / 1e9
@@ -226,14 +237,15 @@ def print_table(rows: list[dict]) -> None:
     print("\n| T | experts hit | fused_experts us (graph) | % of bound | weight GB/s | "
           "grouped GEMM us (graph) | fused_experts us (eager) | grouped us (eager) | "
           "dense bf16 GEMM us (same FLOPs) | vLLM fused_experts us | routing us (graph) | "
-          "torch routing us (graph) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "torch routing us (graph) | align us (graph) | torch align us (graph) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['T']} | {r['experts_hit']:.1f} | {r['ours_graph_us']:.1f} | "
               f"{r['ours_pct_of_bound']:.0f}% | {r['ours_weight_GBs']:.0f} | "
               f"{r['grouped_graph_us']:.1f} | {r['ours_us']:.1f} | {r['grouped_us']:.1f} | "
               f"{r['dense_gemm_us']:.1f} | {r.get('vllm_us', float('nan')):.1f} | "
-              f"{r['routing_graph_us']:.1f} | {r['routing_torch_graph_us']:.1f} |")
+              f"{r['routing_graph_us']:.1f} | {r['routing_torch_graph_us']:.1f} | "
+              f"{r['align_graph_us']:.1f} | {r['align_torch_graph_us']:.1f} |")
 
 
 def main() -> int:

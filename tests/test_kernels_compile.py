@@ -39,7 +39,10 @@ for dtype in (torch.bfloat16, torch.float16):
                     *args, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1,
                     max_seq_len=40, num_splits=num_splits, sliding_window=window,
                     softcap=softcap)
-from tinypaged.kernels import moe, moe_gemv, moe_routing
+from tinypaged.kernels import moe, moe_align, moe_gemv, moe_routing
+
+for block_m in (16, 64, 128):  # the grouped GEMM's row blocks, Qwen3-30B-A3B's 128 experts
+    moe_align.moe_align_block_size_triton(torch.randint(0, 128, (64, 8)), block_m, 128)
 
 for dtype, token_counts in ((torch.bfloat16, (1, 64, 256, 512, 4096)), (torch.float16, (8,))):
     w13, w2 = torch.zeros(4, 2 * 768, 2048).to(dtype), torch.zeros(4, 2048, 768).to(dtype)
@@ -80,7 +83,7 @@ def test_every_launcher_compiles_for_sm90():
         "_act_and_mul_kernel", "_store_kv_kernel", "_rotary_store_kv_kernel",
         "_varlen_attention_kernel",
         "_fused_moe_kernel", "_moe_gemv_gate_up_kernel", "_moe_gemv_down_kernel",
-        "_topk_routing_kernel",
+        "_topk_routing_kernel", "_moe_align_kernel",
         "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel",
         "_awq_dequantize_kernel",
     ])

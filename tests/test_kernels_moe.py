@@ -6,7 +6,7 @@ a per-token float64 sum."""
 import pytest
 import torch
 
-from tinypaged.kernels import moe, moe_gemv, moe_routing
+from tinypaged.kernels import moe, moe_align, moe_gemv, moe_routing
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
@@ -123,13 +123,19 @@ def test_routing_bad_arguments():
 
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [(5, 2, 4, 4), (1, 8, 64, 16),
-                                                                   (40, 3, 6, 16)])
-def test_align_block_size_invariants(num_tokens, top_k, num_experts, block_m):
+                                                                   (40, 3, 6, 16), (70, 4, 60, 16),
+                                                                   (300, 2, 4, 4)])
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_align_block_size_invariants(num_tokens, top_k, num_experts, block_m, impl):
     gen = torch.Generator().manual_seed(num_tokens)
     topk_ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
                             for _ in range(num_tokens)]).to(torch.int32)
-    sorted_ids, expert_ids, post_padded = moe_routing.moe_align_block_size(
-        topk_ids, block_m, num_experts)
+    align = getattr(moe_align, f"moe_align_block_size_{impl}")
+    sorted_ids, expert_ids, post_padded = align(topk_ids, block_m, num_experts)
+    if impl == "triton":  # the same stable layout as the reference, element for element
+        for got, want in zip((sorted_ids, expert_ids, post_padded),
+                             moe_align.moe_align_block_size_ref(topk_ids, block_m, num_experts)):
+            assert got.dtype == torch.int32 and torch.equal(got, want)
     num_pairs = num_tokens * top_k
     used = int(post_padded)
     assert sorted_ids.numel() % block_m == 0 and expert_ids.numel() * block_m == sorted_ids.numel()

@@ -8,7 +8,7 @@ For tokens x [T, H] routed to experts topk_ids [T, k] with weights topk_weights 
 w13 [E, 2I, H] holds each expert's gate (W1, rows :I) and up (W3, rows I:) projections, w2
 [E, H, I] its down projection (transformers' and vLLM's layouts). Two launches of one kernel:
 
-1. gate-up: rows of `sorted_token_ids` (moe_routing.moe_align_block_size) in blocks of BLOCK_M,
+1. gate-up: rows of `sorted_token_ids` (moe_align.moe_align_block_size) in blocks of BLOCK_M,
    one expert per block. A program loads the block's token rows of x once per K tile and the
    expert's gate and up tiles, accumulates both in fp32, and stores silu(gate) * up:
    act [T * k, I], row i = t * k + j (SiLU-and-mul fused, no [T * k, 2I] round trip).
@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
+from tinypaged.kernels.moe_align import moe_align_block_size
 from tinypaged.kernels.moe_gemv import fused_experts_gemv, use_gemv
-from tinypaged.kernels.moe_routing import moe_align_block_size
 
 
 @jit(do_not_specialize=("num_valid_tokens",))  # T * k changes every step

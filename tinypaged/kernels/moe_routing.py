@@ -1,5 +1,5 @@
-"""Mixture-of-experts routing: which k of E experts each token goes to, and with what weight;
-then the tokens sorted by expert in blocks, the layout the grouped GEMM (moe.py) walks.
+"""Mixture-of-experts routing: which k of E experts each token goes to, and with what weight
+(moe_align.py then sorts the tokens by expert for the grouped GEMM of moe.py).
 
 Routing, for router logits g [T, E] (x W_gate^T):
 
@@ -18,19 +18,6 @@ token does it all in one launch (`_topk_routing_kernel`: scores, then k rounds o
 best, mask it out", then the renormalization), except for grouped routing (G > 1), which stays
 in torch. Neither synchronizes the host, so both run inside a captured CUDA graph; at decode the
 launches matter, the routing being a few microseconds of work per MoE layer.
-
-Sorting by expert (`moe_align_block_size`): the T * k (token, slot) pairs are numbered
-i = t * k + j. Each expert's pairs are laid out contiguously, in expert order, each expert's run
-padded up to a multiple of BLOCK_M with the invalid id T * k; so every block of BLOCK_M rows
-belongs to one expert and the GEMM reads that expert's weights once per block:
-
-    sorted_token_ids   [max_padded] int32  pair ids, expert by expert, padding = T * k
-    expert_ids         [max_padded / BLOCK_M] int32  the expert of each block
-    num_tokens_post_padded  [1] int32  rows actually used (blocks past it are skipped)
-
-`max_padded` = T * k + min(E, T * k) * (BLOCK_M - 1), in whole blocks, bounds the padded length
-whatever the routing (at most min(E, T * k) experts are hit, each wasting < BLOCK_M rows), so
-every shape depends on T only and the GEMM's grid needs no device-to-host copy.
 """
 
 from __future__ import annotations
@@ -179,32 +166,3 @@ def _mask_groups(choice: torch.Tensor, num_groups: int, topk_group: int) -> torc
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
     return grouped.masked_fill(~keep[..., None], float("-inf")).view(num_tokens, num_experts)
 
-
-def max_padded_tokens(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Upper bound of num_tokens_post_padded for num_pairs = T * k (see module docstring),
-    rounded up to whole blocks."""
-    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return -(-bound // block_m) * block_m
-
-
-def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
-    """topk_ids [T, k] -> (sorted_token_ids, expert_ids, num_tokens_post_padded), the layout of
-    the module docstring. Pair order within an expert follows the pair ids (a stable sort)."""
-    flat = topk_ids.flatten().long()  # [N], N = T * k
-    num_pairs, device = flat.numel(), flat.device
-    max_padded = max_padded_tokens(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.index_add_(0, flat, torch.ones_like(flat))  # [E]; bincount would sync the host
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)  # [E] end row of each expert's run
-    starts = ends - padded
-    order = torch.sort(flat, stable=True)[1]  # pair ids grouped by expert
-    experts_in_order = flat[order]
-    first_of_expert = torch.cumsum(counts, 0) - counts  # [E] index in `order` of its first pair
-    rank = torch.arange(num_pairs, device=device) - first_of_expert[experts_in_order]
-    sorted_token_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
-    sorted_token_ids[starts[experts_in_order] + rank] = order.to(torch.int32)
-    block_starts = torch.arange(0, max_padded, block_m, device=device)
-    expert_ids = torch.searchsorted(ends, block_starts, right=True)  # E past the used rows
-    expert_ids = expert_ids.clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_token_ids, expert_ids, ends[-1:].to(torch.int32)
