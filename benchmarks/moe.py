@@ -49,8 +49,7 @@ DEV = "cuda"
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
 COPY_BW, PEAK_FLOPS = 4.2e12, 790e12
 GEMV_SWEEP = [  # (BLOCK_N, BLOCK_K, num_warps) of both GEMV launches
-    (4, 1024, 4), (2, 1024, 2), (4, 2048, 8), (8, 1024, 8), (4, 512, 2), (2, 2048, 4),
-    (8, 256, 4), (16, 256, 4),
+    (4, 1024, 4), (2, 1024, 2), (4, 2048, 8), (8, 1024, 8), (4, 512, 2), (8, 256, 4),
 ]
 SWEEP = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
     (16, 64, 128, 4, 3), (16, 128, 128, 4, 2), (16, 64, 256, 4, 2), (16, 128, 64, 4, 4),
