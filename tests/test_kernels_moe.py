@@ -153,6 +153,17 @@ def test_align_block_size_invariants(num_tokens, top_k, num_experts, block_m, im
     assert (expert_ids[:used // block_m].diff() >= 0).all()  # experts in order
 
 
+@pytest.mark.parametrize("num_tokens,expect_kernel", [(64, True), (520, False)])
+def test_align_dispatch_by_pair_count(monkeypatch, num_tokens, expect_kernel):
+    topk_ids = torch.randint(0, 16, (num_tokens, 8), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    monkeypatch.setattr(moe_align, "moe_align_block_size_triton",
+                        lambda *a: calls.append(1) or moe_align.moe_align_block_size_ref(*a))
+    moe_align.moe_align_block_size(topk_ids, 16, 16)
+    assert calls == ([1] if expect_kernel else [])  # past KERNEL_MAX_PAIRS: the torch ops
+
+
 def moe_case(num_tokens, hidden, inter, num_experts, top_k, dtype, seed=0):
     x = randn(num_tokens, hidden, dtype=dtype, seed=seed)
     w13 = randn(num_experts, 2 * inter, hidden, dtype=dtype, seed=seed + 1, scale=hidden**-0.5)

@@ -26,7 +26,11 @@ cumsums, a scatter, a searchsorted). The kernel does it in one program, in chunk
 BLOCK_P pairs: a first pass counts the pairs per expert (one-hot sums), a second places each
 pair at start_e + (pairs of e in earlier chunks) + (pairs of e before it in its chunk). One
 launch instead of twenty matters at decode and for small prefills: inside a CUDA graph each
-small kernel still costs microseconds, outside one the host spends ~10 us launching each.
+small kernel still costs microseconds (the torch ops took ~42 us of GPU time at T=1 on an H200,
+2026-12-01), outside one the host spends ~10 us launching each. One program walks the pairs
+chunk after chunk, so its time grows with T k; past `KERNEL_MAX_PAIRS` (T = 512 at k = 8) the
+torch ops' parallel sort wins on the GPU and their host cost hides behind the large GEMMs that
+follow. (That crossover is estimated from the chunk count, not yet measured.)
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ def _moe_align_kernel(
         rank = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), axis=1)
         tl.store(SORTED_TOKEN_IDS + base + rank, pair.to(tl.int32), mask=pair < num_pairs)
         next_row += tl.sum(one_hot.to(tl.int32), axis=0)
+
+
+KERNEL_MAX_PAIRS = 4096
 
 
 def max_padded_tokens(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -122,6 +129,6 @@ def moe_align_block_size_ref(topk_ids: torch.Tensor, block_m: int, num_experts: 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
     """topk_ids [T, k] -> (sorted_token_ids, expert_ids, num_tokens_post_padded), the layout of
     the module docstring."""
-    if use_triton(topk_ids):
+    if use_triton(topk_ids) and topk_ids.numel() <= KERNEL_MAX_PAIRS:
         return moe_align_block_size_triton(topk_ids, block_m, num_experts)
     return moe_align_block_size_ref(topk_ids, block_m, num_experts)
