@@ -4,7 +4,7 @@
 from compile_sm90 import compile_for_sm90
 
 LAUNCHES = r"""
-from tinypaged.kernels import activation, attention, kv_cache, norm, rotary
+from tinypaged.kernels import activation, attention, kv_cache, norm, rotary, rotary_kv_cache
 
 for dtype in (torch.bfloat16, torch.float16):
     x = torch.randn(4, 4096).to(dtype)
@@ -20,6 +20,12 @@ for dtype in (torch.bfloat16, torch.float16):
         k_cache = torch.randn(8, 16, num_kv_heads, head_dim).to(dtype)
         kv_cache.store_kv_triton(q[:, :num_kv_heads], q[:, :num_kv_heads], k_cache,
                                  k_cache.clone(), torch.arange(4))
+        cache = rotary.build_cos_sin_cache(head_dim // 2, 8, 10000.0)
+        norm_w = torch.ones(head_dim).to(dtype)
+        for interleaved, weights in ((False, (norm_w, norm_w)), (True, (None, None))):
+            rotary_kv_cache.rotary_store_kv_triton(
+                torch.arange(4), q, q[:, :num_kv_heads], q[:, :num_kv_heads], k_cache,
+                k_cache.clone(), torch.arange(4), cache, head_dim // 2, interleaved, *weights)
         args = (q, k_cache, k_cache.clone(), torch.zeros(2, 4, dtype=torch.int32),
                 torch.tensor([40, 9], dtype=torch.int32))
         for window, softcap in ((None, None), (8, 50.0)):  # Gemma 2's local layers
@@ -40,7 +46,10 @@ for dtype in (torch.bfloat16, torch.float16):
             attention.hopper_attention_triton(
                 q, k_cache, k_cache.clone(), *args[3:], torch.tensor([0, 3, 4], dtype=torch.int32),
                 0.1, torch.empty_like(q), **attention.HOPPER_CONFIG)
-from tinypaged.kernels import moe
+from tinypaged.kernels import moe, moe_align, moe_gemv, moe_routing
+
+for block_m in (16, 64, 128):  # the grouped GEMM's row blocks, Qwen3-30B-A3B's 128 experts
+    moe_align.moe_align_block_size_triton(torch.randint(0, 128, (64, 8)), block_m, 128)
 
 for dtype, token_counts in ((torch.bfloat16, (1, 64, 256, 512, 4096)), (torch.float16, (8,))):
     w13, w2 = torch.zeros(4, 2 * 768, 2048).to(dtype), torch.zeros(4, 2048, 768).to(dtype)
@@ -48,6 +57,13 @@ for dtype, token_counts in ((torch.bfloat16, (1, 64, 256, 512, 4096)), (torch.fl
         topk_ids = torch.randint(0, 4, (num_tokens, 2), dtype=torch.int32)
         moe.fused_experts_triton(torch.randn(num_tokens, 2048).to(dtype), w13, w2,
                                  torch.rand(num_tokens, 2), topk_ids)
+        for scoring_func, bias in (("softmax", None), ("sigmoid", torch.zeros(128))):
+            moe_routing.select_experts_triton(torch.randn(num_tokens, 128).to(dtype), 8,
+                                              renormalize=True, scoring_func=scoring_func,
+                                              e_score_correction_bias=bias)
+        if num_tokens <= 8:  # the decode GEMVs
+            moe_gemv.fused_experts_gemv(torch.randn(num_tokens, 2048).to(dtype), w13, w2,
+                                        torch.rand(num_tokens, 2), topk_ids)
 from tinypaged.kernels.all_reduce import custom_all_reduce
 
 for world_size in (2, 3, 8):  # the custom all-reduce's two kernels, the engine's launch
@@ -84,9 +100,10 @@ for dtype in (torch.bfloat16, torch.float16):
 def test_every_launcher_compiles_for_sm90():
     assert compile_for_sm90(LAUNCHES) == sorted([
         "_decode_merge_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_rotary_kernel",
-        "_act_and_mul_kernel", "_store_kv_kernel", "_varlen_attention_kernel",
-        "_hopper_attention_kernel",
-        "_fused_moe_kernel", "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel",
-        "_awq_mma_kernel", "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel",
-        "_two_shot_all_reduce_kernel",
+        "_act_and_mul_kernel", "_store_kv_kernel", "_rotary_store_kv_kernel",
+        "_varlen_attention_kernel", "_hopper_attention_kernel",
+        "_fused_moe_kernel", "_moe_gemv_gate_up_kernel", "_moe_gemv_down_kernel",
+        "_topk_routing_kernel", "_moe_align_kernel",
+        "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel", "_awq_mma_kernel",
+        "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel", "_two_shot_all_reduce_kernel",
     ])

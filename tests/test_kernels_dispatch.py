@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinypaged.kernels import activation, kv_cache, norm, rotary
+from tinypaged.kernels import activation, kv_cache, norm, rotary, rotary_kv_cache
 from tinypaged.kernels.rotary import build_cos_sin_cache
 
 
@@ -25,10 +25,15 @@ def op_calls():
          lambda: rotary.rotary_embedding(torch.arange(3), q, k, cache, 16)),
         (kv_cache, "store_kv_triton",
          lambda: kv_cache.store_kv(k, k, k_cache, k_cache.clone(), torch.tensor([0, -1, 5]))),
+        (rotary_kv_cache, "rotary_store_kv_triton",
+         lambda: rotary_kv_cache.rotary_store_kv(torch.arange(3), q, k, k, k_cache,
+                                                 k_cache.clone(), torch.tensor([0, -1, 5]),
+                                                 cache, 16)),
     ]
 
 
-@pytest.mark.parametrize("index", range(4), ids=["rms_norm", "silu", "rotary", "store_kv"])
+@pytest.mark.parametrize("index", range(5),
+                         ids=["rms_norm", "silu", "rotary", "store_kv", "rotary_store_kv"])
 def test_cpu_tensors_use_triton_only_under_the_interpreter(monkeypatch, index):
     module, launcher, call = op_calls()[index]
     calls = []

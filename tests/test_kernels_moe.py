@@ -1,11 +1,12 @@
 """Mixture-of-experts: routing against transformers' routers, the block-padded sort by expert
-checked by its invariants, and the fused grouped GEMM under the Triton interpreter (fp32, fp16)
-against the loop-over-experts reference, which is itself checked against a per-token float64 sum."""
+checked by its invariants, and the fused grouped GEMM and the small-T GEMVs under the Triton
+interpreter (fp32, fp16) against the loop-over-experts reference, which is itself checked against
+a per-token float64 sum."""
 
 import pytest
 import torch
 
-from tinypaged.kernels import moe, moe_routing
+from tinypaged.kernels import moe, moe_align, moe_gemv, moe_routing
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
@@ -77,6 +78,39 @@ def test_grouped_sigmoid_matches_glm_router(groups, topk_group):
         assert all(len(set((i // 4).tolist())) <= topk_group for i in got[1])
 
 
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,kwargs",
+    [
+        (9, 16, 4, {"renormalize": True}),  # Qwen3-MoE
+        (5, 60, 4, {"renormalize": False}),  # Qwen1.5-MoE: 60 experts, masked to 64
+        (6, 24, 3, {"renormalize": True, "scoring_func": "sigmoid",  # GLM-4.5 without groups
+                    "routed_scaling_factor": 2.5}),
+    ],
+)
+def test_routing_kernel_matches_reference(num_tokens, num_experts, top_k, kwargs):
+    logits = randn(num_tokens, num_experts, seed=4, scale=2.0)
+    if kwargs.get("scoring_func") == "sigmoid":
+        kwargs = {**kwargs, "e_score_correction_bias": randn(num_experts, seed=5)}
+    got = moe_routing.select_experts_triton(logits, top_k, **kwargs)
+    want = moe_routing.select_experts_ref(logits, top_k, **kwargs)
+    assert torch.equal(got[1], want[1])  # the same experts in the same (descending) order
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+
+
+def test_routing_dispatch_keeps_expert_groups_in_torch(monkeypatch):
+    logits, bias = randn(3, 16, seed=2), randn(16, seed=3)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    real = moe_routing.select_experts_triton
+    monkeypatch.setattr(moe_routing, "select_experts_triton",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    for groups in (1, 4):
+        moe_routing.select_experts(logits, 2, renormalize=True, scoring_func="sigmoid",
+                                   e_score_correction_bias=bias, num_expert_group=groups,
+                                   topk_group=2)
+    assert calls == [1]
+
+
 def test_routing_bad_arguments():
     logits = randn(3, 8)
     with pytest.raises(ValueError, match="top_k"):
@@ -89,13 +123,19 @@ def test_routing_bad_arguments():
 
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [(5, 2, 4, 4), (1, 8, 64, 16),
-                                                                   (40, 3, 6, 16)])
-def test_align_block_size_invariants(num_tokens, top_k, num_experts, block_m):
+                                                                   (40, 3, 6, 16), (70, 4, 60, 16),
+                                                                   (300, 2, 4, 4)])
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_align_block_size_invariants(num_tokens, top_k, num_experts, block_m, impl):
     gen = torch.Generator().manual_seed(num_tokens)
     topk_ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
                             for _ in range(num_tokens)]).to(torch.int32)
-    sorted_ids, expert_ids, post_padded = moe_routing.moe_align_block_size(
-        topk_ids, block_m, num_experts)
+    align = getattr(moe_align, f"moe_align_block_size_{impl}")
+    sorted_ids, expert_ids, post_padded = align(topk_ids, block_m, num_experts)
+    if impl == "triton":  # the same stable layout as the reference, element for element
+        for got, want in zip((sorted_ids, expert_ids, post_padded),
+                             moe_align.moe_align_block_size_ref(topk_ids, block_m, num_experts)):
+            assert got.dtype == torch.int32 and torch.equal(got, want)
     num_pairs = num_tokens * top_k
     used = int(post_padded)
     assert sorted_ids.numel() % block_m == 0 and expert_ids.numel() * block_m == sorted_ids.numel()
@@ -111,6 +151,17 @@ def test_align_block_size_invariants(num_tokens, top_k, num_experts, block_m):
         rows = rows[rows < num_pairs].long()
         assert (flat[rows] == expert_ids[block]).all()
     assert (expert_ids[:used // block_m].diff() >= 0).all()  # experts in order
+
+
+@pytest.mark.parametrize("num_tokens,expect_kernel", [(64, True), (520, False)])
+def test_align_dispatch_by_pair_count(monkeypatch, num_tokens, expect_kernel):
+    topk_ids = torch.randint(0, 16, (num_tokens, 8), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    monkeypatch.setattr(moe_align, "moe_align_block_size_triton",
+                        lambda *a: calls.append(1) or moe_align.moe_align_block_size_ref(*a))
+    moe_align.moe_align_block_size(topk_ids, 16, 16)
+    assert calls == ([1] if expect_kernel else [])  # past KERNEL_MAX_PAIRS: the torch ops
 
 
 def moe_case(num_tokens, hidden, inter, num_experts, top_k, dtype, seed=0):
@@ -154,12 +205,45 @@ def test_fused_moe_kernel_matches_reference(num_tokens, hidden, inter, num_exper
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
-def test_fused_experts_dispatch_and_errors(monkeypatch):
-    x, w13, w2, weights, ids = moe_case(3, 32, 16, 4, 2, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "num_tokens,hidden,inter,num_experts,top_k,block_k",
+    [
+        (1, 64, 32, 8, 2, None),  # decode: one token, the default tiles (masked N and K)
+        (3, 96, 40, 16, 3, 32),  # K loops of 3 (96) and 2 ragged tiles (40); N tiles ragged
+    ],
+)
+def test_moe_gemv_matches_reference(num_tokens, hidden, inter, num_experts, top_k, block_k,
+                                    dtype):
+    x, w13, w2, weights, ids = moe_case(num_tokens, hidden, inter, num_experts, top_k, dtype)
+    ids[0, 1] = ids[0, 0] if num_tokens == 1 else ids[1, 0]  # an expert picked twice
+    config = None if block_k is None else {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4}
+    got = moe_gemv.fused_experts_gemv(x, w13, w2, weights, ids, gate_up_config=config,
+                                      down_config=config)
+    want = moe.fused_experts_ref(x, w13, w2, weights, ids)
+    assert got.shape == (num_tokens, hidden) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_use_gemv_for_few_pairs_only():
+    assert moe_gemv.use_gemv(1, 8, 8)  # one token: always
+    assert moe_gemv.use_gemv(8, 8, 128) and not moe_gemv.use_gemv(9, 8, 128)  # Qwen3-30B-A3B
+    assert moe_gemv.use_gemv(2, 2, 8) and not moe_gemv.use_gemv(3, 2, 8)  # Mixtral
+
+
+@pytest.mark.parametrize("num_tokens,path", [(2, "fused_experts_gemv"),
+                                             (5, "fused_experts_triton")])
+def test_fused_experts_dispatch_and_errors(monkeypatch, num_tokens, path):
+    x, w13, w2, weights, ids = moe_case(num_tokens, 32, 16, 8, 2, torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    real = getattr(moe, path)
+    monkeypatch.setattr(moe, path, lambda *a, **k: calls.append(1) or real(*a, **k))
     torch.testing.assert_close(moe.fused_experts(x, w13, w2, weights, ids),
                                moe.fused_experts_ref(x, w13, w2, weights, ids),
                                atol=1e-4, rtol=1e-4)
+    assert calls == [1]
     with pytest.raises(ValueError, match="w2"):
         moe.fused_experts(x, w13, w2[:, :, :8], weights, ids)
     assert moe.fused_experts(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)

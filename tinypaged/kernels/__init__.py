@@ -15,6 +15,7 @@ from tinypaged.kernels.moe import fused_experts
 from tinypaged.kernels.moe_routing import select_experts
 from tinypaged.kernels.norm import rms_norm
 from tinypaged.kernels.rotary import build_cos_sin_cache, rotary_embedding
+from tinypaged.kernels.rotary_kv_cache import rotary_store_kv
 
 __all__ = [
     "HAS_TRITON",
@@ -27,6 +28,7 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
+    "rotary_store_kv",
     "select_experts",
     "silu_and_mul",
     "store_kv",

@@ -8,7 +8,7 @@ For tokens x [T, H] routed to experts topk_ids [T, k] with weights topk_weights 
 w13 [E, 2I, H] holds each expert's gate (W1, rows :I) and up (W3, rows I:) projections, w2
 [E, H, I] its down projection (transformers' and vLLM's layouts). Two launches of one kernel:
 
-1. gate-up: rows of `sorted_token_ids` (moe_routing.moe_align_block_size) in blocks of BLOCK_M,
+1. gate-up: rows of `sorted_token_ids` (moe_align.moe_align_block_size) in blocks of BLOCK_M,
    one expert per block. A program loads the block's token rows of x once per K tile and the
    expert's gate and up tiles, accumulates both in fp32, and stores silu(gate) * up:
    act [T * k, I], row i = t * k + j (SiLU-and-mul fused, no [T * k, 2I] round trip).
@@ -18,8 +18,9 @@ then out = y.view(T, k, H).sum(1). Each program reads its expert's weight tiles 
 whole block of BLOCK_M rows; decode batches (few rows per expert) are bound by reading the active
 experts' weights, larger batches by the tensor cores. Tile sizes come from `get_config(T)`.
 
-On CUDA (or under TRITON_INTERPRET=1) `fused_experts` runs the kernel; elsewhere the reference,
-a plain loop over the experts.
+On CUDA (or under TRITON_INTERPRET=1) `fused_experts` runs the kernel, or for a few tokens
+(decode) the sort-free GEMVs of moe_gemv.py; elsewhere the reference, a plain loop over the
+experts.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
-from tinypaged.kernels.moe_routing import moe_align_block_size
+from tinypaged.kernels.moe_align import moe_align_block_size
+from tinypaged.kernels.moe_gemv import fused_experts_gemv, use_gemv
 
 
 @jit(do_not_specialize=("num_valid_tokens",))  # T * k changes every step
@@ -163,5 +165,7 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     if num_tokens == 0:
         return hidden_states.clone()
     if use_triton(hidden_states):
+        if use_gemv(num_tokens, topk_ids.shape[1], num_experts):
+            return fused_experts_gemv(hidden_states, w13, w2, topk_weights, topk_ids)
         return fused_experts_triton(hidden_states, w13, w2, topk_weights, topk_ids)
     return fused_experts_ref(hidden_states, w13, w2, topk_weights, topk_ids)

@@ -1,5 +1,5 @@
-"""Mixture-of-experts routing: which k of E experts each token goes to, and with what weight;
-then the tokens sorted by expert in blocks, the layout the grouped GEMM (moe.py) walks.
+"""Mixture-of-experts routing: which k of E experts each token goes to, and with what weight
+(moe_align.py then sorts the tokens by expert for the grouped GEMM of moe.py).
 
 Routing, for router logits g [T, E] (x W_gate^T):
 
@@ -12,26 +12,86 @@ Routing, for router logits g [T, E] (x W_gate^T):
         w = s[ids]                                                (renormalize: w /= sum(w))
     both:  w *= routed_scaling_factor
 
--> topk_weights [T, k] float32, topk_ids [T, k] int32. All in torch: these are a handful of small
-ops on [T, E], with no host synchronization, so they run inside a captured CUDA graph.
-
-Sorting by expert (`moe_align_block_size`): the T * k (token, slot) pairs are numbered
-i = t * k + j. Each expert's pairs are laid out contiguously, in expert order, each expert's run
-padded up to a multiple of BLOCK_M with the invalid id T * k; so every block of BLOCK_M rows
-belongs to one expert and the GEMM reads that expert's weights once per block:
-
-    sorted_token_ids   [max_padded] int32  pair ids, expert by expert, padding = T * k
-    expert_ids         [max_padded / BLOCK_M] int32  the expert of each block
-    num_tokens_post_padded  [1] int32  rows actually used (blocks past it are skipped)
-
-`max_padded` = T * k + min(E, T * k) * (BLOCK_M - 1), in whole blocks, bounds the padded length
-whatever the routing (at most min(E, T * k) experts are hit, each wasting < BLOCK_M rows), so
-every shape depends on T only and the GEMM's grid needs no device-to-host copy.
+-> topk_weights [T, k] float32, topk_ids [T, k] int32. `select_experts_ref` does it in torch, a
+handful of small ops on [T, E]; on the GPU (and under the interpreter) one Triton program per
+token does it all in one launch (`_topk_routing_kernel`: scores, then k rounds of "take the
+best, mask it out", then the renormalization), except for grouped routing (G > 1), which stays
+in torch. Neither synchronizes the host, so both run inside a captured CUDA graph; at decode the
+launches matter, the routing being a few microseconds of work per MoE layer.
 """
 
 from __future__ import annotations
 
 import torch
+
+from tinypaged.kernels._triton import jit, next_power_of_2, tl, use_triton
+
+
+@jit
+def _topk_routing_kernel(
+    LOGITS, BIAS, TOPK_WEIGHTS, TOPK_IDS,
+    stride_logits, num_experts, routed_scaling_factor,
+    TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    logits = tl.load(LOGITS + t * stride_logits + experts, mask=valid, other=0.0).to(tl.float32)
+    if SIGMOID:
+        scores = tl.sigmoid(logits)
+    else:
+        exp = tl.where(valid, tl.exp(logits - tl.max(tl.where(valid, logits, -float("inf")), 0)),
+                       0.0)
+        scores = exp / tl.sum(exp, 0)
+    choice = scores
+    if HAS_BIAS:
+        choice += tl.load(BIAS + experts, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, -float("inf"))
+    slots = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):  # take the best expert left, then mask it out
+        best = tl.max(choice, 0)
+        pick = tl.min(tl.where(choice == best, experts, BLOCK_E), 0)  # lowest index on ties
+        pick = tl.minimum(pick, num_experts - 1)  # NaN scores match nothing: stay in range
+        weights = tl.where(slots == j, tl.sum(tl.where(experts == pick, scores, 0.0), 0), weights)
+        ids = tl.where(slots == j, pick, ids)
+        choice = tl.where(experts == pick, -float("inf"), choice)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, 0) + 1e-20)
+    weights = weights * routed_scaling_factor
+    tl.store(TOPK_WEIGHTS + t * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(TOPK_IDS + t * TOP_K + slots, ids, mask=slots < TOP_K)
+
+
+def select_experts_triton(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool,
+    scoring_func: str = "softmax",
+    e_score_correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton launcher (no expert groups); arguments as checked by `select_experts`."""
+    num_tokens, num_experts = router_logits.shape
+    topk_weights = torch.empty(num_tokens, top_k, dtype=torch.float32,
+                               device=router_logits.device)
+    topk_ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens > 0:
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        bias = e_score_correction_bias
+        block_e = next_power_of_2(num_experts)
+        _topk_routing_kernel[(num_tokens,)](
+            logits, logits if bias is None else bias, topk_weights, topk_ids,
+            logits.stride(0), num_experts, routed_scaling_factor,
+            TOP_K=top_k, SIGMOID=scoring_func == "sigmoid",
+            HAS_BIAS=bias is not None and scoring_func == "sigmoid",  # as the reference
+            RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=next_power_of_2(top_k),
+            num_warps=1 if block_e <= 128 else 4,
+        )
+    return topk_weights, topk_ids
 
 
 def select_experts(
@@ -49,19 +109,42 @@ def select_experts(
     num_experts = router_logits.shape[-1]
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}] (the experts); got {top_k}")
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func must be 'softmax' or 'sigmoid'; got {scoring_func!r}")
+    if num_expert_group == 1 and use_triton(router_logits):
+        return select_experts_triton(
+            router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func,
+            e_score_correction_bias=e_score_correction_bias,
+            routed_scaling_factor=routed_scaling_factor)
+    return select_experts_ref(
+        router_logits, top_k, renormalize=renormalize, scoring_func=scoring_func,
+        e_score_correction_bias=e_score_correction_bias, num_expert_group=num_expert_group,
+        topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
+
+
+def select_experts_ref(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool,
+    scoring_func: str = "softmax",
+    e_score_correction_bias: torch.Tensor | None = None,
+    num_expert_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference (every routing, expert groups included)."""
     logits = router_logits.float()
     if scoring_func == "softmax":
         scores = torch.softmax(logits, dim=-1)  # [T, E]
         topk_weights, topk_ids = torch.topk(scores, top_k, dim=-1)
-    elif scoring_func == "sigmoid":
+    else:  # sigmoid
         scores = logits.sigmoid()  # [T, E]
         choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
         if num_expert_group > 1:
             choice = _mask_groups(choice, num_expert_group, topk_group)
         topk_ids = torch.topk(choice, top_k, dim=-1)[1]
         topk_weights = scores.gather(1, topk_ids)
-    else:
-        raise ValueError(f"scoring_func must be 'softmax' or 'sigmoid'; got {scoring_func!r}")
     if renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     if routed_scaling_factor != 1.0:
@@ -83,32 +166,3 @@ def _mask_groups(choice: torch.Tensor, num_groups: int, topk_group: int) -> torc
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
     return grouped.masked_fill(~keep[..., None], float("-inf")).view(num_tokens, num_experts)
 
-
-def max_padded_tokens(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Upper bound of num_tokens_post_padded for num_pairs = T * k (see module docstring),
-    rounded up to whole blocks."""
-    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return -(-bound // block_m) * block_m
-
-
-def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
-    """topk_ids [T, k] -> (sorted_token_ids, expert_ids, num_tokens_post_padded), the layout of
-    the module docstring. Pair order within an expert follows the pair ids (a stable sort)."""
-    flat = topk_ids.flatten().long()  # [N], N = T * k
-    num_pairs, device = flat.numel(), flat.device
-    max_padded = max_padded_tokens(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.index_add_(0, flat, torch.ones_like(flat))  # [E]; bincount would sync the host
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)  # [E] end row of each expert's run
-    starts = ends - padded
-    order = torch.sort(flat, stable=True)[1]  # pair ids grouped by expert
-    experts_in_order = flat[order]
-    first_of_expert = torch.cumsum(counts, 0) - counts  # [E] index in `order` of its first pair
-    rank = torch.arange(num_pairs, device=device) - first_of_expert[experts_in_order]
-    sorted_token_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
-    sorted_token_ids[starts[experts_in_order] + rank] = order.to(torch.int32)
-    block_starts = torch.arange(0, max_padded, block_m, device=device)
-    expert_ids = torch.searchsorted(ends, block_starts, right=True)  # E past the used rows
-    expert_ids = expert_ids.clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_token_ids, expert_ids, ends[-1:].to(torch.int32)

@@ -151,10 +151,9 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_offset)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_offset)
         self.qk_norm = spec.qk_norm
-        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, spec.head_dim,
                               scale=spec.attn_scale or spec.head_dim**-0.5,
-                              sliding_window=sliding_window,
+                              rotary_emb=rotary_emb, sliding_window=sliding_window,
                               logits_soft_cap=spec.attn_logit_softcap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
@@ -165,10 +164,9 @@ class SelfAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, attn_metadata)  # [T, num_heads, head_dim]
+        # q/k norm, rotary and the KV store: one kernel inside attention
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        out = self.attn(positions, q, k, v, attn_metadata, *norms)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(-1, q_size))
 
 

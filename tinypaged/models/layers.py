@@ -271,48 +271,55 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates the first `rotary_dim` dims of every q and k head by position-dependent angles.
-    The cos/sin table `[max_position, rotary_dim]` is float32 whatever the model dtype (bf16
+    """The rotary settings shared by all layers: which of each head's dims rotate
+    (`rotary_dim`), the pairing (`interleaved`: adjacent dims, else halves) and the cos/sin
+    table `[max_position, rotary_dim]`. The table is float32 whatever the model dtype (bf16
     angles lose positions past a few hundred); it is a plain attribute, not a buffer, so that
-    `model.to(dtype)` cannot cast it. One instance is shared by all layers."""
+    `model.to(dtype)` cannot cast it. `Attention` applies the rotation, fused with its KV store."""
 
     def __init__(self, cos_sin_cache: torch.Tensor, rotary_dim: int, interleaved: bool) -> None:
         super().__init__()
         self.cos_sin_cache = cos_sin_cache.float()
         self.rotary_dim, self.interleaved = rotary_dim, interleaved
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return kernels.rotary_embedding(
-            positions, q, k, self.cos_sin_cache, self.rotary_dim, interleaved=self.interleaved
-        )
-
 
 class Attention(nn.Module):
-    """Paged attention of this rank's heads: store the new K/V rows in the cache, then attend
-    each new token to its whole context through the block table. The runner assigns
-    `k_cache` / `v_cache` `[num_blocks, block_size, num_kv_heads, head_dim]` before running.
-    `sliding_window`: this layer's window (None: full causal attention); `logits_soft_cap`:
-    scores become cap * tanh(scores / cap) (Gemma 2)."""
+    """Paged attention of this rank's heads. One fused kernel takes the step's q, k, v as the
+    QKV projection made them: (Qwen3, Gemma 3: RMSNorm over each head of q and k,) rotary on q and
+    k, the rotated k and v into their cache slots; then each new token attends to its whole
+    context through the block table. The runner assigns `k_cache` / `v_cache`
+    `[num_blocks, block_size, num_kv_heads, head_dim]` before running. `sliding_window`: this
+    layer's window (None: full causal attention); `logits_soft_cap`: scores become
+    cap * tanh(scores / cap) (Gemma 2)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+                 rotary_emb: RotaryEmbedding, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.rotary_emb = rotary_emb
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        # q [T, num_heads, head_dim]; k, v [T, num_kv_heads, head_dim]
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, attn_metadata: AttentionMetadata,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        # q [T, num_heads, head_dim]; k, v [T, num_kv_heads, head_dim]; q is rotated in place
         if self.k_cache.numel() == 0:
             raise RuntimeError(
                 "Attention.k_cache / v_cache are not assigned: allocate the KV cache "
                 "[num_blocks, block_size, num_kv_heads, head_dim] for every layer before forward"
             )
-        md = attn_metadata
-        kernels.store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        md, rope = attn_metadata, self.rotary_emb
+        q = kernels.rotary_store_kv(
+            positions, q, k, v, self.k_cache, self.v_cache, md.slot_mapping,
+            rope.cos_sin_cache, rope.rotary_dim, rope.interleaved,
+            q_norm_weight=None if q_norm is None else q_norm.weight,
+            k_norm_weight=None if k_norm is None else k_norm.weight,
+            eps=1e-6 if q_norm is None else q_norm.eps,
+        )
         return kernels.paged_attention(
             q, self.k_cache, self.v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
             self.scale, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,

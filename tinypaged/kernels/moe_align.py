@@ -1,0 +1,134 @@
+"""Sorting the (token, expert) pairs by expert in blocks: the layout the grouped GEMM (moe.py)
+walks.
+
+The T * k pairs of topk_ids [T, k] are numbered i = t * k + j. Each expert's pairs are laid out
+contiguously, in expert order, each expert's run padded up to a multiple of BLOCK_M with the
+invalid id T * k; so every block of BLOCK_M rows belongs to one expert and the GEMM reads that
+expert's weights once per block:
+
+    sorted_token_ids   [max_padded] int32  pair ids, expert by expert, padding = T * k
+    expert_ids         [max_padded / BLOCK_M] int32  the expert of each block
+    num_tokens_post_padded  [1] int32  rows actually used (blocks past it are skipped)
+
+`max_padded` = T * k + min(E, T * k) * (BLOCK_M - 1), in whole blocks, bounds the padded length
+whatever the routing (at most min(E, T * k) experts are hit, each wasting < BLOCK_M rows), so
+every shape depends on T only and the GEMM's grid needs no device-to-host copy. Within an
+expert the pairs keep their order (a stable sort).
+
+With counts c_e (pairs per expert), padded p_e = ceil(c_e / BLOCK_M) BLOCK_M, run ends
+end_e = p_0 + ... + p_e and starts start_e = end_e - p_e:
+
+    sorted_token_ids[start_e + r] = the r-th pair (by id) routed to e
+    expert_ids[b] = #{e : end_e <= b BLOCK_M}           (clamped to E - 1 past the used rows)
+
+`moe_align_block_size_ref` computes it with some twenty small torch ops (a stable sort,
+cumsums, a scatter, a searchsorted). The kernel does it in one program, in chunks of
+BLOCK_P pairs: a first pass counts the pairs per expert (one-hot sums), a second places each
+pair at start_e + (pairs of e in earlier chunks) + (pairs of e before it in its chunk). One
+launch instead of twenty matters at decode and for small prefills: inside a CUDA graph each
+small kernel still costs microseconds (the torch ops took ~42 us of GPU time at T=1 on an H200,
+2026-12-01), outside one the host spends ~10 us launching each. One program walks the pairs
+chunk after chunk, so its time grows with T k; past `KERNEL_MAX_PAIRS` (T = 512 at k = 8) the
+torch ops' parallel sort wins on the GPU and their host cost hides behind the large GEMMs that
+follow. (That crossover is estimated from the chunk count, not yet measured.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinypaged.kernels._triton import jit, next_power_of_2, tl, use_triton
+
+
+@jit(do_not_specialize=("num_pairs", "max_padded"))  # both follow T
+def _moe_align_kernel(
+    TOPK_IDS, SORTED_TOKEN_IDS, EXPERT_IDS, NUM_TOKENS_POST_PADDED,
+    num_pairs, num_experts, max_padded,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, BLOCK_P)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK_P):  # pass 1: pairs per expert
+        ids = tl.load(TOPK_IDS + start + lanes, mask=start + lanes < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)  # [BLOCK_E]; lanes past E end at the total
+    tl.store(NUM_TOKENS_POST_PADDED, tl.sum(padded, 0))
+    for row in range(0, max_padded, BLOCK_P * BLOCK_M):  # the expert of each block
+        block_rows = row + lanes * BLOCK_M  # [BLOCK_P] first row of each block
+        expert = tl.sum((ends[None, :] <= block_rows[:, None]).to(tl.int32), axis=1)
+        tl.store(EXPERT_IDS + row // BLOCK_M + lanes, tl.minimum(expert, num_experts - 1),
+                 mask=block_rows < max_padded)
+    for row in range(0, max_padded, BLOCK_P):  # every row padding first
+        tl.store(SORTED_TOKEN_IDS + row + lanes, tl.zeros((BLOCK_P,), dtype=tl.int32) + num_pairs,
+                 mask=row + lanes < max_padded)
+    tl.debug_barrier()  # the padding is written before the pairs overwrite their rows
+    next_row = ends - padded  # [BLOCK_E] where each expert's next pair goes
+    earlier = lanes[None, :] < lanes[:, None]  # [BLOCK_P, BLOCK_P] j before i
+    for start in range(0, num_pairs, BLOCK_P):  # pass 2: place the pairs
+        pair = start + lanes
+        ids = tl.load(TOPK_IDS + pair, mask=pair < num_pairs, other=-1)
+        one_hot = ids[:, None] == experts[None, :]  # [BLOCK_P, BLOCK_E]
+        base = tl.sum(tl.where(one_hot, next_row[None, :], 0), axis=1)
+        rank = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), axis=1)
+        tl.store(SORTED_TOKEN_IDS + base + rank, pair.to(tl.int32), mask=pair < num_pairs)
+        next_row += tl.sum(one_hot.to(tl.int32), axis=0)
+
+
+KERNEL_MAX_PAIRS = 4096
+
+
+def max_padded_tokens(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of num_tokens_post_padded for num_pairs = T * k (see module docstring),
+    rounded up to whole blocks."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def moe_align_block_size_triton(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """The Triton launcher; arguments as `moe_align_block_size`."""
+    flat = topk_ids.flatten()
+    num_pairs, device = flat.numel(), flat.device
+    max_padded = max_padded_tokens(num_pairs, num_experts, block_m)
+    sorted_token_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    num_tokens_post_padded = torch.empty(1, dtype=torch.int32, device=device)
+    block_e = next_power_of_2(num_experts)
+    _moe_align_kernel[(1,)](
+        flat if flat.is_contiguous() else flat.contiguous(), sorted_token_ids, expert_ids,
+        num_tokens_post_padded, num_pairs, num_experts, max_padded,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=max(16, min(128, 16384 // block_e)),
+        num_warps=8,
+    )
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+def moe_align_block_size_ref(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """The torch reference."""
+    flat = topk_ids.flatten().long()  # [N], N = T * k
+    num_pairs, device = flat.numel(), flat.device
+    max_padded = max_padded_tokens(num_pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat))  # [E]; bincount would sync the host
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)  # [E] end row of each expert's run
+    starts = ends - padded
+    order = torch.sort(flat, stable=True)[1]  # pair ids grouped by expert
+    experts_in_order = flat[order]
+    first_of_expert = torch.cumsum(counts, 0) - counts  # [E] index in `order` of its first pair
+    rank = torch.arange(num_pairs, device=device) - first_of_expert[experts_in_order]
+    sorted_token_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
+    sorted_token_ids[starts[experts_in_order] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, max_padded, block_m, device=device)
+    expert_ids = torch.searchsorted(ends, block_starts, right=True)  # E past the used rows
+    expert_ids = expert_ids.clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_token_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """topk_ids [T, k] -> (sorted_token_ids, expert_ids, num_tokens_post_padded), the layout of
+    the module docstring."""
+    if use_triton(topk_ids) and topk_ids.numel() <= KERNEL_MAX_PAIRS:
+        return moe_align_block_size_triton(topk_ids, block_m, num_experts)
+    return moe_align_block_size_ref(topk_ids, block_m, num_experts)
