@@ -81,7 +81,7 @@ class FakeEngine:
         for item in out.scheduled:
             seq, start = item.seq, item.num_computed_tokens
             end = start + item.num_new_tokens
-            assert item.num_new_tokens > 0 and start == seq.num_computed_tokens
+            assert item.num_new_tokens > 0 and end == seq.num_computed_tokens  # counted at once
             assert len(seq.block_table) == bm.blocks_needed(end)
             for pos in range(start, end):  # store K/V: only ever into a block nobody shares
                 assert bm.ref_counts[seq.block_table[pos // BS]] == 1
