@@ -68,7 +68,8 @@ def main() -> None:
         print(f"batch {batch}: {1000 * host:.2f} ms host per decode step "
               f"({1000 * per_step:.2f} ms with the model)")
         if profiler:
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(r"tinypaged/(?!kernels|models)", 25)
+            stats = pstats.Stats(profiler).sort_stats("tottime")
+            stats.print_stats(r"tinypaged/(?!kernels|models)", 25)
     llm.shutdown()
 
 

@@ -391,30 +391,22 @@ class Engine:
         """Run one step; returns the outputs of the requests that moved (only the finished ones
         with `finished_only`, which spares building cumulative outputs every step). With async
         scheduling these are the outputs of the step launched by the previous call."""
-        touched: dict[str, _Request] = {}
+        outputs: list[RequestOutput] = []
         prev, self._in_flight = self._in_flight, None
         if prev is not None and prev.needs_host:  # its tokens are read by the next schedule
-            self._process(prev, touched)
+            outputs += self._process(prev, finished_only)
             prev = None
         out = self.scheduler.schedule()
         launched = None if out.is_empty else self._launch(out)
         if prev is not None:  # while the GPU runs `launched`
-            self._process(prev, touched)
+            outputs += self._process(prev, finished_only)
         if launched is None:
             if prev is None and self.requests and not self.scheduler.has_unfinished():
                 raise RuntimeError("requests are pending but the scheduler holds none")
         elif self.config.async_scheduling and not launched.needs_host:
             self._in_flight = launched
         else:
-            self._process(launched, touched)
-        outputs = []
-        for req in touched.values():
-            finished = req.finished
-            if finished or not finished_only:
-                outputs.append(req.output())
-            if finished:
-                self.requests.pop(req.request_id, None)
-                self._host_requests.discard(req.request_id)
+            outputs += self._process(launched, finished_only)
         return outputs
 
     def _launch(self, out: SchedulerOutput) -> _LaunchedStep:
@@ -447,9 +439,10 @@ class Engine:
         sampled, logprobs = self._sample(seqs, logits) if seqs else (None, [])
         return _LaunchedStep(out, seqs, self.executor.keep_sampled(sampled), logprobs, needs)
 
-    def _process(self, step: _LaunchedStep, touched: dict[str, _Request]) -> None:
-        """Take a launched step's tokens: scheduler update, stop checks, detokenization; adds
-        the requests that moved to `touched`."""
+    def _process(self, step: _LaunchedStep, finished_only: bool) -> list[RequestOutput]:
+        """Take a launched step's tokens: scheduler update, stop checks, detokenization; returns
+        the outputs of the requests that moved (see `step`)."""
+        touched: dict[str, _Request] = {}
         tokens: dict[int, int] = {}
         lp_by_seq: dict[int, dict[int, float] | None] = {}
         if step.tokens is not None:
@@ -473,6 +466,15 @@ class Engine:
                 self._errors.append((req.request_id, exc))
                 self.abort_request(req.request_id)
                 touched.pop(req.request_id, None)
+        outputs = []
+        for req in touched.values():
+            finished = req.finished
+            if finished or not finished_only:
+                outputs.append(req.output())
+            if finished:
+                self.requests.pop(req.request_id, None)
+                self._host_requests.discard(req.request_id)
+        return outputs
 
     def _grammar_done(self, matcher) -> bool:
         from tinypaged.structured_output import grammar_only_allows_stop

@@ -287,8 +287,9 @@ class Scheduler:
             seq = item.seq
             if seq.status is SequenceStatus.FINISHED:
                 continue
-            if seq.status is running:  # only the tokens of this step: a later one may be in flight
-                self.block_manager.mark_computed(seq, item.num_computed_tokens + item.num_new_tokens)
+            if seq.status is running:  # this step's tokens only: a later step may be in flight
+                end = item.num_computed_tokens + item.num_new_tokens
+                self.block_manager.mark_computed(seq, end)
             if item.sample:
                 seq.num_output_placeholders -= 1
                 seq.append_token(sampled_tokens[seq.seq_id])
