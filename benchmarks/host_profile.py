@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--profile", action="store_true", help="cProfile the largest batch")
+    parser.add_argument("--sort", default="tottime", help="cProfile order: tottime | cumtime")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=None)
     args = parser.parse_args()
@@ -68,8 +69,8 @@ def main() -> None:
         print(f"batch {batch}: {1000 * host:.2f} ms host per decode step "
               f"({1000 * per_step:.2f} ms with the model)")
         if profiler:
-            stats = pstats.Stats(profiler).sort_stats("tottime")
-            stats.print_stats(r"tinypaged/(?!kernels|models)", 25)
+            stats = pstats.Stats(profiler).sort_stats(args.sort)
+            stats.print_stats(r"tinypaged/(?!kernels|models)", 30)
     llm.shutdown()
 
 

@@ -28,7 +28,7 @@ launches step N+1 first and then processes step N while the GPU runs N+1:
 A sequence that step N ends (eos, stop string, abort) has one wasted row in step N+1, whose
 token is dropped; its blocks are freed when step N is processed (the GPU runs N+1 before any
 later step can reuse them). A step holding a request that needs the host between its steps
-(grammars and bad_words, penalties, min_tokens, logprobs, prompt_logprobs) is processed at
+(logits constraints, penalties, min_tokens, logprobs, prompt_logprobs) is processed at
 once, before the next one is scheduled: such a request never has a step in flight while the
 next is built, so its outputs are those of the synchronous engine.
 """
@@ -113,10 +113,10 @@ class _Request:
 
 def needs_host(params: SamplingParams, constraints: LogitsConstraints | None) -> bool:
     """Whether a request's next sampling reads what the host learns from its previous step
-    (output history, grammar state, logprobs): its steps are never overlapped."""
-    history = constraints is not None and bool(constraints.matchers or constraints.bad_words_ids)
+    (output history, grammar state, logprobs; the logits constraints also refill one host
+    buffer each step, free only once the previous step has run): its steps never overlap."""
     return (
-        history or params.uses_penalties or params.min_tokens > 0
+        constraints is not None or params.uses_penalties or params.min_tokens > 0
         or params.logprobs is not None or params.prompt_logprobs is not None
     )
 
@@ -422,13 +422,14 @@ class Engine:
         host = self._host_requests
         needs = bool(host) and any(it.seq.request_id in host for it in items)
         sampled_items = [it for it in items if it.sample]
-        # Only sample 0 of a request with prompt_logprobs skips the prefix cache: a cheap test.
+        # Only sample 0 of a request with prompt_logprobs (a host request) skips the prefix
+        # cache: a cheap test.
         prompt_rows = [
             prompt_rows_wanted(it, self.requests[it.seq.request_id])
             if it.seq.skip_prefix_cache
             else 0
             for it in items
-        ]
+        ] if needs else [0]
         logits = self.executor.execute(  # [rows, vocab], rows in `items` order
             items, [n > 0 for n in prompt_rows] if any(prompt_rows) else None
         )
@@ -488,13 +489,18 @@ class Engine:
             (row, r.constraints, s.index, s.output_token_ids)
             for row, (r, s) in enumerate(zip(reqs, seqs)) if r.constraints is not None
         ])
-        # Token histories are read only by penalties and min_tokens: skip the copies.
-        needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0 for r in reqs}
-        hist = [needs[id(r.params)] for r in reqs]
+        # Token histories are read only by penalties and min_tokens (host requests): skip the
+        # copies.
+        if self._host_requests:
+            needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0
+                     for r in reqs}
+            hist = [needs[id(r.params)] for r in reqs]
+            prompts = [s.prompt_token_ids if h else () for s, h in zip(seqs, hist)]
+            outputs = [s.output_token_ids if h else () for s, h in zip(seqs, hist)]
+        else:
+            prompts = outputs = [()] * len(seqs)
         batch = SamplingBatch.build(
-            [r.params for r in reqs],
-            [s.prompt_token_ids if h else [] for s, h in zip(seqs, hist)],
-            [s.output_token_ids if h else [] for s, h in zip(seqs, hist)],
+            [r.params for r in reqs], prompts, outputs,
             [r.generators[s.index] for r, s in zip(reqs, seqs)],
             self.eos_token_ids,
             device,

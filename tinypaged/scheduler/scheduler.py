@@ -186,9 +186,10 @@ class Scheduler:
             budget -= n
 
         # 1. Running sequences: decodes, then chunked prefills.
-        running = list(self.running.values())
-        order = [s for s in running if not s.is_prefill] + [s for s in running if s.is_prefill]
-        for seq in order:
+        decodes, prefills = [], []
+        for seq in self.running.values():
+            (prefills if seq.num_uncomputed_tokens > 1 else decodes).append(seq)
+        for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
