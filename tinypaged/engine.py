@@ -78,7 +78,10 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, once per step: no generator
+            return seqs[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in seqs)
 
     def output(self) -> RequestOutput:
         outputs = [
@@ -433,11 +436,15 @@ class Engine:
         logits = self.executor.execute(  # [rows, vocab], rows in `items` order
             items, [n > 0 for n in prompt_rows] if any(prompt_rows) else None
         )
-        if any(prompt_rows):
-            reqs = [self.requests[it.seq.request_id] for it in items]
-            logits = take_prompt_logprobs(items, reqs, prompt_rows, logits)
         seqs = [it.seq for it in sampled_items]
-        sampled, logprobs = self._sample(seqs, logits) if seqs else (None, [])
+        try:
+            if any(prompt_rows):
+                reqs = [self.requests[it.seq.request_id] for it in items]
+                logits = take_prompt_logprobs(items, reqs, prompt_rows, logits)
+            sampled, logprobs = self._sample(seqs, logits) if seqs else (None, [])
+        except BaseException:
+            self.executor.keep_sampled(None)  # every rank's collectives stay in step
+            raise
         return _LaunchedStep(out, seqs, self.executor.keep_sampled(sampled), logprobs, needs)
 
     def _process(self, step: _LaunchedStep, finished_only: bool) -> list[RequestOutput]:

@@ -134,6 +134,10 @@ class Scheduler:
                 del self.requests[seq.request_id]
             raise
         seq.arrival_order = next(self._arrival)
+        max_tokens = seq.max_tokens
+        seq.max_length = self.max_model_len if max_tokens is None else min(
+            self.max_model_len, seq.num_prompt_tokens + max_tokens
+        )
         siblings.append(seq)
         self.waiting.append(seq)
 
@@ -194,8 +198,9 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if seq.num_output_placeholders and self._ends_in_flight(seq):
-                continue
+            placeholders = seq.num_output_placeholders
+            if placeholders and len(seq.token_ids) + placeholders >= seq.max_length:
+                continue  # the step in flight gives its last token
             want = min(seq.num_uncomputed_tokens, budget)
             if want == 1 and len(seq.block_table) * self.block_size > seq.num_computed_tokens:
                 # The common decode: its slot is in its last block, nothing to allocate.
@@ -242,14 +247,6 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
-
-    def _ends_in_flight(self, seq: Sequence) -> bool:
-        """True when the tokens seq has in flight reach its max_tokens or max_model_len."""
-        length = len(seq.token_ids) + seq.num_output_placeholders
-        max_tokens = seq.max_tokens
-        return length >= self.max_model_len or (
-            max_tokens is not None and length - seq.num_prompt_tokens >= max_tokens
-        )
 
     def _newest_unscheduled(self, scheduled_ids: set[int]) -> Sequence:
         for seq in reversed(self.running.values()):

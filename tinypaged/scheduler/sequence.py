@@ -62,6 +62,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.arrival_order = -1  # set by Scheduler.add: FIFO position among all sequences
+        self.max_length = 0  # set by Scheduler.add: min(max_model_len, prompt + max_tokens)
         self.num_preemptions = 0
 
         # KV-cache state, owned by the BlockManager and the Scheduler.
