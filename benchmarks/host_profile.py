@@ -2,8 +2,8 @@
 forward and logits are timed apart and subtracted, so what is left is the engine's own Python
 per step (scheduling, batch building, sampling glue, updates, outputs): the part that stands
 between two GPU steps. Times are this thread's CPU time (torch runs on one thread here), which a
-busy shared machine disturbs far less than wall time. Decode steps at batch 64 and 256, then (--profile) one cProfile of the
-largest batch's steps without the model's functions (the top entries by own time).
+busy shared machine disturbs far less than wall time. Decode steps at batch 64 and 256, then
+(--profile) one cProfile of the largest batch's steps without the model's functions.
 
     PYTHONPATH=. python benchmarks/host_profile.py [--batch-sizes 64 256] [--steps 40] [--profile]
 """
@@ -55,7 +55,8 @@ def main() -> None:
             engine.add_request(f"{batch}-{i}", {"prompt_token_ids": [3 + i % 100] * 32}, params)
         for _ in range(4):  # prefill, first decodes
             engine.step(finished_only=True)
-        profiler = cProfile.Profile(time.thread_time) if args.profile and batch == max(args.batch_sizes) else None
+        profiled = args.profile and batch == max(args.batch_sizes)
+        profiler = cProfile.Profile(time.thread_time) if profiled else None
         start, model_s[0] = time.thread_time(), 0.0
         if profiler:
             profiler.enable()
