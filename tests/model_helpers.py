@@ -92,6 +92,18 @@ HF_KINDS = {
 }
 
 
+def save_byte_tokenizer(path) -> None:
+    """A byte-level tokenizer with no merges (256 ids, one per byte): needs no training data."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(path))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def single_thread():
     """Import into a test module to run it on one torch thread: for tiny matmuls on a shared

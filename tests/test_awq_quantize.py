@@ -6,7 +6,11 @@ import re
 
 import pytest
 import torch
-from model_helpers import single_thread, tiny_hf_model  # noqa: F401  (autouse fixture)
+from model_helpers import (  # noqa: F401  (autouse fixture)
+    save_byte_tokenizer,
+    single_thread,
+    tiny_hf_model,
+)
 from safetensors.torch import load_file
 
 from tinypaged import awq_search as S
@@ -15,18 +19,6 @@ from tinypaged.kernels.awq import unpack_awq
 
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-
-
-def save_byte_tokenizer(path):
-    """A byte-level tokenizer with no merges (256 ids, one per byte): needs no training data."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(path))
 
 
 def save_tiny(kind, path, **overrides):

@@ -81,7 +81,7 @@ class FakeEngine:
         for item in out.scheduled:
             seq, start = item.seq, item.num_computed_tokens
             end = start + item.num_new_tokens
-            assert item.num_new_tokens > 0 and start == seq.num_computed_tokens
+            assert item.num_new_tokens > 0 and end == seq.num_computed_tokens  # counted at once
             assert len(seq.block_table) == bm.blocks_needed(end)
             for pos in range(start, end):  # store K/V: only ever into a block nobody shares
                 assert bm.ref_counts[seq.block_table[pos // BS]] == 1
@@ -330,3 +330,47 @@ def test_n_samples_share_the_prompt_blocks():
     assert {s.seq_id for s in sched.abort("multi")} == {s0.seq_id, s1.seq_id, s2.seq_id}
     engine.run()
     assert_no_leaks(sched)
+
+
+def test_async_schedule_runs_one_placeholder_ahead():
+    """Step N+1 scheduled before step N's update: a decoding sequence gets one placeholder row
+    (its token arrives later), one whose tokens in flight reach max_tokens is left out, and a
+    sequence preempted with a token in flight is admitted again only once the token is in."""
+    sched = make_scheduler(num_blocks=16, max_model_len=64, max_num_seqs=4)
+    short = Sequence("short", [1, 2, 3], Params(1))
+    long = Sequence("long", [4, 5, 6], Params(8))
+    for seq in (short, long):
+        sched.add(seq)
+    first = sched.schedule()
+    assert [(i.seq, i.sample) for i in first.scheduled] == [(short, True), (long, True)]
+    assert short.num_output_placeholders == long.num_output_placeholders == 1
+    second = sched.schedule()  # short's one token is in flight: nothing more to compute
+    assert [(i.seq, i.num_computed_tokens, i.num_new_tokens) for i in second.scheduled] == [
+        (long, 3, 1)]
+    assert long.num_output_placeholders == 2 and long.num_computed_tokens == 4
+    assert [s.token_ids for s in sched.update(first, {short.seq_id: 7, long.seq_id: 8})] == [
+        [1, 2, 3, 7], [4, 5, 6, 8]]
+    sched.finish(short, "length")
+    assert long.num_output_placeholders == 1
+    sched.update(second, {long.seq_id: 9})
+    assert long.token_ids == [4, 5, 6, 8, 9] and long.num_output_placeholders == 0
+    sched.check_invariants()
+
+    # Preemption with a token in flight: the victim waits for its token before readmission.
+    sched = make_scheduler(num_blocks=4, max_model_len=64, max_num_seqs=4)
+    a, b = Sequence("a", list(range(1, 9)), Params(2)), Sequence("b", list(range(9, 16)), Params(2))
+    for seq in (a, b):
+        sched.add(seq)
+    step = sched.schedule()  # all 4 blocks taken: a's 2 full, b's with one free slot
+    assert [i.seq for i in step.scheduled] == [a, b]
+    nxt = sched.schedule()  # a's placeholder needs a block: b (not scheduled yet) is preempted
+    assert nxt.preempted == [b] and [i.seq for i in nxt.scheduled] == [a]
+    assert b.status is SequenceStatus.WAITING and b.num_output_placeholders == 1
+    assert sched.schedule().scheduled == []  # a's last token is in flight; b's token is not in
+    sched.update(step, {a.seq_id: 20, b.seq_id: 21})
+    assert b.token_ids[-1] == 21 and b.num_output_placeholders == 0
+    sched.update(nxt, {a.seq_id: 22})
+    sched.finish(a, "length")
+    again = sched.schedule()  # b recomputes prompt + its token
+    assert [(i.seq, i.num_new_tokens) for i in again.scheduled] == [(b, 8)]
+    sched.check_invariants()

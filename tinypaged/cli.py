@@ -53,6 +53,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV-cache size")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the GPU runs this one (default: on CUDA)")
     p.add_argument("--quantization", default=None, choices=["awq", "gptq", "gguf"])
     p.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"],
@@ -199,6 +201,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "num_kv_blocks": args.num_kv_blocks,
         "enable_prefix_caching": args.enable_prefix_caching,
         "enforce_eager": args.enforce_eager,
+        "async_scheduling": args.async_scheduling,
         "quantization": args.quantization,
         "tensor_parallel_size": args.tensor_parallel_size,
         "disable_custom_all_reduce": args.disable_custom_all_reduce,

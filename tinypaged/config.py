@@ -30,6 +30,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # True = every tensor-parallel all-reduce through NCCL (custom_all_reduce.py, as in vLLM)
     disable_custom_all_reduce: bool = False
+    # Schedule step N+1 while the GPU runs step N (vLLM's name); None = on for CUDA, off on CPU.
+    async_scheduling: bool | None = None
     chat_template: str | None = None  # a Jinja template string overriding the model's
     # Sampling defaults: "auto" = the model's generation_config.json, "vllm" = none, or a folder
     generation_config: str = "auto"

@@ -208,6 +208,13 @@ def all_gather_columns(x: torch.Tensor) -> torch.Tensor:
     return out.view(tp, x.shape[0], x.shape[1]).permute(1, 0, 2).reshape(x.shape[0], -1)
 
 
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Overwrite `x` on every rank with rank 0's (in stream order on NCCL; x without a group)."""
+    if _GROUP_DEVICE is not None:
+        torch.distributed.broadcast(x, src=0)
+    return x
+
+
 def min_over_ranks(value: int) -> int:
     """The smallest of every rank's `value` (the value itself without a group)."""
     if _GROUP_DEVICE is None:

@@ -15,6 +15,22 @@ max_tokens -> max_model_len. A finished sequence's blocks are freed at once.
 Logits constraints (structured output, allowed_token_ids, bad_words, logit_bias) are prepared per
 request at add_request (logits_processors.py); each step their masks are built on the CPU right
 after the model's launch, so on a GPU they overlap the forward pass.
+
+Async scheduling (`async_scheduling`, on by default on CUDA, as vLLM's). A step is launched
+(schedule -> build the batch -> run -> sample, all queued on the GPU) and processed (wait for the
+sampled ids on the host -> scheduler update -> stop checks -> detokenize -> outputs) in two
+halves. Synchronously each `step()` launches a step and processes it; with async scheduling it
+launches step N+1 first and then processes step N while the GPU runs N+1:
+
+    step() call k:   schedule N+1 (placeholders for N's samples) -> launch N+1 -> process N
+    GPU:             ... N ][ N+1 ...                 (no gap: N+1 was queued before N ended)
+
+A sequence that step N ends (eos, stop string, abort) has one wasted row in step N+1, whose
+token is dropped; its blocks are freed when step N is processed (the GPU runs N+1 before any
+later step can reuse them). A step holding a request that needs the host between its steps
+(logits constraints, penalties, min_tokens, logprobs, prompt_logprobs) is processed at
+once, before the next one is scheduled: such a request never has a step in flight while the
+next is built, so its outputs are those of the synchronous engine.
 """
 
 from __future__ import annotations
@@ -34,9 +50,10 @@ from tinypaged.generation_config import default_sampling_params
 from tinypaged.logits_processors import LogitsConstraints, LogitsMaskBuilder
 from tinypaged.outputs import CompletionOutput, RequestOutput
 from tinypaged.prompt_logprobs import prompt_rows_wanted, take_prompt_logprobs
+from tinypaged.runner import SampledTokens
 from tinypaged.sampling import Sampler, SamplingBatch, new_generator
 from tinypaged.sampling_params import SamplingParams
-from tinypaged.scheduler import Scheduler, Sequence
+from tinypaged.scheduler import Scheduler, SchedulerOutput, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +78,10 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, once per step: no generator
+            return seqs[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in seqs)
 
     def output(self) -> RequestOutput:
         outputs = [
@@ -94,6 +114,27 @@ class _Request:
         )
 
 
+def needs_host(params: SamplingParams, constraints: LogitsConstraints | None) -> bool:
+    """Whether a request's next sampling reads what the host learns from its previous step
+    (output history, grammar state, logprobs; the logits constraints also refill one host
+    buffer each step, free only once the previous step has run): its steps never overlap."""
+    return (
+        constraints is not None or params.uses_penalties or params.min_tokens > 0
+        or params.logprobs is not None or params.prompt_logprobs is not None
+    )
+
+
+@dataclass
+class _LaunchedStep:
+    """A step queued on the device whose sampled tokens are not processed yet."""
+
+    out: SchedulerOutput
+    seqs: list[Sequence]  # the sampled sequences, in the rows of `tokens`
+    tokens: SampledTokens | None  # None when nothing was sampled
+    logprobs: list[dict[int, float] | None]
+    needs_host: bool
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -105,6 +146,8 @@ class Engine:
             # Not current_device() before CUDA is initialized: it would initialize it.
             index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
             self.device = torch.device("cuda", index)
+        if config.async_scheduling is None:  # decided before any rank reads the config
+            config.async_scheduling = self.device.type == "cuda"
         # The model on every tensor-parallel rank (worker processes when tensor_parallel_size > 1).
         self.executor = create_executor(config, self.device)
         try:
@@ -147,6 +190,8 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.iteration_stats = IterationStats()
         self._unscheduled: set[str] = set()  # added, never scheduled yet
+        self._host_requests: set[str] = set()  # live requests that need_host
+        self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, unprocessed
         self._errors: list[tuple[str, BaseException]] = []
         info = self.runner.kv_cache_info
         logger.info(
@@ -282,6 +327,8 @@ class Engine:
             constraints=constraints,
         )
         self._unscheduled.add(request_id)
+        if needs_host(params, constraints):
+            self._host_requests.add(request_id)
 
     def _get_grammar_compiler(self):
         if self._grammar_compiler is None:
@@ -308,6 +355,7 @@ class Engine:
         self.scheduler.abort(request_id)
         self.requests.pop(request_id, None)
         self._unscheduled.discard(request_id)
+        self._host_requests.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -325,10 +373,12 @@ class Engine:
 
     def fail_running(self) -> list[str]:
         """After a failed step: abort every request that was scheduled; return their ids."""
+        self._in_flight = None
         failed = [
             rid
             for rid, r in self.requests.items()
-            if any(s.num_computed_tokens or s.block_table for s in r.seqs)
+            if any(s.num_computed_tokens or s.block_table or s.num_output_placeholders
+                   for s in r.seqs)
         ]
         for rid in failed:
             self.abort_request(rid)
@@ -342,12 +392,28 @@ class Engine:
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests that moved (only the finished ones
-        with `finished_only`, which spares building cumulative outputs every step)."""
+        with `finished_only`, which spares building cumulative outputs every step). With async
+        scheduling these are the outputs of the step launched by the previous call."""
+        outputs: list[RequestOutput] = []
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None and prev.needs_host:  # its tokens are read by the next schedule
+            outputs += self._process(prev, finished_only)
+            prev = None
         out = self.scheduler.schedule()
-        if out.is_empty:
-            if self.requests and not self.scheduler.has_unfinished():
+        launched = None if out.is_empty else self._launch(out)
+        if prev is not None:  # while the GPU runs `launched`
+            outputs += self._process(prev, finished_only)
+        if launched is None:
+            if prev is None and self.requests and not self.scheduler.has_unfinished():
                 raise RuntimeError("requests are pending but the scheduler holds none")
-            return []
+        elif self.config.async_scheduling and not launched.needs_host:
+            self._in_flight = launched
+        else:
+            outputs += self._process(launched, finished_only)
+        return outputs
+
+    def _launch(self, out: SchedulerOutput) -> _LaunchedStep:
+        """Run the model on a scheduled step and sample; the tokens stay on the device."""
         items = out.scheduled
         self.iteration_stats.observe_step(out.num_batched_tokens, len(out.preempted))
         if self._unscheduled:  # requests scheduled for the first time: their queue time ends
@@ -356,31 +422,44 @@ class Engine:
                 if it.seq.request_id in self._unscheduled:
                     self._unscheduled.discard(it.seq.request_id)
                     self.requests[it.seq.request_id].stats.first_scheduled_time = now
+        host = self._host_requests
+        needs = bool(host) and any(it.seq.request_id in host for it in items)
         sampled_items = [it for it in items if it.sample]
-        # Only sample 0 of a request with prompt_logprobs skips the prefix cache: a cheap test.
+        # Only sample 0 of a request with prompt_logprobs (a host request) skips the prefix
+        # cache: a cheap test.
         prompt_rows = [
             prompt_rows_wanted(it, self.requests[it.seq.request_id])
             if it.seq.skip_prefix_cache
             else 0
             for it in items
-        ]
+        ] if needs else [0]
         logits = self.executor.execute(  # [rows, vocab], rows in `items` order
             items, [n > 0 for n in prompt_rows] if any(prompt_rows) else None
         )
-        if any(prompt_rows):
-            reqs = [self.requests[it.seq.request_id] for it in items]
-            logits = take_prompt_logprobs(items, reqs, prompt_rows, logits)
+        seqs = [it.seq for it in sampled_items]
+        try:
+            if any(prompt_rows):
+                reqs = [self.requests[it.seq.request_id] for it in items]
+                logits = take_prompt_logprobs(items, reqs, prompt_rows, logits)
+            sampled, logprobs = self._sample(seqs, logits) if seqs else (None, [])
+        except BaseException:
+            self.executor.keep_sampled(None)  # every rank's collectives stay in step
+            raise
+        return _LaunchedStep(out, seqs, self.executor.keep_sampled(sampled), logprobs, needs)
+
+    def _process(self, step: _LaunchedStep, finished_only: bool) -> list[RequestOutput]:
+        """Take a launched step's tokens: scheduler update, stop checks, detokenization; returns
+        the outputs of the requests that moved (see `step`)."""
+        touched: dict[str, _Request] = {}
         tokens: dict[int, int] = {}
         lp_by_seq: dict[int, dict[int, float] | None] = {}
-        if sampled_items:
-            seqs = [it.seq for it in sampled_items]
-            for seq, token, lp in zip(seqs, *self._sample(seqs, logits)):
-                if token is not None:
-                    tokens[seq.seq_id], lp_by_seq[seq.seq_id] = token, lp
-
-        touched: dict[str, _Request] = {}
+        if step.tokens is not None:
+            token_ids = self.executor.collect(step.tokens)
+            tokens = {seq.seq_id: t for seq, t in zip(step.seqs, token_ids)}
+            if any(lp is not None for lp in step.logprobs):
+                lp_by_seq = {seq.seq_id: lp for seq, lp in zip(step.seqs, step.logprobs)}
         now = time.monotonic()
-        for seq in self.scheduler.update(out, tokens):
+        for seq in self.scheduler.update(step.out, tokens):
             req = self.requests.get(seq.request_id)
             if req is None:  # a sibling sample failed this request earlier in the loop
                 continue
@@ -401,7 +480,8 @@ class Engine:
             if finished or not finished_only:
                 outputs.append(req.output())
             if finished:
-                del self.requests[req.request_id]
+                self.requests.pop(req.request_id, None)
+                self._host_requests.discard(req.request_id)
         return outputs
 
     def _grammar_done(self, matcher) -> bool:
@@ -416,13 +496,18 @@ class Engine:
             (row, r.constraints, s.index, s.output_token_ids)
             for row, (r, s) in enumerate(zip(reqs, seqs)) if r.constraints is not None
         ])
-        # Token histories are read only by penalties and min_tokens: skip the copies.
-        needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0 for r in reqs}
-        hist = [needs[id(r.params)] for r in reqs]
+        # Token histories are read only by penalties and min_tokens (host requests): skip the
+        # copies.
+        if self._host_requests:
+            needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0
+                     for r in reqs}
+            hist = [needs[id(r.params)] for r in reqs]
+            prompts = [s.prompt_token_ids if h else () for s, h in zip(seqs, hist)]
+            outputs = [s.output_token_ids if h else () for s, h in zip(seqs, hist)]
+        else:
+            prompts = outputs = [()] * len(seqs)
         batch = SamplingBatch.build(
-            [r.params for r in reqs],
-            [s.prompt_token_ids if h else [] for s, h in zip(seqs, hist)],
-            [s.output_token_ids if h else [] for s, h in zip(seqs, hist)],
+            [r.params for r in reqs], prompts, outputs,
             [r.generators[s.index] for r, s in zip(reqs, seqs)],
             self.eos_token_ids,
             device,
@@ -430,33 +515,34 @@ class Engine:
         batch.logits_masks = masks
         return batch
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list, list]:
-        """(token or None, logprobs or None) per row of `logits` [N, V].
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """(sampled ids [N] on the device, logprobs or None per row) of `logits` [N, V].
 
         Admission validates every field, so the batched path should not raise; if it does, the
-        rows are sampled one by one and only the requests whose own row raises fail (the others'
-        tokens come from the retry, which may draw fresh randomness for unseeded rows)."""
+        rows are sampled one by one and only the requests whose own row raises fail (their row
+        holds 0, dropped as the request is gone; the others' tokens come from the retry, which
+        may draw fresh randomness for unseeded rows)."""
         try:
             result = self.sampler(logits, self._sampling_batch(seqs, logits.device))
-            return result.token_ids, result.logprobs
+            return result.sampled, result.logprobs
         except Exception:
             logger.exception("sampling a batch of %d rows failed; retrying row by row", len(seqs))
-        tokens: list[int | None] = []
+        rows: list[torch.Tensor] = []
         logprobs: list[dict[int, float] | None] = []
         for i, seq in enumerate(seqs):
-            token, lp = None, None
+            token, lp = torch.zeros(1, dtype=torch.int64, device=logits.device), None
             if seq.request_id in self.requests:  # a sibling sample may have failed it already
                 try:
                     batch = self._sampling_batch([seq], logits.device)
                     row = self.sampler(logits[i : i + 1], batch)
-                    token, lp = row.token_ids[0], row.logprobs[0]
+                    token, lp = row.sampled, row.logprobs[0]
                 except Exception as exc:  # this request alone fails; the step goes on
                     logger.exception("sampling failed for request %s", seq.request_id)
                     self._errors.append((seq.request_id, exc))
                     self.abort_request(seq.request_id)
-            tokens.append(token)
+            rows.append(token)
             logprobs.append(lp)
-        return tokens, logprobs
+        return torch.cat(rows), logprobs
 
     def _after_token(self, req: _Request, seq: Sequence, logprobs: dict[int, float] | None) -> None:
         token = seq.last_token_id

@@ -4,6 +4,8 @@
     executor.model, executor.hf_config, executor.model_dir   # rank 0's shard, the checkpoint's
     runner = executor.init_runner()             # once config.max_model_len is final
     logits = executor.execute(scheduled)        # [rows, vocab] float32 (input_batch.py)
+    tokens = executor.keep_sampled(sampled)     # the sampled ids: kept on the device for the
+    token_ids = executor.collect(tokens)        #   next step, then waited for on the host
     executor.shutdown()
 
 UniprocExecutor (tensor_parallel_size 1): the model and its ModelRunner live in the engine's
@@ -23,6 +25,7 @@ cuda:(i + r) when the engine runs on cuda:i, "gloo" on the CPU.
     per step: build_step (numpy) --bytes, shm--> unpack_step
               execute (its shard) <--all-reduces--> execute (its shard)
               logits -> sampler                           logits dropped
+              (async scheduling) sampled ids --broadcast--> sampled ids, for the next step
 
 A step's arrays travel as one byte string (tp_worker.py holds the format and the worker's loop),
 written once into a shared-memory ring that every worker polls (shm_broadcast.py); the pipes
@@ -64,7 +67,7 @@ import torch
 
 from tinypaged import distributed
 from tinypaged.config import EngineConfig
-from tinypaged.runner import ModelRunner
+from tinypaged.runner import ModelRunner, SampledTokens
 from tinypaged.scheduler import ScheduledSequence
 from tinypaged.shm_broadcast import ShmBroadcast
 from tinypaged.tp_worker import pack_step, start_method, worker_main
@@ -104,6 +107,12 @@ class UniprocExecutor:
     def execute(self, scheduled: list[ScheduledSequence],
                 prompt_logits: list[bool] | None = None) -> torch.Tensor:
         return self.runner.execute(self.runner.build_step(scheduled, prompt_logits))
+
+    def keep_sampled(self, sampled: torch.Tensor | None) -> SampledTokens | None:
+        return self.runner.keep_sampled(sampled)
+
+    def collect(self, tokens: SampledTokens) -> list[int]:
+        return tokens.tolist()
 
     def shutdown(self) -> None:
         pass
@@ -342,15 +351,31 @@ class MultiprocExecutor:
 
     def execute(self, scheduled: list[ScheduledSequence],
                 prompt_logits: list[bool] | None = None) -> torch.Tensor:
-        """Send the step to every worker, run rank 0's shard, return its logits."""
+        """Send the step to every worker, run rank 0's shard, return its logits (on a GPU,
+        still being computed: `collect` waits)."""
         self._raise_if_failed()
         step = self.runner.build_step(scheduled, prompt_logits)
         payload = pack_step(step)
+        return self._guarded(self._run, step, payload)
+
+    def _run(self, step, payload: bytes) -> torch.Tensor:
+        self.channel.send(payload, lambda r: self.workers[r].conn, self._raise_if_failed)
+        return self.runner.execute(step)
+
+    def keep_sampled(self, sampled: torch.Tensor | None) -> SampledTokens | None:
+        """Rank 0's samples: kept for the next step and, with async scheduling, broadcast."""
+        return self._guarded(self.runner.keep_sampled, sampled)
+
+    def collect(self, tokens: SampledTokens) -> list[int]:
+        """Wait for a step's sampled ids on the host: a hung NCCL kernel surfaces here, and the
+        watchdog frees it."""
+        return self._guarded(tokens.tolist)
+
+    def _guarded(self, call, *args):
+        """call(*args) as part of a step: any failure, here or on a worker, fails the group."""
+        self._raise_if_failed()
         try:
-            self.channel.send(payload, lambda r: self.workers[r].conn, self._raise_if_failed)
-            logits = self.runner.execute(step)
-            if logits.is_cuda:  # a hung NCCL kernel surfaces here, and the watchdog frees it
-                torch.cuda.current_stream(logits.device).synchronize()
+            result = call(*args)
         except BaseException as exc:
             self._raise_worker_failure(exc)
             # Rank 0 itself failed or was interrupted mid-step: the workers now wait in a
@@ -359,7 +384,7 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self._raise_if_failed()
-        return logits
+        return result
 
     def _raise_worker_failure(self, exc: BaseException) -> None:
         """If rank 0's error `exc` comes from a worker's death (a collective that lost its peer),

@@ -10,6 +10,12 @@ sampled). `build_step` makes, on the CPU and without per-token Python loops, a S
     logits_indices[S]                                 rows whose logits are returned: the
                                                       last row of each sampled sequence, or
                                                       every row of one that asks for prompt logits
+    prev_sample_indices[T] or None                    under async scheduling: for a token not on
+                                                      the host yet (a placeholder), its row in the
+                                                      previous step's sampled ids, else -1
+
+A placeholder's input id is gathered on the device (`gather_input_ids`), from the previous step's
+sampled ids, which never come back to the host in between.
 
 Eager steps, CUDA-graph replays and every tensor-parallel rank read the same StepInput, so the
 slot of each token is computed here and nowhere else:
@@ -27,10 +33,12 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from tinypaged.scheduler import ScheduledSequence, Sequence
 
@@ -48,16 +56,18 @@ class StepInput:
     logits_indices: np.ndarray  # int64 [S]
     max_query_len: int
     max_seq_len: int
+    prev_sample_indices: np.ndarray | None = None  # int64 [T], -1 = the id is in input_ids
 
 
 def build_step(
     scheduled: Seq[ScheduledSequence], block_size: int, block_tables: HostBlockTables,
-    prompt_logits: Seq[bool] | None = None,
+    prompt_logits: Seq[bool] | None = None, prev_sample_rows: Mapping[int, int] | None = None,
 ) -> StepInput:
     """The flat batch of one scheduled step as host arrays (see the module docstring).
 
     prompt_logits[b]: return the logits of every new row of sequence b (for prompt logprobs),
-    its sampled row last, instead of only the sampled row."""
+    its sampled row last, instead of only the sampled row. prev_sample_rows[seq_id]: the row
+    of each sequence sampled by the previous step, for the placeholders (async scheduling)."""
     bs = block_size
     num_seqs = len(scheduled)
     seqs = [it.seq for it in scheduled]
@@ -67,17 +77,32 @@ def build_step(
     cu = np.zeros(num_seqs + 1, dtype=np.int64)  # [B + 1]
     np.cumsum(q_lens, out=cu[1:])
     total = int(cu[-1])
+    # A placeholder (a token past the host's token_ids) is the one new token of its sequence.
     if total == num_seqs:  # one token each (decodes, mostly): no repeat, no per-seq slices
         seq_idx = np.arange(num_seqs)  # [T]: which sequence each token is of
         positions = starts  # [T]
-        input_ids = np.array([s.token_ids[c] for s, c in zip(seqs, starts.tolist())], np.int64)
+        input_ids = np.array(list(map(_token_at, seqs, starts.tolist())), np.int64)
     else:
         seq_idx = np.repeat(np.arange(num_seqs), q_lens)
         positions = np.arange(total) - cu[seq_idx] + starts[seq_idx]
         new_tokens = itertools.chain.from_iterable(
-            s.token_ids[c:c + n] for s, c, n in zip(seqs, starts.tolist(), q_lens.tolist())
+            s.token_ids[c:c + n] if c < len(s.token_ids) else _PLACEHOLDER
+            for s, c, n in zip(seqs, starts.tolist(), q_lens.tolist())
         )
         input_ids = np.fromiter(new_tokens, np.int64, total)
+    prev_sample_indices = None
+    holes = np.flatnonzero(input_ids < 0)
+    if holes.size:
+        prev_sample_indices = np.full(total, -1, np.int64)
+        try:
+            prev_sample_indices[holes] = [
+                prev_sample_rows[seqs[b].seq_id] for b in seq_idx[holes].tolist()
+            ]
+        except (KeyError, TypeError):
+            raise RuntimeError(
+                "a scheduled token is a placeholder that the previous step did not sample (bug)"
+            ) from None
+        input_ids[holes] = 0
 
     width = int(-(-seq_lens.max() // bs))
     tables = block_tables.rows(seqs)[:, :width].copy()
@@ -94,8 +119,22 @@ def build_step(
         logits_indices = np.concatenate(rows)
     return StepInput(
         input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
-        tables, logits_indices, int(q_lens.max()), int(seq_lens.max()),
+        tables, logits_indices, int(q_lens.max()), int(seq_lens.max()), prev_sample_indices,
     )
+
+
+def sample_rows(scheduled: Seq[ScheduledSequence]) -> dict[int, int]:
+    """seq_id -> row of the step's sampled ids (the sampled sequences, in step order)."""
+    return {it.seq.seq_id: row for row, it in enumerate(it for it in scheduled if it.sample)}
+
+
+def gather_input_ids(
+    input_ids: torch.Tensor, prev_sample_indices: torch.Tensor, sampled_ids: torch.Tensor
+) -> torch.Tensor:
+    """input_ids [T] with each placeholder (prev_sample_indices[t] >= 0) replaced on the device
+    by the previous step's sampled_ids[prev_sample_indices[t]]."""
+    taken = sampled_ids[prev_sample_indices.clamp(min=0)]  # [T]
+    return torch.where(prev_sample_indices >= 0, taken, input_ids)
 
 
 class HostBlockTables:
@@ -133,6 +172,12 @@ class HostBlockTables:
         return rows[: len(seqs)]
 
 
+def _token_at(seq: Sequence, position: int) -> int:
+    tokens = seq.token_ids
+    return tokens[position] if position < len(tokens) else -1  # -1: a placeholder
+
+
+_PLACEHOLDER = (-1,)
 _num_computed = operator.attrgetter("num_computed_tokens")
 _num_new = operator.attrgetter("num_new_tokens")
 _sample = operator.attrgetter("sample")

@@ -26,12 +26,12 @@ def num_prompt_rows(num_computed: int, num_new: int, num_prompt_tokens: int) -> 
 def prompt_rows_wanted(item: Any, req: Any) -> int:
     """Prompt tokens this step's chunk of `item` (a ScheduledItem) scores for `req`'s
     prompt_logprobs (the engine's request state); 0 when it asks for none."""
-    seq, done = item.seq, req.prompt_logprobs
+    seq, done, start = item.seq, req.prompt_logprobs, item.num_computed_tokens
     # Sample 0 collects them once; after a preemption the recomputed rows are not needed.
-    if done is None or seq.index != 0 or len(done) != seq.num_computed_tokens + 1:
+    if done is None or seq.index != 0 or len(done) != start + 1:
         return 0
     prompt_len = len(req.prompt_token_ids)
-    return num_prompt_rows(seq.num_computed_tokens, item.num_new_tokens, prompt_len)
+    return num_prompt_rows(start, item.num_new_tokens, prompt_len)
 
 
 def take_prompt_logprobs(
@@ -43,7 +43,7 @@ def take_prompt_logprobs(
     for item, req, n in zip(items, reqs, prompt_rows):
         width = item.num_new_tokens if n else int(item.sample)
         if n:
-            p0 = item.seq.num_computed_tokens
+            p0 = item.num_computed_tokens
             targets = req.prompt_token_ids[p0 + 1 : p0 + 1 + n]
             req.prompt_logprobs += prompt_logprobs(
                 logits[row : row + n], targets, req.params.prompt_logprobs

@@ -10,6 +10,12 @@ Under tensor parallelism every rank has its own ModelRunner (its shard, the KV c
 its graphs); rank 0 builds each step's arrays once and every rank executes them, so all ranks see
 the same block tables (executor.py).
 
+After the engine samples, `keep_sampled(sampled)` keeps the step's sampled ids on the device, in
+`sampled_ids [max_num_seqs]`, where the next step's placeholders read their input ids (async
+scheduling; under tensor parallelism rank 0 broadcasts the buffer to every rank in stream order,
+so no worker ever waits on the host), and starts their copy to the host: a non-blocking copy into
+a pinned buffer and a CUDA event, which `SampledTokens.tolist()` waits for.
+
 The KV cache is allocated once: on the GPU from `gpu_memory_utilization` after a profiling forward
 pass at the largest batch, on the CPU from `cpu_kv_cache_space` GiB, or `num_kv_blocks` if given.
 """
@@ -26,7 +32,13 @@ import torch
 
 from tinypaged import distributed
 from tinypaged.config import EngineConfig
-from tinypaged.input_batch import HostBlockTables, StepInput, build_step
+from tinypaged.input_batch import (
+    HostBlockTables,
+    StepInput,
+    build_step,
+    gather_input_ids,
+    sample_rows,
+)
 from tinypaged.kernels._triton import kernel_choice
 from tinypaged.models.batch import AttentionMetadata
 from tinypaged.models.layers import Attention
@@ -78,6 +90,14 @@ class ModelRunner:
                 "wrongly (it holds bf16 as raw integer bits); use dtype float32 or float16"
             )
         self.block_tables = HostBlockTables(config.max_num_seqs, self.max_blocks_per_seq)
+        self.async_scheduling = bool(config.async_scheduling)
+        self.prev_sample_rows: dict[int, int] | None = None  # seq_id -> row of sampled_ids
+        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=device)
+        self.broadcast_sampled = self.async_scheduling and distributed.get_tp_size() > 1
+        # Two pinned landing buffers: step N's ids arrive in one while N+1's are on the way.
+        self.host_ids = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.pin)
+                         for _ in range(2 if self.pin else 0)]
+        self.num_kept = 0
         self.graphs = None  # eager while profiling; captured after the cache exists
         self.kv_cache_info = self._allocate_kv_cache()
         if device.type == "cuda":
@@ -174,7 +194,32 @@ class ModelRunner:
         self, scheduled: Seq[ScheduledSequence], prompt_logits: Seq[bool] | None = None
     ) -> StepInput:
         """The flat batch of one scheduled step as host arrays (input_batch.build_step)."""
-        return build_step(scheduled, self.block_size, self.block_tables, prompt_logits)
+        step = build_step(scheduled, self.block_size, self.block_tables, prompt_logits,
+                          self.prev_sample_rows)
+        if self.async_scheduling:  # where the next step finds each sequence's sampled id
+            self.prev_sample_rows = sample_rows(scheduled)
+        return step
+
+    def keep_sampled(self, sampled: torch.Tensor | None) -> SampledTokens | None:
+        """Keep a step's sampled ids [S] on the device for the next step's placeholders and
+        start their copy to the host (None when the step sampled nothing). Under tensor
+        parallelism with async scheduling every rank calls it after every step, the workers
+        with None: rank 0 broadcasts the ids."""
+        if sampled is not None:
+            self.sampled_ids[: len(sampled)].copy_(sampled, non_blocking=True)
+        if self.broadcast_sampled:
+            distributed.broadcast_from_rank0(self.sampled_ids)
+        if sampled is None:
+            return None
+        num = len(sampled)
+        if not self.pin:  # CPU: the ids are on the host already
+            return SampledTokens(self.sampled_ids[:num].clone(), None)
+        host = self.host_ids[self.num_kept % 2][:num]
+        self.num_kept += 1
+        host.copy_(self.sampled_ids[:num], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return SampledTokens(host, event)
 
     def _device_inputs(
         self, step: StepInput
@@ -188,7 +233,10 @@ class ModelRunner:
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
         )
-        return to(step.input_ids), to(step.positions), md, to(step.logits_indices)
+        input_ids = to(step.input_ids)
+        if step.prev_sample_indices is not None:
+            input_ids = gather_input_ids(input_ids, to(step.prev_sample_indices), self.sampled_ids)
+        return input_ids, to(step.positions), md, to(step.logits_indices)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(array)
@@ -209,6 +257,18 @@ class ModelRunner:
             input_ids, positions, md, logits_indices = self._device_inputs(step)
             hidden = self.model(input_ids, positions, md)  # [T, hidden]
             return self.model.compute_logits(hidden[logits_indices])
+
+
+class SampledTokens:
+    """One step's sampled ids on their way to the host: `tolist()` waits for them."""
+
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self.host, self.event = host, event  # host: [S] int64, pinned on CUDA
+
+    def tolist(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 def _dummy_prefill(num_tokens: int, blocks: Seq[int]) -> ScheduledSequence:

@@ -158,17 +158,23 @@ class SamplingBatch:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]  # [N] the sampled token of each row
+    sampled: torch.Tensor  # [N] int64 on the logits' device: the sampled token of each row
     # Per row: {token_id: logprob} for the sampled token and the top `logprobs` tokens, or None
     # when that row did not ask for logprobs.
     logprobs: list[dict[int, float] | None]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The sampled tokens on the host (waits for the device)."""
+        return self.sampled.tolist()
 
 
 class Sampler:
     """Turns one step's logits into tokens. Call once per step: `sampler(logits, batch)`.
 
     `seed` seeds the engine generator shared by unseeded rows. The logits tensor may be changed
-    in place (it is the model's fresh output, used once).
+    in place (it is the model's fresh output, used once). The sampled ids stay on the device
+    (no sync) unless a row asks for logprobs.
     """
 
     def __init__(self, seed: int = 0) -> None:
@@ -192,7 +198,7 @@ class Sampler:
         if masks is not None and masks.bitmask is not None:
             apply_token_bitmask_(logits, masks.bitmask, masks.bitmask_rows)
         if batch.argmax_only:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
+            return SamplerOutput(logits.argmax(dim=-1), [None] * batch.num_rows)
 
         raw_logprobs = None
         if batch.max_num_logprobs >= 0:
@@ -223,9 +229,9 @@ class Sampler:
             if greedy_ids is not None:
                 sampled = torch.where(batch.greedy, greedy_ids, sampled)
 
-        token_ids = sampled.tolist()  # the step's one device -> host sync
         logprobs: list[dict[int, float] | None] = [None] * batch.num_rows
-        if raw_logprobs is not None:
+        if raw_logprobs is not None:  # built on the host: waits for the device
+            token_ids = sampled.tolist()
             top_vals, top_ids = raw_logprobs.topk(max(batch.max_num_logprobs, 1), dim=-1)
             chosen = raw_logprobs.gather(1, sampled.view(-1, 1)).squeeze(1).tolist()
             top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
@@ -235,7 +241,7 @@ class Sampler:
                 row = {token_ids[i]: chosen[i]}  # the sampled token first, as vLLM does
                 row.update(zip(top_ids[i][:k], top_vals[i][:k]))
                 logprobs[i] = row
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(sampled, logprobs)
 
     def _draw(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
         # probs: [N, V]. argmax(probs / q) with q ~ Exp(1) picks token t with probability

@@ -4,8 +4,9 @@ The engine's executor (executor.py) starts `worker_main` in a process per rank a
 over one pipe: start-up messages are pickled tuples. Every step is then one byte string,
 `pack_step(StepInput)`, broadcast through shared memory (shm_broadcast.py):
 
-    int64 header [B, T, max_blocks, S, max_query_len, max_seq_len]
-    int64 input_ids[T], positions[T], slot_mapping[T], logits_indices[S]
+    int64 header [B, T, max_blocks, S, max_query_len, max_seq_len, P]
+    int64 input_ids[T], positions[T], slot_mapping[T], logits_indices[S],
+          prev_sample_indices[P] (P = T when the step has placeholders, else 0)
     int32 query_start_loc[B + 1], seq_lens[B], block_tables[B * max_blocks]
 
 (int64 arrays first, so every array starts aligned to its element size). A decode step of 256
@@ -16,7 +17,8 @@ sequences is ~10 KiB plus its block tables. The empty byte string means "stop".
     load_model (its shard)  -> ("loaded", bytes read)
     <- EngineConfig (max_model_len resolved); ModelRunner (profile, KV min over ranks, graphs)
     -> ("ready", num_blocks)
-    <= step bytes ... run each: the same forward as every rank, logits dropped
+    <= step bytes ... run each: the same forward as every rank, logits dropped; with async
+                      scheduling, then receive rank 0's sampled ids (a broadcast on the device)
     <= b"" (stop)           -> ("stopping", pid), then leave the group with rank 0 and exit
     <- a closed pipe / a dead parent: exit without teardown
     -> ("error", traceback) on any failure, then exit(1) without teardown
@@ -52,34 +54,41 @@ from tinypaged.shm_broadcast import ShmBroadcast
 
 LEAVE_TIMEOUT_S = 10.0  # how long a stopping worker waits to leave the group with rank 0
 
-_INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices")
+_INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices",
+                 "prev_sample_indices")
 _INT32_FIELDS = ("query_start_loc", "seq_lens", "block_tables")
 
 
 def pack_step(step: StepInput) -> bytes:
     """One step's arrays as one byte string (a few KiB for a decode batch)."""
     num_seqs, width = step.block_tables.shape
+    prev = step.prev_sample_indices
+    prev = np.empty(0, np.int64) if prev is None else prev
     header = np.array([num_seqs, len(step.input_ids), width, len(step.logits_indices),
-                       step.max_query_len, step.max_seq_len], dtype=np.int64)
-    parts = [header] + [getattr(step, f).astype(np.int64, copy=False) for f in _INT64_FIELDS]
+                       step.max_query_len, step.max_seq_len, len(prev)], dtype=np.int64)
+    parts = [header] + [getattr(step, f).astype(np.int64, copy=False) for f in _INT64_FIELDS[:-1]]
+    parts.append(prev)
     parts += [getattr(step, f).astype(np.int32, copy=False) for f in _INT32_FIELDS]
     return b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
 
 
 def unpack_step(payload: bytes) -> StepInput:
     buf = bytearray(payload)  # writable, so torch.from_numpy takes the arrays without a warning
-    num_seqs, num_tokens, width, num_sampled, max_query_len, max_seq_len = (
-        np.frombuffer(buf, np.int64, 6).tolist()
+    num_seqs, num_tokens, width, num_sampled, max_query_len, max_seq_len, num_prev = (
+        np.frombuffer(buf, np.int64, 7).tolist()
     )
     sizes = {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
-             "logits_indices": num_sampled, "query_start_loc": num_seqs + 1,
-             "seq_lens": num_seqs, "block_tables": num_seqs * width}
-    arrays, offset = {}, 48
+             "logits_indices": num_sampled, "prev_sample_indices": num_prev,
+             "query_start_loc": num_seqs + 1, "seq_lens": num_seqs,
+             "block_tables": num_seqs * width}
+    arrays, offset = {}, 56
     for name in _INT64_FIELDS + _INT32_FIELDS:
         dtype = np.int64 if name in _INT64_FIELDS else np.int32
         arrays[name] = np.frombuffer(buf, dtype, sizes[name], offset)
         offset += arrays[name].nbytes
     arrays["block_tables"] = arrays["block_tables"].reshape(num_seqs, width)
+    if not num_prev:
+        arrays["prev_sample_indices"] = None
     return StepInput(**arrays, max_query_len=max_query_len, max_seq_len=max_seq_len)
 
 
@@ -184,6 +193,8 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
         conn.send(("ready", runner.kv_cache_info.num_blocks))
         while payload := channel.recv(conn):
             runner.execute(unpack_step(payload))
+            if runner.broadcast_sampled:  # the next step's placeholders read rank 0's samples
+                runner.keep_sampled(None)
         runner.release_graphs()  # NCCL cannot leave while a graph holds a collective
         conn.send(("stopping", os.getpid()))  # rank 0 destroys the group once all have said so
     except EOFError:  # rank 0 closed the pipe (or stopped us during startup): just leave

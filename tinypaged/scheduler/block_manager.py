@@ -105,14 +105,16 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def mark_computed(self, seq: Sequence) -> None:
-        """Register the blocks that seq.num_computed_tokens has just filled in the prefix cache.
-
-        Call after every step that advanced num_computed_tokens; O(new full blocks).
+    def mark_computed(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Register in the prefix cache the blocks filled by seq's first `num_computed` tokens
+        (default seq.num_computed_tokens): call once the step that computed them has run (a
+        later step may already be scheduled); O(new full blocks).
         """
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        if num_computed is None:
+            num_computed = seq.num_computed_tokens
+        num_full = num_computed // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
         self._extend_hashes(seq, num_full)

@@ -16,7 +16,9 @@ prefill or decode phase, a step is a list of (sequence, num_new_tokens)). `sched
    prompt, then hit its cached blocks instead of computing the prompt n times.
 
 A sequence is sampled in a step when that step computes up to its last token:
-`num_computed_tokens + num_new_tokens == len(token_ids)`.
+`num_computed_tokens + num_new_tokens == len(token_ids) + num_output_placeholders`. Scheduling
+advances `num_computed_tokens` and adds a placeholder for each sampled sequence; `update` swaps
+the placeholder for the sampled token.
 
 The engine's step (every call O(batch)):
 
@@ -24,10 +26,16 @@ The engine's step (every call O(batch)):
     # model runs out.scheduled: for item in it, the new tokens are
     # item.seq.token_ids[item.num_computed_tokens : item.num_computed_tokens + item.num_new_tokens]
     sampled = {item.seq.seq_id: token for item in out.scheduled if item.sample}
-    for seq in scheduler.update(out, sampled):       # advances, caches full blocks, appends tokens
+    for seq in scheduler.update(out, sampled):       # caches full blocks, appends tokens
         if stop condition(seq):                      # eos / stop ids / stop strings / max_tokens
             scheduler.finish(seq, "stop" or "length")
     scheduler.abort(request_id)                      # any time between steps
+
+Async scheduling (engine.py) calls `schedule()` for step N+1 before `update()` of step N. Then a
+sequence sampled in step N is one placeholder ahead: it is scheduled for one token (the
+placeholder, whose id the runner takes from step N's sampled ids on the device), unless its
+tokens in flight already reach max_tokens or max_model_len (it ends at step N). A preempted
+sequence with a placeholder waits for its token before it is admitted again.
 
 Submission: `add(seq)` raises ValueError for a sequence that could never run: prompt + max_tokens
 over `max_model_len`, or more KV blocks than the whole cache. The engine must finish a sequence at
@@ -126,6 +134,10 @@ class Scheduler:
                 del self.requests[seq.request_id]
             raise
         seq.arrival_order = next(self._arrival)
+        max_tokens = seq.max_tokens
+        seq.max_length = self.max_model_len if max_tokens is None else min(
+            self.max_model_len, seq.num_prompt_tokens + max_tokens
+        )
         siblings.append(seq)
         self.waiting.append(seq)
 
@@ -170,19 +182,25 @@ class Scheduler:
         def take(seq: Sequence, n: int) -> None:
             nonlocal budget
             computed = seq.num_computed_tokens
-            sample = computed + n == len(seq.token_ids)
+            sample = computed + n == len(seq.token_ids) + seq.num_output_placeholders
             out.scheduled.append(ScheduledSequence(seq, n, computed, sample))
+            seq.num_computed_tokens = computed + n
+            seq.num_output_placeholders += sample
             scheduled_ids.add(seq.seq_id)
             budget -= n
 
         # 1. Running sequences: decodes, then chunked prefills.
-        running = list(self.running.values())
-        order = [s for s in running if not s.is_prefill] + [s for s in running if s.is_prefill]
-        for seq in order:
+        decodes, prefills = [], []
+        for seq in self.running.values():
+            (prefills if seq.num_uncomputed_tokens > 1 else decodes).append(seq)
+        for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            placeholders = seq.num_output_placeholders
+            if placeholders and len(seq.token_ids) + placeholders >= seq.max_length:
+                continue  # the step in flight gives its last token
             want = min(seq.num_uncomputed_tokens, budget)
             if want == 1 and len(seq.block_table) * self.block_size > seq.num_computed_tokens:
                 # The common decode: its slot is in its last block, nothing to allocate.
@@ -213,7 +231,7 @@ class Scheduler:
             and not out.preempted
         ):
             seq = self.waiting[0]
-            if self._sibling_prefilling(seq):
+            if seq.num_output_placeholders or self._sibling_prefilling(seq):
                 deferred.append(self.waiting.popleft())
                 continue
             hits = bm.find_cached_prefix(seq)
@@ -248,26 +266,30 @@ class Scheduler:
         if not self.block_manager.enable_prefix_caching:
             return False
         shareable = (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
-        return any(
+        return any(  # blocks become hits once registered, after the step that fills them
             s is not seq
             and s.status is SequenceStatus.RUNNING
-            and s.num_computed_tokens < shareable
+            and s.num_registered_blocks * self.block_size < shareable
             for s in self.requests[seq.request_id]
         )
 
     def update(self, out: SchedulerOutput, sampled_tokens: Mapping[int, int]) -> list[Sequence]:
-        """Record a finished model step: advance computed counts, register newly full blocks in
-        the prefix cache, append each sampled token (`sampled_tokens[seq_id]`, for every item with
-        `sample`). Returns the sequences that got a token, for the engine's stop checks.
-        Sequences finished or aborted since `schedule()` are skipped."""
+        """Record a finished model step: register the blocks it filled in the prefix cache,
+        replace each placeholder by its sampled token (`sampled_tokens[seq_id]`, for every item
+        with `sample`). Returns the sequences that got a token, for the engine's stop checks.
+        Sequences finished or aborted since `schedule()` are skipped; one preempted since gets
+        its token (it recomputes it later) but keeps no blocks to register."""
         grown = []
+        running = SequenceStatus.RUNNING
         for item in out.scheduled:
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is SequenceStatus.FINISHED:
                 continue
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.mark_computed(seq)
+            if seq.status is running:  # this step's tokens only: a later step may be in flight
+                end = item.num_computed_tokens + item.num_new_tokens
+                self.block_manager.mark_computed(seq, end)
             if item.sample:
+                seq.num_output_placeholders -= 1
                 seq.append_token(sampled_tokens[seq.seq_id])
                 grown.append(seq)
         return grown

@@ -11,6 +11,13 @@ Between engine steps `num_computed_tokens < len(token_ids)`: at least the newest
 prompt token, or the last sampled one) still has to run through the model, since its logits give
 the next token. A step that computes the rest of the tokens ends in a sampled token.
 
+`num_computed_tokens` counts a step's tokens from the moment the step is scheduled (as in vLLM
+v1). Under async scheduling the next step is scheduled before the host knows the token a step
+samples: that token is a placeholder, counted in `num_output_placeholders` until it arrives,
+and the next step computes it from the sampled ids still on the GPU. So in general
+
+    tokens the scheduler sees = len(token_ids) + num_output_placeholders
+
 Lifecycle: WAITING -> RUNNING -> FINISHED, with RUNNING -> WAITING on preemption (the blocks are
 freed and the prompt and generated tokens are recomputed later, the tokens themselves are kept).
 """
@@ -55,10 +62,12 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.arrival_order = -1  # set by Scheduler.add: FIFO position among all sequences
+        self.max_length = 0  # set by Scheduler.add: min(max_model_len, prompt + max_tokens)
         self.num_preemptions = 0
 
         # KV-cache state, owned by the BlockManager and the Scheduler.
-        self.num_computed_tokens = 0  # tokens whose K/V rows are in the cache
+        self.num_computed_tokens = 0  # tokens whose K/V rows are in the cache (or scheduled)
+        self.num_output_placeholders = 0  # sampled tokens still on their way to the host
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.skip_prefix_cache = False  # compute the whole prompt (its logits are wanted)
         self.block_table: list[int] = []
@@ -99,7 +108,7 @@ class Sequence:
     # ---- scheduling state ----------------------------------------------------------------
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_output_placeholders - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:
