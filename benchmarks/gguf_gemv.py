@@ -1,9 +1,10 @@
 """GGUF block-quantized GEMV on the GPU beside the bf16 linear and the AWQ GEMV, then batch-1
 decode of a Llama-3-8B-shape model with Q4_K_M-like weights beside bf16.
 
-1. Kernels, Llama-3-8B layer shapes: each GGML type's GEMV (M = 1 and 8) and the prefill path
-   (dequantize + cuBLAS, M = 512) are checked against the torch reference of the block layout,
-   then timed in CUDA graphs over weight copies larger than L2 (awq_gemv.graph_us).
+1. Checks, then kernels: each GGML type's GEMV (M = 1 and 8) and the prefill path (dequantize
+   + cuBLAS, M = 512) against the torch reference of the block layout; then the Llama-3-8B layer
+   shapes timed in CUDA graphs over weight copies larger than L2 (awq_gemv.graph_us), beside
+   the bf16 F.linear and the AWQ g128 GEMV of the same shape.
 2. Tokens: a small random llama with Q4_K_M-like weights generates greedily through the engine
    twice, with the blocks kept (GEMV / dequantize kernels) and with the same weights dequantized
    to dense bf16 at load; the tokens must agree.
@@ -12,13 +13,14 @@ decode of a Llama-3-8B-shape model with Q4_K_M-like weights beside bf16.
    scales: Q4_K everywhere, Q6_K for the LM head and for attn_v / ffn_down of the layers
    llama.cpp's Q4_K_M gives more bits), CUDA graphs on.
 
-    PYTHONPATH=. python benchmarks/gguf_gemv.py            # all three, ~5 minutes
-    PYTHONPATH=. python benchmarks/gguf_gemv.py --sweep    # also BLOCK_N / warps per type
+    PYTHONPATH=. python benchmarks/gguf_gemv.py            # all of it, ~5 minutes
+    PYTHONPATH=. python benchmarks/gguf_gemv.py --only kernels --m 1 --sweep  # GEMV configs
 """
 import argparse
 import itertools
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -28,18 +30,21 @@ from awq_gemv import L2_BYTES, awq_weights, copy_bandwidth, gemv, graph_us
 from tinypaged import bench
 from tinypaged.kernels import gguf
 from tinypaged.kernels._triton import cdiv
-from tinypaged.kernels.gguf_format import GGML_TYPES, gguf_dequantize_reference, row_bytes
+from tinypaged.kernels.gguf_format import GGML_TYPES, row_bytes
 from tinypaged.models import gguf_layers, loader
 
-SHAPES = [(4096, 6144, "qkv"), (4096, 4096, "o"), (4096, 28672, "gate_up"), (14336, 4096, "down"),
-          (4096, 128256, "lm_head")]
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+          "down": (14336, 4096), "lm_head": (4096, 128256)}  # name -> (K, N)
 TYPES = {"Q4_K": 12, "Q6_K": 14, "Q5_K": 13, "Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
 FP16_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 SCALE = {2: 5e-3, 3: 5e-3, 8: 5e-4, 12: 4e-4, 13: 2e-4, 14: 6e-5}  # weights of ~0.05
+# --sweep: (block_n, num_warps, num_stages) of the GEMV
+SWEEP = [(32, 4, 2), (64, 2, 2), (128, 4, 2), (128, 8, 2), (32, 2, 2), (64, 4, 3), (64, 2, 3),
+         (128, 4, 3), (32, 1, 2), (64, 1, 2), (256, 8, 2)]
 
 
-def random_qweight(type_id: int, N: int, K: int) -> torch.Tensor:
-    """uint8 [N, row_bytes] on the GPU: random quants, fp16 fields in [0, SCALE)."""
+def random_rows(type_id: int, N: int, K: int) -> torch.Tensor:
+    """File rows uint8 [N, row_bytes] on the GPU: random quants, fp16 fields in [0, SCALE)."""
     t = GGML_TYPES[type_id]
     nb = K // t.block_elems
     blocks = torch.randint(0, 256, (N, nb, t.block_bytes), dtype=torch.uint8, device="cuda")
@@ -49,63 +54,74 @@ def random_qweight(type_id: int, N: int, K: int) -> torch.Tensor:
     return blocks.reshape(N, -1)
 
 
-def check(x, qweight, type_id, **config):
-    ref = x.float() @ gguf_dequantize_reference(qweight, type_id, x.shape[1]).T
-    y = gguf.gguf_gemv(x, qweight, type_id, **config) if x.shape[0] <= gguf.GEMV_MAX_M \
-        else gguf.gguf_linear(x, qweight, type_id)
-    err = ((y.float() - ref).norm() / ref.norm()).item()
-    assert torch.isfinite(y).all() and err < 1e-2, (type_id, config, err)
+def random_qweight(type_id: int, N: int, K: int) -> torch.Tensor:
+    """random_rows in the kernels' device layout."""
+    return gguf.to_device_layout(random_rows(type_id, N, K), type_id, K)
+
+
+def run(x, qweight, type_id, config):
+    if x.shape[0] <= gguf.GEMV_MAX_M:
+        return gguf.gguf_gemv(x, qweight, type_id, **config)
+    return gguf.gguf_linear(x, qweight, type_id)
+
+
+def check(x, qweight, type_id, config=None):
+    """Relative error against the fp32 reference, twice (the split-K workspace is re-zeroed)."""
+    ref = x.float() @ gguf.dequantize_reference(qweight, type_id, x.shape[1]).T
+    for _ in range(2):
+        y = run(x, qweight, type_id, config or {})
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(y).all() and err < 1e-2, (type_id, config, err)
     return err
 
 
-def kernels(args):
+def checks(args):
+    """Every type and M against the reference on the o shape (and a ragged N)."""
+    for (tname, type_id), M in itertools.product(args.types, args.m):
+        for K, N in ((4096, 4096), (2048, 1000)):
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            err = check(x, random_qweight(type_id, N, K), type_id)
+            print(f"check {tname} M={M} {K}x{N}: rel. error {err:.1e} ok", flush=True)
+
+
+def kernels(args, deadline):
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    rows = []
-    for (K, N, name), (tname, type_id), M in itertools.product(SHAPES, TYPES.items(), args.m):
-        if name == "lm_head" and tname not in ("Q6_K", "Q8_0"):
-            continue
-        nbytes = N * row_bytes(type_id, K)
-        copies = max(2, cdiv(3 * L2_BYTES, nbytes))
-        weights = [random_qweight(type_id, N, K) for _ in range(copies)]
+    print("| layer | K x N | type | M | config | bf16 us | AWQ g128 us | GGUF us | vs bf16 | "
+          "GGUF GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, M in itertools.product(args.shapes, args.m):
+        K, N = SHAPES[name]
         x = torch.randn(M, K, device="cuda").bfloat16()
         dense = [torch.randn(N, K, device="cuda").bfloat16()
                  for _ in range(max(2, cdiv(3 * L2_BYTES, 2 * N * K)))]
         base = graph_us([lambda w=w, x=x: F.linear(x, w) for w in dense], reps=20)
+        del dense
         awq_t = "-"
-        if M <= 16 and name != "lm_head" and tname == "Q4_K":
+        if M <= 16 and name != "lm_head" and args.awq:
             aw = awq_weights(K, N, max(2, cdiv(3 * L2_BYTES, K * N // 2)))
             awq_t = f"{graph_us([lambda w=w, x=x: gemv(x, w) for w in aw], reps=20):.1f}"
             del aw
-        configs = [{}]
-        if args.sweep and M <= gguf.GEMV_MAX_M:
-            configs += [dict(block_n=b, num_warps=w) for b, w in
-                        itertools.product((2, 4, 8, 16, 32), (2, 4, 8))]
-        for config in configs:
-            err = check(x, weights[0], type_id, **config)
-            fn = (lambda w, x=x, c=config, t=type_id: gguf.gguf_gemv(x, w, t, **c)) \
-                if M <= gguf.GEMV_MAX_M else (lambda w, x=x, t=type_id: gguf.gguf_linear(x, w, t))
-            t = graph_us([lambda w=w, fn=fn: fn(w) for w in weights], reps=20)
-            rows.append((name, K, N, tname, M, config or "default", base, awq_t, t, err,
-                         nbytes / t / 1e3))
-            print(f"{name} {K}x{N} {tname} M={M} {config or 'default'}: bf16 {base:.1f} us, "
-                  f"AWQ {awq_t} us, GGUF {t:.1f} us ({nbytes / t / 1e3:.0f} GB/s), "
-                  f"err {err:.1e}", flush=True)
-        del weights, dense
-    print("\n| layer | K x N | type | M | bf16 (us) | AWQ g128 (us) | GGUF (us) | vs bf16 | "
-          "GGUF GB/s | rel. error |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    best = {}
-    for name, K, N, tname, M, config, base, awq_t, t, err, gbs in rows:
-        key = (name, tname, M)
-        if key not in best or t < best[key][0]:
-            best[key] = (t, config)
-        if config == "default":
-            print(f"| {name} | {K}x{N} | {tname} | {M} | {base:.1f} | {awq_t} | {t:.1f} | "
-                  f"{base / t:.2f}x | {gbs:.0f} | {err:.1e} |")
-    if args.sweep:
-        for key, (t, config) in best.items():
-            print(f"best {key}: {t:.1f} us {config}")
+        for tname, type_id in args.types:
+            if time.time() > deadline:
+                print("(time budget spent: stopping)")
+                return
+            nbytes = N * row_bytes(type_id, K)
+            weights = [random_qweight(type_id, N, K)
+                       for _ in range(max(2, cdiv(3 * L2_BYTES, nbytes)))]
+            configs = [None]
+            if args.sweep and M <= gguf.GEMV_MAX_M and tname in args.sweep_types:
+                configs += [dict(block_n=b, num_warps=w, num_stages=st) for b, w, st in SWEEP]
+            for config in configs:
+                if time.time() > deadline:
+                    break
+                t = graph_us([lambda w=w, x=x, t=type_id, c=config: run(x, w, t, c or {})
+                              for w in weights], reps=20)
+                label = "default" if config is None else \
+                    f"{config['block_n']}/{config['num_warps']}w/{config['num_stages']}s"
+                print(f"| {name} | {K}x{N} | {tname} | {M} | {label} | {base:.1f} | {awq_t} | "
+                      f"{t:.1f} | {base / t:.2f}x | {nbytes / t / 1e3:.0f} |", flush=True)
+            del weights
 
 
 def q4_k_m_type(name: str, num_layers: int) -> int:
@@ -140,9 +156,10 @@ def random_gguf_weights(cfg: dict, dequantize: bool = False):
     torch.manual_seed(0)
     for name, (N, K) in shapes.items():
         type_id = q4_k_m_type(name, layers)
-        data = random_qweight(type_id, N, K)
+        data = random_rows(type_id, N, K)
         if dequantize:
-            yield name, gguf.gguf_dequantize(data, type_id, K, torch.bfloat16).float()
+            yield name, gguf.gguf_dequantize(gguf.to_device_layout(data, type_id, K), type_id, K,
+                                             torch.bfloat16).float()
         else:
             yield name, gguf_layers.GGUFWeight(type_id, data, (N, K))
     for i in range(layers):
@@ -207,13 +224,23 @@ def decode(args):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", action="store_true", help="BLOCK_N / num_warps per type")
+    parser.add_argument("--sweep", action="store_true", help="block_n / warps / stages")
+    parser.add_argument("--sweep-types", nargs="+", default=["Q4_K"])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 8, 512], help="rows of x")
-    parser.add_argument("--only", choices=["kernels", "tokens", "decode"])
+    parser.add_argument("--types", nargs="+", default=list(TYPES), choices=list(TYPES))
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--no-awq", dest="awq", action="store_false")
+    parser.add_argument("--budget-s", type=float, default=1e9,
+                        help="stop timing kernels after this many seconds")
+    parser.add_argument("--only", choices=["checks", "kernels", "tokens", "decode"])
     args = parser.parse_args()
+    args.types = [(t, TYPES[t]) for t in args.types]
+    deadline = time.time() + args.budget_s
     torch.manual_seed(0)
+    if args.only in (None, "checks"):
+        checks(args)
     if args.only in (None, "kernels"):
-        kernels(args)
+        kernels(args, deadline)
     if args.only in (None, "tokens"):
         same_tokens()
     if args.only in (None, "decode"):

@@ -1,50 +1,54 @@
 """GGUF block-quantized matmul: y [M, N] = x [M, K] @ W^T with W kept in its GGUF blocks.
 
-W is the uint8 `qweight [N, row_bytes]` of one GGML type (gguf_format.py has the layouts): row n
-holds output feature n as K / block_elems blocks. Every type is read the same way: a program
-takes BLOCK_N rows and walks K in chunks of 256 weights (one k-quant super-block, or 8 legacy
-blocks of 32), viewing a chunk as [SUBS, SUBLEN] sub-blocks that each share one scale and min:
+W is the uint8 `qweight [N, row_bytes]` of one GGML type in the device layout: the file's blocks
+regrouped into planes at load (gguf_layout.py; gguf_format.py has the block formats). Decode
+(M <= GEMV_MAX_M) runs the GEMV of gguf_gemv.py, which streams the packed bytes once. Larger M
+(prefill) dequantizes W into x's dtype with `_gguf_dequantize_kernel` and multiplies with cuBLAS,
+where the matmul, not the weight read, is the cost. The dequantize kernel (also the embedding's
+row lookup) takes BLOCK_N rows and a chunk of 256 weights (one k-quant super-block, or 8 legacy
+blocks of 32) per program, viewed as [SUBS, SUBLEN] sub-blocks that share a scale and min:
 
     W[n, 256 c + SUBLEN s + j] = scale[n, c, s] * q[n, c, s, j] + min[n, c, s]
 
-(`_chunk_parts` decodes q, scale and min from the bytes of each type). The decode GEMV
-(M <= GEMV_MAX_M) never writes W out: at M = 1 each thread accumulates (scale * q + min) * x
-for its weights and reduces once at the end; for 2 <= M <= 8 the M rows share each decoded
-chunk through, per sub-block,
-
-    y[m, n] += scale * sum_j q[j] x[m, j] + min * sum_j x[m, j]
-
-so the packed bytes are read once per step whatever M. Larger M (prefill) dequantizes W into
-x's dtype with `_gguf_dequantize_kernel` and multiplies with cuBLAS, where the matmul, not the
-weight read, is the cost.
-
-The weight bytes reach the kernels through three views of the same memory (uint8, int8 and
-fp16), so that signed quants and fp16 fields load with their own type; every fp16 field sits at
-an even byte offset, since all block sizes are even.
+(`_chunk_parts` decodes q, scale and min, finding each file byte in its plane with `_plane`).
+The weight bytes reach it through three views of the same memory (uint8, int8 and fp16), so
+that signed quants and fp16 fields load with their own type; every fp16 field sits at an even
+byte offset, since all planes have even sizes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl, use_triton
+from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
 from tinypaged.kernels.gguf_format import (
     DENSE_TYPES,
     ggml_type,
     gguf_dequantize_reference,
-    gguf_linear_reference,
     row_bytes,
 )
+from tinypaged.kernels.gguf_gemv import GEMV_MAX_M, gemv_supported, gguf_gemv
+from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
 
-GEMV_MAX_M = 8  # up to this many rows of x the GEMV streams W; more: dequantize + cuBLAS
+__all__ = ["GEMV_MAX_M", "dequantize_reference", "gguf_dequantize", "gguf_gemv", "gguf_linear",
+           "linear_reference", "to_device_layout", "to_file_layout"]
+
 CHUNK = 256
 # type id -> (SUBS, SUBLEN): the sub-blocks of a 256-weight chunk that share a scale (and min)
 LAYOUTS = {2: (8, 32), 3: (8, 32), 8: (8, 32), 12: (8, 32), 13: (8, 32), 14: (16, 16)}
 
 
 @jit
-def _f16_at(f16_ptr, byte_offsets, mask):
-    return tl.load(f16_ptr + byte_offsets // 2, mask=mask, other=0.0).to(tl.float32)
+def _plane(row_off, nb, blk, p, BEFORE: tl.constexpr, SIZE: tl.constexpr, KIND: tl.constexpr):
+    # the device-layout byte of byte p of block blk's field that has SIZE bytes a block and
+    # comes after BEFORE bytes a block of other planes (gguf_layout.PLANES); KIND 1 (T): 16-byte
+    # chunks transposed as 4 x 4 bytes; 2 (TH): also chunk 2g + half moved to 4 half + g
+    if KIND != 0:
+        chunk = p // 16
+        if KIND == 2:
+            chunk = chunk % 2 * 4 + chunk // 2
+        p = chunk * 16 + p % 4 * 4 + p % 16 // 4
+    return row_off + nb * BEFORE + blk * SIZE + p
 
 
 @jit
@@ -61,37 +65,43 @@ def _k_scale_min(u8_ptr, sc_off, s, mask):
 
 
 @jit
-def _chunk_parts(u8_ptr, i8_ptr, f16_ptr, row_off, c, s, j, mask,
-                 QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr):
-    # Chunk c of the rows starting at byte row_off [BN, 1, 1]; s [1, SUBS, 1] sub-block,
-    # j [1, 1, SUBLEN] weight within it, mask [BN, SUBS, 1] the sub-blocks that exist.
+def _chunk_parts(u8_ptr, i8_ptr, f16_ptr, row_off, nb, c, s, j, mask, QTYPE: tl.constexpr):
+    # Chunk c of the rows starting at byte row_off [BN, 1, 1] (nb blocks a row); s [1, SUBS, 1]
+    # sub-block, j [1, 1, SUBLEN] weight within it, mask [BN, SUBS, 1] the sub-blocks that exist.
     # -> q [BN, SUBS, SUBLEN], scale and min [BN, SUBS, 1], all fp32: w = scale * q + min.
     if QTYPE == 12 or QTYPE == 13 or QTYPE == 14:  # k-quants: one super-block a chunk
-        blk = row_off + c * BLOCK_BYTES + 0 * s  # [BN, SUBS, 1]
+        blk = c + 0 * s  # [1, SUBS, 1]
     else:  # legacy: 8 blocks a chunk, sub-block s is block 8c + s
-        blk = row_off + (c * 8 + s) * BLOCK_BYTES
+        blk = c * 8 + s
     if QTYPE == 8:  # Q8_0: d | int8 q[32]
-        scale = _f16_at(f16_ptr, blk, mask)
-        q = tl.load(i8_ptr + blk + 2 + j, mask=mask, other=0).to(tl.float32)
+        scale = tl.load(f16_ptr + _plane(row_off, nb, blk, 0, 32, 2, 0) // 2, mask=mask,
+                        other=0.0).to(tl.float32)
+        q = tl.load(i8_ptr + _plane(row_off, nb, blk, j, 0, 32, 1), mask=mask,
+                    other=0).to(tl.float32)
         mn = tl.zeros_like(scale)
     elif QTYPE == 2 or QTYPE == 3:  # Q4_0: d | qs[16]; Q4_1: d | m | qs[16]
-        QS: tl.constexpr = 2 if QTYPE == 2 else 4
-        scale = _f16_at(f16_ptr, blk, mask)
-        byte = tl.load(u8_ptr + blk + QS + j % 16, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(f16_ptr + _plane(row_off, nb, blk, 0, 16, 2, 0) // 2, mask=mask,
+                        other=0.0).to(tl.float32)
+        byte = tl.load(u8_ptr + _plane(row_off, nb, blk, j % 16, 0, 16, 1), mask=mask,
+                       other=0).to(tl.int32)
         q = ((byte >> (j // 16 * 4)) & 0xF).to(tl.float32)
         if QTYPE == 2:
             mn = -8.0 * scale
         else:
-            mn = _f16_at(f16_ptr, blk + 2, mask)
+            mn = tl.load(f16_ptr + _plane(row_off, nb, blk, 0, 18, 2, 0) // 2, mask=mask,
+                         other=0.0).to(tl.float32)
     elif QTYPE == 12 or QTYPE == 13:  # Q4_K / Q5_K: d | dmin | sc[12] | (qh[32]) | qs[128]
-        QS: tl.constexpr = 16 if QTYPE == 12 else 48
-        d = _f16_at(f16_ptr, blk, mask)
-        dmin = _f16_at(f16_ptr, blk + 2, mask)
-        sc, m = _k_scale_min(u8_ptr, blk + 4, s, mask)
-        byte = tl.load(u8_ptr + blk + QS + s // 2 * 32 + j, mask=mask, other=0).to(tl.int32)
+        HDR: tl.constexpr = 128 if QTYPE == 12 else 160
+        hdr = _plane(row_off, nb, blk, 0, HDR, 16, 0)
+        d = tl.load(f16_ptr + hdr // 2, mask=mask, other=0.0).to(tl.float32)
+        dmin = tl.load(f16_ptr + hdr // 2 + 1, mask=mask, other=0.0).to(tl.float32)
+        sc, m = _k_scale_min(u8_ptr, hdr + 4, s, mask)
+        byte = tl.load(u8_ptr + _plane(row_off, nb, blk, s // 2 * 32 + j, 0, 128, 2),
+                       mask=mask, other=0).to(tl.int32)
         qi = (byte >> (s % 2 * 4)) & 0xF
         if QTYPE == 13:
-            high = tl.load(u8_ptr + blk + 16 + j, mask=mask, other=0).to(tl.int32)
+            high = tl.load(u8_ptr + _plane(row_off, nb, blk, j, 128, 32, 1), mask=mask,
+                           other=0).to(tl.int32)
             qi = qi | (((high >> s) & 1) << 4)
         q = qi.to(tl.float32)
         scale = d * sc
@@ -100,92 +110,41 @@ def _chunk_parts(u8_ptr, i8_ptr, f16_ptr, row_off, c, s, j, mask,
         n = s // 8
         i = s % 8 // 2
         pos = s % 2 * 16 + j  # l of the format description (gguf_format.py), 0..31
-        low = tl.load(u8_ptr + blk + n * 64 + i % 2 * 32 + pos, mask=mask, other=0).to(tl.int32)
-        high = tl.load(u8_ptr + blk + 128 + n * 32 + pos, mask=mask, other=0).to(tl.int32)
+        low = tl.load(u8_ptr + _plane(row_off, nb, blk, n * 64 + i % 2 * 32 + pos, 0, 128, 1),
+                      mask=mask, other=0).to(tl.int32)
+        high = tl.load(u8_ptr + _plane(row_off, nb, blk, n * 32 + pos, 128, 64, 1),
+                       mask=mask, other=0).to(tl.int32)
         qi = ((low >> (i // 2 * 4)) & 0xF) | (((high >> (2 * i)) & 3) << 4)
         q = qi.to(tl.float32) - 32.0
-        sc = tl.load(i8_ptr + blk + 192 + s, mask=mask, other=0).to(tl.float32)
-        scale = _f16_at(f16_ptr, blk + 208, mask) * sc
+        sc = tl.load(i8_ptr + _plane(row_off, nb, blk, s, 192, 16, 0), mask=mask,
+                     other=0).to(tl.float32)
+        d = tl.load(f16_ptr + _plane(row_off, nb, blk, 0, 208, 2, 0) // 2, mask=mask,
+                    other=0.0).to(tl.float32)
+        scale = d * sc
         mn = tl.zeros_like(scale)
     return q, scale, mn
 
 
 @jit
-def _sub_block_mask(rows, N, c, s, K, SUBLEN: tl.constexpr):
-    # [BN, SUBS, 1]: the row exists and the sub-block starts before K (legacy rows of 576)
-    return (rows < N)[:, None, None] & (c * 256 + s * SUBLEN < K)
-
-
-@jit(do_not_specialize=("M",))
-def _gguf_gemv_kernel(
-    x_ptr, u8_ptr, i8_ptr, f16_ptr, y_ptr,  # x [M, K]; qweight [N, stride_w] bytes; y [M, N]
-    M, N, K, stride_xm, stride_w, stride_ym,
-    QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, SUBS: tl.constexpr, SUBLEN: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    # grid: (cdiv(N, BLOCK_N),). Each program owns BLOCK_N rows of W and all M rows of x.
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_off = (rows.to(tl.int64) * stride_w)[:, None, None]  # [BN, 1, 1]
-    s = tl.arange(0, SUBS)[None, :, None]
-    j = tl.arange(0, SUBLEN)[None, None, :]
-    m_idx = tl.arange(0, BLOCK_M)[None, :]
-    if BLOCK_M == 1:
-        # batch 1: every thread keeps its own running products, and the sums that cross
-        # threads (shuffles) happen once at the end instead of once per chunk
-        acc3 = tl.zeros((BLOCK_N, SUBS, SUBLEN), tl.float32)
-        for c in range(tl.cdiv(K, 256)):
-            mask = _sub_block_mask(rows, N, c, s, K, SUBLEN)
-            q, scale, mn = _chunk_parts(u8_ptr, i8_ptr, f16_ptr, row_off, c, s, j, mask,
-                                        QTYPE, BLOCK_BYTES)
-            k = c * 256 + s * SUBLEN + j  # [1, SUBS, SUBLEN]
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            acc3 += (q * scale + mn) * x
-        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[:, None]  # [BN, 1]
-    else:
-        # M rows of x share each decoded chunk: y[m] += scale * (q . x[m]) + min * sum(x[m])
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for c in range(tl.cdiv(K, 256)):
-            mask = _sub_block_mask(rows, N, c, s, K, SUBLEN)
-            q, scale, mn = _chunk_parts(u8_ptr, i8_ptr, f16_ptr, row_off, c, s, j, mask,
-                                        QTYPE, BLOCK_BYTES)
-            k = c * 256 + s * SUBLEN + j
-            for mi in tl.static_range(BLOCK_M):
-                x = tl.load(x_ptr + mi * stride_xm + k, mask=(k < K) & (mi < M),
-                            other=0.0).to(tl.float32)
-                qx = tl.sum(q * x, axis=2, keep_dims=True)  # [BN, SUBS, 1]
-                xs = tl.sum(x, axis=2, keep_dims=True)  # [1, SUBS, 1]
-                part = tl.sum(tl.sum(qx * scale + mn * xs, axis=2), axis=1)  # [BN]
-                acc += tl.where(m_idx == mi, part[:, None], 0.0)
-    y_mask = (rows < N)[:, None] & (m_idx < M)
-    tl.store(y_ptr + m_idx * stride_ym + rows[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=y_mask)
-
-
-@jit
 def _gguf_dequantize_kernel(
-    u8_ptr, i8_ptr, f16_ptr, w_ptr,  # qweight [N, stride_w] bytes -> w [N, K]
+    u8_ptr, i8_ptr, f16_ptr, w_ptr,  # qweight [N, stride_w] bytes (device layout) -> w [N, K]
     N, K, stride_w,
-    QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, SUBS: tl.constexpr, SUBLEN: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    QTYPE: tl.constexpr, SUBS: tl.constexpr, SUBLEN: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), cdiv(K, 256)): one chunk of BLOCK_N rows per program
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     c = tl.program_id(1)
+    nb = K // (256 if QTYPE == 12 or QTYPE == 13 or QTYPE == 14 else 32)
     row_off = (rows.to(tl.int64) * stride_w)[:, None, None]
     s = tl.arange(0, SUBS)[None, :, None]
     j = tl.arange(0, SUBLEN)[None, None, :]
-    mask = _sub_block_mask(rows, N, c, s, K, SUBLEN)
-    q, scale, mn = _chunk_parts(u8_ptr, i8_ptr, f16_ptr, row_off, c, s, j, mask,
-                                QTYPE, BLOCK_BYTES)
+    # the row exists and the sub-block starts before K (legacy rows of 576)
+    mask = (rows < N)[:, None, None] & (c * 256 + s * SUBLEN < K)
+    q, scale, mn = _chunk_parts(u8_ptr, i8_ptr, f16_ptr, row_off, nb, c, s, j, mask, QTYPE)
     k = c * 256 + s * SUBLEN + j
     w = scale * q + mn  # [BN, SUBS, SUBLEN]
     tl.store(w_ptr + rows.to(tl.int64)[:, None, None] * K + k, w.to(w_ptr.dtype.element_ty),
              mask=mask & (k < K))
-
-
-def _views(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    qweight = qweight.contiguous()
-    return qweight, qweight.view(torch.int8), qweight.view(torch.float16)
 
 
 def _check(qweight: torch.Tensor, type_id: int, K: int, what: str) -> None:
@@ -195,41 +154,33 @@ def _check(qweight: torch.Tensor, type_id: int, K: int, what: str) -> None:
                          f"[N, {expected}]; got {qweight.dtype} {list(qweight.shape)}")
 
 
+def dequantize_reference(qweight: torch.Tensor, type_id: int, K: int) -> torch.Tensor:
+    """The torch reference of gguf_dequantize: device-layout qweight -> float32 W [N, K]."""
+    return gguf_dequantize_reference(to_file_layout(qweight, type_id, K), type_id, K)
+
+
+def linear_reference(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.Tensor:
+    """The torch reference of gguf_linear: y [M, N] = x [M, K] @ W^T in fp32, in x's dtype."""
+    return (x.float() @ dequantize_reference(qweight, type_id, x.shape[-1]).T).to(x.dtype)
+
+
 def gguf_dequantize(qweight: torch.Tensor, type_id: int, K: int,
                     dtype: torch.dtype = torch.float32, block_n: int = 16) -> torch.Tensor:
-    """W [N, K] in `dtype` from qweight uint8 [N, row_bytes] of GGML type `type_id`."""
+    """W [N, K] in `dtype` from qweight uint8 [N, row_bytes] (device layout) of type `type_id`."""
     _check(qweight, type_id, K, "gguf_dequantize")
     if type_id in DENSE_TYPES:
         return qweight.contiguous().view(DENSE_TYPES[type_id]).to(dtype)
     if not use_triton(qweight):
-        return gguf_dequantize_reference(qweight, type_id, K).to(dtype)
+        return dequantize_reference(qweight, type_id, K).to(dtype)
+    qweight = qweight.contiguous()
     N = qweight.shape[0]
     w = torch.empty(N, K, dtype=dtype, device=qweight.device)
     subs, sublen = LAYOUTS[type_id]
     _gguf_dequantize_kernel[(cdiv(N, block_n), cdiv(K, CHUNK))](
-        *_views(qweight), w, N, K, qweight.shape[1], QTYPE=type_id,
-        BLOCK_BYTES=ggml_type(type_id).block_bytes, SUBS=subs, SUBLEN=sublen, BLOCK_N=block_n,
+        qweight, qweight.view(torch.int8), qweight.view(torch.float16), w, N, K,
+        qweight.shape[1], QTYPE=type_id, SUBS=subs, SUBLEN=sublen, BLOCK_N=block_n,
     )
     return w
-
-
-def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int = 8,
-              num_warps: int = 4) -> torch.Tensor:
-    """The decode GEMV: y [M, N] = x [M, K] @ W^T for M <= GEMV_MAX_M, fp32 accumulation."""
-    M, K = x.shape
-    if M > GEMV_MAX_M:
-        raise ValueError(f"gguf_gemv takes at most {GEMV_MAX_M} rows of x, got {M}")
-    _check(qweight, type_id, K, "gguf_gemv")
-    x = x.contiguous()
-    N = qweight.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    subs, sublen = LAYOUTS[type_id]
-    _gguf_gemv_kernel[(cdiv(N, block_n),)](
-        x, *_views(qweight), y, M, N, K, x.stride(0), qweight.shape[1], y.stride(0),
-        QTYPE=type_id, BLOCK_BYTES=ggml_type(type_id).block_bytes, SUBS=subs, SUBLEN=sublen,
-        BLOCK_N=block_n, BLOCK_M=next_power_of_2(M), num_warps=num_warps,
-    )
-    return y
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.Tensor:
@@ -240,9 +191,9 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.T
     if type_id in DENSE_TYPES:
         return x @ gguf_dequantize(qweight, type_id, K, x.dtype).T
     if not use_triton(x):
-        return gguf_linear_reference(x, qweight, type_id)
+        return linear_reference(x, qweight, type_id)
     if x.shape[0] == 0:
         return x.new_empty(0, qweight.shape[0])
-    if x.shape[0] <= GEMV_MAX_M:
+    if x.shape[0] <= GEMV_MAX_M and gemv_supported(type_id, K):
         return gguf_gemv(x, qweight, type_id)
     return x @ gguf_dequantize(qweight, type_id, K, x.dtype).T

@@ -2,7 +2,8 @@
 
 A GGUF file is loaded without a float copy (gguf.py reads it): every matrix reaches the model as
 a `GGUFWeight`, the file's raw rows `[N, row_bytes]` and their GGML type, and stays that way on
-the device. The matmuls run `tinypaged.kernels.gguf.gguf_linear` (Triton on CUDA: the decode
+the device, its bytes regrouped once into the kernels' planes (kernels/gguf_layout.py: same
+size). The matmuls run `tinypaged.kernels.gguf.gguf_linear` (Triton on CUDA: the decode
 GEMV reads the packed blocks once; prefill dequantizes and calls cuBLAS).
 
 Unlike AWQ, a layer's storage is known only once its tensors arrive: a "_K_M" file mixes types
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinypaged.kernels.gguf import gguf_dequantize, gguf_linear
+from tinypaged.kernels.gguf import gguf_dequantize, gguf_linear, to_device_layout
 from tinypaged.kernels.gguf_format import DENSE_TYPES, ggml_type, row_bytes
 
 DENSE = -1  # part type of a weight held as a plain float matrix
@@ -56,11 +57,12 @@ class GGUFWeight:
 
 def _to_part(weight: GGUFWeight, device: torch.device, dtype: torch.dtype,
              cpu_dequantize: bool) -> tuple[int, torch.Tensor]:
-    """(type id, uint8 rows) on `device`, or (DENSE, float [N, K]) for float types and the CPU."""
+    """(type id, uint8 rows in the kernels' device layout) on `device`, or (DENSE, float [N, K])
+    for float types and the CPU."""
     rows = weight.data
     if isinstance(rows, np.ndarray):  # a read-only view of the file: copy it out
         rows = torch.from_numpy(np.array(rows))
-    rows = rows.to(device)
+    rows = to_device_layout(rows.to(device), weight.type_id, weight.shape[1])
     if weight.type_id in DENSE_TYPES or (cpu_dequantize and device.type == "cpu"):
         return DENSE, gguf_dequantize(rows, weight.type_id, weight.shape[1], dtype)
     return weight.type_id, rows

@@ -1,0 +1,101 @@
+"""The device layout of GGUF weights: the file's blocks regrouped into planes, done once at load.
+
+A GGUF row interleaves small fields with the quants block by block (gguf_format.py): Q6_K's 210
+bytes, Q8_0's 34 or Q4_0's 18 leave most blocks at addresses no wide load can start from, and a
+thread that reads the quants of a block must also find its scale a few bytes away. The decode
+GEMVs (gguf_gemv.py) want one thing: each thread loading 16 contiguous bytes of quants, a warp
+reading whole 128-byte lines, and the scales somewhere they can gather from L1. So each row is
+regrouped, byte for byte, into PLANES: for every field of a block (table below), the field of all
+K / block_elems blocks of the row, one after the other; quant planes first, so they start at the
+row's start, 16-byte aligned whenever the row length is.
+
+    type  planes (bytes per block, in row order)   T: 16-byte chunks transposed
+    Q8_0  qs 32 T | d 2                             TH: and in the order 0 2 4 6 1 3 5 7
+    Q4_0  qs 16 T | d 2
+    Q4_1  qs 16 T | d 2 | m 2
+    Q4_K  qs 128 TH | d, dmin, scales 16
+    Q5_K  qs 128 TH | qh 32 T | d, dmin, scales 16
+    Q6_K  ql 128 T | qh 64 T | scales 16 | d 2
+
+Inside a quant plane every 16-byte chunk is also transposed as a 4 x 4 byte matrix: byte
+4 * w + b of the chunk (byte b of 32-bit word w) holds the file's byte 4 * b + w. A thread that
+holds the chunk as four words then finds, at byte position b of its words, four CONSECUTIVE file
+bytes 4b .. 4b + 3, so the activations it multiplies them with are one contiguous load, and one
+shift of a word lines up the same byte of all four. Q4_K / Q5_K keep sub-blocks 2g and 2g + 1 in
+the 32 bytes 32g .. 32g + 31 (chunks 2g and 2g + 1); a GEMV thread reads both chunks of one g,
+so that it decodes their scales once, and TH puts the first halves of all four pairs ahead of the
+second halves: the four threads of a row then read 64 contiguous bytes per load instruction.
+
+The row keeps its length (row_bytes: memory stays the file's size) and its order of rows, so row
+gathers (the embedding lookup) and row concatenations (fused QKV) work on it unchanged. F32, F16
+and BF16 matrices are not regrouped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinypaged.kernels.gguf_format import DENSE_TYPES, ggml_type, row_bytes
+
+PLAIN, T, TH = 0, 1, 2  # a plane's bytes as in the file; chunks transposed; and halves first
+# type id -> the planes, in row order: (first byte of the field in a file block, bytes, kind)
+PLANES = {
+    8: ((2, 32, T), (0, 2, PLAIN)),
+    2: ((2, 16, T), (0, 2, PLAIN)),
+    3: ((4, 16, T), (0, 2, PLAIN), (2, 2, PLAIN)),
+    12: ((16, 128, TH), (0, 16, PLAIN)),
+    13: ((48, 128, TH), (16, 32, T), (0, 16, PLAIN)),
+    14: ((0, 128, T), (128, 64, T), (192, 16, PLAIN), (208, 2, PLAIN)),
+}
+
+
+def _transpose_chunks(b: torch.Tensor) -> torch.Tensor:
+    """[..., 16 c] bytes -> each 16-byte chunk as a 4 x 4 matrix, transposed (an involution)."""
+    lead = b.shape[:-1]
+    return b.reshape(*lead, -1, 4, 4).transpose(-1, -2).reshape(*lead, -1)
+
+
+def _halves_first(b: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """[N, nb, 128] -> chunk 2g + half (16 bytes) moved to 4 * half + g (inverse: back)."""
+    shape = (4, 2) if not inverse else (2, 4)
+    return b.reshape(*b.shape[:-1], *shape, 16).transpose(-2, -3).reshape(b.shape)
+
+
+def _check(qweight: torch.Tensor, type_id: int, K: int) -> int:
+    t = ggml_type(type_id)
+    if qweight.dim() != 2 or qweight.shape[1] != row_bytes(type_id, K):
+        raise ValueError(f"a {t.name} matrix with K={K} is uint8 [N, {row_bytes(type_id, K)}]; "
+                         f"got {list(qweight.shape)}")
+    return K // t.block_elems
+
+
+def to_device_layout(qweight: torch.Tensor, type_id: int, K: int) -> torch.Tensor:
+    """File rows uint8 [N, row_bytes] -> the same bytes in planes [N, row_bytes]."""
+    if type_id in DENSE_TYPES:
+        return qweight
+    nb = _check(qweight, type_id, K)
+    blocks = qweight.reshape(qweight.shape[0], nb, -1)  # [N, nb, block_bytes]
+    planes = []
+    for start, size, kind in PLANES[type_id]:
+        plane = blocks[..., start : start + size]  # [N, nb, size]
+        if kind == TH:
+            plane = _halves_first(plane)
+        plane = plane.reshape(qweight.shape[0], nb * size)
+        planes.append(_transpose_chunks(plane) if kind != PLAIN else plane)
+    return torch.cat(planes, dim=1)
+
+
+def to_file_layout(qweight: torch.Tensor, type_id: int, K: int) -> torch.Tensor:
+    """The inverse of to_device_layout: planes [N, row_bytes] -> file rows [N, row_bytes]."""
+    if type_id in DENSE_TYPES:
+        return qweight
+    nb = _check(qweight, type_id, K)
+    N = qweight.shape[0]
+    blocks = qweight.new_empty(N, nb, ggml_type(type_id).block_bytes)
+    offset = 0
+    for start, size, kind in PLANES[type_id]:
+        plane = qweight[:, offset : offset + nb * size]
+        plane = (_transpose_chunks(plane) if kind != PLAIN else plane).reshape(N, nb, size)
+        blocks[..., start : start + size] = _halves_first(plane, True) if kind == TH else plane
+        offset += nb * size
+    return blocks.reshape(N, -1)
