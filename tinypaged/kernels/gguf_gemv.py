@@ -79,6 +79,30 @@ def _k_scale_min(w1, w2, w3, s):
 
 
 @jit
+def _select(v, w, i):
+    # element i (a constant or [H, BN, 1]) of each thread's 4-vector v [H, BN, 4] -> [H, BN, 1].
+    # Scales load as such vectors in the quants' own layout (every thread of a row loads them;
+    # L1 serves the repeats): loaded as [1, BN, 1], they got a layout of their own, and moving
+    # values between the two cost shared-memory round trips and shuffles in every step.
+    return tl.sum(tl.where(w == i, v, tl.zeros_like(v)), axis=2, keep_dims=True)
+
+
+@jit
+def _f16_at(f16_ptr, plane, idx, w, mask):
+    # fp16 number idx [H, 1, 1] of the plane starting at fp16 offset plane [1, BN, 1], as fp32
+    # [H, BN, 1]: loaded within the aligned group of 4 that holds it (see _select)
+    v = tl.load(f16_ptr + plane + idx // 4 * 4 + w, mask=mask, other=0.0).to(tl.float32)
+    return _select(v, w, idx % 4)
+
+
+@jit
+def _f16_of(word, half):
+    # the fp16 in bits 16 half .. 16 half + 15 of an int32 word, as fp32
+    return ((word >> (16 * half)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(
+        tl.float32)
+
+
+@jit
 def _add_row(acc, part, mi: tl.constexpr, BLOCK_M: tl.constexpr):
     # acc [H, BN, BLOCK_M] += part [H, BN, 1] in column mi
     if BLOCK_M == 1:
@@ -93,13 +117,14 @@ def _gguf_gemv_kernel(
     partial_ptr, count_ptr,  # fp32 [M, N] and int32 [cdiv(N, BLOCK_N)], zero before and after
     M, N, K, stride_xm, stride_w, one, split_k,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
-    # grid: (cdiv(N, BLOCK_N), split_k); stride_w: words per row
+    # grid: (cdiv(N, BLOCK_N), split_k); a row is stride_w * ROW_ALIGN words: ROW_ALIGN = 4 tells
+    # the compiler that rows start 16-byte aligned, so that 16-byte loads can be used
     pid_n = tl.program_id(0)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = (rows < N)[None, :, None]
-    row_w = (rows.to(tl.int64) * stride_w)[None, :, None]  # [1, BN, 1] first word of the row
+    row_w = (rows.to(tl.int64) * stride_w * ROW_ALIGN)[None, :, None]  # [1, BN, 1] first word
     # a thread reads 16-byte chunk h of the step's 128 quant bytes (Q4_K / Q5_K: chunks 2h and
     # 2h + 1, the 32 bytes of sub-blocks 2h and 2h + 1, so their scales decode once)
     H: tl.constexpr = 4 if QTYPE == 12 or QTYPE == 13 else 8
@@ -121,12 +146,12 @@ def _gguf_gemv_kernel(
             qs = w32_ptr + row_w + step * 32 + h * 4 + w  # chunks 2h, then (+16) 2h + 1
             wa = tl.load(qs, mask=ok, other=0)  # l = 0..15 (low nibble: sub-block 2h)
             wb = tl.load(qs + 16, mask=ok, other=0)  # l = 16..31
-            hdr = row_w + nb * (32 if QTYPE == 12 else 40) + step * 4  # d, dmin | scales
-            w1 = tl.load(w32_ptr + hdr + 1, mask=row_ok, other=0)
-            w2 = tl.load(w32_ptr + hdr + 2, mask=row_ok, other=0)
-            w3 = tl.load(w32_ptr + hdr + 3, mask=row_ok, other=0)
-            d = tl.load(f16_ptr + 2 * hdr, mask=row_ok, other=0.0).to(tl.float32)
-            dmin = tl.load(f16_ptr + 2 * hdr + 1, mask=row_ok, other=0.0).to(tl.float32)
+            # the 16-byte header: d, dmin | scale bytes 0-3, 4-7, 8-11
+            hdr = tl.load(w32_ptr + row_w + nb * (32 if QTYPE == 12 else 40) + step * 4 + w
+                          + 0 * h, mask=ok, other=0)
+            w0 = _select(hdr, w, 0)
+            w1, w2, w3 = _select(hdr, w, 1), _select(hdr, w, 2), _select(hdr, w, 3)
+            d, dmin = _f16_of(w0, 0), _f16_of(w0, 1)
             sc_lo, mn_lo = _k_scale_min(w1, w2, w3, 2 * h)
             sc_hi, mn_hi = _k_scale_min(w1, w2, w3, 2 * h + 1)
             a_lo, a_hi = d * sc_lo * 256.0, d * sc_hi * 16.0  # u of the low / high nibble
@@ -172,13 +197,13 @@ def _gguf_gemv_kernel(
             lh = h % 2
             qh = tl.load(w32_ptr + row_w + nb * 32 + step * 16 + (2 * n + lh) * 4 + w, mask=ok,
                          other=0) >> (2 * i0)  # quarter i0's 2 bits at 8b, i0 + 2's at 8b + 4
-            sub = 8 * n + 2 * i0 + lh  # scales of quarter i0; quarter i0 + 2 is sub + 4
-            sc_lo = tl.load(i8_ptr + row_w * 4 + nb * 192 + step * 16 + sub, mask=ok,
-                            other=0).to(tl.float32)
-            sc_hi = tl.load(i8_ptr + row_w * 4 + nb * 192 + step * 16 + sub + 4, mask=ok,
-                            other=0).to(tl.float32)
-            d = tl.load(f16_ptr + row_w * 2 + nb * 104 + step, mask=row_ok,
-                        other=0.0).to(tl.float32)
+            # int8 scale sub of quarter i0 (sub + 4 of quarter i0 + 2) of the 16 at nb * 192
+            sub = 8 * n + 2 * i0 + lh
+            scales = tl.load(w32_ptr + row_w + nb * 48 + step * 4 + w + 0 * h, mask=ok, other=0)
+            sc_lo = (_select(scales, w, sub // 4) << (24 - sub % 4 * 8)) >> 24  # sign-extended
+            sc_hi = (_select(scales, w, sub // 4 + 1) << (24 - sub % 4 * 8)) >> 24
+            d = _f16_at(f16_ptr, row_w * 2 + nb * 104, step + 0 * h, w, ok)  # plane at nb * 208
+            sc_lo, sc_hi = sc_lo.to(tl.float32), sc_hi.to(tl.float32)
             a_lo, a_hi = d * sc_lo * 256.0, d * sc_hi * 16.0
             q0, q1, q2, q3 = _byte_fracs(words, 0xF << 15, one)
             p0, p1, p2, p3 = _byte_fracs(words, 0xF << 19, one)
@@ -197,7 +222,7 @@ def _gguf_gemv_kernel(
                         + a_hi * (s_hi - xs_hi + 16.0 * (e_hi - xs_hi) - xs_hi * (32.0 / 16.0)))
                 acc = _add_row(acc, part, mi, BLOCK_M)
         elif QTYPE == 8:  # Q8_0: chunk h = weights 16 (h % 2).. of block blk
-            d = tl.load(f16_ptr + row_w * 2 + nb * 16 + blk, mask=ok, other=0.0).to(tl.float32)
+            d = _f16_at(f16_ptr, row_w * 2 + nb * 16, blk, w, ok)
             # signed bytes: XOR-ing the sign bits (0x80808080) gives q + 128 in 0..255
             q0, q1, q2, q3 = _byte_fracs(words ^ -0x7F7F7F80, 0xFF << 15, one)
             k_lo = step * 128 + h * 16
@@ -207,10 +232,9 @@ def _gguf_gemv_kernel(
                 acc = _add_row(acc, d * ((s - xs) * 256.0 - 128.0 * xs), mi, BLOCK_M)
         elif QTYPE == 2 or QTYPE == 3:  # Q4_0 / Q4_1: chunk h = block blk, low nibbles weights
             # 0..15, high nibbles 16..31
-            d = tl.load(f16_ptr + row_w * 2 + nb * 8 + blk, mask=ok, other=0.0).to(tl.float32)
+            d = _f16_at(f16_ptr, row_w * 2 + nb * 8, blk, w, ok)
             if QTYPE == 3:
-                mn = tl.load(f16_ptr + row_w * 2 + nb * 9 + blk, mask=ok,
-                             other=0.0).to(tl.float32)
+                mn = _f16_at(f16_ptr, row_w * 2 + nb * 9, blk, w, ok)
             else:
                 mn = -8.0 * d
             q0, q1, q2, q3 = _byte_fracs(words, 0xF << 15, one)
@@ -247,9 +271,12 @@ def gemv_supported(type_id: int, K: int) -> bool:
     return type_id in BLOCKS_PER_STEP and row_bytes(type_id, K) % 4 == 0
 
 
-def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int = 64,
-              num_warps: int = 4, num_stages: int = 2, split_k: int | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T, 1 <= M <= GEMV_MAX_M, qweight in the device layout."""
+def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int | None = None,
+              num_warps: int = 2, num_stages: int = 1, split_k: int | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T, 1 <= M <= GEMV_MAX_M, qweight in the device layout.
+
+    block_n rows per program (default: 4 rows a thread with num_warps warps); num_stages 1
+    loads with plain vector loads (more stages pipeline them through shared memory)."""
     M, K = x.shape
     N = qweight.shape[0]
     if M > GEMV_MAX_M or not gemv_supported(type_id, K):
@@ -260,6 +287,8 @@ def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
                          f"[N, {row_bytes(type_id, K)}]; got {qweight.dtype} "
                          f"{list(qweight.shape)}")
     x, qweight = x.contiguous(), qweight.contiguous()
+    if block_n is None:  # lanes cover 32 / (4 or 8 chunks) rows a warp; 4 rows a thread
+        block_n = 4 * num_warps * (8 if type_id in (12, 13) else 4)
     n_blocks = cdiv(N, block_n)
     steps = cdiv(K // ggml_type(type_id).block_elems, BLOCKS_PER_STEP[type_id])
     if split_k is None:  # ~4 programs per SM (under the interpreter: few programs, fast tests)
@@ -268,10 +297,11 @@ def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     partial, count = _split_k_workspace(x.device, M * N, n_blocks)
+    align = 4 if qweight.shape[1] % 16 == 0 else 1
     _gguf_gemv_kernel[(n_blocks, split_k)](
         x, qweight.view(torch.int32), qweight.view(torch.int8), qweight.view(torch.float16), y,
-        partial, count, M, N, K, x.stride(0), qweight.shape[1] // 4, _ONE, split_k,
+        partial, count, M, N, K, x.stride(0), qweight.shape[1] // 4 // align, _ONE, split_k,
         QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=next_power_of_2(M), SPLIT=split_k > 1,
-        STAGES=num_stages, num_warps=num_warps,
+        STAGES=num_stages, ROW_ALIGN=align, num_warps=num_warps,
     )
     return y
