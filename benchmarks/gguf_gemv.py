@@ -80,9 +80,10 @@ def checks(args):
     """Every type and M against the reference on the o shape (and a ragged N)."""
     for (tname, type_id), M in itertools.product(args.types, args.m):
         for K, N in ((4096, 4096), (2048, 1000)):
+            print(f"check {tname} M={M} {K}x{N}: ", end="", flush=True)
             x = torch.randn(M, K, device="cuda").bfloat16()
             err = check(x, random_qweight(type_id, N, K), type_id)
-            print(f"check {tname} M={M} {K}x{N}: rel. error {err:.1e} ok", flush=True)
+            print(f"rel. error {err:.1e} ok", flush=True)
 
 
 def kernels(args, deadline):
@@ -196,8 +197,9 @@ def same_tokens():
     outs = []
     for quantized in (True, False):
         patched_weights(cfg, dequantize=not quantized)
+        # eager: a correctness check, which need not compile the GEMV for every graph bucket
         llm = LLM(gguf_model_dir(cfg, quantized), skip_tokenizer_init=True, max_model_len=512,
-                  gpu_memory_utilization=0.3)
+                  gpu_memory_utilization=0.3, max_num_seqs=len(prompts), enforce_eager=True)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         llm.shutdown()
         del llm
@@ -222,7 +224,8 @@ def free_gpu():
 def decode(args):
     cfg = bench.SHAPES["llama3-8b"]
     # each engine takes 40% of the GPU for weights and KV cache: both fit even side by side
-    argv = ["latency", "--batch-sizes", "1", "8", "--max-num-seqs", "16",
+    batches = [str(b) for b in args.batch_sizes]
+    argv = ["latency", "--batch-sizes", *batches, "--max-num-seqs", str(max(args.batch_sizes)),
             "--gpu-memory-utilization", "0.4"]
     bf16 = bench.main(argv + ["--model-shape", "llama3-8b"])
     free_gpu()
@@ -230,7 +233,7 @@ def decode(args):
     q = bench.main(argv + ["--model-shape", gguf_model_dir(cfg, quantized=True)])
     print("\n| Llama-3-8B shape, decode | bf16 tok/s | Q4_K_M-like GGUF tok/s | speed-up |")
     print("|---|---|---|---|")
-    for batch in (1, 8):
+    for batch in args.batch_sizes:
         a, b = bf16[batch]["tok_s_per_seq"], q[batch]["tok_s_per_seq"]
         print(f"| batch {batch} (per sequence) | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
 
@@ -245,6 +248,8 @@ def main():
     parser.add_argument("--no-awq", dest="awq", action="store_false")
     parser.add_argument("--budget-s", type=float, default=1e9,
                         help="stop timing kernels after this many seconds")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8],
+                        help="decode batch sizes")
     parser.add_argument("--only", choices=["checks", "kernels", "tokens", "decode"])
     args = parser.parse_args()
     args.types = [(t, TYPES[t]) for t in args.types]

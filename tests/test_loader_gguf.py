@@ -52,7 +52,7 @@ MIXES = {
              "ffn_down": Q.Q8_0},
     "q4_k_m": {"token_embd": Q.Q4_K, "output": Q.Q6_K, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K,
                "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K, "ffn_up": Q.Q5_K,
-               "ffn_down": Q.Q6_K},
+               "ffn_down": Q.Q6_K, "attn_qkv": Q.Q4_K},
 }
 RANDOM_TYPES = {Q.Q4_K, Q.Q5_K, Q.Q6_K}  # written as random blocks: gguf cannot quantize them
 # fp16 scale bound of the random blocks, so that weights come out at ~0.05 (as in the models)
@@ -62,7 +62,8 @@ TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.2, Q.Q4_1: 0.2}
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
               "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
-              "post_attention_layernorm": "ffn_norm", "gate": "ffn_gate_inp"}
+              "post_attention_layernorm": "ffn_norm", "gate": "ffn_gate_inp",
+              "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"}  # phi3's fused projections
 SIZES = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}  # rows of whole 256-blocks
 
 
@@ -166,6 +167,8 @@ def transformers_reference(gguf_path, head_dim: int) -> torch.nn.Module:
 
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     config.head_dim = head_dim
+    if (config.pad_token_id or 0) >= config.vocab_size:  # phi3's default 32000: no tiny vocab
+        config.pad_token_id = None
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                              dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
@@ -381,3 +384,21 @@ def test_unknown_tensor_fails_and_cleans_up(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
     with pytest.raises(ValueError, match="rope_freqs"):
         tp_gguf.hf_tensor_name("rope_freqs.weight")
+
+
+def test_phi3_fused_projections_load_whole(tmp_path, monkeypatch):
+    """phi3 files hold fused attn_qkv ([q; k; v]) and ffn_up ([gate; up]) matrices: each
+    becomes one part of our fused layer, and greedy decoding matches transformers."""
+    hf_model = tiny_hf_model("phi3", vocab_size=len(TOKENS), partial_rotary_factor=1.0,
+                             **SIZES)
+    path = tmp_path / "tiny-phi3.gguf"
+    write_tiny_gguf(path, hf_model, "phi3", "q4_k_m")
+    _quantized_on_cpu(monkeypatch)
+    model, _, model_dir = loader.load_model(EngineConfig(model=str(path)), "cpu")
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == [
+        "Phi3ForCausalLM"]
+    layer = model.model.layers[0]
+    assert [t for t, _ in layer.self_attn.qkv_proj.gguf_parts] == [12]  # attn_qkv: Q4_K
+    assert [t for t, _ in layer.mlp.gate_up_proj.gguf_parts] == [13]  # ffn_up: Q5_K
+    reference = transformers_reference(path, _head_dim(hf_model.config))
+    _check_greedy(model, reference, PROMPT, steps=4)

@@ -47,6 +47,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -66,7 +67,10 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # the MoE router
+    "attn_qkv": "self_attn.qkv_proj",  # fused [q; k; v] rows (phi3)
 }
+# per architecture, GGUF names that mean another HF module: phi3's ffn_up is [gate; up]
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 # MoE experts, stacked in one GGUF tensor [E, out, in] per projection; HF names one per expert
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
@@ -84,12 +88,14 @@ def _metadata(reader, key: str, default: Any = None) -> Any:
     return value.tolist()[0]
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; ValueError if unknown."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` for GGUF architecture
+    `arch`; ValueError if unknown."""
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
+    if match and match.group(2) in names:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     match = re.fullmatch(r"(\w+)\.(weight|bias)", gguf_name)
     if match and match.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[match.group(1)]}.{match.group(2)}"
@@ -134,6 +140,9 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "sliding_window": None,  # llama.cpp runs every architecture here with full attention
     }
+    rotary = _metadata(reader, f"{arch}.rope.dimension_count")
+    if rotary and rotary < config["head_dim"]:  # partial rotary (Phi-4-mini)
+        config["partial_rotary_factor"] = rotary / config["head_dim"]
     scaling = _metadata(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
         factor = _metadata(reader, f"{arch}.rope.scaling.factor")
@@ -179,9 +188,10 @@ def _tensor_index(reader) -> list[list]:
     """[gguf name, GGML type, shape [out, in], byte offset in the file] per tensor, so that
     loads read the file through a memory map without parsing its metadata again (the gguf
     package's reader takes seconds on a 49k-token vocabulary). Unknown tensors fail here."""
+    arch = _metadata(reader, "general.architecture")
     for tensor in reader.tensors:
         if not _EXPERTS.fullmatch(tensor.name):
-            hf_tensor_name(tensor.name)
+            hf_tensor_name(tensor.name, arch)
     return [[t.name, int(t.tensor_type), [int(d) for d in reversed(t.shape)], int(t.data_offset)]
             for t in reader.tensors]  # GGUF lists the fastest-varying dimension first
 
@@ -221,7 +231,8 @@ def gguf_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, Any]]:
                 yield (f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight",
                        _dense(rows, type_id, shape[-1]))
             continue
-        name = hf_tensor_name(gguf_name)
+        # caches written before "arch" was recorded hold no architecture with names of its own
+        name = hf_tensor_name(gguf_name, source.get("arch", "llama"))
         if len(shape) == 1:  # vectors are F32 (or F16 / BF16): plain floats
             if type_id not in DENSE_TYPES:
                 raise ValueError(f"GGUF tensor {gguf_name!r} is a quantized vector")
@@ -340,6 +351,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
         permuted = SUPPORTED_ARCHITECTURES[_metadata(reader, "general.architecture")][2]
         source = {"gguf_file": str(gguf_path.resolve()), "size": size,
                   "converter_version": CONVERTER_VERSION,
+                  "arch": _metadata(reader, "general.architecture"),
                   "qk_heads": [config["num_attention_heads"], config["num_key_value_heads"]]
                   if permuted else None,
                   "tensors": _tensor_index(reader), "dense": dense}

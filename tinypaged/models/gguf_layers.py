@@ -111,9 +111,12 @@ class GGUFConfig:
         what = f"GGUF shard {shard_id!r}" if shard_id is not None else "GGUF weight"
         weight = _check(loaded, (rows, layer.input_size), what)
         device = layer.weight.device
-        layer.gguf_pending[shard_id] = _to_part(weight, device, layer.gguf_dtype,
-                                                self.cpu_dequantize)
-        if shard_id is None or set(layer.gguf_pending) == set(shard_ids):
+        part = _to_part(weight, device, layer.gguf_dtype, self.cpu_dequantize)
+        if shard_id is None:  # the whole (possibly fused: phi3's attn_qkv) matrix at once
+            layer.gguf_parts = [part]
+            return
+        layer.gguf_pending[shard_id] = part
+        if set(layer.gguf_pending) == set(shard_ids):
             ordered = [layer.gguf_pending[s] for s in shard_ids if s in layer.gguf_pending]
             parts: list[tuple[int, list[torch.Tensor]]] = []
             for type_id, data in ordered:
