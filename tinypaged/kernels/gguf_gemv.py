@@ -103,7 +103,7 @@ def _f16_of(word, half):
 
 
 @jit
-def _add_row(acc, part, mi: tl.constexpr, BLOCK_M: tl.constexpr):
+def _add_row(acc, part, mi, BLOCK_M: tl.constexpr):
     # acc [H, BN, BLOCK_M] += part [H, BN, 1] in column mi
     if BLOCK_M == 1:
         return acc + part
@@ -138,6 +138,9 @@ def _gguf_gemv_kernel(
     first = tl.program_id(1) * per_split
     last = tl.minimum(first + per_split, steps)
     acc = tl.zeros((H, BLOCK_N, BLOCK_M), tl.float32)
+    # the rows of x, one at a time in a loop that is not unrolled (unrolled 8 times, the body made
+    # the compile take minutes); each row reuses the step's decoded weights
+    ROWS_X = 1 if BLOCK_M == 1 else M
     for step in tl.range(first, last, num_stages=STAGES):
         # the step's block of chunk h (legacy blocks of 16 or 32 quant bytes) and its mask
         blk = step * BPS + h // (8 // BPS)  # [H, 1, 1]
@@ -169,7 +172,7 @@ def _gguf_gemv_kernel(
                 eb0, eb1, eb2, eb3 = _byte_fracs(hb, 1 << 15, one)
                 ob0, ob1, ob2, ob3 = _byte_fracs(hb, 1 << 16, one)
             k_lo = step * 256 + h * 64 + tl.arange(0, 4)[None, None, :]  # [H, 1, 4]: + 4b
-            for mi in tl.static_range(BLOCK_M):
+            for mi in range(ROWS_X):
                 x_lo = x_ptr + mi * stride_xm + k_lo
                 x_ok = mi < M
                 s_a, xs_a = _dot(qa0, qa1, qa2, qa3, x_lo, x_ok)
@@ -210,7 +213,7 @@ def _gguf_gemv_kernel(
             e0, e1, e2, e3 = _byte_fracs(qh, 3 << 15, one)
             o0, o1, o2, o3 = _byte_fracs(qh, 3 << 19, one)
             k_lo = step * 256 + n * 128 + i0 * 32 + lh * 16
-            for mi in tl.static_range(BLOCK_M):
+            for mi in range(ROWS_X):
                 x_lo = x_ptr + mi * stride_xm + k_lo + tl.arange(0, 4)[None, None, :]
                 x_ok = mi < M
                 s_lo, xs_lo = _dot(q0, q1, q2, q3, x_lo, x_ok)
@@ -226,7 +229,7 @@ def _gguf_gemv_kernel(
             # signed bytes: XOR-ing the sign bits (0x80808080) gives q + 128 in 0..255
             q0, q1, q2, q3 = _byte_fracs(words ^ -0x7F7F7F80, 0xFF << 15, one)
             k_lo = step * 128 + h * 16
-            for mi in tl.static_range(BLOCK_M):
+            for mi in range(ROWS_X):
                 x_lo = x_ptr + mi * stride_xm + k_lo + tl.arange(0, 4)[None, None, :]
                 s, xs = _dot(q0, q1, q2, q3, x_lo, (mi < M) & (k_lo < K))
                 acc = _add_row(acc, d * ((s - xs) * 256.0 - 128.0 * xs), mi, BLOCK_M)
@@ -240,7 +243,7 @@ def _gguf_gemv_kernel(
             q0, q1, q2, q3 = _byte_fracs(words, 0xF << 15, one)
             p0, p1, p2, p3 = _byte_fracs(words, 0xF << 19, one)
             k_lo = blk * 32
-            for mi in tl.static_range(BLOCK_M):
+            for mi in range(ROWS_X):
                 x_lo = x_ptr + mi * stride_xm + k_lo + tl.arange(0, 4)[None, None, :]
                 x_ok = (mi < M) & (k_lo < K)
                 s_lo, xs_lo = _dot(q0, q1, q2, q3, x_lo, x_ok)
@@ -287,8 +290,9 @@ def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
                          f"[N, {row_bytes(type_id, K)}]; got {qweight.dtype} "
                          f"{list(qweight.shape)}")
     x, qweight = x.contiguous(), qweight.contiguous()
-    if block_n is None:  # lanes cover 32 / (4 or 8 chunks) rows a warp; 4 rows a thread
-        block_n = 4 * num_warps * (8 if type_id in (12, 13) else 4)
+    if block_n is None:  # lanes cover 32 / (4 or 8 chunks) rows a warp; 4 rows a thread (2
+        # for M > 1, whose x rows and sums need the registers)
+        block_n = (4 if M == 1 else 2) * num_warps * (8 if type_id in (12, 13) else 4)
     n_blocks = cdiv(N, block_n)
     steps = cdiv(K // ggml_type(type_id).block_elems, BLOCKS_PER_STEP[type_id])
     if split_k is None:  # ~4 programs per SM (under the interpreter: few programs, fast tests)
