@@ -372,10 +372,10 @@ def test_unknown_tensor_fails_and_cleans_up(tmp_path):
     write_tiny_gguf(path, hf_model, "llama")
     original = tp_gguf.hf_tensor_name
 
-    def rename(name):
+    def rename(name, arch="llama"):
         if name == "blk.1.ffn_up.weight":
             raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart we know of")
-        return original(name)
+        return original(name, arch)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tp_gguf, "hf_tensor_name", rename)
