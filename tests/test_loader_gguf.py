@@ -67,16 +67,23 @@ GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pro
 SIZES = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}  # rows of whole 256-blocks
 
 
-def _gguf_name(hf_name: str) -> str:
+# Gemma's four norms a layer (its post_attention_layernorm is not llama's ffn_norm)
+GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
            "output_norm.weight", "lm_head.weight": "output.weight"}
     if hf_name in top:
         return top[hf_name]
     parts = hf_name.split(".")  # model.layers.N.(self_attn|mlp).X.weight or model.layers.N.X.weight
-    return f"blk.{parts[2]}.{GGUF_NAMES[parts[-2]]}.{parts[-1]}"
+    names = {**GGUF_NAMES, **GEMMA_NAMES} if arch.startswith("gemma") else GGUF_NAMES
+    return f"blk.{parts[2]}.{names[parts[-2]]}.{parts[-1]}"
 
 
-def _gguf_tensors(hf_model) -> list[tuple[list[str], str, np.ndarray]]:
+def _gguf_tensors(hf_model, arch: str = "llama") -> list[tuple[list[str], str, np.ndarray]]:
     """(HF names, GGUF name, array) of every checkpoint tensor; MoE experts stacked into one
     [E, out, in] tensor per layer and projection, as llama.cpp stores them."""
     weights = checkpoint_weights(hf_model)
@@ -85,7 +92,7 @@ def _gguf_tensors(hf_model) -> list[tuple[list[str], str, np.ndarray]]:
         m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight", name)
         if m:
             experts.setdefault((m[1], m[3]), []).append((int(m[2]), name, weights.pop(name)))
-    out = [([name], _gguf_name(name), t.float().numpy()) for name, t in weights.items()]
+    out = [([name], _gguf_name(name, arch), t.float().numpy()) for name, t in weights.items()]
     for (layer, proj), items in experts.items():
         items.sort(key=lambda item: item[0])
         stacked = torch.stack([t for _, _, t in items]).float().numpy()
@@ -134,7 +141,13 @@ def write_tiny_gguf(path, hf_model, arch: str, mix: str = "legacy") -> dict[str,
     writer.add_eot_token_id(0)
     writer.add_chat_template(TEMPLATE)
     types = {}
-    for names, gname, w in _gguf_tensors(hf_model):
+    if arch == "gemma2":
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    for names, gname, w in _gguf_tensors(hf_model, arch):
+        if arch.startswith("gemma") and gname.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         if names == ["lm_head.weight"] and c.tie_word_embeddings:
             continue
         if arch == "llama" and ".attn_q." in gname:
@@ -401,4 +414,22 @@ def test_phi3_fused_projections_load_whole(tmp_path, monkeypatch):
     assert [t for t, _ in layer.self_attn.qkv_proj.gguf_parts] == [12]  # attn_qkv: Q4_K
     assert [t for t, _ in layer.mlp.gate_up_proj.gguf_parts] == [13]  # ffn_up: Q5_K
     reference = transformers_reference(path, _head_dim(hf_model.config))
+    _check_greedy(model, reference, PROMPT, steps=4)
+
+
+def test_gemma2_norms_windows_and_softcaps(tmp_path, monkeypatch):
+    """gemma2 files: four norms a layer stored as 1 + w, local layers (window 8, shorter than
+    the prompt) alternating with global ones, soft-capped logits; greedy decoding matches
+    transformers reading the same file (head_dim 256: transformers takes the default
+    query_pre_attn_scalar, 256, and llama.cpp's scale is head_dim^-1/2)."""
+    hf_model = tiny_hf_model("gemma2", vocab_size=len(TOKENS), hidden_size=256,
+                             intermediate_size=512, head_dim=256, query_pre_attn_scalar=256,
+                             attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    path = tmp_path / "tiny-gemma2.gguf"
+    write_tiny_gguf(path, hf_model, "gemma2", "q4_k_m")
+    _quantized_on_cpu(monkeypatch)
+    model, _, model_dir = loader.load_model(EngineConfig(model=str(path)), "cpu")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["sliding_window"], config["query_pre_attn_scalar"]) == (8, 256)
+    reference = transformers_reference(path, 256)
     _check_greedy(model, reference, PROMPT, steps=4)

@@ -48,6 +48,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -70,7 +71,15 @@ _LAYER_NAMES = {
     "attn_qkv": "self_attn.qkv_proj",  # fused [q; k; v] rows (phi3)
 }
 # per architecture, GGUF names that mean another HF module: phi3's ffn_up is [gate; up]
-_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+_ARCH_LAYER_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    # Gemma's four norms a layer
+    "gemma2": {"post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# llama.cpp stores Gemma's RMSNorm weights w as 1 + w (its norms multiply by the weight)
+_NORMS_PLUS_ONE = {"gemma2"}
 # MoE experts, stacked in one GGUF tensor [E, out, in] per projection; HF names one per expert
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
@@ -140,6 +149,16 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "sliding_window": None,  # llama.cpp runs every architecture here with full attention
     }
+    if arch == "gemma2":  # GeGLU, soft-capping, and local layers alternating with global ones
+        config.update(
+            hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+            sliding_window=_metadata(reader, f"{arch}.attention.sliding_window", 4096),
+            attn_logit_softcapping=_metadata(reader, f"{arch}.attn_logit_softcapping", 50.0),
+            final_logit_softcapping=_metadata(reader, f"{arch}.final_logit_softcapping", 30.0),
+            # llama.cpp's attention scale: head_dim^-1/2, except (hidden / heads)^-1/2 for the
+            # 46-layer Gemma-2-27B
+            query_pre_attn_scalar=hidden // heads if config["num_hidden_layers"] == 46
+            else config["head_dim"])
     rotary = _metadata(reader, f"{arch}.rope.dimension_count")
     if rotary and rotary < config["head_dim"]:  # partial rotary (Phi-4-mini)
         config["partial_rotary_factor"] = rotary / config["head_dim"]
@@ -236,7 +255,10 @@ def gguf_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, Any]]:
         if len(shape) == 1:  # vectors are F32 (or F16 / BF16): plain floats
             if type_id not in DENSE_TYPES:
                 raise ValueError(f"GGUF tensor {gguf_name!r} is a quantized vector")
-            yield name, torch.from_numpy(np.array(raw)).view(DENSE_TYPES[type_id]).float()
+            vector = torch.from_numpy(np.array(raw)).view(DENSE_TYPES[type_id]).float()
+            if source.get("arch") in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+                vector -= 1
+            yield name, vector
             continue
         rows = raw.reshape(shape[0], -1)  # [out, row_bytes]
         for part, num_heads in heads.items():
