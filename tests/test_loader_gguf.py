@@ -124,7 +124,8 @@ def write_tiny_gguf(path, hf_model, arch: str, mix: str = "legacy") -> dict[str,
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_key_length(_head_dim(c))
     writer.add_value_length(_head_dim(c))
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # gemma3: per layer type
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
     if getattr(c, "num_experts", None):
@@ -141,8 +142,9 @@ def write_tiny_gguf(path, hf_model, arch: str, mix: str = "legacy") -> dict[str,
     writer.add_eot_token_id(0)
     writer.add_chat_template(TEMPLATE)
     types = {}
-    if arch == "gemma2":
+    if arch.startswith("gemma"):
         writer.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
         writer.add_final_logit_softcapping(c.final_logit_softcapping)
     for names, gname, w in _gguf_tensors(hf_model, arch):
@@ -431,5 +433,25 @@ def test_gemma2_norms_windows_and_softcaps(tmp_path, monkeypatch):
     model, _, model_dir = loader.load_model(EngineConfig(model=str(path)), "cpu")
     config = json.loads((model_dir / "config.json").read_text())
     assert (config["sliding_window"], config["query_pre_attn_scalar"]) == (8, 256)
+    reference = transformers_reference(path, 256)
+    _check_greedy(model, reference, PROMPT, steps=4)
+
+
+def test_gemma3_qk_norms_and_local_layers(tmp_path, monkeypatch):
+    """gemma3 files: q/k norms (also stored as 1 + w), local layers with rotary base 10000
+    beside the file's global base; greedy decoding matches transformers reading the file."""
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    hf_model = tiny_hf_model("gemma3", vocab_size=len(TOKENS), hidden_size=256,
+                             intermediate_size=512, head_dim=256, query_pre_attn_scalar=256,
+                             rope_parameters=rope,
+                             layer_types=["sliding_attention", "sliding_attention"])
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_tiny_gguf(path, hf_model, "gemma3", "q4_k_m")
+    _quantized_on_cpu(monkeypatch)
+    model, _, model_dir = loader.load_model(EngineConfig(model=str(path)), "cpu")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert config["layer_types"] == ["sliding_attention", "sliding_attention"]
     reference = transformers_reference(path, 256)
     _check_greedy(model, reference, PROMPT, steps=4)

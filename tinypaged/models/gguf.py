@@ -49,6 +49,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -78,8 +79,9 @@ _ARCH_LAYER_NAMES = {
                "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
 }
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 # llama.cpp stores Gemma's RMSNorm weights w as 1 + w (its norms multiply by the weight)
-_NORMS_PLUS_ONE = {"gemma2"}
+_NORMS_PLUS_ONE = {"gemma2", "gemma3"}
 # MoE experts, stacked in one GGUF tensor [E, out, in] per projection; HF names one per expert
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
@@ -159,13 +161,29 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
             # 46-layer Gemma-2-27B
             query_pre_attn_scalar=hidden // heads if config["num_hidden_layers"] == 46
             else config["head_dim"])
+    if arch == "gemma3":  # every sixth layer global (llama.cpp's pattern), q/k norms
+        layers = config["num_hidden_layers"]
+        config.update(
+            hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+            sliding_window=_metadata(reader, f"{arch}.attention.sliding_window", 1024),
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                         for i in range(layers)],
+            # llama.cpp: head_dim^-1/2, except (hidden / heads)^-1/2 for the 62-layer 27B
+            query_pre_attn_scalar=hidden // heads if layers == 62 else config["head_dim"],
+            # local layers keep rotary base 10000; the file's base and scaling are the global's
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default",
+                                                "rope_theta": config.pop("rope_theta")}})
     rotary = _metadata(reader, f"{arch}.rope.dimension_count")
     if rotary and rotary < config["head_dim"]:  # partial rotary (Phi-4-mini)
         config["partial_rotary_factor"] = rotary / config["head_dim"]
     scaling = _metadata(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
         factor = _metadata(reader, f"{arch}.rope.scaling.factor")
-        config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+        if "rope_parameters" in config:  # gemma3: the global layers' rotary
+            config["rope_parameters"]["full_attention"].update(rope_type="linear", factor=factor)
+        else:
+            config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported (only linear)")
     num_experts = _metadata(reader, f"{arch}.expert_count")
