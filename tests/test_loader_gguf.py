@@ -79,6 +79,10 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in top:
         return top[hf_name]
     parts = hf_name.split(".")  # model.layers.N.(self_attn|mlp).X.weight or model.layers.N.X.weight
+    if parts[-2] == "shared_expert_gate":  # qwen2moe's shared expert and its gate
+        return f"blk.{parts[2]}.ffn_gate_inp_shexp.weight"
+    if parts[-3] == "shared_expert":
+        return f"blk.{parts[2]}.ffn_{parts[-2].removesuffix('_proj')}_shexp.weight"
     names = {**GGUF_NAMES, **GEMMA_NAMES} if arch.startswith("gemma") else GGUF_NAMES
     return f"blk.{parts[2]}.{names[parts[-2]]}.{parts[-1]}"
 
@@ -132,6 +136,8 @@ def write_tiny_gguf(path, hf_model, arch: str, mix: str = "legacy") -> dict[str,
         writer.add_expert_count(c.num_experts)
         writer.add_expert_used_count(c.num_experts_per_tok)
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if getattr(c, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(TOKENS)
@@ -455,3 +461,30 @@ def test_gemma3_qk_norms_and_local_layers(tmp_path, monkeypatch):
     assert config["layer_types"] == ["sliding_attention", "sliding_attention"]
     reference = transformers_reference(path, 256)
     _check_greedy(model, reference, PROMPT, steps=4)
+
+
+def test_qwen2moe_shared_expert(tmp_path):
+    """qwen2moe files: stacked experts plus a shared expert and its gate (ffn_*_shexp), every
+    layer sparse, top-k weights not renormalized; prefill logits match transformers on the
+    same (dequantized) weights."""
+    hf_model = tiny_hf_model("qwen2_moe", vocab_size=len(TOKENS), mlp_only_layers=[])
+    path = tmp_path / "tiny-qwen2moe.gguf"
+    types = write_tiny_gguf(path, hf_model, "qwen2moe")
+    out = tp_gguf.convert_gguf(path, tmp_path / "converted")
+    ours, originals = tp_gguf.dense_state_dict(out), checkpoint_weights(hf_model)
+    assert ours.keys() == originals.keys() == types.keys()
+    assert ours["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["shared_expert_intermediate_size"], config["norm_topk_prob"]) == (48, False)
+    model, _, _ = loader.load_model(EngineConfig(model=str(path)), "cpu")
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text((out / "config.json").read_text())
+    save_file(ours, str(hf_dir / "model.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                     attn_implementation="eager")
+    runner = PagedRunner(model, block_size=4, num_blocks=8)
+    logits = runner.step({runner.add_sequence(): PROMPT})[0]
+    with torch.no_grad():
+        assert_logits_close(logits, reference.eval()(torch.tensor([PROMPT])).logits[0],
+                            what="prefill logits of the converted Qwen2-MoE GGUF")

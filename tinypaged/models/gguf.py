@@ -47,6 +47,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
@@ -70,6 +71,10 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # the MoE router
     "attn_qkv": "self_attn.qkv_proj",  # fused [q; k; v] rows (phi3)
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # qwen2moe's shared expert and its gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # per architecture, GGUF names that mean another HF module: phi3's ffn_up is [gate; up]
 _ARCH_LAYER_NAMES = {
@@ -187,11 +192,15 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported (only linear)")
     num_experts = _metadata(reader, f"{arch}.expert_count")
-    if num_experts:  # Qwen3-MoE: every layer sparse, renormalized top-k
+    if num_experts:  # every layer sparse; Qwen3-MoE renormalizes the top-k weights
         moe_inter = _metadata(reader, f"{arch}.expert_feed_forward_length")
         config.update(num_experts=num_experts, moe_intermediate_size=moe_inter,
                       num_experts_per_tok=_metadata(reader, f"{arch}.expert_used_count"),
-                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+                      norm_topk_prob=arch == "qwen3moe", decoder_sparse_step=1,
+                      mlp_only_layers=[])
+        if arch == "qwen2moe":  # plus a shared expert, gated
+            config["shared_expert_intermediate_size"] = _metadata(
+                reader, f"{arch}.expert_shared_feed_forward_length")
         config["intermediate_size"] = config["intermediate_size"] or moe_inter
     for key in ("bos", "eos", "pad"):
         token_id = _metadata(reader, f"tokenizer.ggml.{key}_token_id")
@@ -276,6 +285,8 @@ def gguf_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, Any]]:
             vector = torch.from_numpy(np.array(raw)).view(DENSE_TYPES[type_id]).float()
             if source.get("arch") in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
                 vector -= 1
+            if name.endswith("shared_expert_gate.weight"):  # llama.cpp's [hidden]: HF's [1, hidden]
+                vector = vector[None]
             yield name, vector
             continue
         rows = raw.reshape(shape[0], -1)  # [out, row_bytes]
