@@ -66,7 +66,7 @@ def _dot(f0, f1, f2, f3, x_ptrs, x_mask):
 
 @jit
 def _k_scale_min(w1, w2, w3, s):
-    # Q4_K / Q5_K: 6-bit scale and min of sub-block s [H, 1, 1] from the scale words [1, BN, 1]
+    # Q4_K / Q5_K: 6-bit scale and min of sub-block s [H, 1, 1] from the scale words [H, BN, 1]
     # (bytes 0-3, 4-7, 8-11 of the 12; layout in gguf_format.k_scale_min)
     shift = s % 4 * 8
     a = (w1 >> shift) & 0xFF
@@ -113,7 +113,7 @@ def _add_row(acc, part, mi, BLOCK_M: tl.constexpr):
 
 @jit(do_not_specialize=("M", "split_k"))
 def _gguf_gemv_kernel(
-    x_ptr, w32_ptr, i8_ptr, f16_ptr, y_ptr,  # x [M, K]; qweight [N, 4 * stride_w] bytes; y [M, N]
+    x_ptr, w32_ptr, f16_ptr, y_ptr,  # x [M, K]; qweight as int32 and fp16; y [M, N]
     partial_ptr, count_ptr,  # fp32 [M, N] and int32 [cdiv(N, BLOCK_N)], zero before and after
     M, N, K, stride_xm, stride_w, one, split_k,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
@@ -303,7 +303,7 @@ def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
     partial, count = _split_k_workspace(x.device, M * N, n_blocks)
     align = 4 if qweight.shape[1] % 16 == 0 else 1
     _gguf_gemv_kernel[(n_blocks, split_k)](
-        x, qweight.view(torch.int32), qweight.view(torch.int8), qweight.view(torch.float16), y,
+        x, qweight.view(torch.int32), qweight.view(torch.float16), y,
         partial, count, M, N, K, x.stride(0), qweight.shape[1] // 4 // align, _ONE, split_k,
         QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=next_power_of_2(M), SPLIT=split_k > 1,
         STAGES=num_stages, ROW_ALIGN=align, num_warps=num_warps,
