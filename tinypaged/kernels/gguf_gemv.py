@@ -88,10 +88,13 @@ def _select(v, w, i):
 
 
 @jit
-def _f16_at(f16_ptr, plane, idx, w, mask):
-    # fp16 number idx [H, 1, 1] of the plane starting at fp16 offset plane [1, BN, 1], as fp32
-    # [H, BN, 1]: loaded within the aligned group of 4 that holds it (see _select)
-    v = tl.load(f16_ptr + plane + idx // 4 * 4 + w, mask=mask, other=0.0).to(tl.float32)
+def _f16_at(f16_ptr, plane, idx, count, w, mask):
+    # fp16 number idx [H, 1, 1] of the plane of `count` starting at fp16 offset plane
+    # [1, BN, 1], as fp32 [H, BN, 1]: loaded within the aligned group of 4 that holds it (see
+    # _select), none of it read past the plane's end
+    group = idx // 4 * 4 + w
+    v = tl.load(f16_ptr + plane + group, mask=mask & (group < count), other=0.0)
+    v = v.to(tl.float32)
     return _select(v, w, idx % 4)
 
 
@@ -205,7 +208,7 @@ def _gguf_gemv_kernel(
             scales = tl.load(w32_ptr + row_w + nb * 48 + step * 4 + w + 0 * h, mask=ok, other=0)
             sc_lo = (_select(scales, w, sub // 4) << (24 - sub % 4 * 8)) >> 24  # sign-extended
             sc_hi = (_select(scales, w, sub // 4 + 1) << (24 - sub % 4 * 8)) >> 24
-            d = _f16_at(f16_ptr, row_w * 2 + nb * 104, step + 0 * h, w, ok)  # plane at nb * 208
+            d = _f16_at(f16_ptr, row_w * 2 + nb * 104, step + 0 * h, nb, w, ok)  # plane at nb * 208
             sc_lo, sc_hi = sc_lo.to(tl.float32), sc_hi.to(tl.float32)
             a_lo, a_hi = d * sc_lo * 256.0, d * sc_hi * 16.0
             q0, q1, q2, q3 = _byte_fracs(words, 0xF << 15, one)
@@ -225,7 +228,7 @@ def _gguf_gemv_kernel(
                         + a_hi * (s_hi - xs_hi + 16.0 * (e_hi - xs_hi) - xs_hi * (32.0 / 16.0)))
                 acc = _add_row(acc, part, mi, BLOCK_M)
         elif QTYPE == 8:  # Q8_0: chunk h = weights 16 (h % 2).. of block blk
-            d = _f16_at(f16_ptr, row_w * 2 + nb * 16, blk, w, ok)
+            d = _f16_at(f16_ptr, row_w * 2 + nb * 16, blk, nb, w, ok)
             # signed bytes: XOR-ing the sign bits (0x80808080) gives q + 128 in 0..255
             q0, q1, q2, q3 = _byte_fracs(words ^ -0x7F7F7F80, 0xFF << 15, one)
             k_lo = step * 128 + h * 16
@@ -235,9 +238,9 @@ def _gguf_gemv_kernel(
                 acc = _add_row(acc, d * ((s - xs) * 256.0 - 128.0 * xs), mi, BLOCK_M)
         elif QTYPE == 2 or QTYPE == 3:  # Q4_0 / Q4_1: chunk h = block blk, low nibbles weights
             # 0..15, high nibbles 16..31
-            d = _f16_at(f16_ptr, row_w * 2 + nb * 8, blk, w, ok)
+            d = _f16_at(f16_ptr, row_w * 2 + nb * 8, blk, nb, w, ok)
             if QTYPE == 3:
-                mn = _f16_at(f16_ptr, row_w * 2 + nb * 9, blk, w, ok)
+                mn = _f16_at(f16_ptr, row_w * 2 + nb * 9, blk, nb, w, ok)
             else:
                 mn = -8.0 * d
             q0, q1, q2, q3 = _byte_fracs(words, 0xF << 15, one)
