@@ -88,13 +88,15 @@ def _select(v, w, i):
 
 
 @jit
-def _f16_at(f16_ptr, plane, idx, count, w, mask):
+def _f16_at(f16_ptr, plane, idx, count, w, mask, WHOLE: tl.constexpr):
     # fp16 number idx [H, 1, 1] of the plane of `count` starting at fp16 offset plane
     # [1, BN, 1], as fp32 [H, BN, 1]: loaded within the aligned group of 4 that holds it (see
-    # _select), none of it read past the plane's end
+    # _select). Unless count is WHOLE groups, the last group is masked at the plane's end (a
+    # mask that differs within a group costs the vector load)
     group = idx // 4 * 4 + w
-    v = tl.load(f16_ptr + plane + group, mask=mask & (group < count), other=0.0)
-    v = v.to(tl.float32)
+    if not WHOLE:
+        mask = mask & (group < count)
+    v = tl.load(f16_ptr + plane + group, mask=mask, other=0.0).to(tl.float32)
     return _select(v, w, idx % 4)
 
 
@@ -120,10 +122,11 @@ def _gguf_gemv_kernel(
     partial_ptr, count_ptr,  # fp32 [M, N] and int32 [cdiv(N, BLOCK_N)], zero before and after
     M, N, K, stride_xm, stride_w, one, split_k,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
-    STAGES: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    STAGES: tl.constexpr, ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); a row is stride_w * ROW_ALIGN words: ROW_ALIGN = 4 tells
-    # the compiler that rows start 16-byte aligned, so that 16-byte loads can be used
+    # the compiler that rows start 16-byte aligned, so that 16-byte loads can be used; WHOLE:
+    # the row's blocks are a multiple of 4 (see _f16_at)
     pid_n = tl.program_id(0)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = (rows < N)[None, :, None]
@@ -208,7 +211,8 @@ def _gguf_gemv_kernel(
             scales = tl.load(w32_ptr + row_w + nb * 48 + step * 4 + w + 0 * h, mask=ok, other=0)
             sc_lo = (_select(scales, w, sub // 4) << (24 - sub % 4 * 8)) >> 24  # sign-extended
             sc_hi = (_select(scales, w, sub // 4 + 1) << (24 - sub % 4 * 8)) >> 24
-            d = _f16_at(f16_ptr, row_w * 2 + nb * 104, step + 0 * h, nb, w, ok)  # plane at nb * 208
+            # d: the fp16 plane at byte nb * 208
+            d = _f16_at(f16_ptr, row_w * 2 + nb * 104, step + 0 * h, nb, w, ok, WHOLE)
             sc_lo, sc_hi = sc_lo.to(tl.float32), sc_hi.to(tl.float32)
             a_lo, a_hi = d * sc_lo * 256.0, d * sc_hi * 16.0
             q0, q1, q2, q3 = _byte_fracs(words, 0xF << 15, one)
@@ -228,7 +232,7 @@ def _gguf_gemv_kernel(
                         + a_hi * (s_hi - xs_hi + 16.0 * (e_hi - xs_hi) - xs_hi * (32.0 / 16.0)))
                 acc = _add_row(acc, part, mi, BLOCK_M)
         elif QTYPE == 8:  # Q8_0: chunk h = weights 16 (h % 2).. of block blk
-            d = _f16_at(f16_ptr, row_w * 2 + nb * 16, blk, nb, w, ok)
+            d = _f16_at(f16_ptr, row_w * 2 + nb * 16, blk, nb, w, ok, WHOLE)
             # signed bytes: XOR-ing the sign bits (0x80808080) gives q + 128 in 0..255
             q0, q1, q2, q3 = _byte_fracs(words ^ -0x7F7F7F80, 0xFF << 15, one)
             k_lo = step * 128 + h * 16
@@ -238,9 +242,9 @@ def _gguf_gemv_kernel(
                 acc = _add_row(acc, d * ((s - xs) * 256.0 - 128.0 * xs), mi, BLOCK_M)
         elif QTYPE == 2 or QTYPE == 3:  # Q4_0 / Q4_1: chunk h = block blk, low nibbles weights
             # 0..15, high nibbles 16..31
-            d = _f16_at(f16_ptr, row_w * 2 + nb * 8, blk, nb, w, ok)
+            d = _f16_at(f16_ptr, row_w * 2 + nb * 8, blk, nb, w, ok, WHOLE)
             if QTYPE == 3:
-                mn = _f16_at(f16_ptr, row_w * 2 + nb * 9, blk, nb, w, ok)
+                mn = _f16_at(f16_ptr, row_w * 2 + nb * 9, blk, nb, w, ok, WHOLE)
             else:
                 mn = -8.0 * d
             q0, q1, q2, q3 = _byte_fracs(words, 0xF << 15, one)
@@ -309,6 +313,7 @@ def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
         x, qweight.view(torch.int32), qweight.view(torch.float16), y,
         partial, count, M, N, K, x.stride(0), qweight.shape[1] // 4 // align, _ONE, split_k,
         QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=next_power_of_2(M), SPLIT=split_k > 1,
-        STAGES=num_stages, ROW_ALIGN=align, num_warps=num_warps,
+        STAGES=num_stages, ROW_ALIGN=align, WHOLE=K // ggml_type(type_id).block_elems % 4 == 0,
+        num_warps=num_warps,
     )
     return y
