@@ -21,7 +21,8 @@ min m_s are packed into 12 bytes (`k_scale_min`). Q6_K: 16 sub-blocks of 16; ele
 F32, F16 and BF16 matrices are plain floats (block of 1) and pass through as dense weights.
 
 The references below are plain torch in fp32; the `gguf` package's `gguf.quants.dequantize` is
-their oracle in the tests, and the Triton kernels (gguf.py) are checked against them.
+their oracle in the tests; the kernels read the device layout (gguf_layout.py), and their
+references (gguf.py) convert back and call these.
 """
 
 from __future__ import annotations
@@ -133,9 +134,3 @@ def gguf_dequantize_reference(qweight: torch.Tensor, type_id: int, K: int) -> to
         return qweight.contiguous().view(DENSE_TYPES[type_id]).float()
     blocks = qweight.reshape(N, K // t.block_elems, t.block_bytes)
     return _dequantize_blocks(blocks, t.name).reshape(N, K)
-
-
-def gguf_linear_reference(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T in fp32, in x's dtype."""
-    w = gguf_dequantize_reference(qweight, type_id, x.shape[-1])
-    return (x.float() @ w.T).to(x.dtype)
