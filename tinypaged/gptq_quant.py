@@ -47,6 +47,19 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
                   sym: bool = True, act_order: bool = False, damp: float = 0.01):
     """w [N, K], hessian [K, K] -> (q [K, N], zeros [K/G, N], scales fp16 [K/G, N], g_idx [K]),
     ints in 0 .. 2^bits - 1 (pack them with gptq_format.pack_gptq)."""
+    if w.device.type != "cpu":
+        return _gptq_quantize(w, hessian, bits, group_size, sym, act_order, damp)
+    # the column loop runs thousands of small ops: on a CPU, syncing threads for each costs more
+    # than it saves (60x slower with 2 threads on a loaded 2-core machine)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _gptq_quantize(w, hessian, bits, group_size, sym, act_order, damp)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gptq_quantize(w, hessian, bits, group_size, sym, act_order, damp):
     W, H = w.float().clone(), hessian.float().clone()
     N, K = W.shape
     G = K if group_size == -1 else group_size
@@ -88,6 +101,19 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
     g_idx = torch.empty(K, dtype=torch.int32, device=W.device)
     g_idx[perm] = (torch.arange(K, device=W.device) // G).to(torch.int32)
     return q_out, zeros.long(), scales.half(), g_idx
+
+
+def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+               g_idx: torch.Tensor) -> torch.Tensor:
+    """gptq_quantize's outputs -> W' [N, K] = ((q - z[g_idx]) * s[g_idx])^T in fp32."""
+    g = g_idx.long()
+    return ((q - zeros[g]).float() * scales.float()[g]).t()
+
+
+def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> float:
+    """Mean squared output error of a weight change delta [N, K] on the calibration inputs,
+    ||X delta^T||^2 / (T N) = sum(delta H * delta) / (2 N) with H = 2 X^T X / T."""
+    return ((delta.float() @ hessian) * delta.float()).sum().item() / (2 * delta.shape[0])
 
 
 def hessian(x: torch.Tensor) -> torch.Tensor:
