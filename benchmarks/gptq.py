@@ -58,14 +58,17 @@ def gptq_layer(K, N, bits, group_size, act_order, seed=0):
 
 def check(method, layer, w, ms=(1, 8, 40, 300)) -> float:
     """Largest max-abs error / max |ref| over M (each kernel path of the layer), repeated so that
-    a race between split-K programs would show as a moving result."""
+    a race between split-K programs would show as a moving result (the fp32 atomics add in any
+    order, so calls may differ by a rounding of the output, not more)."""
     worst = 0.0
     for M in ms:
         x = torch.randn(M, w.shape[0], device=DEVICE, dtype=DTYPE)
         ref = x.float() @ w
+        top = ref.abs().max().item()
         ys = [method.apply(layer, x, None).float() for _ in range(3)]
-        assert all(torch.equal(ys[0], y) for y in ys[1:]), f"M={M}: results differ between calls"
-        err = (ys[0] - ref).abs().max().item() / ref.abs().max().item()
+        moved = max((y - ys[0]).abs().max().item() for y in ys[1:]) / top
+        assert moved < 5e-3, f"M={M}: calls differ by {moved:.3g} of max |ref|"
+        err = max((y - ref).abs().max().item() for y in ys) / top
         assert err < 2e-2, f"M={M}: relative error {err:.3g}"
         worst = max(worst, err)
     return worst
@@ -82,7 +85,7 @@ def time_layer(method, layer, dense, bits, ms=(1, 8)) -> dict:
     denses = [dense] + [dense.clone() for _ in range(copies_for(2 * K * N) - 1)]
     out = {}
     for M in ms:
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, K, device=DEVICE, dtype=DTYPE)
         out[M] = (graph_us([lambda lay=lay, x=x: method.apply(lay, x, None) for lay in layers]),
                   graph_us([lambda d=d, x=x: x @ d for d in denses]))
     return out
@@ -105,7 +108,7 @@ def sweep() -> None:
     for K, N, name in [s for s in SHAPES if s[2] in ("qkv", "issue")]:
         weights = int8_weights(K, N, copies_for(K * N))
         for M in (1, 8):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(M, K, device=DEVICE, dtype=DTYPE)
             ref = K8.gptq_int8_gemm_reference(x.float(), *weights[0][:3])
             if M == 1:
                 grid = [dict(block_n=bn, rows=r, num_warps=nw, num_stages=st,
@@ -141,9 +144,9 @@ def crossover() -> None:
     print("\n| layer | M | bf16 (us) | tiled (us) | dequant + cuBLAS (us) |\n|---|---|---|---|---|")
     for K, N, name in [s for s in SHAPES if s[2] in ("o", "issue")]:
         weights = int8_weights(K, N, copies_for(K * N))
-        dense = [torch.randn(K, N, device="cuda").bfloat16() for _ in range(2)]
+        dense = [torch.randn(K, N, device=DEVICE).to(DTYPE) for _ in range(2)]
         for M in (32, 64, 128, 256):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(M, K, device=DEVICE, dtype=DTYPE)
             base = graph_us([lambda d=d, x=x: x @ d for d in dense], reps=10)
             tiled = graph_us([lambda w=w, x=x: K8._gemm(x, *w[:3], None, w[3])
                               for w in weights],
@@ -165,7 +168,7 @@ def main() -> None:
         for label, bits, group_size, act_order in VARIANTS + (MORE_VARIANTS if args.all else []):
             method, layer, w = gptq_layer(K, N, bits, group_size, act_order)
             err = check(method, layer, w)
-            for M, (t, base) in time_layer(method, layer, w.to(torch.bfloat16), bits).items():
+            for M, (t, base) in time_layer(method, layer, w.to(DTYPE), bits).items():
                 rows.append((f"{name} {K}x{N}", label, M, t, base, err, K * N * bits / 8 / t / 1e3))
                 print(rows[-1], flush=True)
             del layer, w

@@ -90,6 +90,8 @@ def main() -> None:
             model.load_state_dict(original)
             model.load_state_dict(dequantized_state(out), strict=False)
             results[method] = perplexity(model, ids)
+            print(f"{method}: perplexity {results[method]:.3f}, calibration error "
+                  f"{fit[method]:.2f}x RTN, {seconds[method]:.0f} s", flush=True)
     base = results["fp32"]
     for name, ppl in results.items():
         extra = f"  calibration error {fit[name]:.2f}x RTN, {seconds[name]:.0f} s" \
