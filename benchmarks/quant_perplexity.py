@@ -57,7 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--methods", default="awq,gptq,gptq-asym,gptq-asym-act-order",
-                        help="awq, gptq[-asym][-act-order] (GPTQ is symmetric unless -asym)")
+                        help="awq, gptq[-asym][-act-order][-clip] (GPTQ: symmetric unless -asym; "
+                             "-clip searches group ranges)")
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--device", default=None, help="where to quantize (default: cuda if any)")
@@ -79,7 +80,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / method
             extra = {"n_grid": 10} if method == "awq" else {
-                "method": "gptq", "act_order": "act-order" in method, "sym": "asym" not in method}
+                "method": "gptq", "act_order": "act-order" in method, "sym": "asym" not in method,
+                "clip": "clip" in method}
             start = time.perf_counter()
             records = Q.quantize(src, out, group_size=args.group_size,
                                  calib_samples=args.calib_samples,

@@ -57,6 +57,24 @@ def test_error_compensation_beats_round_to_nearest(bits, sym, act_order):
     assert G.output_error(delta, H) == pytest.approx(err.item(), rel=1e-3)
 
 
+def test_range_search_clips_an_outlier_row_only_when_it_pays():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 32, generator=gen) * 0.1
+    w[1, 0] = 2.0  # one outlier stretches row 1's range: the other 31 weights get coarse steps
+    cheap = torch.ones(32)
+    cheap[0] = 1e-3  # the outlier's input is quiet: its rounding error costs little
+    for bits, sym in [(4, True), (4, False)]:
+        s0, z0 = G.group_params(w, bits, sym)
+        s, z = G.group_params(w, bits, sym, cheap)
+        plain = G._rounding_error(w, s0, z0, bits, cheap)
+        searched = G._rounding_error(w, s, z, bits, cheap)
+        assert (searched <= plain).all() and searched[1] < 0.5 * plain[1]
+        assert s[1] < s0[1]  # the outlier's row got a finer step
+        # a loud outlier keeps its range
+        s, _ = G.group_params(w, bits, sym, 1 / cheap)
+        assert s[1] == s0[1]
+
+
 def test_act_order_records_groups_in_visiting_order():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(256, 64, generator=gen) * torch.linspace(0.1, 5, 64)  # loudest last

@@ -167,7 +167,7 @@ def _input_of(layer, linear, hidden, kwargs) -> torch.Tensor:
 
 @torch.no_grad()
 def _gptq_layer(layer, hidden, kwargs, config, bits: int, group_size: int, sym: bool,
-                act_order: bool, damp: float, prefix: str):
+                act_order: bool, damp: float, clip: bool, prefix: str):
     """GPTQ one decoder layer in place: (next hidden, checkpoint tensors, records).
 
     The linears of a group read one input and share its Hessian, so they are quantized as one
@@ -180,7 +180,7 @@ def _gptq_layer(layer, hidden, kwargs, config, bits: int, group_size: int, sym: 
         H = gptq_quant.hessian(_input_of(layer, linears[0], hidden, kwargs))
         w = torch.cat([m.weight.float() for m in linears])  # [sum N_i, K]
         q, zeros, scales, g_idx = gptq_quant.gptq_quantize(w, H, bits, group_size, sym,
-                                                           act_order, damp)
+                                                           act_order, damp, clip)
         wq = gptq_quant.dequantize(q, zeros, scales, g_idx)  # [sum N_i, K]
         rtn = gptq_quant.rtn_dequantize(w, bits, group_size, sym)
         records.append({"layer": prefix, "group": name,
@@ -309,7 +309,7 @@ def quantize(model: str | Path, out: str | Path, group_size: int = 128,
         if method == "gptq":
             hidden, layer_tensors, infos = _gptq_layer(
                 layers[i], hidden, kwargs, hf_model.config, bits, group_size, sym, act_order,
-                damp, f"model.layers.{i}")
+                damp, clip, f"model.layers.{i}")
         else:
             hidden, layer_tensors, infos = _quantize_layer(
                 layers[i], hidden, kwargs, hf_model.config, group_size, n_grid, clip,
