@@ -59,7 +59,8 @@ def test_gemm_matches_reference(dtype, M, G, act_order):
     x = torch.randn(M, K, generator=gen).to(dtype)
     ref = K8.gptq_int8_gemm_reference(x.float(), q, z, s, perm)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
-    y = K8._gemm(x, q, z, s, perm, K8.int8_gemv_scales(s), block_n=64, split_k=3)
+    xp = x if perm is None else x[:, perm.long()]
+    y = K8._gemm(xp, q, z, s, K8.int8_gemv_scales(s), block_n=64, split_k=3)
     torch.testing.assert_close(y.float(), ref, **tol)
     torch.testing.assert_close(K8.gptq_int8_gemm(x, q, z, s, perm).float(), ref, **tol)
     partial, count = _SPLIT_K_WORKSPACE[x.device]

@@ -8,7 +8,7 @@ The layer's layout (models/gptq.py builds it once at load from the checkpoint's 
                               permuted once at load so that groups are contiguous)
     W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]
     y = x[:, perm] @ W                                                      # [M, N]
-The activations are gathered inside the kernels (perm[k] read beside the weight rows), not by a
+At M = 1 the GEMV gathers the activations itself (perm[k] read beside the weight rows), not by a
 separate gather per call.
 
 Three ways to compute y (fp32 accumulation, result in x's dtype), picked by gptq_int8_gemm:
@@ -21,6 +21,7 @@ Three ways to compute y (fp32 accumulation, result in x's dtype), picked by gptq
 - 2 <= M < DENSE_MIN_M (_int8_gemm_kernel): [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tl.dot on
   weight tiles dequantized in registers to x's dtype (q through fp32's 2**23 trick, no I2F);
   split K for decode batches (M <= 16), whose few column blocks alone do not fill the SMs.
+  Under act-order x is gathered once before it.
 - M >= DENSE_MIN_M (prefill): dequantize once (_int8_dequantize_kernel) and call cuBLAS.
 Split-K partial sums go by atomics to awq_gemv's zeroed fp32 workspace; the last program of a
 tile (an arrival counter) writes y and re-zeroes it, so a call is one launch.
@@ -133,11 +134,11 @@ def _int8_gemv1_kernel(
 
 @jit(do_not_specialize=("M", "split_k"))
 def _int8_gemm_kernel(
-    x_ptr, perm_ptr, qweight_ptr, qzeros_ptr, scales_ptr, y_ptr,  # x: [M, K]; y: [M, N]
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, y_ptr,  # x: [M, K] (permuted); y: [M, N]
     partial_ptr, count_ptr,  # with split K: fp32 [M, N], int32 [tiles], zero before and after
     M, N, K, stride_xm, stride_sg, stride_sc, stride_sw, split_k,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_PERM: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k); GROUP_SIZE % BLOCK_K == 0, so a K
@@ -159,11 +160,7 @@ def _int8_gemm_kernel(
     for step in tl.range(first, last, num_stages=STAGES):
         k = step * BLOCK_K + offs_k
         g = step * BLOCK_K // GROUP_SIZE
-        if HAS_PERM:
-            src = tl.load(perm_ptr + k)  # [BLOCK_K] the inputs these rows multiply
-        else:
-            src = k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + src[None, :], mask=m_mask[:, None],
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None],
                     other=0.0)  # [BLOCK_M, BLOCK_K]
         q = tl.load(qweight_ptr + k[:, None] * N + offs_n[None, :], mask=n_mask[None, :],
                     other=0)  # uint8 [BLOCK_K, BLOCK_N]
@@ -250,9 +247,9 @@ def _gemv1(x, qweight, qzeros, scales, perm, scales_t, block_n=128, rows=8, spli
     return y
 
 
-def _gemm(x, qweight, qzeros, scales, perm, scales_t, block_m=None, block_n=None, block_k=64,
+def _gemm(x, qweight, qzeros, scales, scales_t, block_m=None, block_n=None, block_k=64,
           split_k=None, num_warps=4, num_stages=3):
-    """2 <= M: tiled tl.dot; K split while M <= GEMV_MAX_M (decode batches)."""
+    """2 <= M: tiled tl.dot on x already permuted; K split while M <= GEMV_MAX_M."""
     M, K = x.shape
     N = qweight.shape[1]
     G = K // qzeros.shape[0]
@@ -269,10 +266,9 @@ def _gemm(x, qweight, qzeros, scales, perm, scales_t, block_m=None, block_n=None
     partial, count = _split_k_workspace(x.device, M * N, tiles) if split_k > 1 else (y, y)
     s, sg, sc, sw = _scale_strides(scales, scales_t, N)
     _int8_gemm_kernel[(tiles, split_k)](
-        x, x if perm is None else perm, qweight, qzeros, s, y, partial, count,
-        M, N, K, x.stride(0), sg, sc, sw, split_k,
+        x, qweight, qzeros, s, y, partial, count, M, N, K, x.stride(0), sg, sc, sw, split_k,
         GROUP_SIZE=G, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_PERM=perm is not None, SPLIT=split_k > 1, STAGES=num_stages,
+        SPLIT=split_k > 1, STAGES=num_stages,
         DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps,
     )
     return y
@@ -311,9 +307,12 @@ def gptq_int8_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     x = x if x.stride(1) == 1 else x.contiguous()
     if M == 1:
         return _gemv1(x, qweight, qzeros, scales, perm, scales_t)
-    if M < DENSE_MIN_M:
-        return _gemm(x, qweight, qzeros, scales, perm, scales_t)
+    # M >= 2 gathers x once: on the H200 the tiled kernel reading x through perm took 1.5-2.3x
+    # as long as without it at M = 8 (the dependent loads stall its pipeline); the GEMV's rows
+    # hide them (+8%)
     x = x if perm is None else x.index_select(1, perm)
+    if M < DENSE_MIN_M:
+        return _gemm(x, qweight, qzeros, scales, scales_t)
     return x @ gptq_int8_dequantize(qweight, qzeros, scales, x.dtype)
 
 
