@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-grid", type=int, default=20,
                         help="alpha values searched per linear group; 1 = round-to-nearest only")
     parser.add_argument("--no-clip", action="store_true",
-                        help="skip the search for per-group weight clipping ranges")
+                        help="skip the search for per-group weight clipping ranges (AWQ, GPTQ)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     args = parser.parse_args(argv)
     try:
