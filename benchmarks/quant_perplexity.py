@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import tempfile
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -49,21 +50,29 @@ def dequantized_state(out: Path) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tinypaged.models.gguf import dense_state_dict
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--methods", default="awq,gptq,gptq-asym,gptq-asym-act-order",
-                        help="awq, gptq[-asym][-act-order] (GPTQ is symmetric unless -asym)")
+                        help="awq, gptq[-asym][-act-order][-clip] (GPTQ: symmetric unless -asym; "
+                             "-clip searches group ranges)")
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--calib-seq-len", type=int, default=512)
+    parser.add_argument("--device", default=None, help="where to quantize (default: cuda if any)")
     args = parser.parse_args()
     src = ensure_default_model()
     text = resources.files("tinypaged").joinpath("data/heldout.txt").read_text("utf-8")
     ids = torch.tensor(AutoTokenizer.from_pretrained(src)(text)["input_ids"])
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(src)
+    config.quantization_config = None  # the default model is a GGUF: its blocks dequantized
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.load_state_dict(dense_state_dict(src), strict=False)
+    model.tie_weights()
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    results = {"fp32": perplexity(model, ids)}
+    results, fit, seconds = {"fp32": perplexity(model, ids)}, {}, {}
     model.load_state_dict({k: gptq_quant.rtn_dequantize(v, 4, args.group_size, False)
                            if k.endswith("_proj.weight") else v for k, v in original.items()})
     results["rtn"] = perplexity(model, ids)
@@ -71,16 +80,27 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / method
             extra = {"n_grid": 10} if method == "awq" else {
-                "method": "gptq", "act_order": "act-order" in method, "sym": "asym" not in method}
-            Q.quantize(src, out, group_size=args.group_size, calib_samples=args.calib_samples,
-                       calib_seq_len=args.calib_seq_len, **extra)
+                "method": "gptq", "act_order": "act-order" in method, "sym": "asym" not in method,
+                "clip": "clip" in method}
+            start = time.perf_counter()
+            records = Q.quantize(src, out, group_size=args.group_size,
+                                 calib_samples=args.calib_samples,
+                                 calib_seq_len=args.calib_seq_len, device=args.device, **extra)
+            seconds[method] = time.perf_counter() - start
+            # output error of the quantized linears on the calibration inputs, vs round-to-nearest
+            fit[method] = sum(r["error"] for r in records) / sum(r["rtn_error"] for r in records)
             model.load_state_dict(original)
             model.load_state_dict(dequantized_state(out), strict=False)
             results[method] = perplexity(model, ids)
+            print(f"{method}: perplexity {results[method]:.3f}, calibration error "
+                  f"{fit[method]:.2f}x RTN, {seconds[method]:.0f} s", flush=True)
     base = results["fp32"]
     for name, ppl in results.items():
-        print(f"{name:16s} {ppl:8.3f}  {100 * (ppl / base - 1):+6.1f}%")
-    print(json.dumps({"group_size": args.group_size, **results}))
+        extra = f"  calibration error {fit[name]:.2f}x RTN, {seconds[name]:.0f} s" \
+            if name in fit else ""
+        print(f"{name:20s} {ppl:8.3f}  {100 * (ppl / base - 1):+6.1f}%{extra}")
+    print(json.dumps({"group_size": args.group_size, "calib_samples": args.calib_samples,
+                      "calib_seq_len": args.calib_seq_len, **results}))
 
 
 if __name__ == "__main__":

@@ -44,12 +44,35 @@ def test_identity_hessian_is_round_to_nearest(bits, group_size, sym):
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("bits, sym", [(4, True), (4, False), (8, False)])
 def test_error_compensation_beats_round_to_nearest(bits, sym, act_order):
+    """The layer's own objective ||X W^T - X W'^T||^2: GPTQ reaches 0.21-0.25 of RTN's error
+    here; an implementation with the lower instead of the upper Cholesky factor, without the
+    lazy update of later blocks or without the update inside a block stays at 0.75-1.0."""
     gen = torch.Generator().manual_seed(1)
     x, w = correlated_inputs(512, 256, gen), torch.randn(32, 256, generator=gen) * 0.1
     H = G.hessian(x)
     err = (x @ (w - dequantized(w, H, bits, 32, sym, act_order)).t()).pow(2).mean()
     rtn = (x @ (w - G.rtn_dequantize(w, bits, 32, sym)).t()).pow(2).mean()
-    assert err < 0.9 * rtn
+    assert err < 0.4 * rtn
+    delta = w - G.dequantize(*G.gptq_quantize(w, H, bits, 32, sym, act_order))
+    assert G.output_error(delta, H) == pytest.approx(err.item(), rel=1e-3)
+
+
+def test_range_search_clips_an_outlier_row_only_when_it_pays():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 32, generator=gen) * 0.1
+    w[1, 0] = 2.0  # one outlier stretches row 1's range: the other 31 weights get coarse steps
+    cheap = torch.ones(32)
+    cheap[0] = 1e-3  # the outlier's input is quiet: its rounding error costs little
+    for bits, sym in [(4, True), (4, False)]:
+        s0, z0 = G.group_params(w, bits, sym)
+        s, z = G.group_params(w, bits, sym, cheap)
+        plain = G._rounding_error(w, s0, z0, bits, cheap)
+        searched = G._rounding_error(w, s, z, bits, cheap)
+        assert (searched <= plain).all() and searched[1] < 0.5 * plain[1]
+        assert s[1] < s0[1]  # the outlier's row got a finer step
+        # a loud outlier keeps its range
+        s, _ = G.group_params(w, bits, sym, 1 / cheap)
+        assert s[1] == s0[1]
 
 
 def test_act_order_records_groups_in_visiting_order():

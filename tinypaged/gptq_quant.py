@@ -29,24 +29,63 @@ import torch
 BLOCK = 128  # columns per lazy update; a multiple of every group size the format allows
 
 
-def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def group_params(w: torch.Tensor, bits: int, sym: bool, importance: torch.Tensor | None = None,
+                 shrink_steps: int = 20, max_shrink: float = 0.5):
     """Min-max (asym: the range holding 0) or max-abs (sym) scale and zero of each row of
-    w [N, G]: (scales fp16-representable [N], zeros [N])."""
+    w [N, G]: (scales fp16-representable [N], zeros [N]).
+
+    With importance [G] (what a unit of rounding error costs in each column) the range is also
+    tried shrunk by 1 - max_shrink * i / shrink_steps, i = 1..shrink_steps, and each row keeps
+    the range with the smallest sum_k importance_k (w_k - w'_k)^2: clipping a row's largest
+    weights makes the step finer for the rest."""
+    s, z = _range_params(w, bits, sym, 1.0)
+    if importance is None:
+        return s, z
+    best = _rounding_error(w, s, z, bits, importance)
+    for i in range(1, shrink_steps + 1):
+        s_i, z_i = _range_params(w, bits, sym, 1 - max_shrink * i / shrink_steps)
+        error = _rounding_error(w, s_i, z_i, bits, importance)
+        better = error < best
+        best = torch.where(better, error, best)
+        s, z = torch.where(better, s_i, s), torch.where(better, z_i, z)
+    return s, z
+
+
+def _range_params(w, bits, sym, ratio):
     top = 2**bits - 1
     if sym:
-        s = w.abs().amax(dim=1) * 2 / top
-        z = torch.full_like(s, (top + 1) // 2)
-        s = s.clamp(min=1e-8).half().float()
-        return s, z
-    lo, hi = w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0)
+        s = (w.abs().amax(dim=1) * ratio * 2 / top).clamp(min=1e-8).half().float()
+        return s, torch.full_like(s, (top + 1) // 2)
+    lo, hi = w.amin(dim=1).clamp(max=0) * ratio, w.amax(dim=1).clamp(min=0) * ratio
     s = ((hi - lo) / top).clamp(min=1e-8).half().float()
     return s, (-lo / s).round().clamp(0, top)
 
 
+def _rounding_error(w, s, z, bits, importance):
+    q = (w / s[:, None] + z[:, None]).round().clamp(0, 2**bits - 1)
+    return (((q - z[:, None]) * s[:, None] - w).pow(2) * importance).sum(dim=1)  # [N]
+
+
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
-                  sym: bool = True, act_order: bool = False, damp: float = 0.01):
+                  sym: bool = True, act_order: bool = False, damp: float = 0.01,
+                  clip: bool = False):
     """w [N, K], hessian [K, K] -> (q [K, N], zeros [K/G, N], scales fp16 [K/G, N], g_idx [K]),
-    ints in 0 .. 2^bits - 1 (pack them with gptq_format.pack_gptq)."""
+    ints in 0 .. 2^bits - 1 (pack them with gptq_format.pack_gptq). clip: search each group's
+    range (group_params) weighting a column's rounding error by 1 / U[k, k]^2, what GPTQ's own
+    step counts it at."""
+    if w.device.type != "cpu":
+        return _gptq_quantize(w, hessian, bits, group_size, sym, act_order, damp, clip)
+    # the column loop runs thousands of small ops: on a CPU, syncing threads for each costs more
+    # than it saves (60x slower with 2 threads on a loaded 2-core machine)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _gptq_quantize(w, hessian, bits, group_size, sym, act_order, damp, clip)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gptq_quantize(w, hessian, bits, group_size, sym, act_order, damp, clip):
     W, H = w.float().clone(), hessian.float().clone()
     N, K = W.shape
     G = K if group_size == -1 else group_size
@@ -61,12 +100,13 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
     H += damp * torch.diag(H).mean() * torch.eye(K, device=H.device)
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
+    importance = U.diagonal().pow(-2) if clip else None  # [K]
     top = 2**bits - 1
     Q = torch.zeros(N, K, dtype=torch.int64, device=W.device)
     scales = torch.empty(K // G, N, device=W.device)
     zeros = torch.empty(K // G, N, device=W.device)
     if G == K:
-        scales[0], zeros[0] = group_params(W, bits, sym)
+        scales[0], zeros[0] = group_params(W, bits, sym, importance)
     for b0 in range(0, K, BLOCK):
         b1 = min(b0 + BLOCK, K)
         W1, U1 = W[:, b0:b1].clone(), U[b0:b1, b0:b1]
@@ -74,7 +114,8 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
         for i in range(b1 - b0):
             k = b0 + i
             if G < K and k % G == 0:
-                scales[k // G], zeros[k // G] = group_params(W1[:, i:i + G], bits, sym)
+                scales[k // G], zeros[k // G] = group_params(
+                    W1[:, i:i + G], bits, sym, None if importance is None else importance[k:k + G])
             s, z = scales[k // G], zeros[k // G]
             q = (W1[:, i] / s + z).round().clamp(0, top)
             Q[:, k] = q.long()
@@ -88,6 +129,19 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
     g_idx = torch.empty(K, dtype=torch.int32, device=W.device)
     g_idx[perm] = (torch.arange(K, device=W.device) // G).to(torch.int32)
     return q_out, zeros.long(), scales.half(), g_idx
+
+
+def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+               g_idx: torch.Tensor) -> torch.Tensor:
+    """gptq_quantize's outputs -> W' [N, K] = ((q - z[g_idx]) * s[g_idx])^T in fp32."""
+    g = g_idx.long()
+    return ((q - zeros[g]).float() * scales.float()[g]).t()
+
+
+def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> float:
+    """Mean squared output error of a weight change delta [N, K] on the calibration inputs,
+    ||X delta^T||^2 / (T N) = sum(delta H * delta) / (2 N) with H = 2 X^T X / T."""
+    return ((delta.float() @ hessian) * delta.float()).sum().item() / (2 * delta.shape[0])
 
 
 def hessian(x: torch.Tensor) -> torch.Tensor:

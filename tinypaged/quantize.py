@@ -147,33 +147,56 @@ def _quantize_layer(layer, hidden, kwargs, config, group_size: int, n_grid: int,
     return next_hidden, tensors, [{"layer": prefix, **r} for r in records]
 
 
+def _input_of(layer, linear, hidden, kwargs) -> torch.Tensor:
+    """The input [T, K] that `linear` sees when `layer` runs on hidden; the forward stops there."""
+    seen = {}
+
+    def hook(module, args):
+        seen["x"] = args[0].flatten(0, -2)
+        raise _Captured
+
+    handle = linear.register_forward_pre_hook(hook)
+    try:
+        layer(hidden, **kwargs)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    return seen["x"]
+
+
 @torch.no_grad()
 def _gptq_layer(layer, hidden, kwargs, config, bits: int, group_size: int, sym: bool,
-                act_order: bool, damp: float, prefix: str):
-    """GPTQ one decoder layer in place: (next hidden, checkpoint tensors, records)."""
-    from tinypaged.kernels.gptq_format import gptq_dequantize_reference, pack_gptq
+                act_order: bool, damp: float, clip: bool, prefix: str):
+    """GPTQ one decoder layer in place: (next hidden, checkpoint tensors, records).
+
+    The linears of a group read one input and share its Hessian, so they are quantized as one
+    weight [sum N_i, K] (GPTQ treats output rows independently). Each group's input is captured
+    after the groups before it were quantized (true-sequential), stopping the forward there."""
+    from tinypaged.kernels.gptq_format import pack_gptq
 
     tensors, records = {}, []
-    for group in _scale_groups(layer, config):
-        name, _, linears, _ = group
-        inputs, _ = _capture_inputs(layer, [group], hidden, kwargs)
-        x = inputs[name].float()
-        H = gptq_quant.hessian(x)
-        error = rtn_error = 0.0
+    for name, _, linears, _ in _scale_groups(layer, config):
+        H = gptq_quant.hessian(_input_of(layer, linears[0], hidden, kwargs))
+        w = torch.cat([m.weight.float() for m in linears])  # [sum N_i, K]
+        q, zeros, scales, g_idx = gptq_quant.gptq_quantize(w, H, bits, group_size, sym,
+                                                           act_order, damp, clip)
+        wq = gptq_quant.dequantize(q, zeros, scales, g_idx)  # [sum N_i, K]
+        rtn = gptq_quant.rtn_dequantize(w, bits, group_size, sym)
+        records.append({"layer": prefix, "group": name,
+                        "error": gptq_quant.output_error(w - wq, H),
+                        "rtn_error": gptq_quant.output_error(w - rtn, H)})
+        row = 0
         for m in linears:
-            w = m.weight.float()
-            packed = pack_gptq(*gptq_quant.gptq_quantize(w, H, bits, group_size, sym, act_order,
-                                                         damp), bits, 1)
-            wq = gptq_dequantize_reference(*packed.values(), bits, 1).t()  # [N, K]
-            error += (x @ (w - wq).t()).pow(2).mean().item()
-            rtn = gptq_quant.rtn_dequantize(w, bits, group_size, sym)
-            rtn_error += (x @ (w - rtn).t()).pow(2).mean().item()
-            m.weight.copy_(wq)  # later groups and layers see the quantized outputs
+            n = m.weight.shape[0]
+            m.weight.copy_(wq[row:row + n])  # later groups and layers see the quantized outputs
+            packed = pack_gptq(q[:, row:row + n], zeros[:, row:row + n], scales[:, row:row + n],
+                               g_idx.clone(), bits, 1)  # one tensor per linear
             path = f"{prefix}.{_module_name(layer, m)}"
             tensors.update({f"{path}.{k}": v.cpu() for k, v in packed.items()})
-        records.append({"layer": prefix, "group": name, "error": error, "rtn_error": rtn_error})
-    _, next_hidden = _capture_inputs(layer, [], hidden, kwargs)
-    return next_hidden, tensors, records
+            row += n
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out, tensors, records
 
 
 def _module_name(root: torch.nn.Module, module: torch.nn.Module) -> str:
@@ -286,7 +309,7 @@ def quantize(model: str | Path, out: str | Path, group_size: int = 128,
         if method == "gptq":
             hidden, layer_tensors, infos = _gptq_layer(
                 layers[i], hidden, kwargs, hf_model.config, bits, group_size, sym, act_order,
-                damp, f"model.layers.{i}")
+                damp, clip, f"model.layers.{i}")
         else:
             hidden, layer_tensors, infos = _quantize_layer(
                 layers[i], hidden, kwargs, hf_model.config, group_size, n_grid, clip,
@@ -328,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-grid", type=int, default=20,
                         help="alpha values searched per linear group; 1 = round-to-nearest only")
     parser.add_argument("--no-clip", action="store_true",
-                        help="skip the search for per-group weight clipping ranges")
+                        help="skip the search for per-group weight clipping ranges (AWQ, GPTQ)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     args = parser.parse_args(argv)
     try:

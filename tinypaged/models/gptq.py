@@ -13,9 +13,11 @@ along the inputs needs no mark (a rank's rows are whole words when its inputs ar
 After loading, `process_weights_after_loading` rewrites each layer once:
 - 4 bits: into the AWQ layout, so the AWQ linear method (decode GEMVs, tiled GEMM, dequantize +
   cuBLAS) runs it unchanged;
-- 8 bits: into q uint8 [K, N], z uint8 [K/G, N], s [K/G, N], and y = x @ ((q - z) * s);
-- act-order: with the input rows permuted once (W[perm], groups contiguous) and the layer
-  gathering the activations x[:, perm] per call: x [M, K] is small next to W.
+- 8 bits: into q uint8 [K, N], z uint8 [K/G, N], s [K/G, N] for the int8 kernels
+  (kernels/gptq_int8.py);
+- act-order: with the input rows permuted once (W[perm], groups contiguous); the int8 kernels
+  read x[:, perm] through perm, the int4 path gathers x[:, perm] before the AWQ kernels (x [M, K]
+  is small next to W).
 Under tensor parallelism a row-parallel layer's ranks hold whole groups; act-order there would
 need every rank to see all groups, so it is refused for tensor_parallel_size > 1 (vLLM's exllama
 GPTQ path has the same restriction).
@@ -36,6 +38,7 @@ from tinypaged.kernels.gptq_format import (
     unpack_cols,
     unpack_rows,
 )
+from tinypaged.kernels.gptq_int8 import gptq_int8_gemm, int8_gemv_scales
 from tinypaged.models.awq import AWQConfig
 
 
@@ -123,7 +126,8 @@ class GPTQConfig:
         q, z, s = layer.qweight.data, layer.qzeros.data, layer.scales.data
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             delattr(layer, name)
-        layer.register_buffer("perm", perm, persistent=False)
+        layer.register_buffer("perm", None if perm is None else perm.to(torch.int32),
+                              persistent=False)
         if self.bits == 4:
             awq_group = max(g for g in SUPPORTED_GROUP_SIZES if group % g == 0)
             tensors = gptq_to_awq(q, z, s, perm, group, self.version, awq_group)
@@ -132,17 +136,18 @@ class GPTQConfig:
             w = unpack_rows(q, 8)  # [K, N]
             tensors = (w if perm is None else w[perm]).to(torch.uint8), \
                 true_zeros(unpack_cols(z, 8), 8, self.version).to(torch.uint8), s
+            layer.register_buffer("scales_t", int8_gemv_scales(s), persistent=False)
         for name, t in zip(("qweight", "qzeros", "scales"), tensors):
             layer.register_parameter(name, nn.Parameter(t.contiguous(), requires_grad=False))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y [..., out] = x [..., in] @ W + bias (x's inputs permuted first under act-order)."""
-        if layer.perm is not None:
-            x = x.index_select(-1, layer.perm)
         if self.bits == 4:
+            if layer.perm is not None:
+                x = x.index_select(-1, layer.perm)
             return layer.awq_method.apply(layer, x, bias)
-        w = int8_dequantize(layer.qweight, layer.qzeros, layer.scales, x.dtype)
-        y = x @ w
+        y = gptq_int8_gemm(x.reshape(-1, x.shape[-1]), layer.qweight, layer.qzeros, layer.scales,
+                           layer.perm, layer.scales_t).reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 
 
@@ -163,11 +168,3 @@ def _shared_g_idx_loader(layer: nn.Module):
         seen.add(shard_id)
 
     return load
-
-
-def int8_dequantize(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """W [K, N] = (q - z[k // G]) * s[k // G] from q uint8 [K, N], z uint8 [K/G, N], s [K/G, N]."""
-    G = q.shape[0] // z.shape[0]
-    z, s = z.float().repeat_interleave(G, dim=0), s.float().repeat_interleave(G, dim=0)  # [K, N]
-    return ((q.float() - z) * s).to(dtype)
