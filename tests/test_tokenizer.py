@@ -218,3 +218,26 @@ def test_find_stop_string_looks_only_at_the_tail():
     assert find_stop_string("abc STOP xyz", 7, ["STOP"], False) == ("STOP", 4)
     assert find_stop_string("abc STOP", 1, ["STOP"], True) == ("STOP", 8)
     assert find_stop_string("xxAByy", 3, ["By", "AB"], False) == ("AB", 2)
+
+
+def test_llm_loads_the_tokenizer_it_is_given(tmp_path):
+    """`LLM(model, tokenizer=DIR)` reads DIR's tokenizer (it used to be ignored silently), and a
+    tokenizer that is not a local path fails at once, naming it."""
+    from model_helpers import save_byte_tokenizer, tiny_hf_model
+
+    from tinypaged import LLM
+
+    model_dir, tok_dir = tmp_path / "model", tmp_path / "tok"
+    tiny_hf_model("llama", seed=1).save_pretrained(model_dir)  # no tokenizer files here
+    save_byte_tokenizer(tok_dir)  # 256 ids, inside the tiny model's vocabulary
+    llm = LLM(str(model_dir), tokenizer=str(tok_dir), num_kv_blocks=16, block_size=8,
+              max_model_len=64)
+    try:
+        assert llm.get_tokenizer().encode(TEXT) == load_tokenizer(tok_dir).encode(TEXT)
+        out = llm.generate(["Hi there"], SamplingParams(max_tokens=3, temperature=0))[0]
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+    with pytest.raises(FileNotFoundError, match="not-a/local-tokenizer"):
+        LLM(str(model_dir), tokenizer="not-a/local-tokenizer", num_kv_blocks=16, block_size=8,
+            max_model_len=64)

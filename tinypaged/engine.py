@@ -169,9 +169,11 @@ class Engine:
         self.tokenizer = None
         eos: set[int] = set()
         if not config.skip_tokenizer_init:
-            from tinypaged.tokenizer import load_tokenizer
+            from tinypaged.tokenizer import load_tokenizer, tokenizer_path
 
-            self.tokenizer = load_tokenizer(model_dir, chat_template=config.chat_template)
+            self.tokenizer = load_tokenizer(
+                tokenizer_path(config.tokenizer, model_dir), chat_template=config.chat_template
+            )
             eos = set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.default_sampling_params = default_sampling_params(

@@ -133,6 +133,20 @@ def _read_chat_template(chat_template: str | None) -> str | None:
     return chat_template
 
 
+def tokenizer_path(tokenizer: str | None, model_dir: str | Path) -> Path:
+    """Where the tokenizer comes from: `tokenizer` (EngineConfig.tokenizer, vLLM's `tokenizer=`: a
+    local directory or .gguf file) when given, else the model's own directory."""
+    if tokenizer is None:
+        return Path(model_dir)
+    path = Path(tokenizer).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"tokenizer {tokenizer!r} is not a local directory or .gguf file; download it first "
+            "(e.g. `huggingface-cli download ID --include 'tokenizer*'`) and pass that directory"
+        )
+    return path
+
+
 def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
     """The tokenizer of a local model directory (or .gguf file), without remote code."""
     from tinypaged.chatglm_tokenizer import ChatGLMTokenizer, is_chatglm_tokenizer
