@@ -27,6 +27,18 @@ import torch
 from tinypaged.kernels._triton import cdiv, jit, num_sms, tl
 from tinypaged.kernels.awq_unpack import MAGIC16, _asm_nibble_minus_zero
 
+# ----------------------------------------------------------------------------- split-K
+
+
+@jit
+def _split_k_range(steps, split_k):
+    # The K-steps [first, last) of this program's split (grid axis 1) when `steps` K-tiles are
+    # shared among `split_k` programs; every split-K GEMV here (AWQ, GPTQ int8, GGUF) uses it.
+    per_split = tl.cdiv(steps, split_k)
+    first = tl.program_id(1) * per_split
+    return first, tl.minimum(first + per_split, steps)
+
+
 # ----------------------------------------------------------------------------- batch-1 kernel
 
 
@@ -67,16 +79,13 @@ def _awq_gemv1_kernel(
     # Column c of a word is nibble [0, 4, 1, 5, 2, 6, 3, 7][c] (AWQ_PACK_ORDER): nibble i sits in
     # shifted copy i // 2 at bit 15 + 4 * (i % 2).
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     BLOCK_K: tl.constexpr = T * R
     offs_w = pid_n * WORDS + tl.arange(0, WORDS)
     w_mask = (offs_w < stride_q)[None, None, :]  # [1, 1, WORDS]; stride_q = N / 8 words
     w = offs_w[None, None, :]
     rows = tl.arange(0, T)[:, None] * R + tl.arange(0, R)[None, :]  # [T, R]
     steps = K // BLOCK_K
-    steps_per_split = tl.cdiv(steps, split_k)
-    first = pid_k * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
+    first, last = _split_k_range(steps, split_k)
     # one [T, 1, WORDS] fp32 sum per column 8w + c of each word (AWQ_PACK_ORDER: nibble i holds
     # column [0, 2, 4, 6, 1, 3, 5, 7][i], so the even columns are low nibbles)
     acc0 = tl.zeros((T, 1, WORDS), tl.float32)
@@ -199,16 +208,13 @@ def _awq_gemv_kernel(
     # its own tl.dot over a K step (BLOCK_K rows of one group): 8 [BLOCK_M, BLOCK_K] x
     # [BLOCK_K, WORDS] products whose cost does not grow with M.
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     offs_w = pid_n * WORDS + tl.arange(0, WORDS)
     w_mask = offs_w < stride_q  # stride_q = N / 8 words
     offs_k = tl.arange(0, BLOCK_K)
     steps = K // BLOCK_K
-    steps_per_split = tl.cdiv(steps, split_k)
-    first = pid_k * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
+    first, last = _split_k_range(steps, split_k)
     acc0 = tl.zeros((BLOCK_M, WORDS), tl.float32)  # column 8w + c of each word in acc<c>
     acc1 = tl.zeros((BLOCK_M, WORDS), tl.float32)
     acc2 = tl.zeros((BLOCK_M, WORDS), tl.float32)

@@ -26,6 +26,7 @@ from tinypaged.kernels.awq_gemv import (
     _dot_precision,
     _programs_target,
     _scale_strides,
+    _split_k_range,
     _split_k_workspace,
 )
 from tinypaged.kernels.awq_unpack import MAGIC16, _asm_dequant, _asm_nibble_minus_zero, _nibble
@@ -70,16 +71,13 @@ def _awq_mma_kernel(
     # grid: (cdiv(N, 8 WORDS), split_k). y^T [8 WORDS, BLOCK_M] of words [w0, w0 + WORDS) as 8
     # products [WORDS, BK] x [BK, BLOCK_M], acc<c> holding y[:, 8w + c]
     pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     offs_w = pid * WORDS + tl.arange(0, WORDS)
     w_mask = (offs_w < N // 8)[:, None]  # [W, 1]
     offs_k = tl.arange(0, BLOCK_K)
     steps = K // BLOCK_K
-    steps_per_split = tl.cdiv(steps, split_k)
-    first = pid_k * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
+    first, last = _split_k_range(steps, split_k)
     acc0 = tl.zeros((WORDS, BLOCK_M), tl.float32)
     acc1 = tl.zeros((WORDS, BLOCK_M), tl.float32)
     acc2 = tl.zeros((WORDS, BLOCK_M), tl.float32)

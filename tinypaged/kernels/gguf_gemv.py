@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, num_sms, tl
-from tinypaged.kernels.awq_gemv import _split_k_workspace
+from tinypaged.kernels.awq_gemv import _split_k_range, _split_k_workspace
 from tinypaged.kernels.gguf_format import ggml_type, row_bytes
 
 GEMV_MAX_M = 8
@@ -140,9 +140,7 @@ def _gguf_gemv_kernel(
     ELEMS: tl.constexpr = 256 if QTYPE >= 12 else 32  # weights of a block
     nb = K // ELEMS
     steps = tl.cdiv(nb, BPS)
-    per_split = tl.cdiv(steps, split_k)
-    first = tl.program_id(1) * per_split
-    last = tl.minimum(first + per_split, steps)
+    first, last = _split_k_range(steps, split_k)
     acc = tl.zeros((H, BLOCK_N, BLOCK_M), tl.float32)
     # the rows of x, one at a time in a loop that is not unrolled (unrolled 8 times, the body made
     # the compile take minutes); each row reuses the step's decoded weights

@@ -32,7 +32,12 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
-from tinypaged.kernels.awq_gemv import _dot_precision, _programs_target, _split_k_workspace
+from tinypaged.kernels.awq_gemv import (
+    _dot_precision,
+    _programs_target,
+    _split_k_range,
+    _split_k_workspace,
+)
 
 __all__ = ["DENSE_MIN_M", "GEMV_MAX_M", "gptq_int8_dequantize", "gptq_int8_dequantize_reference",
            "gptq_int8_gemm", "gptq_int8_gemm_reference", "int8_gemv_scales"]
@@ -87,16 +92,13 @@ def _int8_gemv1_kernel(
     # rows of one group) held as [T, R, WORDS]: lanes and warps cover T and WORDS (4 words = 16
     # bytes a load), each thread owns R rows. Per weight: one shift, one LOP3, one FFMA.
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     BLOCK_K: tl.constexpr = T * R
     offs_w = pid_n * WORDS + tl.arange(0, WORDS)
     w_mask = (offs_w < stride_q)[None, None, :]  # [1, 1, WORDS]; stride_q = N / 4 words
     w = offs_w[None, None, :]
     rows = tl.arange(0, T)[:, None] * R + tl.arange(0, R)[None, :]  # [T, R]
     steps = K // BLOCK_K
-    steps_per_split = tl.cdiv(steps, split_k)
-    first = pid_k * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
+    first, last = _split_k_range(steps, split_k)
     acc0 = tl.zeros((T, 1, WORDS), tl.float32)  # column 4w + c of each word in acc<c>
     acc1 = tl.zeros((T, 1, WORDS), tl.float32)
     acc2 = tl.zeros((T, 1, WORDS), tl.float32)
@@ -144,7 +146,6 @@ def _int8_gemm_kernel(
     # grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k); GROUP_SIZE % BLOCK_K == 0, so a K
     # step has one row of zeros and scales
     tile = tl.program_id(0)
-    pid_k = tl.program_id(1)
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tile // n_blocks, tile % n_blocks
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -153,9 +154,7 @@ def _int8_gemm_kernel(
     m_mask, n_mask = offs_m < M, offs_n < N
     s_cols = (offs_n % 4) * stride_sc + (offs_n // 4) * stride_sw  # [BLOCK_N] in scales
     steps = K // BLOCK_K
-    steps_per_split = tl.cdiv(steps, split_k)
-    first = pid_k * steps_per_split
-    last = tl.minimum(first + steps_per_split, steps)
+    first, last = _split_k_range(steps, split_k)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for step in tl.range(first, last, num_stages=STAGES):
         k = step * BLOCK_K + offs_k
