@@ -346,3 +346,22 @@ def count_preemptions(scheduler) -> list[int]:
 
     scheduler.schedule = counting_schedule
     return preempted
+
+
+def generate_cli(model_dir, prompt: str, *flags: str) -> str:
+    """stdout of `python -m tinypaged generate MODEL PROMPT --max-tokens 5` with the small engine
+    the quantized-checkpoint tests use (64 KV blocks, 128 tokens), run from this checkout."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    cli = subprocess.run(
+        [sys.executable, "-m", "tinypaged", "generate", str(model_dir), prompt, "--max-tokens", "5",
+         "--num-kv-blocks", "64", "--max-model-len", "128", *flags],
+        cwd=repo, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    return cli.stdout

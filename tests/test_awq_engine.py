@@ -5,14 +5,10 @@ OpenAI server."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
-from model_helpers import greedy_reference
+from model_helpers import generate_cli, greedy_reference
 from test_awq_model import quantized_pair
 from test_server_helpers import running_server
 
@@ -44,16 +40,8 @@ def test_cli_and_server_serve_the_checkpoint(awq_dir):
     expected = LLM(str(out_dir), **ENGINE).generate("Hello there", params, use_tqdm=False)
     text = expected[0].outputs[0].text
 
-    repo = Path(__file__).resolve().parents[1]
-    cli = subprocess.run(
-        [sys.executable, "-m", "tinypaged", "generate", str(out_dir), "Hello there",
-         "--max-tokens", "5", "--num-kv-blocks", "64", "--max-model-len", "128",
-         "--quantization", "awq"],
-        cwd=repo, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(repo)},
-    )
-    assert cli.returncode == 0, cli.stderr[-2000:]
-    assert cli.stdout.rstrip("\n") == text.rstrip("\n")
+    cli = generate_cli(out_dir, "Hello there", "--quantization", "awq")
+    assert cli.rstrip("\n") == text.rstrip("\n")
 
     engine = AsyncLLM(str(out_dir), **ENGINE)
     try:

@@ -3,16 +3,13 @@ without act-order) loaded through `load_model` and `LLM`: logits and greedy toke
 transformers running the checkpoint's dequantized weights."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from model_helpers import (  # noqa: F401  (single_thread: autouse fixture)
     PagedRunner,
     check_prefill_then_decode,
+    generate_cli,
     greedy_reference,
     single_thread,
 )
@@ -172,16 +169,8 @@ def test_llm_and_cli_generate_the_dequantized_models_tokens(tmp_path):
 
     text = llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=5),
                         use_tqdm=False)[0].outputs[0].text
-    repo = Path(__file__).resolve().parents[1]
-    cli = subprocess.run(
-        [sys.executable, "-m", "tinypaged", "generate", str(out), "Hello there",
-         "--max-tokens", "5", "--num-kv-blocks", "64", "--max-model-len", "128",
-         "--quantization", "gptq"],
-        cwd=repo, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(repo)},
-    )
-    assert cli.returncode == 0, cli.stderr[-2000:]
-    assert cli.stdout.rstrip("\n") == text.rstrip("\n")
+    cli = generate_cli(out, "Hello there", "--quantization", "gptq")
+    assert cli.rstrip("\n") == text.rstrip("\n")
 
 
 def test_row_parallel_rank_holds_whole_groups(monkeypatch):
