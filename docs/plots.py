@@ -25,7 +25,10 @@ TITLES = {
     "kv_cache": "KV-cache store",
     "prefill_attention": "Paged prefill attention (varlen)",
     "decode_attention": "Split-KV decode attention",
-    "awq": "AWQ int4 GEMV / GEMM vs the bf16 linear",
+    "awq": "AWQ int4 GEMV / MMA / GEMM vs the bf16 linear",
+    "gguf": "GGUF block formats (Q4_K, Q6_K, Q8_0) GEMV vs the bf16 linear",
+    "gptq_int8": "GPTQ int8 GEMV / split-K GEMM vs the bf16 linear",
+    "moe": "Fused MoE (Qwen3-30B-A3B layer): experts, routing, sort by expert",
 }
 
 
@@ -45,11 +48,13 @@ def plot_family(family: str, rows: list[dict], run: dict, out: Path) -> Path:
 
     bw = run["ceilings"]["copy_GB_s"] * 1e9  # bytes/s
     peak = run["ceilings"]["matmul_TFLOP_s"] * 1e12  # FLOP/s
-    fig, (roof, bars) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 1.3]})
+    timed = [r for r in rows if r["us"] is not None]
+    height = max(5.0, 1.5 + 0.22 * len(timed))  # room for one bar label per row
+    fig, (roof, bars) = plt.subplots(1, 2, figsize=(13, height),
+                                     gridspec_kw={"width_ratios": [1, 1.3]})
     fig.suptitle(f"{TITLES.get(family, family)}: {run.get('device', '?')}, "
                  f"commit {run.get('commit', '?')}, {run.get('date', '?')}")
 
-    timed = [r for r in rows if r["us"] is not None]
     points = [r for r in timed if r["flops"] and r["bytes"]]
     intensities = [r["flops"] / r["bytes"] for r in points] or [1.0]
     ridge = peak / bw
