@@ -8,8 +8,9 @@
     PYTHONPATH=. python benchmarks/kernels.py --all --quick    # fewer checks and repeats
 
 1. Every Triton kernel is compared with its torch reference in bf16 and fp16 (max error printed;
-   --quick: the attention cases at one head shape, the AWQ paths in bf16); any mismatch stops
-   the script with exit code 1 before a single timing.
+   --quick: bf16 only, the attention cases at one head shape) before its family is timed; a
+   family with a mismatch is not timed (unless --keep-going) and the script ends with exit
+   code 1.
 2. Each op is timed with `triton.testing.do_bench` (median; it flushes L2 between runs), or,
    where one call takes a few microseconds (decode GEMVs, MoE routing), replayed from a CUDA
    graph over weight copies larger than L2 as decode runs it (`awq_gemv.graph_us`; the row's
@@ -169,9 +170,9 @@ def compare(name: str, got, want, dtype, tol: float | None = None) -> None:
         FAILURES.append(f"{name} {dtype}")
 
 
-def check_all(quick: bool = False) -> None:
+def check_all(dtypes=(torch.bfloat16, torch.float16), quick: bool = False) -> None:
     print("correctness: Triton vs torch reference")
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in dtypes:
         x, w, res = randn(257, 4096, dtype=dtype), randn(4096, dtype=dtype), randn(257, 4096,
                                                                                    dtype=dtype)
         compare("rms_norm [257, 4096]", norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6),
@@ -388,7 +389,9 @@ def time_prefill() -> None:
 
 
 def check_fused_kv() -> None:
-    import rotary_kv_cache as bench  # benchmarks/rotary_kv_cache.py: bf16, fp16, +-norm, partial
+    """rotary_store_kv against its reference in bf16 and fp16: neox and gptj pairs, partial
+    rotary, with and without the q/k norm."""
+    import rotary_kv_cache as bench  # benchmarks/rotary_kv_cache.py
 
     print("correctness: rotary_store_kv (rotary + q/k norm + KV store in one launch)")
     if not bench.check():
@@ -736,28 +739,29 @@ def main() -> None:
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16)
     on = {"awq": args.awq or args.all or args.awq_only, "moe": args.moe or args.all,
           "gguf": args.gguf or args.all, "gptq": args.gptq or args.all}
-    checks = [("core checks", lambda: check_all(args.quick), core),
-              ("fused KV checks", check_fused_kv, core),
-              ("AWQ checks", lambda: check_awq(dtypes), on["awq"]),
-              ("GGUF checks", check_gguf, on["gguf"]), ("GPTQ checks", check_gptq, on["gptq"]),
-              ("MoE checks", check_moe, on["moe"])]
-    for name, fn, enabled in checks:
-        if enabled:
-            run_timed(name, fn)
-    if FAILURES and not args.keep_going:
-        sys.exit(f"FAILED: {len(FAILURES)} kernel(s) disagree with their reference: {FAILURES}")
+    families = [  # (name, check, timings, enabled): the newest first, so a cut run keeps them
+        ("AWQ", lambda: check_awq(dtypes), [time_awq], on["awq"]),
+        ("GGUF", check_gguf, [time_gguf], on["gguf"]),
+        ("GPTQ int8", check_gptq, [time_gptq], on["gptq"]),
+        ("MoE", check_moe, [time_moe], on["moe"]),
+        ("fused KV", check_fused_kv, [time_fused_kv], core),
+        ("core", lambda: check_all(dtypes, args.quick),
+         [time_elementwise, time_decode, time_prefill, time_windows], core),
+        ("tuning", lambda: None, [tune_prefill, tune_decode], args.tune),
+    ]
     measure_ceilings()
-    timings = [("elementwise", time_elementwise, core), ("fused KV", time_fused_kv, core),
-               ("decode", time_decode, core), ("prefill", time_prefill, core),
-               ("windows", time_windows, core), ("AWQ", time_awq, on["awq"]),
-               ("GGUF", time_gguf, on["gguf"]), ("GPTQ", time_gptq, on["gptq"]),
-               ("MoE", time_moe, on["moe"]), ("tune prefill", tune_prefill, args.tune),
-               ("tune decode", tune_decode, args.tune)]
-    for name, fn, enabled in timings:
-        if enabled:
-            run_timed(name, fn)
-            if args.json:  # after every section: a run cut short keeps what it measured
-                write_json(args.json, header)
+    for name, check, timings, enabled in families:
+        if not enabled:
+            continue
+        failures = len(FAILURES)
+        run_timed(f"{name} checks", check)
+        if len(FAILURES) > failures and not args.keep_going:
+            print(f"  {name}: not timed, {len(FAILURES) - failures} check(s) failed")
+            continue
+        for fn in timings:
+            run_timed(fn.__name__, fn)
+        if args.json:  # after every family: a run cut short keeps what it measured
+            write_json(args.json, header)
     print_table()
     if FAILURES:
         sys.exit(f"FAILED: {FAILURES}")

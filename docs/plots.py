@@ -65,7 +65,7 @@ def plot_family(family: str, rows: list[dict], run: dict, out: Path) -> Path:
               label=f"ceiling: {bw / 1e9:,.4g} GB/s, {peak / 1e12:,.4g} TFLOP/s")
     for r in points:
         x, y = r["flops"] / r["bytes"], r["flops"] / (r["us"] * 1e-6) / 1e12
-        roof.scatter([x], [y], s=30, label=f"{r['impl']}: {r['shape']}")
+        roof.scatter([x], [y], s=30, label=f"{r['op']}, {r['impl']}: {r['shape']}")
     roof.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)",
              ylabel="achieved TFLOP/s", title="roofline")
     roof.grid(True, which="both", alpha=0.3)
