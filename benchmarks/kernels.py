@@ -6,6 +6,7 @@
     PYTHONPATH=. python benchmarks/kernels.py --moe --gguf --gptq   # MoE, GGUF, GPTQ int8
     PYTHONPATH=. python benchmarks/kernels.py --all --json docs/kernels/h200.json   # for the plots
     PYTHONPATH=. python benchmarks/kernels.py --all --quick    # fewer checks and repeats
+    PYTHONPATH=. python benchmarks/kernels.py --only moe --json docs/kernels/h200.json --update
 
 1. Every Triton kernel is compared with its torch reference in bf16 and fp16 (max error printed;
    --quick: bf16 only, the attention cases at one head shape) before its family is timed; a
@@ -35,6 +36,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,7 @@ FAMILY = {  # op -> the docs page (docs/kernels/<family>.md) whose plot shows it
     "moe_align": "moe",
     "gguf_gemv": "gguf", "gptq_int8_gemm": "gptq_int8",
 }
+GROUPS = ["core", "awq", "gguf", "gptq", "moe"]  # what --only / --all pick, each its own plots
 REPEATS = {"warmup": 25, "rep": 100}  # do_bench's milliseconds; --quick lowers them
 
 
@@ -693,14 +696,28 @@ def print_table() -> None:
                   f"{r['achieved']:.0f} {r['unit']} | {r['pct']:.0f}% |")
 
 
-def write_json(path: str, header: dict) -> None:
-    """The run as JSON for docs/plots.py (NaN, for what did not run, becomes null)."""
+def write_json(path: str, header: dict, update: bool = False) -> None:
+    """The run as JSON for docs/plots.py (NaN, for what did not run, becomes null).
+
+    Each plot family records the run it comes from (`runs`: date, commit, device, ceilings).
+    With update, the rows of the families this run measured replace those in the file at
+    `path`, and the file's other families stay as they were (a GPU run split in pieces)."""
     clean = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()}
              for r in ROWS]
     ceilings = {"copy_GB_s": CEILING["GB/s"], "matmul_TFLOP_s": CEILING["TFLOP/s"]}
+    this_run = {**header, "ceilings": ceilings}
+    runs = {r["family"]: this_run for r in clean if r["family"]}
+    rows = clean
+    if update and Path(path).exists():
+        old = json.loads(Path(path).read_text())
+        kept = [r for r in old["rows"] if r.get("family") and r["family"] not in runs]
+        old_run = {k: old[k] for k in ("date", "device", "commit", "torch", "ceilings") if k in old}
+        runs = {**{r["family"]: old.get("runs", {}).get(r["family"], old_run) for r in kept},
+                **runs}
+        rows = kept + clean
     with open(path, "w") as f:
-        json.dump({**header, "ceilings": ceilings, "rows": clean}, f, indent=1)
-    print(f"wrote {len(clean)} rows to {path}")
+        json.dump({**this_run, "runs": runs, "rows": rows}, f, indent=1)
+    print(f"wrote {len(clean)} rows ({len(rows)} in all) to {path}")
 
 
 def run_timed(name: str, fn) -> None:
@@ -716,12 +733,16 @@ def main() -> None:
     parser.add_argument("--gguf", action="store_true", help="also the GGUF block-format GEMVs")
     parser.add_argument("--gptq", action="store_true", help="also the GPTQ int8 kernels")
     parser.add_argument("--all", action="store_true", help="--awq --moe --gguf --gptq")
+    parser.add_argument("--only", nargs="+", choices=GROUPS, metavar="GROUP",
+                        help=f"only these groups of families, of {', '.join(GROUPS)}")
     parser.add_argument("--quick", action="store_true",
-                        help="fewer attention checks and do_bench repeats (to fit ~1 minute)")
+                        help="bf16 checks only, one attention head shape, fewer do_bench repeats")
     parser.add_argument("--tune", action="store_true", help="also sweep attention tile configs")
     parser.add_argument("--keep-going", action="store_true", help="time even after a mismatch")
     parser.add_argument("--awq-only", action="store_true", help="only the AWQ checks and timings")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and ceilings here")
+    parser.add_argument("--update", action="store_true",
+                        help="replace only the measured families' rows in the --json file")
     parser.add_argument("--commit", help="the commit to record (default: git rev-parse HEAD)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -735,18 +756,18 @@ def main() -> None:
     header = {"date": str(datetime.date.today()), "device": torch.cuda.get_device_name(),
               "commit": commit or "?", "torch": torch.__version__}
     print(" ".join(f"{k} {v}" for k, v in header.items()))
-    core = not args.awq_only
+    on = set(args.only or ["core", *(g for g in GROUPS[1:] if args.all or getattr(args, g))])
+    if args.awq_only:
+        on = {"awq"}
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16)
-    on = {"awq": args.awq or args.all or args.awq_only, "moe": args.moe or args.all,
-          "gguf": args.gguf or args.all, "gptq": args.gptq or args.all}
-    families = [  # (name, check, timings, enabled): the newest first, so a cut run keeps them
-        ("AWQ", lambda: check_awq(dtypes), [time_awq], on["awq"]),
-        ("GGUF", check_gguf, [time_gguf], on["gguf"]),
-        ("GPTQ int8", check_gptq, [time_gptq], on["gptq"]),
-        ("MoE", check_moe, [time_moe], on["moe"]),
-        ("fused KV", check_fused_kv, [time_fused_kv], core),
-        ("core", lambda: check_all(dtypes, args.quick),
-         [time_elementwise, time_decode, time_prefill, time_windows], core),
+    families = [  # (group, check, timings, enabled)
+        ("core", lambda: (check_all(dtypes, args.quick), check_fused_kv()),
+         [time_elementwise, time_fused_kv, time_decode, time_prefill, time_windows],
+         "core" in on),
+        ("awq", lambda: check_awq(dtypes), [time_awq], "awq" in on),
+        ("gguf", check_gguf, [time_gguf], "gguf" in on),
+        ("gptq", check_gptq, [time_gptq], "gptq" in on),
+        ("moe", check_moe, [time_moe], "moe" in on),
         ("tuning", lambda: None, [tune_prefill, tune_decode], args.tune),
     ]
     measure_ceilings()
@@ -761,7 +782,7 @@ def main() -> None:
         for fn in timings:
             run_timed(fn.__name__, fn)
         if args.json:  # after every family: a run cut short keeps what it measured
-            write_json(args.json, header)
+            write_json(args.json, header, args.update)
     print_table()
     if FAILURES:
         sys.exit(f"FAILED: {FAILURES}")

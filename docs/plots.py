@@ -3,7 +3,8 @@
     PYTHONPATH=. python benchmarks/kernels.py --awq --json docs/kernels/h200.json   # on a GPU
     python docs/plots.py docs/kernels/h200.json                                    # anywhere
 
-writes docs/kernels/<family>.png beside the JSON (or into --out DIR). Each figure has two panels:
+writes docs/kernels/<family>.png beside the JSON (or into --out DIR), each titled with the run
+(device, commit, date) its rows come from. Each figure has two panels:
 
 - a roofline: x = arithmetic intensity I = FLOPs / bytes moved, y = achieved FLOP/s, under the
   ceiling min(peak FLOP/s, I * copy bandwidth) measured in the same run. A kernel left of the
@@ -46,6 +47,7 @@ def plot_family(family: str, rows: list[dict], run: dict, out: Path) -> Path:
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
+    run = run.get("runs", {}).get(family, run)  # the run this family was measured in
     bw = run["ceilings"]["copy_GB_s"] * 1e9  # bytes/s
     peak = run["ceilings"]["matmul_TFLOP_s"] * 1e12  # FLOP/s
     timed = [r for r in rows if r["us"] is not None]
