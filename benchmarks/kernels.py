@@ -715,8 +715,9 @@ def write_json(path: str, header: dict, update: bool = False) -> None:
         runs = {**{r["family"]: old.get("runs", {}).get(r["family"], old_run) for r in kept},
                 **runs}
         rows = kept + clean
-    with open(path, "w") as f:
-        json.dump({**this_run, "runs": runs, "rows": rows}, f, indent=1)
+    tmp = Path(f"{path}.tmp")  # then renamed: a run killed mid-write leaves the old file whole
+    tmp.write_text(json.dumps({**this_run, "runs": runs, "rows": rows}, indent=1))
+    tmp.replace(path)
     print(f"wrote {len(clean)} rows ({len(rows)} in all) to {path}")
 
 
