@@ -632,7 +632,8 @@ def time_moe_tokens(t: int, dense: list[torch.Tensor]) -> None:
                **cost)
     record("moe dense bf16", shape, "F.linear graph, same FLOPs",
            [lambda w=w: F.linear(x, w) for w in dense],
-           bytes_moved=2 * k * 3 * inter * H + 2 * t * (H + k * 3 * inter), flops=flops)
+           bytes_moved=2 * k * 3 * inter * H + 2 * t * (H + k * 3 * inter), flops=flops,
+           compute_bound=t >= 256)  # one weight for every token: ~T FLOPs a byte
     for impl, fn in (("triton graph", moe_routing.select_experts_triton),
                      ("torch reference graph", moe_routing.select_experts_ref)):
         record("select_experts", f"T{t} E{E} top-{k}", impl,
