@@ -78,8 +78,8 @@ def plot_family(family: str, rows: list[dict], run: dict, out: Path) -> Path:
     colors = ["tab:blue" if r["unit"] == "GB/s" else "tab:orange" for r in timed]
     bars.barh(range(len(timed)), fractions, color=colors)
     for i, r in enumerate(timed):
-        bars.text(fractions[i] + 1, i, f"{r['achieved']:,.4g} {r['unit']}", va="center",
-                  fontsize=7)
+        bars.text(fractions[i] + 1, i, f"{r['achieved']:,.4g} {r['unit']}, {r['us']:,.4g} us",
+                  va="center", fontsize=7)
     bars.set_yticks(range(len(timed)), labels, fontsize=7)
     bars.invert_yaxis()
     bars.set(xlim=(0, max([100.0, *fractions]) * 1.25), title="achieved fraction of the ceiling",
