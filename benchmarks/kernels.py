@@ -3,14 +3,24 @@
     PYTHONPATH=. python benchmarks/kernels.py            # checks, then timings, then a table
     PYTHONPATH=. python benchmarks/kernels.py --awq      # also the AWQ int4 GEMM / GEMV
     PYTHONPATH=. python benchmarks/kernels.py --tune     # also sweep attention tiles (~2 min)
-    PYTHONPATH=. python benchmarks/kernels.py --awq --json docs/kernels/h200.json   # for the plots
+    PYTHONPATH=. python benchmarks/kernels.py --moe --gguf --gptq   # MoE, GGUF, GPTQ int8
+    PYTHONPATH=. python benchmarks/kernels.py --all --json docs/kernels/h200.json   # for the plots
+    PYTHONPATH=. python benchmarks/kernels.py --all --quick    # fewer checks and repeats
+    PYTHONPATH=. python benchmarks/kernels.py --only moe --json docs/kernels/h200.json --update
 
-1. Every Triton kernel is compared with its torch reference in bf16 and fp16 (max error printed);
-   any mismatch stops the script with exit code 1 before a single timing.
-2. Each op is timed with `triton.testing.do_bench` (median; it flushes L2 between runs) and
-   reported as achieved GB/s (memory-bound ops: norm, rotary, SiLU, KV store, decode attention)
-   or TFLOP/s (prefill attention), next to ceilings measured in the same run (a 1 GiB device copy,
-   an 8192^3 bf16 matmul) and torch peers (the reference, F.rms_norm, SDPA cuDNN / flash).
+1. Every Triton kernel is compared with its torch reference in bf16 and fp16 (max error printed;
+   --quick: bf16 only, the attention cases at one head shape) before its family is timed; a
+   family with a mismatch is not timed (unless --keep-going) and the script ends with exit
+   code 1.
+2. Each op is timed with `triton.testing.do_bench` (median; it flushes L2 between runs), or,
+   where one call takes a few microseconds (decode GEMVs, MoE routing), replayed from a CUDA
+   graph over weight copies larger than L2 as decode runs it (`awq_gemv.graph_us`; the row's
+   impl says "graph"), and reported as achieved GB/s (memory-bound ops: norm, rotary, SiLU,
+   KV store, decode attention, decode-sized GEMVs) or TFLOP/s (prefill attention, large GEMMs),
+   next to ceilings measured in the same run (a 1 GiB device copy, an 8192^3 bf16 matmul) and
+   torch peers (the reference, F.rms_norm, SDPA cuDNN / flash, F.linear).
+   The quantized and MoE families reuse their own benchmarks' inputs and checks
+   (benchmarks/awq_gemv.py, gguf_gemv.py, gptq.py, moe.py, rotary_kv_cache.py).
 3. A markdown table closes the output; copy it into benchmarks/RESULTS.md. With `--json PATH`
    every row (with its bytes and FLOPs, so a roofline can place it) and the ceilings go to a JSON
    file, which `docs/plots.py` turns into one PNG per kernel family.
@@ -25,6 +35,8 @@ import json
 import math
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +45,7 @@ from triton.testing import do_bench
 from tinypaged.kernels import activation, attention, kv_cache, norm, rotary
 from tinypaged.kernels._triton import cdiv, num_sms
 from tinypaged.kernels.attention_decode import decode_num_splits
+from tinypaged.kernels.attention_varlen import varlen_attention_triton
 
 DEV = "cuda"
 ROWS: list[dict] = []  # one per timing: op, shape, impl, us, bytes, flops, achieved, unit, pct
@@ -42,26 +55,41 @@ FAMILY = {  # op -> the docs page (docs/kernels/<family>.md) whose plot shows it
     "silu_and_mul": "norm_activation", "rotary (neox)": "rotary", "store_kv": "kv_cache",
     "decode paged": "decode_attention", "decode dense": "decode_attention",
     "prefill paged": "prefill_attention", "prefill dense": "prefill_attention",
-    "awq_gemm": "awq", "bf16 linear": "awq",
+    "prefill varlen": "prefill_attention",
+    "awq_gemm": "awq", "bf16 linear": "awq", "awq_mma": "awq", "awq batched GEMV": "awq",
+    "rotary_store_kv": "kv_cache", "rotary + store_kv": "kv_cache",
+    "fused_experts": "moe", "moe dense bf16": "moe", "select_experts": "moe",
+    "moe_align": "moe",
+    "gguf_gemv": "gguf", "gptq_int8_gemm": "gptq_int8",
 }
+GROUPS = ["core", "awq", "gguf", "gptq", "moe"]  # what --only / --all pick, each its own plots
+REPEATS = {"warmup": 25, "rep": 100}  # do_bench's milliseconds; --quick lowers them
 
 
 def bench_ms(fn) -> float:
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return do_bench(fn, **REPEATS, return_mode="median")
+
+
+def graph_ms(calls: list) -> float:
+    """A CUDA graph of 50 calls cycling through `calls`, replayed (benchmarks/awq_gemv.py)."""
+    from awq_gemv import graph_us
+
+    return graph_us(calls) / 1e3
 
 
 def record(op: str, shape: str, impl: str, fn, *, bytes_moved: float, flops: float = 0.0,
-           compute_bound: bool = False) -> float:
+           compute_bound: bool = False, family: str | None = None) -> float:
     """Time fn and add a table row; returns milliseconds (nan when the impl cannot run).
 
+    fn: a callable (timed by do_bench) or a list of callables (one CUDA graph over them).
     bytes_moved: the least DRAM traffic the op needs; flops: its arithmetic. The row reports
     TFLOP/s against the matmul ceiling when compute_bound, else GB/s against the copy ceiling."""
-    row = {"op": op, "family": FAMILY.get(op), "shape": shape, "impl": impl,
+    row = {"op": op, "family": family or FAMILY.get(op), "shape": shape, "impl": impl,
            "bytes": bytes_moved, "flops": flops, "unit": "TFLOP/s" if compute_bound else "GB/s",
            "us": float("nan"), "achieved": float("nan"), "pct": float("nan")}
     ROWS.append(row)
     try:
-        ms = bench_ms(fn)
+        ms = graph_ms(fn) if isinstance(fn, list) else bench_ms(fn)
     except (RuntimeError, NotImplementedError, ValueError) as e:  # a peer without this shape
         print(f"  {op:18s} {shape:28s} {impl:22s} n/a ({type(e).__name__}: {str(e)[:60]})")
         return float("nan")
@@ -145,9 +173,9 @@ def compare(name: str, got, want, dtype, tol: float | None = None) -> None:
         FAILURES.append(f"{name} {dtype}")
 
 
-def check_all() -> None:
+def check_all(dtypes=(torch.bfloat16, torch.float16), quick: bool = False) -> None:
     print("correctness: Triton vs torch reference")
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in dtypes:
         x, w, res = randn(257, 4096, dtype=dtype), randn(4096, dtype=dtype), randn(257, 4096,
                                                                                    dtype=dtype)
         compare("rms_norm [257, 4096]", norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6),
@@ -198,7 +226,8 @@ def check_all() -> None:
             "decode, softcap 50": ([1] * 4, [1, 40, 700, 3000], {"softcap": 50.0}),
         }
         for (hq, hk, head_dim), (case, (q_lens, seq_lens, kw)) in itertools.product(
-            [(32, 8, 128), (12, 4, 64), (16, 16, 128)], cases.items()
+            [(32, 8, 128)] if quick else [(32, 8, 128), (12, 4, 64), (16, 16, 128)],
+            cases.items()
         ):
             batch = PagedBatch(q_lens, seq_lens, hq, hk, head_dim, dtype, poison=True)
             window = {k: v for k, v in kw.items() if k != "num_splits"}
@@ -343,6 +372,11 @@ def time_prefill() -> None:
             f" {32}/{num_kv_heads}")
         record("prefill paged", shape, "triton", lambda b=batch: b.call(attention.paged_attention),
                **cost)
+        if prefix == 0 and num_kv_heads == 8:  # the portable kernel the Hopper one replaces
+            record("prefill varlen", shape, "triton varlen (no TMA)",
+                   lambda b=batch: varlen_attention_triton(
+                       b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc,
+                       b.scale, torch.empty_like(b.q), **attention.VARLEN_CONFIG), **cost)
         if (batch_size, new, num_kv_heads) == (4, 2048, 32):
             record("prefill paged", shape, "torch reference",
                    lambda b=batch: b.call(attention.paged_attention_ref), **cost)
@@ -354,42 +388,264 @@ def time_prefill() -> None:
                        **cost)
 
 
-# ----------------------------------------------------------------------------- AWQ (--awq)
-# Owned with tinypaged/kernels/awq.py: extend here (shapes, GEMM tile sweeps) as that kernel grows.
+# ----------------------------------------------------------------------------- fused KV store
 
 
-def time_awq() -> None:
-    """int4 AWQ (group 128) against the bf16 linear with the unquantized weight: the GEMV path
-    at M=1 reads ~4x fewer bytes, the GEMM path at M=2048 is compute-bound."""
+def check_fused_kv() -> None:
+    """rotary_store_kv against its reference in bf16 and fp16: neox and gptj pairs, partial
+    rotary, with and without the q/k norm."""
+    import rotary_kv_cache as bench  # benchmarks/rotary_kv_cache.py
+
+    print("correctness: rotary_store_kv (rotary + q/k norm + KV store in one launch)")
+    if not bench.check():
+        FAILURES.append("rotary_store_kv")
+
+
+def time_fused_kv() -> None:
+    """What the model runs: rotary (and Qwen3's q/k norm) + KV store in one launch, against the
+    separate kernels, at a decode batch (T=64) and a prefill chunk (T=4096); CUDA graphs."""
+    print("timings: fused rotary + KV store (bf16, 32/8 heads, d128)")
+    for with_norm, t in itertools.product((False, True), (64, 4096)):
+        time_fused_kv_step(t, with_norm)
+
+
+def time_fused_kv_step(t: int, with_norm: bool) -> None:
+    import rotary_kv_cache as bench
+
+    from tinypaged.kernels.rotary_kv_cache import rotary_store_kv
+    from tinypaged.models.rope import RopeSpec
+
+    hq, hk, d = bench.HQ, bench.HK, bench.D
+    table = RopeSpec(500000.0, d, 8192).cos_sin_cache().to(DEV)
+    positions, q, k, v, (kc, vc), slots, (wq, wk) = bench.make_step(t, torch.bfloat16)
+    norms = (wq, wk) if with_norm else (None, None)
+
+    def fused():
+        rotary_store_kv(positions, q, k, v, kc, vc, slots, table, d, False, *norms)
+
+    def separate():
+        qq, kk = (norm.rms_norm(q, wq, 1e-6), norm.rms_norm(k, wk, 1e-6)) if with_norm else (q, k)
+        rotary.rotary_embedding(positions, qq, kk, table, d)
+        kv_cache.store_kv(kk, v, kc, vc, slots)
+
+    shape = f"T{t} {hq}/{hk} heads d{d}" + (" + q/k norm" if with_norm else "")
+    cost = {"bytes_moved": t * 2 * (hq + 2 * hk) * d * 2}  # q, k, v read and written
+    record("rotary_store_kv", shape, "triton graph (1 launch)", [fused], **cost)
+    record("rotary + store_kv", shape, f"triton graph ({4 if with_norm else 2} launches)",
+           [separate], **cost)
+
+
+# ----------------------------------------------------------------------------- quantized linears
+# Decode-sized rows (M <= 16) replay a CUDA graph over weight copies together larger than L2, as
+# a captured decode step streams each layer's weights from HBM (a do_bench call of a 20 us GEMV
+# mostly measures the Python launch). Bytes: the packed weights with their scales and zeros, x
+# read and y written; FLOPs 2 M K N.
+
+LINEAR = (4096, 14336)  # K, N: the Llama-3-8B MLP's up projection
+AWQ_SHAPES = (LINEAR, (14336, 4096))  # and its down projection
+GGUF_TYPES = {"Q4_K": 12, "Q6_K": 14, "Q8_0": 8}
+
+
+def weight_copies(nbytes: int) -> int:
+    from awq_gemv import L2_BYTES
+
+    return max(2, cdiv(3 * L2_BYTES, nbytes))
+
+
+def bf16_linear_rows(K: int, N: int, ms, family: str) -> None:
+    """The bf16 F.linear with the unquantized weight [N, K]: the peer of every quantized row."""
+    dense = [randn(N, K) for _ in range(weight_copies(2 * K * N))]
+    for m in ms:
+        x = randn(m, K)
+        fn = [lambda x=x, w=w: F.linear(x, w) for w in dense] if m <= 16 else \
+            (lambda x=x: F.linear(x, dense[0]))
+        record("bf16 linear", f"M{m} {K}x{N} bf16", "F.linear (cuBLAS)" + " graph" * (m <= 16),
+               fn, bytes_moved=2 * K * N + 2 * m * (K + N), flops=2 * m * K * N,
+               compute_bound=m >= 256, family=family)
+
+
+def check_awq(dtypes) -> None:
+    """awq_gemm's every path: GEMV (M=1), awq_mma or the batched GEMV (M=8, 16, per
+    DECODE_PATHS), tiled or dequantize + cuBLAS (M=300)."""
     from tinypaged.kernels import awq
 
+    print("correctness: awq_gemm (int4, group 128)")
     group = 128
-    for K, N in ((4096, 14336), (14336, 4096)):
+    for K, N in AWQ_SHAPES:
         qweight = torch.randint(-2**31, 2**31 - 1, (K, N // 8), device=DEV, dtype=torch.int32)
         qzeros = torch.randint(-2**31, 2**31 - 1, (K // group, N // 8), device=DEV,
                                dtype=torch.int32)
-        for dtype in (torch.bfloat16, torch.float16):
+        for dtype in dtypes:
             scales = (torch.rand(K // group, N, device=DEV) * 0.01).to(dtype)
-            for m in (1, 16, 300):
+            for m in (1, 8, 16, 300):
                 x = randn(m, K, dtype=dtype)
                 want = awq.awq_gemm_reference(x, qweight, qzeros, scales, group)
                 if m >= awq.DENSE_MIN_M:  # by definition x @ W with W materialized in x's dtype
                     w = awq.awq_dequantize_reference(qweight, qzeros, scales, group).to(dtype)
                     want = (x.float() @ w.float()).to(dtype)
-                compare(f"awq_gemm M={m} {K}x{N}", awq.awq_gemm(x, qweight, qzeros, scales, group),
-                        want, dtype, tol=2e-2)
-        scales = (torch.rand(K // group, N, device=DEV) * 0.01).to(torch.bfloat16)
-        dense = randn(N, K, dtype=torch.bfloat16)
-        packed_bytes = K * N // 2 + (K // group) * N * 2 + (K // group) * N // 2
+                path = awq.decode_path(m, N, K)[0] if 1 < m <= awq.GEMV_MAX_M else ""
+                compare(f"awq_gemm M={m} {K}x{N} {path}",
+                        awq.awq_gemm(x, qweight, qzeros, scales, group), want, dtype, tol=2e-2)
+
+
+def time_awq() -> None:
+    """int4 AWQ (group 128) against the bf16 linear: at M=1 the GEMV reads ~4x fewer bytes; at
+    M=8 the dispatch (awq_gemm) beside both decode kernels it chooses between (awq_mma with the
+    weights in the MMA's M slot, the batched GEMV with x there); M=2048 is compute-bound."""
+    from awq_gemv import GROUP, awq_weights, layer_paths
+
+    from tinypaged.kernels import awq
+
+    print("timings: AWQ int4 (bf16 activations, group 128)")
+    for K, N in AWQ_SHAPES:
+        packed_bytes = K * N // 2 + (K // GROUP) * N * 2 + (K // GROUP) * N // 2
+        weights = awq_weights(K, N, weight_copies(packed_bytes))
         for m in (1, 8, 2048):
-            x = randn(m, K, dtype=torch.bfloat16)
+            x = randn(m, K)
             shape = f"M{m} {K}x{N} bf16"
-            io = 2 * m * (K + N)  # x read, y written (bf16)
-            kind = {"flops": 2 * m * K * N, "compute_bound": m >= 256}
-            record("awq_gemm", shape, "triton", lambda x=x, s=scales, q=qweight, z=qzeros:
-                   awq.awq_gemm(x, q, z, s, group), bytes_moved=packed_bytes + io, **kind)
-            record("bf16 linear", shape, "F.linear (cuBLAS)", lambda x=x, w=dense: F.linear(x, w),
-                   bytes_moved=2 * K * N + io, **kind)
+            cost = {"bytes_moved": packed_bytes + 2 * m * (K + N), "flops": 2 * m * K * N}
+            if m > awq.GEMV_MAX_M:
+                record("awq_gemm", shape, "triton", lambda x=x, w=weights[0]: awq.awq_gemm(
+                    x, *w[:3], GROUP), compute_bound=m >= 256, **cost)
+                continue
+            for name, fn in layer_paths(m).items():
+                op = {"awq_gemm": "awq_gemm", "batched GEMV": "awq batched GEMV"}.get(
+                    name, "awq_mma")
+                impl = "triton graph" + (f" ({awq.decode_path(m, N, K)[0]})" if m > 1 else "")
+                record(op, shape, impl if op == "awq_gemm" else "triton graph",
+                       [lambda x=x, w=w, fn=fn: fn(x, w) for w in weights], **cost)
+        del weights
+        bf16_linear_rows(K, N, (1, 8, 2048), "awq")
+
+
+def check_gguf() -> None:
+    from types import SimpleNamespace
+
+    from gguf_gemv import checks  # benchmarks/gguf_gemv.py: 4096x4096 and a ragged 2048x1000
+
+    print("correctness: gguf_gemv (bf16 x) against the block formats' torch reference")
+    try:
+        checks(SimpleNamespace(types=list(GGUF_TYPES.items()), m=[1, 8]))
+    except AssertionError as e:
+        print(f"  FAIL gguf_gemv {e}")
+        FAILURES.append(f"gguf_gemv {e}")
+
+
+def time_gguf() -> None:
+    """GGUF block formats (llama.cpp's Q4_K, Q6_K, Q8_0) at decode sizes beside bf16."""
+    from gguf_gemv import random_qweight, run
+
+    from tinypaged.kernels.gguf_format import row_bytes
+
+    print("timings: GGUF GEMV (bf16 activations)")
+    K, N = LINEAR
+    for name, type_id in GGUF_TYPES.items():
+        nbytes = N * row_bytes(type_id, K)
+        weights = [random_qweight(type_id, N, K) for _ in range(weight_copies(nbytes))]
+        for m in (1, 8):
+            x = randn(m, K)
+            record("gguf_gemv", f"M{m} {K}x{N} {name}", "triton graph",
+                   [lambda x=x, w=w, t=type_id: run(x, w, t, {}) for w in weights],
+                   bytes_moved=nbytes + 2 * m * (K + N), flops=2 * m * K * N)
+        del weights
+    bf16_linear_rows(K, N, (1, 8), "gguf")
+
+
+def check_gptq() -> None:
+    from gptq import check, gptq_layer  # benchmarks/gptq.py: the layer as models/gptq.py builds it
+
+    print("correctness: GPTQ int8 layers (M = 1, 8, 40, 300) against the format's reference")
+    for act_order in (False, True):
+        name = f"gptq int8 g128{' act-order' if act_order else ''} {LINEAR[0]}x{LINEAR[1]}"
+        try:
+            err = check(*gptq_layer(*LINEAR, 8, 128, act_order))
+            print(f"  ok   {name:48s} bfloat16  max err / max |ref| {err:.2e}")
+        except AssertionError as e:
+            print(f"  FAIL {name}: {e}")
+            FAILURES.append(f"{name}: {e}")
+
+
+def time_gptq() -> None:
+    """GPTQ int8 (group 128): 1 byte a weight, half the bf16 linear's bytes."""
+    from gptq import int8_weights
+
+    from tinypaged.kernels import gptq_int8
+
+    print("timings: GPTQ int8 (bf16 activations, group 128)")
+    K, N = LINEAR
+    nbytes = K * N + (K // 128) * N * 3  # q, then one fp16 scale and one uint8 zero per group
+    weights = int8_weights(K, N, weight_copies(nbytes))
+    for m in (1, 8):
+        x = randn(m, K)
+        record("gptq_int8_gemm", f"M{m} {K}x{N} int8 g128", "triton graph",
+               [lambda x=x, w=w: gptq_int8.gptq_int8_gemm(x, *w[:3], scales_t=w[3])
+                for w in weights], bytes_moved=nbytes + 2 * m * (K + N), flops=2 * m * K * N)
+    del weights
+    bf16_linear_rows(K, N, (1, 8), "gptq_int8")
+
+
+# ----------------------------------------------------------------------------- MoE (--moe)
+
+MOE_TOKENS = (1, 8, 512)
+
+
+def check_moe() -> None:
+    import moe as bench  # benchmarks/moe.py: Qwen3-30B-A3B layer, routing and align kernels too
+
+    print("correctness: fused MoE (Qwen3-30B-A3B layer shape)")
+    if not bench.check(MOE_TOKENS):
+        FAILURES.append("fused MoE")
+
+
+def time_moe() -> None:
+    """Qwen3-30B-A3B's MoE layer (128 experts, top-8, H 2048, I 768): fused_experts as the engine
+    calls it (GEMVs at few tokens, the grouped GEMM above), the grouped GEMM alone, a dense bf16
+    GEMM of the same FLOPs, and the two small kernels before it (routing, sort by expert). Graphs
+    replay 4 routings, so small T reads other experts call after call, not L2; the bytes are the
+    weights of the experts hit (their mean over the routings), which bound a decode step."""
+    import moe as bench
+
+    print("timings: fused MoE (bf16, Qwen3-30B-A3B layer)")
+    dense = [randn(bench.TOP_K * 3 * bench.INTER, bench.HIDDEN) * 0.02 for _ in range(2)]
+    for t in MOE_TOKENS:
+        time_moe_tokens(t, dense)
+
+
+def time_moe_tokens(t: int, dense: list[torch.Tensor]) -> None:
+    import moe as bench
+
+    from tinypaged.kernels import moe, moe_align, moe_gemv, moe_routing
+
+    H, E, k, inter = bench.HIDDEN, bench.EXPERTS, bench.TOP_K, bench.INTER
+    x, w13, w2, logits, _, ids = bench.case(t, torch.bfloat16, seed=t)
+    routes = bench.routings(t)
+    hit = sum(i.unique().numel() for _, i in routes) / len(routes)
+    flops = 2 * t * k * 3 * inter * H
+    shape = f"T{t} E{E} top-{k} H{H} I{inter}"
+    cost = {"bytes_moved": hit * 3 * inter * H * 2 + 2 * 2 * t * H, "flops": flops}
+    path = "GEMV" if moe_gemv.use_gemv(t, k, E) else "grouped GEMM"
+    record("fused_experts", shape, f"triton graph ({path})",
+           [lambda w=w, i=i: moe.fused_experts(x, w13, w2, w, i) for w, i in routes], **cost)
+    if path == "GEMV":
+        record("fused_experts", shape, "triton graph (grouped GEMM)",
+               [lambda w=w, i=i: moe.fused_experts_triton(x, w13, w2, w, i) for w, i in routes],
+               **cost)
+    record("moe dense bf16", shape, "F.linear graph, same FLOPs",
+           [lambda w=w: F.linear(x, w) for w in dense],
+           bytes_moved=2 * k * 3 * inter * H + 2 * t * (H + k * 3 * inter), flops=flops,
+           compute_bound=t >= 256)  # one weight for every token: ~T FLOPs a byte
+    for impl, fn in (("triton graph", moe_routing.select_experts_triton),
+                     ("torch reference graph", moe_routing.select_experts_ref)):
+        record("select_experts", f"T{t} E{E} top-{k}", impl,
+               [lambda fn=fn: fn(logits, k, renormalize=True)],
+               bytes_moved=t * E * 4 + t * k * 8, flops=5 * t * E)
+    block_m = moe.get_config(t)["BLOCK_M"]
+    padded = moe_align.max_padded_tokens(t * k, E, block_m)
+    for impl, fn in (("triton graph", moe_align.moe_align_block_size_triton),
+                     ("torch reference graph", moe_align.moe_align_block_size_ref)):
+        record("moe_align", f"T{t} E{E} top-{k} block {block_m}", impl,
+               [lambda fn=fn: fn(ids, block_m, E)],
+               bytes_moved=t * k * 4 + padded * 4 + padded // block_m * 4 + 4)
 
 
 # ----------------------------------------------------------------------------- tuning (--tune)
@@ -441,53 +697,95 @@ def print_table() -> None:
                   f"{r['achieved']:.0f} {r['unit']} | {r['pct']:.0f}% |")
 
 
-def write_json(path: str, header: dict) -> None:
-    """The run as JSON for docs/plots.py (NaN, for what did not run, becomes null)."""
+def write_json(path: str, header: dict, update: bool = False) -> None:
+    """The run as JSON for docs/plots.py (NaN, for what did not run, becomes null).
+
+    Each plot family records the run it comes from (`runs`: date, commit, device, ceilings).
+    With update, the rows of the families this run measured replace those in the file at
+    `path`, and the file's other families stay as they were (a GPU run split in pieces)."""
     clean = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()}
              for r in ROWS]
     ceilings = {"copy_GB_s": CEILING["GB/s"], "matmul_TFLOP_s": CEILING["TFLOP/s"]}
-    with open(path, "w") as f:
-        json.dump({**header, "ceilings": ceilings, "rows": clean}, f, indent=1)
-    print(f"wrote {len(clean)} rows to {path}")
+    this_run = {**header, "ceilings": ceilings}
+    runs = {r["family"]: this_run for r in clean if r["family"]}
+    rows = clean
+    if update and Path(path).exists():
+        old = json.loads(Path(path).read_text())
+        kept = [r for r in old["rows"] if r.get("family") and r["family"] not in runs]
+        old_run = {k: old[k] for k in ("date", "device", "commit", "torch", "ceilings") if k in old}
+        runs = {**{r["family"]: old.get("runs", {}).get(r["family"], old_run) for r in kept},
+                **runs}
+        rows = kept + clean
+    tmp = Path(f"{path}.tmp")  # then renamed: a run killed mid-write leaves the old file whole
+    tmp.write_text(json.dumps({**this_run, "runs": runs, "rows": rows}, indent=1))
+    tmp.replace(path)
+    print(f"wrote {len(clean)} rows ({len(rows)} in all) to {path}")
+
+
+def run_timed(name: str, fn) -> None:
+    start = time.perf_counter()
+    fn()
+    print(f"  ({name}: {time.perf_counter() - start:.1f} s)", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--awq", action="store_true", help="also check and time awq_gemm")
+    parser.add_argument("--moe", action="store_true", help="also the fused MoE kernels")
+    parser.add_argument("--gguf", action="store_true", help="also the GGUF block-format GEMVs")
+    parser.add_argument("--gptq", action="store_true", help="also the GPTQ int8 kernels")
+    parser.add_argument("--all", action="store_true", help="--awq --moe --gguf --gptq")
+    parser.add_argument("--only", nargs="+", choices=GROUPS, metavar="GROUP",
+                        help=f"only these groups of families, of {', '.join(GROUPS)}")
+    parser.add_argument("--quick", action="store_true",
+                        help="bf16 checks only, one attention head shape, fewer do_bench repeats")
     parser.add_argument("--tune", action="store_true", help="also sweep attention tile configs")
     parser.add_argument("--keep-going", action="store_true", help="time even after a mismatch")
     parser.add_argument("--awq-only", action="store_true", help="only the AWQ checks and timings")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and ceilings here")
+    parser.add_argument("--update", action="store_true",
+                        help="replace only the measured families' rows in the --json file")
+    parser.add_argument("--commit", help="the commit to record (default: git rev-parse HEAD)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip()
-    except OSError:
-        commit = "?"
+    if args.quick:
+        REPEATS.update(warmup=5, rep=25)
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                           capture_output=True, text=True,
+                                           check=False).stdout.strip()
     header = {"date": str(datetime.date.today()), "device": torch.cuda.get_device_name(),
               "commit": commit or "?", "torch": torch.__version__}
     print(" ".join(f"{k} {v}" for k, v in header.items()))
-    if not args.awq_only:
-        check_all()
-        if FAILURES and not args.keep_going:
-            sys.exit(f"FAILED: {len(FAILURES)} kernel(s) disagree with their reference: {FAILURES}")
+    on = set(args.only or ["core", *(g for g in GROUPS[1:] if args.all or getattr(args, g))])
+    if args.awq_only:
+        on = {"awq"}
+    dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16)
+    families = [  # (group, check, timings, enabled)
+        ("core", lambda: (check_all(dtypes, args.quick), check_fused_kv()),
+         [time_elementwise, time_fused_kv, time_decode, time_prefill, time_windows],
+         "core" in on),
+        ("awq", lambda: check_awq(dtypes), [time_awq], "awq" in on),
+        ("gguf", check_gguf, [time_gguf], "gguf" in on),
+        ("gptq", check_gptq, [time_gptq], "gptq" in on),
+        ("moe", check_moe, [time_moe], "moe" in on),
+        ("tuning", lambda: None, [tune_prefill, tune_decode], args.tune),
+    ]
     measure_ceilings()
-    if not args.awq_only:
-        time_elementwise()
-        time_decode()
-        time_prefill()
-        time_windows()
-    if args.awq or args.awq_only:
-        time_awq()
-    if args.tune:
-        tune_prefill()
-        tune_decode()
+    for name, check, timings, enabled in families:
+        if not enabled:
+            continue
+        failures = len(FAILURES)
+        run_timed(f"{name} checks", check)
+        if len(FAILURES) > failures and not args.keep_going:
+            print(f"  {name}: not timed, {len(FAILURES) - failures} check(s) failed")
+            continue
+        for fn in timings:
+            run_timed(fn.__name__, fn)
+        if args.json:  # after every family: a run cut short keeps what it measured
+            write_json(args.json, header, args.update)
     print_table()
-    if args.json:
-        write_json(args.json, header)
     if FAILURES:
         sys.exit(f"FAILED: {FAILURES}")
 

@@ -3,7 +3,8 @@
     PYTHONPATH=. python benchmarks/kernels.py --awq --json docs/kernels/h200.json   # on a GPU
     python docs/plots.py docs/kernels/h200.json                                    # anywhere
 
-writes docs/kernels/<family>.png beside the JSON (or into --out DIR). Each figure has two panels:
+writes docs/kernels/<family>.png beside the JSON (or into --out DIR), each titled with the run
+(device, commit, date) its rows come from. Each figure has two panels:
 
 - a roofline: x = arithmetic intensity I = FLOPs / bytes moved, y = achieved FLOP/s, under the
   ceiling min(peak FLOP/s, I * copy bandwidth) measured in the same run. A kernel left of the
@@ -25,7 +26,10 @@ TITLES = {
     "kv_cache": "KV-cache store",
     "prefill_attention": "Paged prefill attention (varlen)",
     "decode_attention": "Split-KV decode attention",
-    "awq": "AWQ int4 GEMV / GEMM vs the bf16 linear",
+    "awq": "AWQ int4 GEMV / MMA / GEMM vs the bf16 linear",
+    "gguf": "GGUF block formats (Q4_K, Q6_K, Q8_0) GEMV vs the bf16 linear",
+    "gptq_int8": "GPTQ int8 GEMV / split-K GEMM vs the bf16 linear",
+    "moe": "Fused MoE (Qwen3-30B-A3B layer): experts, routing, sort by expert",
 }
 
 
@@ -43,13 +47,16 @@ def plot_family(family: str, rows: list[dict], run: dict, out: Path) -> Path:
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
+    run = run.get("runs", {}).get(family, run)  # the run this family was measured in
     bw = run["ceilings"]["copy_GB_s"] * 1e9  # bytes/s
     peak = run["ceilings"]["matmul_TFLOP_s"] * 1e12  # FLOP/s
-    fig, (roof, bars) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 1.3]})
+    timed = [r for r in rows if r["us"] is not None]
+    height = max(5.0, 1.5 + 0.22 * len(timed))  # room for one bar label per row
+    fig, (roof, bars) = plt.subplots(1, 2, figsize=(13, height),
+                                     gridspec_kw={"width_ratios": [1, 1.3]})
     fig.suptitle(f"{TITLES.get(family, family)}: {run.get('device', '?')}, "
                  f"commit {run.get('commit', '?')}, {run.get('date', '?')}")
 
-    timed = [r for r in rows if r["us"] is not None]
     points = [r for r in timed if r["flops"] and r["bytes"]]
     intensities = [r["flops"] / r["bytes"] for r in points] or [1.0]
     ridge = peak / bw
@@ -60,7 +67,7 @@ def plot_family(family: str, rows: list[dict], run: dict, out: Path) -> Path:
               label=f"ceiling: {bw / 1e9:,.4g} GB/s, {peak / 1e12:,.4g} TFLOP/s")
     for r in points:
         x, y = r["flops"] / r["bytes"], r["flops"] / (r["us"] * 1e-6) / 1e12
-        roof.scatter([x], [y], s=30, label=f"{r['impl']}: {r['shape']}")
+        roof.scatter([x], [y], s=30, label=f"{r['op']}, {r['impl']}: {r['shape']}")
     roof.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)",
              ylabel="achieved TFLOP/s", title="roofline")
     roof.grid(True, which="both", alpha=0.3)
@@ -71,8 +78,8 @@ def plot_family(family: str, rows: list[dict], run: dict, out: Path) -> Path:
     colors = ["tab:blue" if r["unit"] == "GB/s" else "tab:orange" for r in timed]
     bars.barh(range(len(timed)), fractions, color=colors)
     for i, r in enumerate(timed):
-        bars.text(fractions[i] + 1, i, f"{r['achieved']:,.4g} {r['unit']}", va="center",
-                  fontsize=7)
+        bars.text(fractions[i] + 1, i, f"{r['achieved']:,.4g} {r['unit']}, {r['us']:,.4g} us",
+                  va="center", fontsize=7)
     bars.set_yticks(range(len(timed)), labels, fontsize=7)
     bars.invert_yaxis()
     bars.set(xlim=(0, max([100.0, *fractions]) * 1.25), title="achieved fraction of the ceiling",
