@@ -65,6 +65,22 @@ def test_device_layout_of_q4_k():
     assert torch.equal(device[:, 256:], torch.cat([raw[:, :16], raw[:, 144:160]], dim=1))
 
 
+def test_device_layout_of_q6_k():
+    """Row = ql (chunks in the order 0 1 4 5 2 3 6 7, transposed), qh (transposed), the scales
+    of GEMV thread h = 2n + lh (sub-blocks 8n + 2i + lh) in word h, d."""
+    raw = torch.from_numpy(random_blocks(14, 3, 256, seed=7))  # one block of 210 bytes a row
+    device = to_device_layout(raw, 14, 256)
+    chunks = raw[:, :128].reshape(3, 8, 16)[:, [0, 1, 4, 5, 2, 3, 6, 7]]
+    transposed = chunks.reshape(3, 8, 4, 4).transpose(-1, -2).reshape(3, 128)
+    assert torch.equal(device[:, :128], transposed)
+    assert torch.equal(device[:, 128:192],
+                       raw[:, 128:192].reshape(3, 4, 4, 4).transpose(-1, -2).reshape(3, 64))
+    subs = [8 * (h // 2) + 2 * i + h % 2 for h in range(4) for i in range(4)]
+    assert subs[:8] == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert torch.equal(device[:, 192:208], raw[:, 192:208][:, subs])
+    assert torch.equal(device[:, 208:], raw[:, 208:])
+
+
 @pytest.mark.parametrize("type_id", [0, 1, 30], ids=["F32", "F16", "BF16"])
 def test_float_types_pass_through(type_id):
     w = torch.randn(3, 64).to({0: torch.float32, 1: torch.float16, 30: torch.bfloat16}[type_id])
@@ -100,17 +116,19 @@ def test_gemv_kernel(interpret, type_id, dtype, M):
     torch.testing.assert_close(y.float(), reference, rtol=tol, atol=tol * reference.abs().max())
 
 
-@pytest.mark.parametrize("type_id", [12, 8], ids=["Q4_K", "Q8_0"])
-def test_gemv_split_k(interpret, type_id):
-    """K split over 3 programs a row block (one with a partial step for Q8_0's 36 blocks):
-    the last to finish writes y and leaves the workspace zeroed, so a second call agrees."""
-    K = 1152 if type_id == 8 else 768
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+@pytest.mark.parametrize("type_id", [12, 14, 8], ids=["Q4_K", "Q6_K", "Q8_0"])
+def test_gemv_split_k(interpret, type_id, prefetch):
+    """K split over 3 (Q6_K: 2) programs a row block (one with a partial step for Q8_0's 36
+    blocks): the last to finish writes y and leaves the workspace zeroed, so a second call
+    agrees; with prefetch, no program reads the step after its own range."""
+    K = {12: 768, 14: 1024, 8: 1152}[type_id]
     raw = torch.from_numpy(random_blocks(type_id, 8, K, seed=6))
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(1))
     qweight = to_device_layout(raw, type_id, K)
     reference = x @ gguf_dequantize_reference(raw, type_id, K).T
     for _ in range(2):
-        y = gguf.gguf_gemv(x, qweight, type_id, block_n=8, split_k=3)
+        y = gguf.gguf_gemv(x, qweight, type_id, block_n=8, split_k=3, prefetch=prefetch)
         torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
 
 
@@ -150,6 +168,8 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
     gguf.gguf_dequantize(qweight, type_id, 4096, torch.bfloat16)
     if type_id in (12, 14):
         gguf.gguf_gemv(torch.randn(8, 4096).to(torch.float16), qweight, type_id, split_k=4)
+        gguf.gguf_gemv(torch.randn(1, 4096).to(torch.bfloat16), qweight, type_id, block_n=32,
+                       prefetch=True)
 """
 
 

@@ -41,12 +41,18 @@ LAYOUTS = {2: (8, 32), 3: (8, 32), 8: (8, 32), 12: (8, 32), 13: (8, 32), 14: (16
 @jit
 def _plane(row_off, nb, blk, p, BEFORE: tl.constexpr, SIZE: tl.constexpr, KIND: tl.constexpr):
     # the device-layout byte of byte p of block blk's field that has SIZE bytes a block and
-    # comes after BEFORE bytes a block of other planes (gguf_layout.PLANES); KIND 1 (T): 16-byte
-    # chunks transposed as 4 x 4 bytes; 2 (TH): also chunk 2g + half moved to 4 half + g
-    if KIND != 0:
+    # comes after BEFORE bytes a block of other planes (gguf_layout.PLANES). KIND 0: as in the
+    # file; 1 (T): 16-byte chunks transposed as 4 x 4 bytes; 2 (TH): also chunk 2g + half moved
+    # to 4 half + g; 3 (TQ): also chunks 2 and 4, 3 and 5 swapped; 4 (S6): Q6_K's scale
+    # 8n + 2i + lh at byte 4 (2n + lh) + i
+    if KIND == 4:
+        p = p // 8 * 8 + p % 2 * 4 + p % 8 // 2
+    elif KIND != 0:
         chunk = p // 16
         if KIND == 2:
             chunk = chunk % 2 * 4 + chunk // 2
+        elif KIND == 3:
+            chunk = chunk % 2 + chunk // 4 % 2 * 2 + chunk // 2 % 2 * 4
         p = chunk * 16 + p % 4 * 4 + p % 16 // 4
     return row_off + nb * BEFORE + blk * SIZE + p
 
@@ -110,13 +116,13 @@ def _chunk_parts(u8_ptr, i8_ptr, f16_ptr, row_off, nb, c, s, j, mask, QTYPE: tl.
         n = s // 8
         i = s % 8 // 2
         pos = s % 2 * 16 + j  # l of the format description (gguf_format.py), 0..31
-        low = tl.load(u8_ptr + _plane(row_off, nb, blk, n * 64 + i % 2 * 32 + pos, 0, 128, 1),
+        low = tl.load(u8_ptr + _plane(row_off, nb, blk, n * 64 + i % 2 * 32 + pos, 0, 128, 3),
                       mask=mask, other=0).to(tl.int32)
         high = tl.load(u8_ptr + _plane(row_off, nb, blk, n * 32 + pos, 128, 64, 1),
                        mask=mask, other=0).to(tl.int32)
         qi = ((low >> (i // 2 * 4)) & 0xF) | (((high >> (2 * i)) & 3) << 4)
         q = qi.to(tl.float32) - 32.0
-        sc = tl.load(i8_ptr + _plane(row_off, nb, blk, s, 192, 16, 0), mask=mask,
+        sc = tl.load(i8_ptr + _plane(row_off, nb, blk, s, 192, 16, 4), mask=mask,
                      other=0).to(tl.float32)
         d = tl.load(f16_ptr + _plane(row_off, nb, blk, 0, 208, 2, 0) // 2, mask=mask,
                     other=0.0).to(tl.float32)
