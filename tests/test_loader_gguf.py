@@ -514,6 +514,10 @@ def test_glm4_sandwich_norms_and_fused_gate_up(tmp_path, monkeypatch):
             config["attention_bias"]) == (["Glm4ForCausalLM"], 0.5, True)
     ours = tp_gguf.dense_state_dict(out)
     assert ours.keys() == checkpoint_weights(hf_model).keys() == types.keys()
+    tokenizer = AutoTokenizer.from_pretrained(str(out))  # built from the file's vocabulary
+    assert tokenizer.encode("<|im_end|> the", add_special_tokens=False) == [2, len(TOKENS) - 1]
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "the"}], add_generation_prompt=True, tokenize=False)
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
     hf_config = {k: v for k, v in config.items() if k != "quantization_config"}
@@ -545,3 +549,19 @@ def test_mistral_files_load_as_llama(tmp_path, monkeypatch):
         assert (w - originals[name]).abs().max() <= 1e-2 * originals[name].abs().max(), name
     hf_model.load_state_dict(ours)
     _check_greedy(model, hf_model, PROMPT, steps=4)
+
+
+def test_bench_counts_the_packed_bytes(tmp_path):
+    """`bench latency` GB/s of a GGUF model counts the bytes its blocks take (the file's
+    tensor data), not 2 bytes a weight."""
+    from gguf import GGUFReader
+
+    from tinypaged.bench import weight_bytes
+
+    path, _, _ = _write_case(tmp_path, "llama", "llama_untied", "q4_k_m")
+    out = tp_gguf.convert_gguf(path, tmp_path / "converted")
+    cfg = json.loads((out / "config.json").read_text())
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    assert weight_bytes(cfg, 1, None, str(out)) == file_bytes
+    assert file_bytes < 0.5 * weight_bytes(cfg, 1)  # Q4_K / Q5_K / Q6_K: under a byte a weight
+    assert weight_bytes(cfg, 1, None, str(tmp_path)) == weight_bytes(cfg, 1)  # not a GGUF dir

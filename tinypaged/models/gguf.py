@@ -365,6 +365,22 @@ def is_current_conversion(model_dir: str | os.PathLike) -> bool:
     return source.get("converter_version") == CONVERTER_VERSION
 
 
+def packed_weight_bytes(model_dir: str | os.PathLike) -> int | None:
+    """Bytes of every tensor of a converted directory as the model keeps them: each row in its
+    GGUF blocks (a Q4_K weight 4.5 bits, Q6_K 6.5625, ...). None for a directory that is not a
+    GGUF conversion or whose model holds float copies (MoE files)."""
+    from tinypaged.kernels.gguf_format import row_bytes
+
+    try:
+        source = json.loads((Path(model_dir) / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if source.get("dense") or "tensors" not in source:
+        return None
+    return sum(int(np.prod(shape[:-1])) * row_bytes(type_id, shape[-1])
+               for _, type_id, shape, _ in source["tensors"])
+
+
 def gguf_file_of(model_dir: str | os.PathLike) -> Path | None:
     """The .gguf file whose weights a converted directory stands for (None: not a conversion).
     A file kept inside the directory (the default model) is named relative to it."""
