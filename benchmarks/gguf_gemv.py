@@ -151,8 +151,8 @@ def q4_k_m_type(name: str, num_layers: int) -> int:
     return 12
 
 
-def random_gguf_weights(cfg: dict, dequantize: bool = False):
-    """What gguf_weights yields for a model of config `cfg`, with random Q4_K_M-like blocks."""
+def q4_k_m_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of every matrix of a llama model of config `cfg`."""
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
@@ -166,6 +166,21 @@ def random_gguf_weights(cfg: dict, dequantize: bool = False):
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
             p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter)})
+    return shapes
+
+
+def q4_k_m_bytes(cfg: dict) -> int:
+    """Packed bytes of those matrices in the Q4_K_M-like types (the embedding table counted
+    whole, as `tinypaged bench` counts it)."""
+    layers = cfg["num_hidden_layers"]
+    return sum(N * row_bytes(q4_k_m_type(name, layers), K)
+               for name, (N, K) in q4_k_m_shapes(cfg).items())
+
+
+def random_gguf_weights(cfg: dict, dequantize: bool = False):
+    """What gguf_weights yields for a model of config `cfg`, with random Q4_K_M-like blocks."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    shapes = q4_k_m_shapes(cfg)
     gen = torch.Generator(device="cuda").manual_seed(0)
     torch.manual_seed(0)
     for name, (N, K) in shapes.items():
@@ -236,20 +251,24 @@ def free_gpu():
 
 
 def decode(args):
+    """bench latency of the GGUF blocks (first: it is what this measures), then bf16."""
     cfg = bench.SHAPES["llama3-8b"]
     # each engine takes 40% of the GPU for weights and KV cache: both fit even side by side
     batches = [str(b) for b in args.batch_sizes]
     argv = ["latency", "--batch-sizes", *batches, "--max-num-seqs", str(max(args.batch_sizes)),
-            "--gpu-memory-utilization", "0.4"]
-    bf16 = bench.main(argv + ["--model-shape", "llama3-8b"])
-    free_gpu()
+            "--gpu-memory-utilization", "0.4", "--output-len", str(args.output_len)]
     patched_weights(cfg)
     q = bench.main(argv + ["--model-shape", gguf_model_dir(cfg, quantized=True)])
-    print("\n| Llama-3-8B shape, decode | bf16 tok/s | Q4_K_M-like GGUF tok/s | speed-up |")
-    print("|---|---|---|---|")
+    free_gpu()
+    bf16 = bench.main(argv + ["--model-shape", "llama3-8b"])
+    packed = q4_k_m_bytes(cfg)
+    print(f"\n| Llama-3-8B shape, decode | bf16 tok/s | Q4_K_M-like GGUF tok/s | speed-up | "
+          f"GGUF weights GB/s ({packed / 1e9:.2f} GB a step) |")
+    print("|---|---|---|---|---|")
     for batch in args.batch_sizes:
         a, b = bf16[batch]["tok_s_per_seq"], q[batch]["tok_s_per_seq"]
-        print(f"| batch {batch} (per sequence) | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+        print(f"| batch {batch} (per sequence) | {a:.1f} | {b:.1f} | {b / a:.2f}x | "
+              f"{packed * b / 1e9:,.0f} |")
 
 
 def main():
@@ -272,6 +291,7 @@ def main():
                         help="stop timing kernels after this many seconds")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8],
                         help="decode batch sizes")
+    parser.add_argument("--output-len", type=int, default=256, help="decode tokens")
     parser.add_argument("--only", nargs="+", choices=["checks", "kernels", "tokens", "decode"],
                         help="stages to run (default: all)")
     args = parser.parse_args()
