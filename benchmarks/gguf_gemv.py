@@ -33,6 +33,7 @@ from tinypaged import bench
 from tinypaged.kernels import gguf
 from tinypaged.kernels._triton import cdiv
 from tinypaged.kernels.gguf_format import GGML_TYPES, row_bytes
+from tinypaged.kernels.gguf_mma import MMA_TYPES, gguf_mma
 from tinypaged.models import gguf_layers, loader
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
@@ -61,6 +62,9 @@ def random_qweight(type_id: int, N: int, K: int) -> torch.Tensor:
 
 
 def run(x, qweight, type_id, config):
+    if config.get("mma"):
+        return gguf_mma(x, qweight, type_id, block_n=config["block_n"],
+                        num_warps=config["num_warps"])
     if x.shape[0] <= gguf.GEMV_MAX_M and not config.get("dequant"):
         return gguf.gguf_gemv(x, qweight, type_id, **config)
     return x @ gguf.gguf_dequantize(qweight, type_id, x.shape[1], x.dtype).T
@@ -120,17 +124,21 @@ def kernels(args, deadline):
                                         prefetch=c.endswith("/p")))
             if M > 1 and M <= gguf.GEMV_MAX_M and args.dequant:  # batched: dequantize + cuBLAS
                 configs.append(dict(dequant=True))
+            if M > 1 and type_id in MMA_TYPES:  # batched: tensor cores (block_n/warps)
+                for c in args.mma:
+                    b, w = map(int, c.split("/"))
+                    configs.append(dict(mma=True, block_n=b, num_warps=w))
             ref = None
             for config in configs:
                 if time.time() > deadline:
                     break
-                if config is not None:
-                    if ref is None:
-                        ref = x.float() @ gguf.dequantize_reference(weights[0], type_id, K).T
-                    check(x, weights[0], type_id, config, ref)
+                if ref is None:
+                    ref = x.float() @ gguf.dequantize_reference(weights[0], type_id, K).T
+                check(x, weights[0], type_id, config, ref)
                 t = graph_us([lambda w=w, x=x, t=type_id, c=config: run(x, w, t, c or {})
                               for w in weights], reps=20)
                 label = ("default" if config is None else "dequant+cuBLAS" if "dequant" in config
+                         else f"mma {config['block_n']}/{config['num_warps']}w" if "mma" in config
                          else f"{config['block_n']}/{config['num_warps']}w/{config['num_stages']}s"
                          + ("/p" if config["prefetch"] else ""))
                 print(f"| {name} | {K}x{N} | {tname} | {M} | {label} | {base:.1f} | {awq_t} | "
@@ -278,6 +286,8 @@ def main():
     parser.add_argument("--sweep-m", type=int, nargs="+", default=[1])
     parser.add_argument("--configs", nargs="+", default=SWEEP,
                         help="block_n/warps/stages[/p]: /p prefetches the next step")
+    parser.add_argument("--mma", nargs="*", default=["64/4", "128/8"],
+                        help="gguf_mma configs (block_n/warps) timed at M > 1")
     parser.add_argument("--dequant", action="store_true",
                         help="also time dequantize + cuBLAS at 1 < M <= 8")
     parser.add_argument("--m", type=int, nargs="+", default=[1, 8, 512], help="rows of x")

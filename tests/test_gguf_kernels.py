@@ -19,6 +19,7 @@ from tinypaged.kernels.gguf_format import (
     gguf_dequantize_reference,
 )
 from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
+from tinypaged.kernels.gguf_mma import gguf_mma
 
 NAMES = {t: GGML_TYPES[t].name for t in QUANTIZED_TYPES}
 
@@ -132,6 +133,21 @@ def test_gemv_split_k(interpret, type_id, prefetch):
         torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
 
 
+@pytest.mark.parametrize("dtype,M,split_k", [(torch.float32, 2, 1), (torch.float16, 11, 2)])
+@pytest.mark.parametrize("type_id", [12, 14], ids=["Q4_K", "Q6_K"])
+def test_mma_kernel(interpret, type_id, dtype, M, split_k):
+    """The tensor-core path for M > 1: rows of x padded to 16, K split over 2 programs."""
+    K = 512
+    raw = torch.from_numpy(random_blocks(type_id, 20, K, seed=8))
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(2)).to(dtype)
+    y = gguf_mma(x, to_device_layout(raw, type_id, K), type_id, block_n=16, split_k=split_k)
+    assert y.shape == (M, 20) and y.dtype == dtype
+    reference = x.float() @ gguf_dequantize_reference(raw, type_id, K).T
+    # fp16: the 16-bit x and 1024 + q are exact, products summed in fp32; y rounds to fp16
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(y.float(), reference, rtol=tol, atol=tol * reference.abs().max())
+
+
 def test_linear_dispatch(interpret):
     K, type_id = 256, 12
     raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=3))
@@ -159,6 +175,7 @@ GGUF_LAUNCHES = r"""import os
 
 from tinypaged.kernels import gguf
 from tinypaged.kernels.gguf_format import QUANTIZED_TYPES, row_bytes
+from tinypaged.kernels.gguf_mma import gguf_mma
 
 os.environ["TRITON_INTERPRET"] = "1"  # after the import: only so the launchers pick the kernels
 
@@ -168,6 +185,7 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
     gguf.gguf_dequantize(qweight, type_id, 4096, torch.bfloat16)
     if type_id in (12, 14):
         gguf.gguf_gemv(torch.randn(8, 4096).to(torch.float16), qweight, type_id, split_k=4)
+        gguf_mma(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, split_k=4)
         gguf.gguf_gemv(torch.randn(1, 4096).to(torch.bfloat16), qweight, type_id, block_n=32,
                        prefetch=True)
 """
@@ -175,4 +193,5 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
 
 def test_kernels_compile_for_sm90():
     """The interpreter accepts programs ptxas rejects: build every variant for the H200."""
-    assert compile_for_sm90(GGUF_LAUNCHES) == ["_gguf_dequantize_kernel", "_gguf_gemv_kernel"]
+    assert compile_for_sm90(GGUF_LAUNCHES) == ["_gguf_dequantize_kernel", "_gguf_gemv_kernel",
+                                               "_gguf_mma_kernel"]
