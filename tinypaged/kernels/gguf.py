@@ -2,7 +2,8 @@
 
 W is the uint8 `qweight [N, row_bytes]` of one GGML type in the device layout: the file's blocks
 regrouped into planes at load (gguf_layout.py; gguf_format.py has the block formats). Decode
-(M <= GEMV_MAX_M) runs the GEMV of gguf_gemv.py, which streams the packed bytes once. Larger M
+runs the kernel DECODE_PATHS picks per type and M: the GEMV of gguf_gemv.py, which streams the
+packed bytes once, or (Q4_K / Q6_K batches) the tensor-core matmul of gguf_mma.py. Larger M
 (prefill) dequantizes W into x's dtype with `_gguf_dequantize_kernel` and multiplies with cuBLAS,
 where the matmul, not the weight read, is the cost. The dequantize kernel (also the embedding's
 row lookup) takes BLOCK_N rows and a chunk of 256 weights (one k-quant super-block, or 8 legacy
@@ -29,9 +30,21 @@ from tinypaged.kernels.gguf_format import (
 )
 from tinypaged.kernels.gguf_gemv import GEMV_MAX_M, gemv_supported, gguf_gemv
 from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
+from tinypaged.kernels.gguf_mma import gguf_mma
 
-__all__ = ["GEMV_MAX_M", "dequantize_reference", "gguf_dequantize", "gguf_gemv", "gguf_linear",
-           "linear_reference", "to_device_layout", "to_file_layout"]
+__all__ = ["DECODE_PATHS", "GEMV_MAX_M", "decode_path", "dequantize_reference", "gguf_dequantize",
+           "gguf_gemv", "gguf_linear", "gguf_mma", "linear_reference", "to_device_layout",
+           "to_file_layout"]
+
+# Decode-sized x: per GGML type, rows (max M, kernel, its keyword arguments), the first whose
+# max M >= M wins; an M past the last row (prefill) dequantizes and calls cuBLAS. "gemv":
+# gguf_gemv.py (CUDA cores, one FMA a weight and row of x); "mma": gguf_mma.py (tensor cores).
+# Measured on the H200: benchmarks/RESULTS.md (2026-12-01, GGUF decode paths).
+DECODE_PATHS: dict[int, tuple[tuple[int, str, dict], ...]] = {
+    12: ((GEMV_MAX_M, "gemv", {}),),
+    14: ((GEMV_MAX_M, "gemv", {}),),
+}
+_GEMV_ONLY = ((GEMV_MAX_M, "gemv", {}),)
 
 CHUNK = 256
 # type id -> (SUBS, SUBLEN): the sub-blocks of a 256-weight chunk that share a scale (and min)
@@ -190,8 +203,8 @@ def gguf_dequantize(qweight: torch.Tensor, type_id: int, K: int,
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T in x's dtype: the GEMV for decode-sized M, else dequantize +
-    cuBLAS; the torch reference off the GPU."""
+    """y [M, N] = x [M, K] @ W^T in x's dtype: a decode kernel for decode-sized M
+    (DECODE_PATHS), else dequantize + cuBLAS; the torch reference off the GPU."""
     K = x.shape[-1]
     _check(qweight, type_id, K, "gguf_linear")
     if type_id in DENSE_TYPES:
@@ -200,6 +213,18 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.T
         return linear_reference(x, qweight, type_id)
     if x.shape[0] == 0:
         return x.new_empty(0, qweight.shape[0])
-    if x.shape[0] <= GEMV_MAX_M and gemv_supported(type_id, K):
-        return gguf_gemv(x, qweight, type_id)
+    path = decode_path(type_id, K, x.shape[0])
+    if path is not None:
+        kernel, config = path
+        return (gguf_gemv if kernel == "gemv" else gguf_mma)(x, qweight, type_id, **config)
     return x @ gguf_dequantize(qweight, type_id, K, x.dtype).T
+
+
+def decode_path(type_id: int, K: int, M: int) -> tuple[str, dict] | None:
+    """(kernel, keyword arguments) DECODE_PATHS gives an M-row x; None: dequantize + cuBLAS."""
+    if not gemv_supported(type_id, K):
+        return None
+    for max_m, kernel, config in DECODE_PATHS.get(type_id, _GEMV_ONLY):
+        if M <= max_m:
+            return kernel, config
+    return None

@@ -46,8 +46,8 @@ def _x_tile(x_ptr, stride_xm, M, k0, half, SUBLEN: tl.constexpr, BLOCK_M: tl.con
     # [SUBLEN, 1] is kk // 16 (Q6_K: the sub-block's own 16 weights start at 16 lh)
     kk = tl.arange(0, SUBLEN)[:, None]
     m = tl.arange(0, BLOCK_M)[None, :]
-    l = 16 * half + 4 * (kk % 4) + kk % 16 // 4
-    return tl.load(x_ptr + m * stride_xm + k0 + l, mask=m < M, other=0.0)
+    pos = 16 * half + 4 * (kk % 4) + kk % 16 // 4
+    return tl.load(x_ptr + m * stride_xm + k0 + pos, mask=m < M, other=0.0)
 
 
 @jit
