@@ -118,10 +118,12 @@ def kernels(args, deadline):
                        for _ in range(max(2, cdiv(3 * L2_BYTES, nbytes)))]
             configs = [None]
             if args.sweep and M in args.sweep_m and tname in args.sweep_types:
-                for c in args.configs:  # block_n/warps/stages, /p: prefetch
+                for c in args.configs:  # block_n/warps/stages, /p: prefetch, /a: asm
+                    if "/a" in c and type_id != 14:  # Q6_K's only
+                        continue
                     b, w, st = map(int, c.split("/")[:3])
                     configs.append(dict(block_n=b, num_warps=w, num_stages=st,
-                                        prefetch=c.endswith("/p")))
+                                        prefetch="/p" in c, asm="/a" in c))
             if M > 1 and M <= gguf.GEMV_MAX_M and args.dequant:  # batched: dequantize + cuBLAS
                 configs.append(dict(dequant=True))
             if M > 1 and type_id in MMA_TYPES:  # batched: tensor cores (block_n/warps)
@@ -134,13 +136,18 @@ def kernels(args, deadline):
                     break
                 if ref is None:
                     ref = x.float() @ gguf.dequantize_reference(weights[0], type_id, K).T
-                check(x, weights[0], type_id, config, ref)
+                try:
+                    check(x, weights[0], type_id, config, ref)
+                except AssertionError as error:
+                    print(f"| {name} | {K}x{N} | {tname} | {M} | {config} | CHECK FAILED: "
+                          f"{error} |", flush=True)
+                    continue
                 t = graph_us([lambda w=w, x=x, t=type_id, c=config: run(x, w, t, c or {})
                               for w in weights], reps=20)
                 label = ("default" if config is None else "dequant+cuBLAS" if "dequant" in config
                          else f"mma {config['block_n']}/{config['num_warps']}w" if "mma" in config
                          else f"{config['block_n']}/{config['num_warps']}w/{config['num_stages']}s"
-                         + ("/p" if config["prefetch"] else ""))
+                         + ("/p" if config["prefetch"] else "") + ("/a" if config["asm"] else ""))
                 print(f"| {name} | {K}x{N} | {tname} | {M} | {label} | {base:.1f} | {awq_t} | "
                       f"{t:.1f} | {base / t:.2f}x | {nbytes / t / 1e3:.0f} |", flush=True)
             del weights, ref
@@ -285,7 +292,8 @@ def main():
     parser.add_argument("--sweep-types", nargs="+", default=["Q4_K"])
     parser.add_argument("--sweep-m", type=int, nargs="+", default=[1])
     parser.add_argument("--configs", nargs="+", default=SWEEP,
-                        help="block_n/warps/stages[/p]: /p prefetches the next step")
+                        help="block_n/warps/stages[/p][/a]: /p prefetches the next step, "
+                        "/a: Q6_K's PTX byte permutes")
     parser.add_argument("--mma", nargs="*", default=["64/4", "128/8"],
                         help="gguf_mma configs (block_n/warps) timed at M > 1")
     parser.add_argument("--dequant", action="store_true",

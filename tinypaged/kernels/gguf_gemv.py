@@ -40,7 +40,7 @@ def _gguf_gemv_kernel(
     M, N, K, stride_xm, stride_w, one, split_k,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
     STAGES: tl.constexpr, ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, ASM: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); a row is stride_w * ROW_ALIGN words: ROW_ALIGN = 4 tells
     # the compiler that rows start 16-byte aligned, so that 16-byte loads can be used; WHOLE:
@@ -80,7 +80,7 @@ def _gguf_gemv_kernel(
             c0, c1, c2, c3, c4 = _load_step(w32_ptr, f16_ptr, row_w, nb, step, blk, h, w,
                                             row_ok & (blk < nb), QTYPE, WHOLE)
         acc = _step_dot(acc, c0, c1, c2, c3, c4, x_ptr, stride_xm, M, K, step, blk, h, w, one,
-                        ROWS_X, QTYPE, BLOCK_M)
+                        ROWS_X, QTYPE, BLOCK_M, ASM)
     total = tl.sum(acc, axis=0)  # [BN, BLOCK_M]
     m_idx = tl.arange(0, BLOCK_M)[None, :]
     at = m_idx * N + rows[:, None]
@@ -106,11 +106,13 @@ def gemv_supported(type_id: int, K: int) -> bool:
 
 def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int | None = None,
               num_warps: int = 2, num_stages: int = 1, split_k: int | None = None,
-              prefetch: bool = False) -> torch.Tensor:
+              prefetch: bool = False, asm: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T, 1 <= M <= GEMV_MAX_M, qweight in the device layout.
 
     block_n rows per program (default: 4 rows a thread with num_warps warps); num_stages 1
-    loads with plain vector loads (more stages pipeline them through shared memory)."""
+    loads with plain vector loads (more stages pipeline them through shared memory); prefetch:
+    the next K step's loads are issued before this step's arithmetic; asm (GPU only): Q6_K
+    turns bytes into floats with PTX byte permutes."""
     M, K = x.shape
     N = qweight.shape[0]
     if M > GEMV_MAX_M or not gemv_supported(type_id, K):
@@ -138,6 +140,6 @@ def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
         partial, count, M, N, K, x.stride(0), qweight.shape[1] // 4 // align, _ONE, split_k,
         QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=next_power_of_2(M), SPLIT=split_k > 1,
         STAGES=num_stages, ROW_ALIGN=align, WHOLE=K // ggml_type(type_id).block_elems % 4 == 0,
-        PREFETCH=prefetch, num_warps=num_warps,
+        PREFETCH=prefetch, ASM=asm and type_id == 14, num_warps=num_warps,
     )
     return y

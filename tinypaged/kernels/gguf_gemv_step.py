@@ -43,9 +43,35 @@ def _byte_fracs(words, mask: tl.constexpr, one, AT: tl.constexpr = 15):
 
 
 @jit
+def _prmt_float(c, one, b: tl.constexpr):
+    # bits 16-23 of 1.0's bits replaced by byte b of c, by one byte permute (selector nibbles:
+    # result bytes 0, 1, 3 from `one`, sources 4, 5, 7; byte 2 from c's byte b)
+    sel = tl.full(c.shape, 0x7054 + (b << 8), tl.int32)
+    bits = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                                     [c, one + tl.zeros_like(c), sel], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@jit
+def _asm_byte_floats(c, one):
+    # GPU only (PTX): bytes 0..3 of each word of c, of the form 0b10qqqqqq, as the floats
+    # 1 + q * 2**-7 (bits 16-23 of 1.0's bits are 0b10000000): one prmt each, where
+    # _byte_fracs(c, 0x3F << 16, one, 16) needs a shift and a LOP3 (byte 2: no shift)
+    return (_prmt_float(c, one, 0), _prmt_float(c, one, 1), _prmt_float(c, one, 2),
+            _prmt_float(c, one, 3))
+
+
+@jit
 def _merge(low, high):
     # bits 0-3 of each byte from `low`, bits 4-7 from `high`
     return (low & 0x0F0F0F0F) | (high & -0x0F0F0F10)
+
+
+@jit
+def _high_bits(v):
+    # bits 4-5 of each byte of v, with bit 7 set (bits 4-7 of 0b10qqqqqq)
+    return (v & 0x30303030) | -0x7F7F7F80
 
 
 @jit
@@ -150,7 +176,7 @@ def _load_step(w32_ptr, f16_ptr, row_w, nb, step, blk, h, w, ok, QTYPE: tl.const
 
 @jit
 def _step_dot(acc, v0, v1, v2, v3, v4, x_ptr, stride_xm, M, K, step, blk, h, w, one,
-              ROWS_X, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr):
+              ROWS_X, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
     # acc [H, BN, BLOCK_M] + this step's partial sums of y for rows 0..ROWS_X-1 of x, from the
     # loads of _load_step; each x row reuses the step's decoded weights
     if QTYPE == 12 or QTYPE == 13:  # Q4_K / Q5_K: weights l of sub-blocks 2h and 2h + 1
@@ -200,13 +226,20 @@ def _step_dot(acc, v0, v1, v2, v3, v4, x_ptr, stride_xm, M, K, step, blk, h, w, 
         a1 = d * ((sc4 << 16) >> 24).to(tl.float32)
         a2 = d * ((sc4 << 8) >> 24).to(tl.float32)
         a3 = d * (sc4 >> 24).to(tl.float32)
-        # each byte of c<i> holds quarter i's 6-bit q at bits 0-5 (bits 6-7: other bits)
-        c0, c1 = _merge(v0, v2 << 4), _merge(v1, v2 << 2)
-        c2, c3 = _merge(v0 >> 4, v2), _merge(v1 >> 4, v2 >> 2)
-        q0, q1, q2, q3 = _byte_fracs(c0, 0x3F << 16, one, 16)
-        r0, r1, r2, r3 = _byte_fracs(c1, 0x3F << 16, one, 16)
-        s0, s1, s2, s3 = _byte_fracs(c2, 0x3F << 16, one, 16)
-        t0, t1, t2, t3 = _byte_fracs(c3, 0x3F << 16, one, 16)
+        # each byte of c<i> is 0b10qqqqqq, quarter i's 6-bit q at bits 0-5 (the 10: see
+        # _asm_byte_floats)
+        c0, c1 = _merge(v0, _high_bits(v2 << 4)), _merge(v1, _high_bits(v2 << 2))
+        c2, c3 = _merge(v0 >> 4, _high_bits(v2)), _merge(v1 >> 4, _high_bits(v2 >> 2))
+        if ASM:
+            q0, q1, q2, q3 = _asm_byte_floats(c0, one)
+            r0, r1, r2, r3 = _asm_byte_floats(c1, one)
+            s0, s1, s2, s3 = _asm_byte_floats(c2, one)
+            t0, t1, t2, t3 = _asm_byte_floats(c3, one)
+        else:
+            q0, q1, q2, q3 = _byte_fracs(c0, 0x3F << 16, one, 16)
+            r0, r1, r2, r3 = _byte_fracs(c1, 0x3F << 16, one, 16)
+            s0, s1, s2, s3 = _byte_fracs(c2, 0x3F << 16, one, 16)
+            t0, t1, t2, t3 = _byte_fracs(c3, 0x3F << 16, one, 16)
         k_lo = step * 256 + h // 2 * 128 + h % 2 * 16 + tl.arange(0, 4)[None, None, :]
         for mi in range(ROWS_X):
             x_lo = x_ptr + mi * stride_xm + k_lo  # [H, 1, 4]; quarter i at + 32 i
