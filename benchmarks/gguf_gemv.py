@@ -64,7 +64,7 @@ def random_qweight(type_id: int, N: int, K: int) -> torch.Tensor:
 def run(x, qweight, type_id, config):
     if config.get("mma"):
         return gguf_mma(x, qweight, type_id, block_n=config["block_n"],
-                        num_warps=config["num_warps"])
+                        num_warps=config["num_warps"], xs_dot=config["xs_dot"])
     if x.shape[0] <= gguf.GEMV_MAX_M and not config.get("dequant"):
         return gguf.gguf_gemv(x, qweight, type_id, **config)
     return x @ gguf.gguf_dequantize(qweight, type_id, x.shape[1], x.dtype).T
@@ -127,9 +127,9 @@ def kernels(args, deadline):
             if M > 1 and M <= gguf.GEMV_MAX_M and args.dequant:  # batched: dequantize + cuBLAS
                 configs.append(dict(dequant=True))
             if M > 1 and type_id in MMA_TYPES:  # batched: tensor cores (block_n/warps)
-                for c in args.mma:
-                    b, w = map(int, c.split("/"))
-                    configs.append(dict(mma=True, block_n=b, num_warps=w))
+                for c in args.mma:  # block_n/warps[/d]: d, sums of x by a product
+                    b, w = map(int, c.split("/")[:2])
+                    configs.append(dict(mma=True, block_n=b, num_warps=w, xs_dot="/d" in c))
             ref = None
             for config in configs:
                 if time.time() > deadline:
@@ -145,7 +145,8 @@ def kernels(args, deadline):
                 t = graph_us([lambda w=w, x=x, t=type_id, c=config: run(x, w, t, c or {})
                               for w in weights], reps=20)
                 label = ("default" if config is None else "dequant+cuBLAS" if "dequant" in config
-                         else f"mma {config['block_n']}/{config['num_warps']}w" if "mma" in config
+                         else f"mma {config['block_n']}/{config['num_warps']}w"
+                         + ("/d" if config["xs_dot"] else "") if "mma" in config
                          else f"{config['block_n']}/{config['num_warps']}w/{config['num_stages']}s"
                          + ("/p" if config["prefetch"] else "") + ("/a" if config["asm"] else ""))
                 print(f"| {name} | {K}x{N} | {tname} | {M} | {label} | {base:.1f} | {awq_t} | "

@@ -133,14 +133,16 @@ def test_gemv_split_k(interpret, type_id, prefetch):
         torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
 
 
-@pytest.mark.parametrize("dtype,M,split_k", [(torch.float32, 2, 1), (torch.float16, 11, 2)])
+@pytest.mark.parametrize("dtype,M,split_k,xs_dot", [(torch.float32, 2, 1, False),
+                                                    (torch.float16, 11, 2, True)])
 @pytest.mark.parametrize("type_id", [12, 14], ids=["Q4_K", "Q6_K"])
-def test_mma_kernel(interpret, type_id, dtype, M, split_k):
+def test_mma_kernel(interpret, type_id, dtype, M, split_k, xs_dot):
     """The tensor-core path for M > 1: rows of x padded to 16, K split over 2 programs."""
     K = 512
     raw = torch.from_numpy(random_blocks(type_id, 20, K, seed=8))
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(2)).to(dtype)
-    y = gguf_mma(x, to_device_layout(raw, type_id, K), type_id, block_n=16, split_k=split_k)
+    y = gguf_mma(x, to_device_layout(raw, type_id, K), type_id, block_n=16, split_k=split_k,
+                 xs_dot=xs_dot)
     assert y.shape == (M, 20) and y.dtype == dtype
     reference = x.float() @ gguf_dequantize_reference(raw, type_id, K).T
     # fp16: the 16-bit x and 1024 + q are exact, products summed in fp32; y rounds to fp16
@@ -186,6 +188,7 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
     if type_id in (12, 14):
         gguf.gguf_gemv(torch.randn(8, 4096).to(torch.float16), qweight, type_id, split_k=4)
         gguf_mma(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, split_k=4)
+        gguf_mma(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, xs_dot=True)
         gguf.gguf_gemv(torch.randn(1, 4096).to(torch.bfloat16), qweight, type_id, block_n=32,
                        prefetch=True, asm=True)
 """

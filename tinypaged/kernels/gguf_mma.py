@@ -52,15 +52,19 @@ def _x_tile(x_ptr, stride_xm, M, k0, half, SUBLEN: tl.constexpr, BLOCK_M: tl.con
 
 @jit
 def _q_dot(acc, q, xt, scale, mn, MAGIC16: tl.constexpr, OFFSET: tl.constexpr,
-           DOT_PRECISION: tl.constexpr):
+           DOT_PRECISION: tl.constexpr, XS_DOT: tl.constexpr):
     # acc [BN, BM] + scale * (q @ x^T) + mn * sum(x): q int32 [BN, SUBLEN] in 0..63, x^T
-    # [SUBLEN, BM]; scale and mn [BN, 1] fp32
+    # [SUBLEN, BM]; scale and mn [BN, 1] fp32. XS_DOT: sum(x) by a second product, with a tile
+    # of ones, which lands in acc's own layout (a sum over x^T's rows crosses threads)
     if MAGIC16:
         w = (q | MAGIC16).to(tl.int16).to(xt.dtype, bitcast=True)  # OFFSET + q, exactly
     else:
         w = q.to(tl.float32)
     qx = tl.dot(w, xt, input_precision=DOT_PRECISION)  # [BN, BM] fp32
-    xs = tl.sum(xt.to(tl.float32), axis=0)[None, :]  # [1, BM]
+    if XS_DOT:
+        xs = tl.dot(tl.full(w.shape, 1.0, w.dtype), xt, input_precision=DOT_PRECISION)
+    else:
+        xs = tl.sum(xt.to(tl.float32), axis=0)[None, :]  # [1, BM]
     return acc + scale * (qx - OFFSET * xs) + mn * xs
 
 
@@ -70,6 +74,7 @@ def _gguf_mma_kernel(
     M, N, K, stride_xm, stride_w, split_k,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
     MAGIC16: tl.constexpr, OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    XS_DOT: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), split_k). w_ptr, i8_ptr, f16_ptr: qweight [N, stride_w] bytes as
     # uint8, int8 and fp16; planes at gguf_layout.PLANES
@@ -98,7 +103,7 @@ def _gguf_mma_kernel(
                     sc, mn = _k_scale_min(w_ptr, hdr + 4, s, row_ok)
                     xt = _x_tile(x_ptr, stride_xm, M, k0 + 32 * s, half, 32, BLOCK_M)
                     acc = _q_dot(acc, (qs >> (4 * nib)) & 0xF, xt, d * sc, -dmin * mn,
-                                 MAGIC16, OFFSET, DOT_PRECISION)
+                                 MAGIC16, OFFSET, DOT_PRECISION, XS_DOT)
         else:  # Q6_K: sub-block 8n + 2i + lh, 16 weights: ql chunk 4n + 2 (i % 2) + lh at
             # position 4 (i % 2) + 2n + lh (nibble i // 2), qh chunk 2n + lh (bits 2i, 2i + 1),
             # int8 scale at byte 4 (2n + lh) + i of the S6 plane (nb * 192), d at nb * 208
@@ -122,7 +127,7 @@ def _gguf_mma_kernel(
                     xt = _x_tile(x_ptr, stride_xm, M, k0 + 128 * (h // 2) + 32 * i,
                                  tl.zeros((16, 1), tl.int32) + h % 2, 16, BLOCK_M)
                     acc = _q_dot(acc, q, xt, d * sc, -32.0 * d * sc, MAGIC16, OFFSET,
-                                 DOT_PRECISION)
+                                 DOT_PRECISION, XS_DOT)
     at = tl.arange(0, BLOCK_M)[None, :] * N + rows[:, None]  # y[m, n], [BN, BM]
     mask = row_ok & (tl.arange(0, BLOCK_M)[None, :] < M)
     if not SPLIT:
@@ -155,8 +160,10 @@ def _k_scale_min(u8_ptr, sc_off, s: tl.constexpr, mask):
 
 
 def gguf_mma(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int = 64,
-             split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T for 1 <= M <= MMA_MAX_M, W Q4_K or Q6_K in the device layout."""
+             split_k: int | None = None, num_warps: int = 4,
+             xs_dot: bool = False) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T for 1 <= M <= MMA_MAX_M, W Q4_K or Q6_K in the device layout.
+    xs_dot: the sums of x by a product with ones (see _q_dot)."""
     M, K = x.shape
     N = qweight.shape[0]
     if type_id not in MMA_TYPES or not 1 <= M <= MMA_MAX_M:
@@ -178,6 +185,7 @@ def gguf_mma(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int 
         x, qweight, qweight.view(torch.int8), qweight.view(torch.float16), y, partial, count,
         M, N, K, x.stride(0), qweight.shape[1], split_k,
         QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=16, SPLIT=split_k > 1, MAGIC16=magic,
-        OFFSET=offset, DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps,
+        OFFSET=offset, DOT_PRECISION=_dot_precision(x.dtype), XS_DOT=xs_dot,
+        num_warps=num_warps,
     )
     return y
