@@ -233,8 +233,9 @@ def same_tokens():
                intermediate_size=2048, num_hidden_layers=4, num_attention_heads=16,
                num_key_value_heads=4, head_dim=64, vocab_size=4096, tie_word_embeddings=False,
                max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0)
+    # 6 sequences: decode steps of 6 rows run the tensor-core path (DECODE_PATHS)
     prompts = [{"prompt_token_ids": [(i * 37 + j * 11) % 4000 + 5 for j in range(40 + 30 * i)]}
-               for i in range(4)]
+               for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = []
     for quantized in (True, False):
@@ -273,8 +274,10 @@ def decode(args):
     batches = [str(b) for b in args.batch_sizes]
     argv = ["latency", "--batch-sizes", *batches, "--max-num-seqs", str(max(args.batch_sizes)),
             "--gpu-memory-utilization", "0.4", "--output-len", str(args.output_len)]
+    original = loader.iterate_weights
     patched_weights(cfg)
     q = bench.main(argv + ["--model-shape", gguf_model_dir(cfg, quantized=True)])
+    loader.iterate_weights = original
     free_gpu()
     bf16 = bench.main(argv + ["--model-shape", "llama3-8b"])
     packed = q4_k_m_bytes(cfg)

@@ -150,16 +150,28 @@ def test_mma_kernel(interpret, type_id, dtype, M, split_k, xs_dot):
     torch.testing.assert_close(y.float(), reference, rtol=tol, atol=tol * reference.abs().max())
 
 
-def test_linear_dispatch(interpret):
+def test_linear_dispatch(interpret, monkeypatch):
+    """DECODE_PATHS picks the kernel by M: Q4_K's GEMV up to 4 rows, mma up to 16, then
+    dequantize + cuBLAS; each agrees with the reference (the kernels are spied on)."""
     K, type_id = 256, 12
     raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=3))
     qweight = to_device_layout(raw, type_id, K)
-    x = torch.randn(gguf.GEMV_MAX_M + 1, K)
+    x = torch.randn(17, K)
     reference = x @ gguf_dequantize_reference(raw, type_id, K).T
     assert torch.equal(gguf.linear_reference(x, qweight, type_id), reference)
-    torch.testing.assert_close(gguf.gguf_linear(x, qweight, type_id), reference)  # dequant path
-    torch.testing.assert_close(gguf.gguf_linear(x[:2], qweight, type_id), reference[:2],
-                               rtol=1e-4, atol=1e-4 * reference.abs().max())  # GEMV
+    calls = []
+    for name in ("gguf_gemv", "gguf_mma", "gguf_dequantize"):
+        kernel = getattr(gguf, name)
+        monkeypatch.setattr(gguf, name, lambda *a, _k=kernel, _n=name, **kw: (
+            calls.append(_n), _k(*a, **kw))[1])
+    tol = dict(rtol=1e-4, atol=1e-4 * reference.abs().max())
+    for M, kernel in ((2, "gguf_gemv"), (4, "gguf_gemv"), (5, "gguf_mma"), (16, "gguf_mma"),
+                      (17, "gguf_dequantize")):
+        torch.testing.assert_close(gguf.gguf_linear(x[:M], qweight, type_id), reference[:M], **tol)
+        assert calls.pop() == kernel, M
+    assert gguf.decode_path(14, 512, 1) == ("gemv", {"prefetch": True, "asm": True})
+    assert gguf.decode_path(14, 256, 1) is None  # 210-byte rows: not whole words
+    assert gguf.decode_path(8, 256, 9) is None  # Q8_0: the GEMV up to 8 rows
     assert gguf.gguf_linear(x[:0], qweight, type_id).shape == (0, 16)
 
 

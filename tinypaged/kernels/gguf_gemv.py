@@ -111,8 +111,9 @@ def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
 
     block_n rows per program (default: 4 rows a thread with num_warps warps); num_stages 1
     loads with plain vector loads (more stages pipeline them through shared memory); prefetch:
-    the next K step's loads are issued before this step's arithmetic; asm (GPU only): Q6_K
-    turns bytes into floats with PTX byte permutes."""
+    the next K step's loads are issued before this step's arithmetic; asm: Q6_K turns bytes
+    into floats with PTX byte permutes (on CUDA tensors; the interpreter runs the portable
+    shifts)."""
     M, K = x.shape
     N = qweight.shape[0]
     if M > GEMV_MAX_M or not gemv_supported(type_id, K):
@@ -140,6 +141,6 @@ def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
         partial, count, M, N, K, x.stride(0), qweight.shape[1] // 4 // align, _ONE, split_k,
         QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=next_power_of_2(M), SPLIT=split_k > 1,
         STAGES=num_stages, ROW_ALIGN=align, WHOLE=K // ggml_type(type_id).block_elems % 4 == 0,
-        PREFETCH=prefetch, ASM=asm and type_id == 14, num_warps=num_warps,
+        PREFETCH=prefetch, ASM=asm and type_id == 14 and x.is_cuda, num_warps=num_warps,
     )
     return y

@@ -133,7 +133,10 @@ def _gguf_mma_kernel(
     if not SPLIT:
         tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.atomic_add(partial_ptr + at, acc, mask=mask, sem="relaxed")
+        # acq_rel: each thread's sums are performed before the barrier lets the arrival count
+        # move (with relaxed adds, 1 of 25 checks on the H200 read a split's sums late: 8 warps,
+        # 2 splits)
+        tl.atomic_add(partial_ptr + at, acc, mask=mask, sem="acq_rel")
         tl.debug_barrier()  # as in gguf_gemv.py: the last split of the row block writes y
         done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if done == split_k - 1:
