@@ -15,6 +15,7 @@ decode of a Llama-3-8B-shape model with Q4_K_M-like weights beside bf16.
 
     PYTHONPATH=. python benchmarks/gguf_gemv.py            # all of it, ~5 minutes
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only kernels --m 1 --sweep  # GEMV configs
+    PYTHONPATH=. python benchmarks/gguf_gemv.py --only kernels --m 8 --dequant  # vs cuBLAS
 """
 import argparse
 import gc
@@ -32,6 +33,7 @@ from tinypaged import bench
 from tinypaged.kernels import gguf
 from tinypaged.kernels._triton import cdiv
 from tinypaged.kernels.gguf_format import GGML_TYPES, row_bytes
+from tinypaged.kernels.gguf_mma import MMA_TYPES, gguf_mma
 from tinypaged.models import gguf_layers, loader
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
@@ -39,9 +41,8 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
 TYPES = {"Q4_K": 12, "Q6_K": 14, "Q5_K": 13, "Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
 FP16_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 SCALE = {2: 5e-3, 3: 5e-3, 8: 5e-4, 12: 4e-4, 13: 2e-4, 14: 6e-5}  # weights of ~0.05
-# --sweep: (block_n, num_warps, num_stages) of the GEMV
-SWEEP = [(16, 1, 1), (32, 1, 1), (32, 2, 1), (64, 2, 1), (64, 4, 1), (128, 4, 1), (32, 2, 2),
-         (64, 2, 2), (64, 4, 2), (128, 4, 2), (128, 8, 1), (16, 2, 1)]
+# --sweep: (block_n, num_warps, num_stages) of the GEMV (--configs picks others)
+SWEEP = ["64/2/1/p", "32/2/1/p", "32/2/1", "64/4/1/p", "16/2/1/p", "32/2/2"]
 
 
 def random_rows(type_id: int, N: int, K: int) -> torch.Tensor:
@@ -61,14 +62,18 @@ def random_qweight(type_id: int, N: int, K: int) -> torch.Tensor:
 
 
 def run(x, qweight, type_id, config):
-    if x.shape[0] <= gguf.GEMV_MAX_M:
+    if config.get("mma"):
+        return gguf_mma(x, qweight, type_id, block_n=config["block_n"],
+                        num_warps=config["num_warps"], xs_dot=config["xs_dot"])
+    if x.shape[0] <= gguf.GEMV_MAX_M and not config.get("dequant"):
         return gguf.gguf_gemv(x, qweight, type_id, **config)
-    return gguf.gguf_linear(x, qweight, type_id)
+    return x @ gguf.gguf_dequantize(qweight, type_id, x.shape[1], x.dtype).T
 
 
-def check(x, qweight, type_id, config=None):
+def check(x, qweight, type_id, config=None, ref=None):
     """Relative error against the fp32 reference, twice (the split-K workspace is re-zeroed)."""
-    ref = x.float() @ gguf.dequantize_reference(qweight, type_id, x.shape[1]).T
+    if ref is None:
+        ref = x.float() @ gguf.dequantize_reference(qweight, type_id, x.shape[1]).T
     for _ in range(2):
         y = run(x, qweight, type_id, config or {})
         err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -78,8 +83,8 @@ def check(x, qweight, type_id, config=None):
 
 def checks(args):
     """Every type and M against the reference on the o shape (and a ragged N)."""
-    for (tname, type_id), M in itertools.product(args.types, args.m):
-        for K, N in ((4096, 4096), (2048, 1000)):
+    for (tname, type_id), M in itertools.product(args.types, args.check_m or args.m):
+        for K, N in (map(int, shape.split("x")) for shape in args.check_shapes):
             print(f"check {tname} M={M} {K}x{N}: ", end="", flush=True)
             x = torch.randn(M, K, device="cuda").bfloat16()
             err = check(x, random_qweight(type_id, N, K), type_id)
@@ -112,18 +117,41 @@ def kernels(args, deadline):
             weights = [random_qweight(type_id, N, K)
                        for _ in range(max(2, cdiv(3 * L2_BYTES, nbytes)))]
             configs = [None]
-            if args.sweep and M <= gguf.GEMV_MAX_M and tname in args.sweep_types:
-                configs += [dict(block_n=b, num_warps=w, num_stages=st) for b, w, st in SWEEP]
+            if args.sweep and M in args.sweep_m and tname in args.sweep_types:
+                for c in args.configs:  # block_n/warps/stages, /p: prefetch, /a: asm
+                    if "/a" in c and type_id != 14:  # Q6_K's only
+                        continue
+                    b, w, st = map(int, c.split("/")[:3])
+                    configs.append(dict(block_n=b, num_warps=w, num_stages=st,
+                                        prefetch="/p" in c, asm="/a" in c))
+            if M > 1 and M <= gguf.GEMV_MAX_M and args.dequant:  # batched: dequantize + cuBLAS
+                configs.append(dict(dequant=True))
+            if M > 1 and type_id in MMA_TYPES:  # batched: tensor cores (block_n/warps)
+                for c in args.mma:  # block_n/warps[/d]: d, sums of x by a product
+                    b, w = map(int, c.split("/")[:2])
+                    configs.append(dict(mma=True, block_n=b, num_warps=w, xs_dot="/d" in c))
+            ref = None
             for config in configs:
                 if time.time() > deadline:
                     break
+                if ref is None:
+                    ref = x.float() @ gguf.dequantize_reference(weights[0], type_id, K).T
+                try:
+                    check(x, weights[0], type_id, config, ref)
+                except AssertionError as error:
+                    print(f"| {name} | {K}x{N} | {tname} | {M} | {config} | CHECK FAILED: "
+                          f"{error} |", flush=True)
+                    continue
                 t = graph_us([lambda w=w, x=x, t=type_id, c=config: run(x, w, t, c or {})
                               for w in weights], reps=20)
-                label = "default" if config is None else \
-                    f"{config['block_n']}/{config['num_warps']}w/{config['num_stages']}s"
+                label = ("default" if config is None else "dequant+cuBLAS" if "dequant" in config
+                         else f"mma {config['block_n']}/{config['num_warps']}w"
+                         + ("/d" if config["xs_dot"] else "") if "mma" in config
+                         else f"{config['block_n']}/{config['num_warps']}w/{config['num_stages']}s"
+                         + ("/p" if config["prefetch"] else "") + ("/a" if config["asm"] else ""))
                 print(f"| {name} | {K}x{N} | {tname} | {M} | {label} | {base:.1f} | {awq_t} | "
                       f"{t:.1f} | {base / t:.2f}x | {nbytes / t / 1e3:.0f} |", flush=True)
-            del weights
+            del weights, ref
 
 
 def q4_k_m_type(name: str, num_layers: int) -> int:
@@ -139,8 +167,8 @@ def q4_k_m_type(name: str, num_layers: int) -> int:
     return 12
 
 
-def random_gguf_weights(cfg: dict, dequantize: bool = False):
-    """What gguf_weights yields for a model of config `cfg`, with random Q4_K_M-like blocks."""
+def q4_k_m_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of every matrix of a llama model of config `cfg`."""
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
@@ -154,6 +182,21 @@ def random_gguf_weights(cfg: dict, dequantize: bool = False):
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
             p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter)})
+    return shapes
+
+
+def q4_k_m_bytes(cfg: dict) -> int:
+    """Packed bytes of those matrices in the Q4_K_M-like types (the embedding table counted
+    whole, as `tinypaged bench` counts it)."""
+    layers = cfg["num_hidden_layers"]
+    return sum(N * row_bytes(q4_k_m_type(name, layers), K)
+               for name, (N, K) in q4_k_m_shapes(cfg).items())
+
+
+def random_gguf_weights(cfg: dict, dequantize: bool = False):
+    """What gguf_weights yields for a model of config `cfg`, with random Q4_K_M-like blocks."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    shapes = q4_k_m_shapes(cfg)
     gen = torch.Generator(device="cuda").manual_seed(0)
     torch.manual_seed(0)
     for name, (N, K) in shapes.items():
@@ -190,8 +233,9 @@ def same_tokens():
                intermediate_size=2048, num_hidden_layers=4, num_attention_heads=16,
                num_key_value_heads=4, head_dim=64, vocab_size=4096, tie_word_embeddings=False,
                max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0)
+    # 6 sequences: decode steps of 6 rows run the tensor-core path (DECODE_PATHS)
     prompts = [{"prompt_token_ids": [(i * 37 + j * 11) % 4000 + 5 for j in range(40 + 30 * i)]}
-               for i in range(4)]
+               for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = []
     for quantized in (True, False):
@@ -224,27 +268,44 @@ def free_gpu():
 
 
 def decode(args):
+    """bench latency of the GGUF blocks (first: it is what this measures), then bf16."""
     cfg = bench.SHAPES["llama3-8b"]
     # each engine takes 40% of the GPU for weights and KV cache: both fit even side by side
     batches = [str(b) for b in args.batch_sizes]
     argv = ["latency", "--batch-sizes", *batches, "--max-num-seqs", str(max(args.batch_sizes)),
-            "--gpu-memory-utilization", "0.4"]
-    bf16 = bench.main(argv + ["--model-shape", "llama3-8b"])
-    free_gpu()
+            "--gpu-memory-utilization", "0.4", "--output-len", str(args.output_len)]
+    original = loader.iterate_weights
     patched_weights(cfg)
     q = bench.main(argv + ["--model-shape", gguf_model_dir(cfg, quantized=True)])
-    print("\n| Llama-3-8B shape, decode | bf16 tok/s | Q4_K_M-like GGUF tok/s | speed-up |")
-    print("|---|---|---|---|")
+    loader.iterate_weights = original
+    free_gpu()
+    bf16 = bench.main(argv + ["--model-shape", "llama3-8b"])
+    packed = q4_k_m_bytes(cfg)
+    print(f"\n| Llama-3-8B shape, decode | bf16 tok/s | Q4_K_M-like GGUF tok/s | speed-up | "
+          f"GGUF weights GB/s ({packed / 1e9:.2f} GB a step) |")
+    print("|---|---|---|---|---|")
     for batch in args.batch_sizes:
         a, b = bf16[batch]["tok_s_per_seq"], q[batch]["tok_s_per_seq"]
-        print(f"| batch {batch} (per sequence) | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+        print(f"| batch {batch} (per sequence) | {a:.1f} | {b:.1f} | {b / a:.2f}x | "
+              f"{packed * b / 1e9:,.0f} |")
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="block_n / warps / stages")
     parser.add_argument("--sweep-types", nargs="+", default=["Q4_K"])
+    parser.add_argument("--sweep-m", type=int, nargs="+", default=[1])
+    parser.add_argument("--configs", nargs="+", default=SWEEP,
+                        help="block_n/warps/stages[/p][/a]: /p prefetches the next step, "
+                        "/a: Q6_K's PTX byte permutes")
+    parser.add_argument("--mma", nargs="*", default=["64/4", "128/8"],
+                        help="gguf_mma configs (block_n/warps) timed at M > 1")
+    parser.add_argument("--dequant", action="store_true",
+                        help="also time dequantize + cuBLAS at 1 < M <= 8")
     parser.add_argument("--m", type=int, nargs="+", default=[1, 8, 512], help="rows of x")
+    parser.add_argument("--check-m", type=int, nargs="+", help="rows of x of the checks")
+    parser.add_argument("--check-shapes", nargs="+", default=["4096x4096", "2048x1000"],
+                        help="KxN of the checks")
     parser.add_argument("--types", nargs="+", default=list(TYPES), choices=list(TYPES))
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--no-awq", dest="awq", action="store_false")
@@ -252,18 +313,21 @@ def main():
                         help="stop timing kernels after this many seconds")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8],
                         help="decode batch sizes")
-    parser.add_argument("--only", choices=["checks", "kernels", "tokens", "decode"])
+    parser.add_argument("--output-len", type=int, default=256, help="decode tokens")
+    parser.add_argument("--only", nargs="+", choices=["checks", "kernels", "tokens", "decode"],
+                        help="stages to run (default: all)")
     args = parser.parse_args()
     args.types = [(t, TYPES[t]) for t in args.types]
     deadline = time.time() + args.budget_s
     torch.manual_seed(0)
-    if args.only in (None, "checks"):
+    stages = args.only or ["checks", "kernels", "tokens", "decode"]
+    if "checks" in stages:
         checks(args)
-    if args.only in (None, "kernels"):
+    if "kernels" in stages:
         kernels(args, deadline)
-    if args.only in (None, "tokens", "decode"):
+    if "tokens" in stages:
         same_tokens()
-    if args.only in (None, "decode"):
+    if "decode" in stages:
         decode(args)
 
 

@@ -19,6 +19,7 @@ from tinypaged.kernels.gguf_format import (
     gguf_dequantize_reference,
 )
 from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
+from tinypaged.kernels.gguf_mma import gguf_mma
 
 NAMES = {t: GGML_TYPES[t].name for t in QUANTIZED_TYPES}
 
@@ -65,6 +66,22 @@ def test_device_layout_of_q4_k():
     assert torch.equal(device[:, 256:], torch.cat([raw[:, :16], raw[:, 144:160]], dim=1))
 
 
+def test_device_layout_of_q6_k():
+    """Row = ql (chunks in the order 0 1 4 5 2 3 6 7, transposed), qh (transposed), the scales
+    of GEMV thread h = 2n + lh (sub-blocks 8n + 2i + lh) in word h, d."""
+    raw = torch.from_numpy(random_blocks(14, 3, 256, seed=7))  # one block of 210 bytes a row
+    device = to_device_layout(raw, 14, 256)
+    chunks = raw[:, :128].reshape(3, 8, 16)[:, [0, 1, 4, 5, 2, 3, 6, 7]]
+    transposed = chunks.reshape(3, 8, 4, 4).transpose(-1, -2).reshape(3, 128)
+    assert torch.equal(device[:, :128], transposed)
+    assert torch.equal(device[:, 128:192],
+                       raw[:, 128:192].reshape(3, 4, 4, 4).transpose(-1, -2).reshape(3, 64))
+    subs = [8 * (h // 2) + 2 * i + h % 2 for h in range(4) for i in range(4)]
+    assert subs[:8] == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert torch.equal(device[:, 192:208], raw[:, 192:208][:, subs])
+    assert torch.equal(device[:, 208:], raw[:, 208:])
+
+
 @pytest.mark.parametrize("type_id", [0, 1, 30], ids=["F32", "F16", "BF16"])
 def test_float_types_pass_through(type_id):
     w = torch.randn(3, 64).to({0: torch.float32, 1: torch.float16, 30: torch.bfloat16}[type_id])
@@ -100,30 +117,61 @@ def test_gemv_kernel(interpret, type_id, dtype, M):
     torch.testing.assert_close(y.float(), reference, rtol=tol, atol=tol * reference.abs().max())
 
 
-@pytest.mark.parametrize("type_id", [12, 8], ids=["Q4_K", "Q8_0"])
-def test_gemv_split_k(interpret, type_id):
-    """K split over 3 programs a row block (one with a partial step for Q8_0's 36 blocks):
-    the last to finish writes y and leaves the workspace zeroed, so a second call agrees."""
-    K = 1152 if type_id == 8 else 768
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+@pytest.mark.parametrize("type_id", [12, 14, 8], ids=["Q4_K", "Q6_K", "Q8_0"])
+def test_gemv_split_k(interpret, type_id, prefetch):
+    """K split over 3 (Q6_K: 2) programs a row block (one with a partial step for Q8_0's 36
+    blocks): the last to finish writes y and leaves the workspace zeroed, so a second call
+    agrees; with prefetch, no program reads the step after its own range."""
+    K = {12: 768, 14: 1024, 8: 1152}[type_id]
     raw = torch.from_numpy(random_blocks(type_id, 8, K, seed=6))
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(1))
     qweight = to_device_layout(raw, type_id, K)
     reference = x @ gguf_dequantize_reference(raw, type_id, K).T
     for _ in range(2):
-        y = gguf.gguf_gemv(x, qweight, type_id, block_n=8, split_k=3)
+        y = gguf.gguf_gemv(x, qweight, type_id, block_n=8, split_k=3, prefetch=prefetch)
         torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
 
 
-def test_linear_dispatch(interpret):
+@pytest.mark.parametrize("dtype,M,split_k,xs_dot", [(torch.float32, 2, 1, False),
+                                                    (torch.float16, 11, 2, True)])
+@pytest.mark.parametrize("type_id", [12, 14], ids=["Q4_K", "Q6_K"])
+def test_mma_kernel(interpret, type_id, dtype, M, split_k, xs_dot):
+    """The tensor-core path for M > 1: rows of x padded to 16, K split over 2 programs."""
+    K = 512
+    raw = torch.from_numpy(random_blocks(type_id, 20, K, seed=8))
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(2)).to(dtype)
+    y = gguf_mma(x, to_device_layout(raw, type_id, K), type_id, block_n=16, split_k=split_k,
+                 xs_dot=xs_dot)
+    assert y.shape == (M, 20) and y.dtype == dtype
+    reference = x.float() @ gguf_dequantize_reference(raw, type_id, K).T
+    # fp16: the 16-bit x and 1024 + q are exact, products summed in fp32; y rounds to fp16
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(y.float(), reference, rtol=tol, atol=tol * reference.abs().max())
+
+
+def test_linear_dispatch(interpret, monkeypatch):
+    """DECODE_PATHS picks the kernel by M: Q4_K's GEMV up to 4 rows, mma up to 16, then
+    dequantize + cuBLAS; each agrees with the reference (the kernels are spied on)."""
     K, type_id = 256, 12
     raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=3))
     qweight = to_device_layout(raw, type_id, K)
-    x = torch.randn(gguf.GEMV_MAX_M + 1, K)
+    x = torch.randn(17, K)
     reference = x @ gguf_dequantize_reference(raw, type_id, K).T
     assert torch.equal(gguf.linear_reference(x, qweight, type_id), reference)
-    torch.testing.assert_close(gguf.gguf_linear(x, qweight, type_id), reference)  # dequant path
-    torch.testing.assert_close(gguf.gguf_linear(x[:2], qweight, type_id), reference[:2],
-                               rtol=1e-4, atol=1e-4 * reference.abs().max())  # GEMV
+    calls = []
+    for name in ("gguf_gemv", "gguf_mma", "gguf_dequantize"):
+        kernel = getattr(gguf, name)
+        monkeypatch.setattr(gguf, name, lambda *a, _k=kernel, _n=name, **kw: (
+            calls.append(_n), _k(*a, **kw))[1])
+    tol = dict(rtol=1e-4, atol=1e-4 * reference.abs().max())
+    for M, kernel in ((2, "gguf_gemv"), (4, "gguf_gemv"), (5, "gguf_mma"), (16, "gguf_mma"),
+                      (17, "gguf_dequantize")):
+        torch.testing.assert_close(gguf.gguf_linear(x[:M], qweight, type_id), reference[:M], **tol)
+        assert calls.pop() == kernel, M
+    assert gguf.decode_path(14, 512, 1) == ("gemv", {"prefetch": True, "asm": True})
+    assert gguf.decode_path(14, 256, 1) is None  # 210-byte rows: not whole words
+    assert gguf.decode_path(8, 256, 9) is None  # Q8_0: the GEMV up to 8 rows
     assert gguf.gguf_linear(x[:0], qweight, type_id).shape == (0, 16)
 
 
@@ -141,6 +189,7 @@ GGUF_LAUNCHES = r"""import os
 
 from tinypaged.kernels import gguf
 from tinypaged.kernels.gguf_format import QUANTIZED_TYPES, row_bytes
+from tinypaged.kernels.gguf_mma import gguf_mma
 
 os.environ["TRITON_INTERPRET"] = "1"  # after the import: only so the launchers pick the kernels
 
@@ -150,9 +199,14 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
     gguf.gguf_dequantize(qweight, type_id, 4096, torch.bfloat16)
     if type_id in (12, 14):
         gguf.gguf_gemv(torch.randn(8, 4096).to(torch.float16), qweight, type_id, split_k=4)
+        gguf_mma(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, split_k=4)
+        gguf_mma(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, xs_dot=True)
+        gguf.gguf_gemv(torch.randn(1, 4096).to(torch.bfloat16), qweight, type_id, block_n=32,
+                       prefetch=True, asm=True)
 """
 
 
 def test_kernels_compile_for_sm90():
     """The interpreter accepts programs ptxas rejects: build every variant for the H200."""
-    assert compile_for_sm90(GGUF_LAUNCHES) == ["_gguf_dequantize_kernel", "_gguf_gemv_kernel"]
+    assert compile_for_sm90(GGUF_LAUNCHES) == ["_gguf_dequantize_kernel", "_gguf_gemv_kernel",
+                                               "_gguf_mma_kernel"]

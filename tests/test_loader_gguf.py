@@ -73,6 +73,11 @@ GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+# GLM-4-0414's norms after attention and after the MLP (its post_attention_layernorm is ffn_norm)
+GLM4_NAMES = {"post_self_attn_layernorm": "post_attention_norm",
+              "post_attention_layernorm": "ffn_norm", "post_mlp_layernorm": "post_ffw_norm"}
+
+
 def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
            "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -83,7 +88,8 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> str:
         return f"blk.{parts[2]}.ffn_gate_inp_shexp.weight"
     if parts[-3] == "shared_expert":
         return f"blk.{parts[2]}.ffn_{parts[-2].removesuffix('_proj')}_shexp.weight"
-    names = {**GGUF_NAMES, **GEMMA_NAMES} if arch.startswith("gemma") else GGUF_NAMES
+    names = {**GGUF_NAMES, **GEMMA_NAMES} if arch.startswith("gemma") else \
+        {**GGUF_NAMES, **GLM4_NAMES} if arch == "glm4" else GGUF_NAMES
     return f"blk.{parts[2]}.{names[parts[-2]]}.{parts[-1]}"
 
 
@@ -114,12 +120,13 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def write_tiny_gguf(path, hf_model, arch: str, mix: str = "legacy") -> dict[str, Q]:
+def write_tiny_gguf(path, hf_model, arch: str, mix: str = "legacy",
+                    name: str = "tiny test model") -> dict[str, Q]:
     """Write `hf_model` as a GGUF of architecture `arch` in the types of MIXES[mix]; returns
     each HF tensor's GGUF type."""
     c = hf_model.config
     writer = GGUFWriter(str(path), arch)
-    writer.add_name("tiny test model")
+    writer.add_name(name)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -130,6 +137,8 @@ def write_tiny_gguf(path, hf_model, arch: str, mix: str = "legacy") -> dict[str,
     writer.add_value_length(_head_dim(c))
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # gemma3: per layer type
     writer.add_rope_freq_base(rope["rope_theta"])
+    if "partial_rotary_factor" in rope:
+        writer.add_rope_dimension_count(int(_head_dim(c) * rope["partial_rotary_factor"]))
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
     if getattr(c, "num_experts", None):
@@ -488,3 +497,71 @@ def test_qwen2moe_shared_expert(tmp_path):
     with torch.no_grad():
         assert_logits_close(logits, reference.eval()(torch.tensor([PROMPT])).logits[0],
                             what="prefill logits of the converted Qwen2-MoE GGUF")
+
+
+def test_glm4_sandwich_norms_and_fused_gate_up(tmp_path, monkeypatch):
+    """glm4 files (GLM-4-0414): q/k/v biases, [gate; up] fused in ffn_up, norms after attention
+    and after the MLP, half the head rotating with adjacent dims paired (no Q/K permutation);
+    transformers reads no glm4 GGUF, so its Glm4ForCausalLM runs on the same weights
+    dequantized, and greedy decoding of the blocks (kept quantized) matches it."""
+    hf_model = tiny_hf_model("glm4", vocab_size=len(TOKENS), **SIZES)
+    path = tmp_path / "tiny-glm4.gguf"
+    types = write_tiny_gguf(path, hf_model, "glm4", "q4_k_m")
+    assert types["model.layers.0.mlp.gate_up_proj.weight"] == Q.Q5_K
+    out = tp_gguf.convert_gguf(path, tmp_path / "converted")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["partial_rotary_factor"],
+            config["attention_bias"]) == (["Glm4ForCausalLM"], 0.5, True)
+    ours = tp_gguf.dense_state_dict(out)
+    assert ours.keys() == checkpoint_weights(hf_model).keys() == types.keys()
+    tokenizer = AutoTokenizer.from_pretrained(str(out))  # built from the file's vocabulary
+    assert tokenizer.encode("<|im_end|> the", add_special_tokens=False) == [2, len(TOKENS) - 1]
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "the"}], add_generation_prompt=True, tokenize=False)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    hf_config = {k: v for k, v in config.items() if k != "quantization_config"}
+    (hf_dir / "config.json").write_text(json.dumps({**hf_config, "pad_token_id": 0}))
+    save_file(ours, str(hf_dir / "model.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    _quantized_on_cpu(monkeypatch)
+    model, _, _ = loader.load_model(EngineConfig(model=str(path)), "cpu")
+    assert [t for t, _ in model.model.layers[0].mlp.gate_up_proj.gguf_parts] == [13]
+    _check_greedy(model, reference, PROMPT, steps=4)
+
+
+def test_mistral_files_load_as_llama(tmp_path, monkeypatch):
+    """llama.cpp writes Mistral models (no sliding window: v0.3 and later) under the llama
+    architecture, Q/K rows permuted; we load them as the llama they are. The weights come back
+    within Q8_0's rounding of the Mistral model's (un-permuted), and its MistralForCausalLM on
+    them decodes greedily as we do (transformers' own reader fails on such a file:
+    "Unknown gguf model_type: mistral")."""
+    hf_model = tiny_hf_model("mistral", vocab_size=len(TOKENS), sliding_window=None, **SIZES)
+    path = tmp_path / "tiny-mistral.gguf"
+    write_tiny_gguf(path, hf_model, "llama", "q8_0")
+    _quantized_on_cpu(monkeypatch)
+    model, _, model_dir = loader.load_model(EngineConfig(model=str(path)), "cpu")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["architectures"], config["sliding_window"]) == (["LlamaForCausalLM"], None)
+    ours, originals = tp_gguf.dense_state_dict(model_dir), checkpoint_weights(hf_model)
+    for name, w in ours.items():
+        assert (w - originals[name]).abs().max() <= 1e-2 * originals[name].abs().max(), name
+    hf_model.load_state_dict(ours)
+    _check_greedy(model, hf_model, PROMPT, steps=4)
+
+
+def test_bench_counts_the_packed_bytes(tmp_path):
+    """`bench latency` GB/s of a GGUF model counts the bytes its blocks take (the file's
+    tensor data), not 2 bytes a weight."""
+    from gguf import GGUFReader
+
+    from tinypaged.bench import weight_bytes
+
+    path, _, _ = _write_case(tmp_path, "llama", "llama_untied", "q4_k_m")
+    out = tp_gguf.convert_gguf(path, tmp_path / "converted")
+    cfg = json.loads((out / "config.json").read_text())
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    assert weight_bytes(cfg, 1, None, str(out)) == file_bytes
+    assert file_bytes < 0.5 * weight_bytes(cfg, 1)  # Q4_K / Q5_K / Q6_K: under a byte a weight
+    assert weight_bytes(cfg, 1, None, str(tmp_path)) == weight_bytes(cfg, 1)  # not a GGUF dir

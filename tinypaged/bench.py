@@ -86,10 +86,18 @@ def _attn_params(cfg: dict) -> int:
     )
 
 
-def weight_bytes(cfg: dict, num_tokens: int, quantization: str | None = None) -> float:
+def weight_bytes(cfg: dict, num_tokens: int, quantization: str | None = None,
+                 model_dir: str | None = None) -> float:
     """Bytes of weights a decode step of `num_tokens` tokens reads: every linear of every layer
     (of a MoE layer only the experts the batch hits), the LM head and, untied, the embedding
-    table; 2 bytes per weight, or INT4_G128_BYTES for the linears of an AWQ / GPTQ checkpoint."""
+    table; 2 bytes per weight, or INT4_G128_BYTES for the linears of an AWQ / GPTQ checkpoint.
+    A GGUF model (model_dir converted from a .gguf) reads its tensors' packed bytes."""
+    if model_dir is not None:
+        from tinypaged.models.gguf import packed_weight_bytes
+
+        packed = packed_weight_bytes(model_dir)
+        if packed is not None:
+            return packed
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     linear = cfg["num_hidden_layers"] * (_attn_params(cfg) + _mlp_params(cfg, num_tokens)[1])
     per_linear = INT4_G128_BYTES if quantization in ("awq", "gptq") else 2
@@ -122,6 +130,10 @@ def _model_args(args) -> tuple[str, dict, dict]:
         extra = dict(load_format="dummy", skip_tokenizer_init=True)
     else:
         path = args.model_shape
+        if path.endswith(".gguf"):  # its converted directory (made once, cached)
+            from tinypaged.models.loader import resolve_model
+
+            path = str(resolve_model(path))
         cfg = json.loads((Path(path) / "config.json").read_text())
         cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
         cfg.setdefault("tie_word_embeddings", False)
@@ -215,12 +227,12 @@ def latency(args) -> dict:
     path, cfg, engine_args = _model_args(args)
     engine = AsyncLLM(path, **engine_args)
     try:
-        return asyncio.run(_latency(engine, cfg, args))
+        return asyncio.run(_latency(engine, cfg, args, path))
     finally:
         asyncio.run(engine.shutdown())  # tensor-parallel workers free their GPUs now
 
 
-async def _latency(engine: EngineClient, cfg: dict, args) -> dict:
+async def _latency(engine: EngineClient, cfg: dict, args, path: str) -> dict:
     kv_token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
     gpus = f", all {args.tensor_parallel_size} GPUs" if args.tensor_parallel_size > 1 else ""
     result = {}
@@ -234,7 +246,7 @@ async def _latency(engine: EngineClient, cfg: dict, args) -> dict:
         # One decode step per token after the first output of each request.
         per_step = sum((t1 - t0) / (n1 - n0) for (t0, n0), (t1, n1) in spans) / batch
         ctx = args.input_len + args.output_len / 2
-        gbs = (weight_bytes(cfg, batch, args.quantization) + batch * ctx * kv_token_bytes)
+        gbs = (weight_bytes(cfg, batch, args.quantization, path) + batch * ctx * kv_token_bytes)
         gbs = gbs / per_step / 1e9
         tokens = sum(n1 - n0 for (_, n0), (_, n1) in spans)
         result[batch] = {"tok_s_per_seq": 1 / per_step, "GB_s": gbs, "decode_tokens": tokens}

@@ -2,7 +2,8 @@
 
 W is the uint8 `qweight [N, row_bytes]` of one GGML type in the device layout: the file's blocks
 regrouped into planes at load (gguf_layout.py; gguf_format.py has the block formats). Decode
-(M <= GEMV_MAX_M) runs the GEMV of gguf_gemv.py, which streams the packed bytes once. Larger M
+runs the kernel DECODE_PATHS picks per type and M: the GEMV of gguf_gemv.py, which streams the
+packed bytes once, or (Q4_K / Q6_K batches) the tensor-core matmul of gguf_mma.py. Larger M
 (prefill) dequantizes W into x's dtype with `_gguf_dequantize_kernel` and multiplies with cuBLAS,
 where the matmul, not the weight read, is the cost. The dequantize kernel (also the embedding's
 row lookup) takes BLOCK_N rows and a chunk of 256 weights (one k-quant super-block, or 8 legacy
@@ -29,9 +30,26 @@ from tinypaged.kernels.gguf_format import (
 )
 from tinypaged.kernels.gguf_gemv import GEMV_MAX_M, gemv_supported, gguf_gemv
 from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
+from tinypaged.kernels.gguf_mma import gguf_mma
 
-__all__ = ["GEMV_MAX_M", "dequantize_reference", "gguf_dequantize", "gguf_gemv", "gguf_linear",
-           "linear_reference", "to_device_layout", "to_file_layout"]
+__all__ = ["DECODE_PATHS", "GEMV_MAX_M", "decode_path", "dequantize_reference", "gguf_dequantize",
+           "gguf_gemv", "gguf_linear", "gguf_mma", "linear_reference", "to_device_layout",
+           "to_file_layout"]
+
+# Decode-sized x: per GGML type, rows (max M, kernel, its keyword arguments), the first whose
+# max M >= M wins; an M past the last row (prefill) dequantizes and calls cuBLAS. "gemv":
+# gguf_gemv.py (CUDA cores, one FMA a weight and row of x); "mma": gguf_mma.py (tensor cores,
+# a cost that does not grow with M). Measured on the H200 (benchmarks/RESULTS.md, 2026-12-01):
+# Q6_K's GEMV is fastest with prefetch and PTX byte permutes (lm_head 155.7 us vs 227.8 without,
+# bf16 240.8), Q4_K's without; at M = 8 mma runs at 0.41-0.62x of bf16's speed, the GEMV at
+# 0.25-0.43x and dequantize + cuBLAS at 0.16-0.25x; the GEMV's time grows ~linearly with M and
+# crosses mma's between M = 4 and 5 on every Llama-3-8B shape (interpolated from M = 1 and 8).
+DECODE_PATHS: dict[int, tuple[tuple[int, str, dict], ...]] = {
+    12: ((4, "gemv", {}), (16, "mma", {"xs_dot": True})),
+    14: ((1, "gemv", {"prefetch": True, "asm": True}), (4, "gemv", {}),
+         (16, "mma", {"xs_dot": True})),
+}
+_GEMV_ONLY = ((GEMV_MAX_M, "gemv", {}),)
 
 CHUNK = 256
 # type id -> (SUBS, SUBLEN): the sub-blocks of a 256-weight chunk that share a scale (and min)
@@ -41,12 +59,18 @@ LAYOUTS = {2: (8, 32), 3: (8, 32), 8: (8, 32), 12: (8, 32), 13: (8, 32), 14: (16
 @jit
 def _plane(row_off, nb, blk, p, BEFORE: tl.constexpr, SIZE: tl.constexpr, KIND: tl.constexpr):
     # the device-layout byte of byte p of block blk's field that has SIZE bytes a block and
-    # comes after BEFORE bytes a block of other planes (gguf_layout.PLANES); KIND 1 (T): 16-byte
-    # chunks transposed as 4 x 4 bytes; 2 (TH): also chunk 2g + half moved to 4 half + g
-    if KIND != 0:
+    # comes after BEFORE bytes a block of other planes (gguf_layout.PLANES). KIND 0: as in the
+    # file; 1 (T): 16-byte chunks transposed as 4 x 4 bytes; 2 (TH): also chunk 2g + half moved
+    # to 4 half + g; 3 (TQ): also chunks 2 and 4, 3 and 5 swapped; 4 (S6): Q6_K's scale
+    # 8n + 2i + lh at byte 4 (2n + lh) + i
+    if KIND == 4:
+        p = p // 8 * 8 + p % 2 * 4 + p % 8 // 2
+    elif KIND != 0:
         chunk = p // 16
         if KIND == 2:
             chunk = chunk % 2 * 4 + chunk // 2
+        elif KIND == 3:
+            chunk = chunk % 2 + chunk // 4 % 2 * 2 + chunk // 2 % 2 * 4
         p = chunk * 16 + p % 4 * 4 + p % 16 // 4
     return row_off + nb * BEFORE + blk * SIZE + p
 
@@ -110,13 +134,13 @@ def _chunk_parts(u8_ptr, i8_ptr, f16_ptr, row_off, nb, c, s, j, mask, QTYPE: tl.
         n = s // 8
         i = s % 8 // 2
         pos = s % 2 * 16 + j  # l of the format description (gguf_format.py), 0..31
-        low = tl.load(u8_ptr + _plane(row_off, nb, blk, n * 64 + i % 2 * 32 + pos, 0, 128, 1),
+        low = tl.load(u8_ptr + _plane(row_off, nb, blk, n * 64 + i % 2 * 32 + pos, 0, 128, 3),
                       mask=mask, other=0).to(tl.int32)
         high = tl.load(u8_ptr + _plane(row_off, nb, blk, n * 32 + pos, 128, 64, 1),
                        mask=mask, other=0).to(tl.int32)
         qi = ((low >> (i // 2 * 4)) & 0xF) | (((high >> (2 * i)) & 3) << 4)
         q = qi.to(tl.float32) - 32.0
-        sc = tl.load(i8_ptr + _plane(row_off, nb, blk, s, 192, 16, 0), mask=mask,
+        sc = tl.load(i8_ptr + _plane(row_off, nb, blk, s, 192, 16, 4), mask=mask,
                      other=0).to(tl.float32)
         d = tl.load(f16_ptr + _plane(row_off, nb, blk, 0, 208, 2, 0) // 2, mask=mask,
                     other=0.0).to(tl.float32)
@@ -184,8 +208,8 @@ def gguf_dequantize(qweight: torch.Tensor, type_id: int, K: int,
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T in x's dtype: the GEMV for decode-sized M, else dequantize +
-    cuBLAS; the torch reference off the GPU."""
+    """y [M, N] = x [M, K] @ W^T in x's dtype: a decode kernel for decode-sized M
+    (DECODE_PATHS), else dequantize + cuBLAS; the torch reference off the GPU."""
     K = x.shape[-1]
     _check(qweight, type_id, K, "gguf_linear")
     if type_id in DENSE_TYPES:
@@ -194,6 +218,20 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.T
         return linear_reference(x, qweight, type_id)
     if x.shape[0] == 0:
         return x.new_empty(0, qweight.shape[0])
-    if x.shape[0] <= GEMV_MAX_M and gemv_supported(type_id, K):
-        return gguf_gemv(x, qweight, type_id)
+    path = decode_path(type_id, K, x.shape[0])
+    if path is not None:
+        kernel, config = path
+        if kernel == "mma":
+            return gguf_mma(x, qweight, type_id, **config)
+        return gguf_gemv(x, qweight, type_id, **config)
     return x @ gguf_dequantize(qweight, type_id, K, x.dtype).T
+
+
+def decode_path(type_id: int, K: int, M: int) -> tuple[str, dict] | None:
+    """(kernel, keyword arguments) DECODE_PATHS gives an M-row x; None: dequantize + cuBLAS."""
+    if not gemv_supported(type_id, K):
+        return None
+    for max_m, kernel, config in DECODE_PATHS.get(type_id, _GEMV_ONLY):
+        if M <= max_m:
+            return kernel, config
+    return None

@@ -13,7 +13,8 @@ HF layout besides names:
 - Shapes: a GGUF shape lists the fastest-varying dimension first ([in, out]); the reader's numpy
   arrays are already row-major [out, in rows of bytes], HF's `nn.Linear.weight` layout.
 - llama.cpp's converter permutes the rows of Q and K inside each head for the `llama` architecture
-  (its rotary kernel pairs adjacent dims, HF pairs dim i with i + head_dim/2). We undo it:
+  (also Mistral's files; its rotary kernel pairs adjacent dims, HF pairs dim i with
+  i + head_dim/2; GLM pairs adjacent dims itself, so `glm4` files are not permuted). We undo it:
   GGUF rows per head are ordered (head_dim/2, 2); HF rows are (2, head_dim/2). A row is whole
   blocks, so this moves rows of quantized bytes unchanged.
 - MoE experts (qwen3moe) are stacked, one [E, out, in] tensor per layer and projection
@@ -51,6 +52,7 @@ SUPPORTED_ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
+    "glm4": ("Glm4ForCausalLM", "glm4", False),  # GLM-4-0414; llama.cpp pairs dims like GLM
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -85,6 +87,11 @@ _ARCH_LAYER_NAMES = {
                "post_ffw_norm": "post_feedforward_layernorm"},
 }
 _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+# GLM-4-0414: [gate; up] fused in ffn_up; a norm after attention and one after the MLP
+_ARCH_LAYER_NAMES["glm4"] = {"ffn_up": "mlp.gate_up_proj",
+                             "post_attention_norm": "post_self_attn_layernorm",
+                             "ffn_norm": "post_attention_layernorm",
+                             "post_ffw_norm": "post_mlp_layernorm"}
 # llama.cpp stores Gemma's RMSNorm weights w as 1 + w (its norms multiply by the weight)
 _NORMS_PLUS_ONE = {"gemma2", "gemma3"}
 # MoE experts, stacked in one GGUF tensor [E, out, in] per projection; HF names one per expert
@@ -316,10 +323,15 @@ def dense_state_dict(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
-    """tokenizer.json + tokenizer_config.json (+ chat template), rebuilt by transformers."""
-    from transformers import AutoTokenizer
+    """tokenizer.json + tokenizer_config.json (+ chat template), rebuilt by transformers: by
+    AutoTokenizer where transformers reads the architecture's GGUF files (it then picks the
+    model's tokenizer class), else (glm4) by the generic fast tokenizer from the vocabulary."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    known = _metadata(reader, "general.architecture") in GGUF_SUPPORTED_ARCHITECTURES
+    cls = AutoTokenizer if known else PreTrainedTokenizerFast
+    tokenizer = cls.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     template = _metadata(reader, "tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
@@ -351,6 +363,22 @@ def is_current_conversion(model_dir: str | os.PathLike) -> bool:
     except (OSError, ValueError):
         return False
     return source.get("converter_version") == CONVERTER_VERSION
+
+
+def packed_weight_bytes(model_dir: str | os.PathLike) -> int | None:
+    """Bytes of every tensor of a converted directory as the model keeps them: each row in its
+    GGUF blocks (a Q4_K weight 4.5 bits, Q6_K 6.5625, ...). None for a directory that is not a
+    GGUF conversion or whose model holds float copies (MoE files)."""
+    from tinypaged.kernels.gguf_format import row_bytes
+
+    try:
+        source = json.loads((Path(model_dir) / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if source.get("dense") or "tensors" not in source:
+        return None
+    return sum(int(np.prod(shape[:-1])) * row_bytes(type_id, shape[-1])
+               for _, type_id, shape, _ in source["tensors"])
 
 
 def gguf_file_of(model_dir: str | os.PathLike) -> Path | None:
