@@ -86,6 +86,25 @@ def time_kernels(cfg: dict, report: dict) -> None:
         print(f"| {name} | {us[0]:.1f} | {us[1]:.1f} | {us[1] / us[0]:.3f} | {achieved} | "
               f"{diff:.2e} |")
         report[name] = {"us": us, "max_abs_diff": diff}
+    _time_decode_splits(cfg, kernel_batches(cfg)["decode B256"][1], report)
+
+
+def _time_decode_splits(cfg: dict, seq_lens: list[int], report: dict) -> None:
+    """The decode step at fixed split counts: at batch 256 the default is one split, so each
+    program streams a whole context of 100-1280 tokens and the longest ones finish last."""
+    nq, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    kv_bytes = 2 * sum(seq_lens) * nkv * hd * 2
+    cells = []
+    for bs in BLOCK_SIZES:
+        batch = PagedBatch([1] * len(seq_lens), seq_lens, nq, nkv, hd, torch.bfloat16,
+                           block_size=bs)
+        for splits in (1, 2, 4, 8):
+            kwargs = dict(max_query_len=1, max_seq_len=max(seq_lens), num_splits=splits)
+            us = 1e3 * do_bench(lambda b=batch, kw=kwargs: b.call(paged_attention, **kw))
+            cells.append(f"block {bs} splits {splits}: {us:.1f} us "
+                         f"({100 * kv_bytes / us * 1e6 / COPY_BW:.0f}%)")
+            report[f"decode B256 block {bs} splits {splits}"] = us
+    print("decode B256, % of copy bandwidth: " + "; ".join(cells))
 
 
 def _same_values(batch: PagedBatch, seq_lens: list[int], block_size: int) -> None:
