@@ -1,13 +1,14 @@
 """Where the GPU time of one offline run goes: GEMMs, attention, norms, rotary, activations,
 sampling and GPU idle (host gaps), split into pure-decode steps and steps with prefill tokens.
+Several shapes run one after the other in one process.
 
-    PYTHONPATH=. python benchmarks/offline_profile.py --model-shape llama3-8b [--num-prompts 256]
-        [--block-size 16] [--json out.json]
+    PYTHONPATH=. python benchmarks/offline_profile.py --model-shape llama3-8b [qwen3-0.6b]
+        [--num-prompts 256] [--block-size 16] [--json out.json]
 
 The workload of `tinypaged bench throughput` and the vLLM anchor kit (prompts of 100-1024 random
 tokens from Random(0), 256 greedy output tokens, EOS ignored, 16,384 batched tokens, 256
-sequences, gpu_memory_utilization 0.85, max_model_len 2048), after a warm-up on 8 prompts of
-seed 1. The run is done twice:
+sequences, max_model_len 2048; a KV cache that holds every sequence), after a warm-up on 8
+prompts of seed 1. The run is done twice:
 
 1. under torch.profiler (CPU + CUDA) on the same prompts with every token id shifted by one (the
    same lengths, no prefix-cache hit): each GPU kernel is tied, through its launch's correlation
@@ -47,6 +48,7 @@ from tinypaged.bench import (
     shape_dir,
     warmup_requests,
 )
+from tinypaged.config import EngineConfig
 
 CATEGORIES = [  # (category, pattern on the kernel name), first match wins
     ("attention prefill", r"_hopper_attention|_varlen_attention"),
@@ -167,30 +169,24 @@ def rooflines(cfg: dict, steps: list[dict]) -> dict:
     return dict(out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=None, help="default: the engine's")
-    parser.add_argument("--top", type=int, default=8, help="kernels listed per step kind")
-    parser.add_argument("--json", help="write the numbers here")
-    args = parser.parse_args()
-    t0 = time.perf_counter()
-
-    def stamp(what: str) -> None:  # where the time of a short GPU slot goes
-        print(f"[{time.perf_counter() - t0:5.1f} s] {what}", flush=True)
-
-    cfg = SHAPES[args.model_shape]
+def profile_shape(shape: str, args, stamp) -> dict:
+    """Warm up, profile the workload (ids shifted), then time it; returns what print_report
+    reads."""
+    cfg = SHAPES[shape]
     extra = {} if args.block_size is None else {"block_size": args.block_size}
-    llm = LLM(str(shape_dir(args.model_shape)), load_format="dummy", skip_tokenizer_init=True,
-              dtype="bfloat16", gpu_memory_utilization=0.85, max_model_len=2048, seed=0,
-              max_num_batched_tokens=16384, max_num_seqs=256, **extra)
+    # A fixed KV size (every sequence fits: no preemption, as at the anchor's 0.85 memory
+    # share) so that a second shape's engine in this process does not depend on what the first
+    # one left allocated.
+    kv_tokens = args.num_prompts * (1024 + args.output_len) + 256 * 64
+    block = args.block_size or EngineConfig(device="cuda").block_size
+    llm = LLM(str(shape_dir(shape)), load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=2048, seed=0, max_num_batched_tokens=16384,
+              max_num_seqs=256, num_kv_blocks=-(-kv_tokens // block), **extra)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     prompts = sample_requests(args.num_prompts, 100, 1024, cfg["vocab_size"])
     gen = lambda ps: llm.generate([{"prompt_token_ids": p} for p in ps], params,  # noqa: E731
                                   use_tqdm=False)
-    stamp("engine up")
+    stamp(f"{shape}: engine up")
     gen(warmup_requests(100, 1024, cfg["vocab_size"]))
     stamp("warmed up")
 
@@ -205,37 +201,50 @@ def main() -> None:
     undo()
     path = Path(tempfile.mkdtemp()) / "trace.json"
     prof.export_chrome_trace(str(path))
+    del prof
     by_cat, by_kernel, busy_ms, span_ms = attribute(json.loads(path.read_text()))
+    path.unlink()
     stamp(f"profiled run {profiled_s:.1f} s, trace read")
 
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = gen(prompts)
     wall_ms = 1e3 * (time.perf_counter() - start)
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    block_size = llm.engine.runner.block_size
+    result = {
+        "shape": shape, "num_prompts": args.num_prompts, "output_len": args.output_len,
+        "block_size": llm.engine.runner.block_size, "wall_ms": wall_ms,
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "profiled_ms": 1e3 * profiled_s, "busy_ms": busy_ms, "span_ms": span_ms,
+        "by_category": dict(by_cat), "by_kernel": dict(by_kernel),
+        "ideal_ms": rooflines(cfg, steps), "steps": steps,
+    }
     llm.shutdown()
+    return result
 
+
+def print_report(r: dict, top: int) -> dict:
+    """Print the tables of one profile_shape result; returns its JSON-ready summary."""
+    by_cat, by_kernel, steps, wall_ms = r["by_category"], r["by_kernel"], r["steps"], r["wall_ms"]
     n_mixed = sum(s["kind"] == "mixed" for s in steps)
-    n_decode = len(steps) - n_mixed
     prefill_tokens = sum(int(s["q_lens"][s["q_lens"] > 1].sum()) for s in steps)
-    print(f"{torch.cuda.get_device_name()}, {args.model_shape} shape, {args.num_prompts} prompts "
-          f"x {args.output_len} out, block_size {block_size}: {out_tokens / wall_ms * 1e3:,.0f} "
-          f"output tok/s ({wall_ms:.0f} ms); {n_mixed} steps with prefill tokens "
-          f"({prefill_tokens} prompt tokens), {n_decode} pure-decode steps")
-    cats = sorted({c for _, c in by_cat}, key=lambda c: -sum(by_cat[k, c] for k, _ in by_cat))
+    print(f"{r['shape']} shape, {r['num_prompts']} prompts x {r['output_len']} out, block_size "
+          f"{r['block_size']}: {r['output_tokens'] / wall_ms * 1e3:,.0f} output tok/s "
+          f"({wall_ms:.0f} ms); {n_mixed} steps with prefill tokens ({prefill_tokens} prompt "
+          f"tokens), {len(steps) - n_mixed} pure-decode steps")
     kinds = ("mixed", "decode", "outside steps")
+    total = defaultdict(float)
+    for (_, c), ms in by_cat.items():
+        total[c] += ms
     print("| category | mixed steps ms | decode steps ms | outside steps ms | % of wall |")
     print("|---|---|---|---|---|")
-    for c in cats:
+    for c in sorted(total, key=lambda c: -total[c]):
         ms = [by_cat.get((k, c), 0.0) for k in kinds]
         print(f"| {c} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {100 * sum(ms) / wall_ms:.1f} |")
-    idle_ms = wall_ms - busy_ms
+    busy_ms = r["busy_ms"]
     print(f"| GPU busy (union) | | | | {100 * busy_ms / wall_ms:.1f} ({busy_ms:.0f} ms) |")
-    print(f"| GPU idle = timed wall - busy | | | | {100 * idle_ms / wall_ms:.1f} "
-          f"({idle_ms:.0f} ms; in the profiled run {span_ms - busy_ms:.0f} of "
-          f"{1e3 * profiled_s:.0f} ms) |")
-    ideal = rooflines(cfg, steps)
+    print(f"| GPU idle = timed wall - busy | | | | {100 * (wall_ms - busy_ms) / wall_ms:.1f} "
+          f"({wall_ms - busy_ms:.0f} ms; profiled run: {r['span_ms'] - busy_ms:.0f} ms idle "
+          f"of {r['profiled_ms']:.0f}) |")
     measured = {
         "mixed gemm": by_cat.get(("mixed", "gemm"), 0.0),
         "mixed lm head": by_cat.get(("mixed", "lm head gemm"), 0.0),
@@ -243,6 +252,7 @@ def main() -> None:
         "decode gemm (+ lm head)": by_cat.get(("decode", "gemm"), 0.0),
         "decode attention": by_cat.get(("decode", "attention decode"), 0.0),
     }
+    ideal = r["ideal_ms"]
     print("| against the roofline | measured ms | ideal ms | fraction |")
     print("|---|---|---|---|")
     for name, ms in measured.items():
@@ -250,19 +260,40 @@ def main() -> None:
         print(f"| {name} | {ms:.1f} | {ideal.get(name, 0.0):.1f} | {frac:.2f} |")
     for kind in ("mixed", "decode"):
         rows = sorted(((v[1], v[0], n) for (k, n), v in by_kernel.items() if k == kind),
-                      reverse=True)[: args.top]
-        print(f"top kernels, {kind} steps: " + "; ".join(
-            f"{n} {ms:.1f} ms / {calls}" for ms, calls, n in rows))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "shape": args.model_shape, "num_prompts": args.num_prompts,
-            "block_size": block_size, "wall_ms": wall_ms, "output_tokens": out_tokens,
-            "busy_ms": busy_ms, "mixed_steps": n_mixed, "decode_steps": n_decode,
-            "by_category": {f"{k}|{c}": v for (k, c), v in by_cat.items()},
-            "by_kernel": {f"{k}|{n}": v for (k, n), v in by_kernel.items()},
-            "ideal_ms": ideal, "measured_ms": measured,
-        }, indent=1))
+                      reverse=True)[:top]
+        print(f"top kernels, {kind} steps (ms / calls): " + "; ".join(
+            f"{n} {ms:.1f} / {calls}" for ms, calls, n in rows))
+    return {
+        **{k: r[k] for k in ("shape", "num_prompts", "output_len", "block_size", "wall_ms",
+                             "output_tokens", "profiled_ms", "busy_ms", "span_ms")},
+        "mixed_steps": n_mixed, "decode_steps": len(steps) - n_mixed,
+        "by_category": {f"{k}|{c}": v for (k, c), v in by_cat.items()},
+        "by_kernel": {f"{k}|{n}": v for (k, n), v in by_kernel.items()},
+        "ideal_ms": ideal, "measured_ms": measured,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-shape", nargs="+", default=["llama3-8b"], choices=sorted(SHAPES))
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=None, help="default: the engine's")
+    parser.add_argument("--top", type=int, default=8, help="kernels listed per step kind")
+    parser.add_argument("--json", help="write the numbers here")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+
+    def stamp(what: str) -> None:  # where the time of a short GPU slot goes
+        print(f"[{time.perf_counter() - t0:5.1f} s] {what}", flush=True)
+
+    print(torch.cuda.get_device_name())
+    summaries = []
+    for shape in args.model_shape:
+        summaries.append(print_report(profile_shape(shape, args, stamp), args.top))
+        if args.json:  # after each shape, so a cut-short run keeps what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(summaries, indent=1))
 
 
 if __name__ == "__main__":
