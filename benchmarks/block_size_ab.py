@@ -34,6 +34,7 @@ from triton.testing import do_bench
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.bench import COPY_BW, SHAPES, sample_requests, shape_dir, warmup_requests
+from tinypaged.config import EngineConfig
 from tinypaged.kernels.attention import paged_attention
 
 BLOCK_SIZES = (16, 64)
@@ -169,8 +170,11 @@ def main() -> None:
     args = parser.parse_args()
     cfg = SHAPES[args.model_shape]
     report: dict = {"shape": args.model_shape, "num_prompts": args.num_prompts}
+    default = EngineConfig(device="cuda").block_size
     print(f"{torch.cuda.get_device_name()}, {args.model_shape} shape "
-          f"({cfg['num_attention_heads']}/{cfg['num_key_value_heads']} heads, d{cfg['head_dim']})")
+          f"({cfg['num_attention_heads']}/{cfg['num_key_value_heads']} heads, d{cfg['head_dim']}); "
+          f"the engine's default block_size here: {default}")
+    report["default_block_size"] = default
     time_kernels(cfg, report)
     if not args.kernels_only:
         end_to_end(args, cfg, report)
