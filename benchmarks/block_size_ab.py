@@ -72,9 +72,8 @@ def time_kernels(cfg: dict, report: dict) -> None:
         for bs in BLOCK_SIZES:
             batch = PagedBatch(q_lens, seq_lens, nq, nkv, hd, torch.bfloat16, block_size=bs)
             _same_values(batch, seq_lens, bs)
-            kwargs = dict(max_query_len=max(q_lens), max_seq_len=max(seq_lens))
-            outs.append(batch.call(paged_attention, **kwargs).float())
-            us.append(1e3 * do_bench(lambda b=batch, kw=kwargs: b.call(paged_attention, **kw)))
+            outs.append(batch.call(paged_attention).float())
+            us.append(1e3 * do_bench(lambda b=batch: b.call(paged_attention)))
         diff = (outs[0] - outs[1]).abs().max().item()
         if max(q_lens) == 1:  # bandwidth: every K/V row once
             kv_bytes = 2 * sum(seq_lens) * nkv * hd * 2
@@ -100,8 +99,7 @@ def _time_decode_splits(cfg: dict, seq_lens: list[int], report: dict) -> None:
         batch = PagedBatch([1] * len(seq_lens), seq_lens, nq, nkv, hd, torch.bfloat16,
                            block_size=bs)
         for splits in (1, 2, 4, 8):
-            kwargs = dict(max_query_len=1, max_seq_len=max(seq_lens), num_splits=splits)
-            us = 1e3 * do_bench(lambda b=batch, kw=kwargs: b.call(paged_attention, **kw))
+            us = 1e3 * do_bench(lambda b=batch, n=splits: b.call(paged_attention, num_splits=n))
             cells.append(f"block {bs} splits {splits}: {us:.1f} us "
                          f"({100 * kv_bytes / us * 1e6 / COPY_BW:.0f}%)")
             report[f"decode B256 block {bs} splits {splits}"] = us
