@@ -9,6 +9,7 @@
 2. The offline workload on one engine per split count (the count forced while the engine
    captures its decode graphs, where the split count is fixed; none forced = the engine's
    default, attention_decode.decode_num_splits), one run each, prompts shifted per engine.
+   (Round 3 of 2026-12-01 ran a floor of 4 splits as the default: see RESULTS.md.)
 """
 
 from __future__ import annotations

@@ -30,8 +30,6 @@ from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl
 from tinypaged.kernels.attention_varlen import LOG2E, attention_tile, tile_blocks
 from tinypaged.kernels.online_softmax import log_sum_exp, merge_splits, online_softmax_finish
 
-MIN_SPLITS = 4
-
 
 @jit(do_not_specialize=('num_splits',))
 def _decode_split_kernel(
@@ -125,12 +123,9 @@ def _decode_merge_kernel(
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits per sequence: enough for ~2 programs per SM, and at least MIN_SPLITS, each split
-    over >= 256 keys. The floor is for large batches of uneven contexts: with one split each
-    program streams a whole context and the longest ones finish last, alone (the offline
-    workload, 100-1280 keys at batch 96, ran decode attention at 78% of copy bandwidth on the
-    H200 that way, RESULTS.md)."""
-    wanted = max(cdiv(2 * num_sms, max(num_seqs * num_kv_heads, 1)), MIN_SPLITS)
+    """Splits per sequence so that ~2 programs per SM stream K/V, each over >= 256 keys (on the
+    H200, B64 ctx1024 ran at 79% of copy bandwidth with 1 split and 46-71% with 2-4)."""
+    wanted = cdiv(2 * num_sms, max(num_seqs * num_kv_heads, 1))
     return max(1, min(wanted, max_seq_len // 256, 64))
 
 
