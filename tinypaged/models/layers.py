@@ -32,6 +32,7 @@ from torch import nn
 
 from tinypaged import kernels
 from tinypaged.distributed import all_gather_columns, all_reduce, get_tp_rank, get_tp_size
+from tinypaged.kernels import dense_gemv
 from tinypaged.models.batch import AttentionMetadata
 
 
@@ -110,7 +111,8 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_config is None:
-            return F.linear(x, self.weight, bias)
+            # F.linear, or at decode batch sizes on CUDA the split-K GEMV where it beats cuBLAS
+            return dense_gemv.dense_linear(x, self.weight, bias)
         return self.quant_config.apply(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
