@@ -60,6 +60,9 @@ def test_strided_x_and_every_m():
         x = wide[:M, :384]
         y = dense_gemv.dense_gemv(x, w, b, block_n=64, block_k=128, split_k=2)
         torch.testing.assert_close(y, dense_gemv.dense_gemv_reference(x, w, b), **TOL[x.dtype])
+    # one row on tensor cores (x^T padded to 16 columns) instead of CUDA-core FMAs
+    y = dense_gemv.dense_gemv(wide[:1, :384], w, b, block_n=64, block_k=128, tensor_cores=True)
+    torch.testing.assert_close(y, dense_gemv.dense_gemv_reference(wide[:1, :384], w, b))
 
 
 def test_rejects_bad_arguments():
@@ -70,6 +73,8 @@ def test_rejects_bad_arguments():
         dense_gemv.dense_gemv(x[:2], w.t().contiguous().t())
     with pytest.raises(ValueError, match="x's dtype"):
         dense_gemv.dense_gemv(x[:2], w.half())
+    with pytest.raises(ValueError, match="one row"):
+        dense_gemv.dense_gemv(x[:2], w, tensor_cores=False)
 
 
 def test_every_decode_shape_has_a_path_or_cublas():

@@ -107,14 +107,15 @@ def _dense_gemv_kernel(
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                block_n: int | None = None, block_k: int = 256, split_k: int | None = None,
                num_warps: int = 4, num_stages: int = 3, min_block_m: int = 16,
-               programs_per_sm: int = 3) -> torch.Tensor:
+               programs_per_sm: int = 3, tensor_cores: bool | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), 1 <= M <= 16, fp32 accumulation, in
     x's dtype (the Triton kernel; dense_linear decides when to call it).
 
     block_n: output features per program (default 16 at M = 1, 64 with tensor cores);
     block_k: K per step; split_k: programs sharing a column block's K (default ~programs_per_sm
     programs per SM); min_block_m: x^T padded to at least this many columns for tl.dot (8 or 16;
-    the interpreter needs 16)."""
+    the interpreter needs 16); tensor_cores: tl.dot instead of CUDA-core FMAs (default: from
+    two rows on)."""
     M, K = x.shape
     N = weight.shape[0]
     if not 1 <= M <= GEMV_MAX_M:
@@ -126,7 +127,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                          f"strides {weight.stride()}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    use_dot = M > 1
+    use_dot = M > 1 if tensor_cores is None else tensor_cores
+    if M > 1 and not use_dot:
+        raise ValueError(f"dense_gemv: the CUDA-core path takes one row of x, got {M}")
     block_n = block_n or (64 if use_dot else 16)
     block_m = max(min_block_m, 1 << (M - 1).bit_length()) if use_dot else 1
     n_blocks = cdiv(N, block_n)
