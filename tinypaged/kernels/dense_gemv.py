@@ -139,9 +139,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         split_k = max(1, min(steps, cdiv(target, n_blocks)))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    # sized for GEMV_MAX_M rows whatever M is, so that no decode batch size reallocates it
-    # between CUDA-graph captures
-    partial, count = (_split_k_workspace(x.device, GEMV_MAX_M * N, n_blocks) if split_k > 1
+    # sized for GEMV_MAX_M rows and 8-row blocks whatever M and the tiles are, so that no decode
+    # batch size reallocates it after another one's CUDA graph captured it
+    partial, count = (_split_k_workspace(x.device, GEMV_MAX_M * N, cdiv(N, 8)) if split_k > 1
                       else (y, y))
     _dense_gemv_kernel[(n_blocks, split_k)](
         x, weight, y if bias is None else bias, y, partial, count, M, N, K, x.stride(0),
