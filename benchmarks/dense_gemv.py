@@ -8,9 +8,12 @@ weight bytes only, against the device copy bandwidth measured in the same run.
     PYTHONPATH=. python benchmarks/dense_gemv.py                # checks + table, M 1 2 4 8 16
     PYTHONPATH=. python benchmarks/dense_gemv.py --sweep        # + tile sweeps at M = 1 and 8
     PYTHONPATH=. python benchmarks/dense_gemv.py --sweep --budget 50 --json out.json
+    PYTHONPATH=. python benchmarks/dense_gemv.py --e2e          # bench latency, GEMV on vs off
 """
 import argparse
+import gc
 import json
+import os
 import time
 
 import torch
@@ -165,14 +168,54 @@ def sweep(deadline, rows):
         del ws
 
 
+def e2e(args, start):
+    """`tinypaged bench latency` with the GEMV on and off (TINYPAGED_DENSE_GEMV), alternating in
+    one process (the second engine reuses the first's compiled kernels) until the budget is
+    spent, at least once each; tok/s per sequence, best of the runs of each."""
+    from tinypaged import bench
+
+    best: dict[tuple[str, int], float] = {}
+    runs = 0
+    while True:  # pairs (on, off); another pair while under half the budget
+        on = "1" if runs % 2 == 0 else "0"
+        os.environ["TINYPAGED_DENSE_GEMV"] = on
+        print(f"\n-- GEMV {'on' if on == '1' else 'off'} ({time.time() - start:.0f} s)", flush=True)
+        result = bench.main(["latency", "--model-shape", args.model_shape, "--output-len",
+                             str(args.output_len), "--batch-sizes", *map(str, args.batch_sizes),
+                             "--max-num-seqs", str(max(args.batch_sizes)),
+                             "--gpu-memory-utilization", "0.4"])
+        gc.collect()
+        torch.cuda.empty_cache()
+        for batch, r in result.items():
+            key = (on, int(batch))
+            best[key] = max(best.get(key, 0.0), r["tok_s_per_seq"])
+        runs += 1
+        if runs % 2 == 0 and time.time() - start > args.budget / 2:
+            break
+    print(f"\n{args.model_shape}, 512 in / {args.output_len} out, {runs} engine runs "
+          f"(best tok/s per sequence):")
+    print("| batch | GEMV on | GEMV off (cuBLAS) | on / off |\n|---|---|---|---|")
+    for batch in args.batch_sizes:
+        a, b = best.get(("1", batch), 0.0), best.get(("0", batch), 0.0)
+        print(f"| {batch} | {a:.1f} | {b:.1f} | {a / b if b else 0:.3f}x |")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--budget", type=float, default=40.0,
-                        help="seconds from the start; the sweep stops past it")
+                        help="seconds from the start; the sweep (or --e2e's repeats) stop past it")
     parser.add_argument("--json", help="write every timing here")
+    parser.add_argument("--e2e", action="store_true",
+                        help="only the end-to-end A/B: bench latency with the GEMV on and off")
+    parser.add_argument("--model-shape", default="llama3-8b")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--output-len", type=int, default=128)
     args = parser.parse_args()
     start = time.time()
+    if args.e2e:
+        e2e(args, start)
+        return
     torch.manual_seed(0)
     checks()
     graph_check()
