@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tinypaged.kernels import awq_gemv, dense_gemv
-from tinypaged.models.layers import ColumnParallelLinear, RowParallelLinear
+from tinypaged.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 
 @pytest.fixture(autouse=True)
@@ -95,8 +95,8 @@ def test_dense_linear_keeps_torch_on_cpu(monkeypatch):
 
 
 def test_parallel_linears_use_dense_linear(monkeypatch):
-    # column- and row-parallel layers (TP size 1 here: the shard shapes are what they hold) go
-    # through dense_linear, so the GEMV sees each rank's [out_r, in_r] weight
+    # column- and row-parallel layers and the LM head (TP size 1 here: the shard shapes are what
+    # they hold) go through dense_linear, so the GEMV sees each rank's [out_r, in_r] weight
     seen = []
     real = dense_gemv.dense_linear
 
@@ -106,11 +106,13 @@ def test_parallel_linears_use_dense_linear(monkeypatch):
 
     monkeypatch.setattr(dense_gemv, "dense_linear", spy)
     col, row = ColumnParallelLinear(64, 96, bias=True), RowParallelLinear(96, 64, bias=True)
-    for layer in (col, row):
+    head = ParallelLMHead(100, 64)
+    for layer in (col, row, head):
         for p in layer.parameters():
             p.data.normal_()
     x = torch.randn(2, 64)
     y = row(col(x))
     torch.testing.assert_close(y, F.linear(F.linear(x, col.weight, col.bias), row.weight,
                                            row.bias))
-    assert seen == [(96, 64), (64, 96)]
+    torch.testing.assert_close(head(y), F.linear(y, head.weight))
+    assert seen == [(96, 64), (64, 96), (100, 64)]

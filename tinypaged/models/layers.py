@@ -266,7 +266,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """logits = hidden @ E^T in float32, for the rows the runner samples only."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [N, per_rank]
+        logits = dense_gemv.dense_linear(hidden, self.weight)  # [N, per_rank]
         if self.tp_size > 1:  # rank r holds vocabulary columns [r * per_rank, (r + 1) * per_rank)
             logits = all_gather_columns(logits)  # [N, tp * per_rank]
         return logits[:, : self.num_embeddings].float()  # [N, vocab]
