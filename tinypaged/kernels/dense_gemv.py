@@ -166,10 +166,7 @@ def dense_gemv_reference(x: torch.Tensor, weight: torch.Tensor,
 # (max M, min K, max K, min N, max N, tile configuration): the decode shapes that take
 # dense_gemv on CUDA, first match wins; every other shape (and M > GEMV_MAX_M) runs F.linear
 # (cuBLAS). Measured on the H200 (benchmarks/dense_gemv.py, RESULTS.md).
-DENSE_GEMV_PATHS: tuple[tuple[int, int, int, int, int, dict], ...] = (
-    (1, 0, 1 << 30, 0, 1 << 30, {}),
-    (GEMV_MAX_M, 0, 1 << 30, 0, 1 << 30, {}),
-)
+DENSE_GEMV_PATHS: tuple[tuple[int, int, int, int, int, dict], ...] = ()
 
 
 def gemv_config(M: int, N: int, K: int) -> dict | None:
