@@ -92,7 +92,10 @@ def diagnose():
                     w, b = ws[K, N]
                     for rows in ((M,) if M == 1 else (3, 8, 16)):
                         x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-                        worst = max(worst, check(x, w, b, **config)[0])
+                        try:
+                            worst = max(worst, check(x, w, b, **config)[0])
+                        except AssertionError as e:
+                            raise AssertionError(f"{K}x{N} rows={rows}: {e}") from None
                 passing[M].append(config)
                 print(f"  ok   M={M} {config}: {worst:.1e}", flush=True)
             except Exception as e:  # a wrong result, or a config that does not compile
