@@ -116,3 +116,14 @@ def test_parallel_linears_use_dense_linear(monkeypatch):
                                            row.bias))
     torch.testing.assert_close(head(y), F.linear(y, head.weight))
     assert seen == [(96, 64), (64, 96), (100, 64)]
+
+
+def test_table_picks_the_measured_paths():
+    # the H200 table: every one-row shape takes the GEMV, wide layers keep cuBLAS at 2..16 rows
+    assert dense_gemv.gemv_config(1, 6144, 1024) == dict(split_k=1)
+    assert dense_gemv.gemv_config(1, 28672, 4096) == dict(programs_per_sm=2)
+    assert dense_gemv.gemv_config(8, 28672, 4096) is None
+    assert dense_gemv.gemv_config(16, 128256, 4096)["min_block_m"] == 8
+    assert dense_gemv.gemv_config(8, 4096, 4096) is not None
+    assert dense_gemv.gemv_config(16, 4096, 4096) is None
+    assert dense_gemv.gemv_config(dense_gemv.GEMV_MAX_M + 1, 128256, 4096) is None

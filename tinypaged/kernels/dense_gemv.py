@@ -167,10 +167,21 @@ def dense_gemv_reference(x: torch.Tensor, weight: torch.Tensor,
     return y.to(x.dtype)
 
 
+_ANY = 1 << 30
+_TENSOR_CORES = dict(block_k=128, num_stages=4, min_block_m=8)  # x^T padded to 8 columns
 # (max M, min K, max K, min N, max N, tile configuration): the decode shapes that take
 # dense_gemv on CUDA, first match wins; every other shape (and M > GEMV_MAX_M) runs F.linear
-# (cuBLAS). Measured on the H200 (benchmarks/dense_gemv.py, RESULTS.md).
-DENSE_GEMV_PATHS: tuple[tuple[int, int, int, int, int, dict], ...] = ()
+# (cuBLAS). Measured on the H200 (benchmarks/dense_gemv.py, RESULTS.md 2026-12-01): at one row
+# the GEMV matched or beat cuBLAS on every Llama-3-8B and Qwen3-0.6B layer (0.97-0.98x of its
+# time on the large ones, 0.34-0.9x on the small ones, where cuBLAS reads at 8-80% of copy
+# bandwidth); at 2..16 rows only the LM heads and the o-sized layers gained, cuBLAS keeps the
+# wide ones (gate_up, qkv, down).
+DENSE_GEMV_PATHS: tuple[tuple[int, int, int, int, int, dict], ...] = (
+    (1, 0, 1024, 0, _ANY, dict(split_k=1)),  # K <= 1024: too few K steps to split
+    (1, 0, _ANY, 0, _ANY, dict(programs_per_sm=2)),
+    (GEMV_MAX_M, 0, _ANY, 65536, _ANY, _TENSOR_CORES),  # LM heads
+    (8, 2048, 4096, 0, 4096, _TENSOR_CORES),  # o-sized: 4096x4096, 2048x1024, 3072x1024
+)
 
 
 def gemv_config(M: int, N: int, K: int) -> dict | None:
