@@ -178,8 +178,26 @@ def layers():
         torch.cuda.empty_cache()
 
 
+def race_check(repeats=20):
+    """awq_gemm at 2..16 rows, `repeats` calls each on the Llama-3-8B layers: every call's error
+    against the fp32 reference must be the same (a split-K race shows as a call off the others)."""
+    for K, N, name in SHAPES[:4]:
+        weights = awq_weights(K, N, 1)[0]
+        ref_w = awq.awq_dequantize_reference(*weights[:3], GROUP)
+        for M in (2, 8, 16):
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            ref = x.float() @ ref_w
+            errs = [((awq.awq_gemm(x, *weights[:3], GROUP, scales_t=weights[3]).float() - ref)
+                     .norm() / ref.norm()).item() for _ in range(repeats)]
+            ok = max(errs) < 1e-2 and max(errs) - min(errs) < 1e-4
+            print(f"{'ok  ' if ok else 'FAIL'} awq_gemm {name} {K}x{N} M={M}: {repeats} calls, "
+                  f"error {min(errs):.2e} .. {max(errs):.2e}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--race-check", action="store_true",
+                        help="only repeat awq_gemm at 2..16 rows and compare the calls")
     parser.add_argument("--crossover", action="store_true",
                         help="only time the tiled GEMM against dequantize + cuBLAS")
     parser.add_argument("--layers", action="store_true",
@@ -188,6 +206,8 @@ def main():
     parser.add_argument("--m", type=int, nargs="+", default=[1, 8], help="rows of x")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.race_check:
+        return race_check()
     if args.crossover:
         return crossover()
     if args.layers:

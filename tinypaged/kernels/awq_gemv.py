@@ -138,6 +138,9 @@ def _awq_gemv1_kernel(
             n_mask = offs_n < N
             # volatile: read from L2, where the other programs' atomics landed, not from L1
             total = tl.load(partial_ptr + offs_n, mask=n_mask, volatile=True)
+            # the compiler may map this load and the zeroing store to different threads (it
+            # does in the batched kernels): every read lands before any thread zeroes
+            tl.debug_barrier()
             tl.store(y_ptr + offs_n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
             tl.store(partial_ptr + offs_n, tl.zeros_like(total), mask=n_mask)
             tl.store(count_ptr + pid_n, 0)
@@ -263,6 +266,7 @@ def _awq_gemv_kernel(
             at = offs_m[:, None] * N + offs_n[None, :]
             n_mask = m_mask[:, None] & (offs_n < N)[None, :]
             total = tl.load(partial_ptr + at, mask=n_mask, volatile=True)
+            tl.debug_barrier()  # all reads before any zeroing (see _awq_gemv1_kernel)
             tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=n_mask)
             tl.store(partial_ptr + at, tl.zeros_like(total), mask=n_mask)
             tl.store(count_ptr + pid_n, 0)

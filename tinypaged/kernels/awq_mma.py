@@ -130,6 +130,7 @@ def _awq_mma_kernel(
             at_y = offs_m[:, None] * N + offs_n[None, :]
             n_mask = m_mask[:, None] & (offs_n < N)[None, :]
             total = tl.load(partial_ptr + at_y, mask=n_mask, volatile=True)
+            tl.debug_barrier()  # all reads before any zeroing (see _awq_gemv1_kernel)
             tl.store(y_ptr + at_y, total.to(y_ptr.dtype.element_ty), mask=n_mask)
             tl.store(partial_ptr + at_y, tl.zeros_like(total), mask=n_mask)
             tl.store(count_ptr + pid, 0)

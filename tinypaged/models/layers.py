@@ -32,6 +32,7 @@ from torch import nn
 
 from tinypaged import kernels
 from tinypaged.distributed import all_gather_columns, all_reduce, get_tp_rank, get_tp_size
+from tinypaged.kernels import dense_gemv
 from tinypaged.models.batch import AttentionMetadata
 
 
@@ -110,7 +111,8 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_config is None:
-            return F.linear(x, self.weight, bias)
+            # F.linear, or at decode batch sizes on CUDA the split-K GEMV where it beats cuBLAS
+            return dense_gemv.dense_linear(x, self.weight, bias)
         return self.quant_config.apply(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -264,7 +266,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """logits = hidden @ E^T in float32, for the rows the runner samples only."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [N, per_rank]
+        logits = dense_gemv.dense_linear(hidden, self.weight)  # [N, per_rank]
         if self.tp_size > 1:  # rank r holds vocabulary columns [r * per_rank, (r + 1) * per_rank)
             logits = all_gather_columns(logits)  # [N, tp * per_rank]
         return logits[:, : self.num_embeddings].float()  # [N, vocab]

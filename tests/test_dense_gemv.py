@@ -1,0 +1,129 @@
+"""The dense decode GEMV (kernels/dense_gemv.py) under the Triton interpreter, fp32 and fp16,
+against its torch reference and F.linear, and dense_linear's dispatch; bf16 and the timings are
+checked on the GPU (benchmarks/dense_gemv.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinypaged.kernels import awq_gemv, dense_gemv
+from tinypaged.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=1e-2, atol=1e-2)}
+
+
+def random_linear(M, K, N, dtype, seed, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def assert_workspace_zero():
+    for partial, count in awq_gemv._SPLIT_K_WORKSPACE.values():
+        assert not partial.any() and not count.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,K,N,bias,split_k", [
+    (1, 512, 96, False, 1),  # batch 1, one program per column block
+    (1, 300, 50, True, 3),  # odd K (last step masked) and N (rows past N not stored), split K
+    (2, 256, 64, True, 1),  # tensor cores from two rows
+    (5, 777, 33, False, 2),
+    (16, 512, 128, True, 4),
+    (9, 256, 100, False, 16),  # more splits than K steps: empty splits dropped
+])
+def test_gemv_matches_reference(dtype, M, K, N, bias, split_k):
+    x, w, b = random_linear(M, K, N, dtype, seed=M * K + N, bias=bias)
+    ref = dense_gemv.dense_gemv_reference(x, w, b)
+    for _ in range(2):  # the split-K workspace is left zeroed for the next call
+        y = dense_gemv.dense_gemv(x, w, b, block_n=64, block_k=128, split_k=split_k)
+        assert y.dtype == dtype and y.shape == (M, N)
+        torch.testing.assert_close(y, ref, **TOL[dtype])
+        torch.testing.assert_close(y.float(), F.linear(x.float(), w.float(),
+                                   None if b is None else b.float()), **TOL[dtype])
+        assert_workspace_zero()
+
+
+def test_strided_x_and_every_m():
+    # x as a view with a row stride wider than K (e.g. a slice of a larger activation)
+    x_full, w, b = random_linear(16, 384, 48, torch.float32, seed=7, bias=True)
+    wide = torch.cat([x_full, torch.randn(16, 5)], dim=1)
+    for M in range(1, 17):
+        x = wide[:M, :384]
+        y = dense_gemv.dense_gemv(x, w, b, block_n=64, block_k=128, split_k=2)
+        torch.testing.assert_close(y, dense_gemv.dense_gemv_reference(x, w, b), **TOL[x.dtype])
+    # one row on tensor cores (x^T padded to 16 columns) instead of CUDA-core FMAs
+    y = dense_gemv.dense_gemv(wide[:1, :384], w, b, block_n=64, block_k=128, tensor_cores=True)
+    torch.testing.assert_close(y, dense_gemv.dense_gemv_reference(wide[:1, :384], w, b))
+
+
+def test_rejects_bad_arguments():
+    x, w, _ = random_linear(17, 64, 32, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="1 to 16"):
+        dense_gemv.dense_gemv(x, w)
+    with pytest.raises(ValueError, match="contiguous along K"):
+        dense_gemv.dense_gemv(x[:2], w.t().contiguous().t())
+    with pytest.raises(ValueError, match="x's dtype"):
+        dense_gemv.dense_gemv(x[:2], w.half())
+    with pytest.raises(ValueError, match="one row"):
+        dense_gemv.dense_gemv(x[:2], w, tensor_cores=False)
+
+
+def test_every_decode_shape_has_a_path_or_cublas():
+    for M in range(1, dense_gemv.GEMV_MAX_M + 1):
+        for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+            config = dense_gemv.gemv_config(M, N, K)
+            assert config is None or isinstance(config, dict)
+
+
+def test_dense_linear_keeps_torch_on_cpu(monkeypatch):
+    # on CPU (even under the interpreter) the dense linear is F.linear: the GEMV is not called
+    def fail(*args, **kwargs):
+        raise AssertionError("dense_gemv called on CPU")
+
+    monkeypatch.setattr(dense_gemv, "dense_gemv", fail)
+    x, w, b = random_linear(3, 64, 32, torch.float32, seed=2, bias=True)
+    torch.testing.assert_close(dense_gemv.dense_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_parallel_linears_use_dense_linear(monkeypatch):
+    # column- and row-parallel layers and the LM head (TP size 1 here: the shard shapes are what
+    # they hold) go through dense_linear, so the GEMV sees each rank's [out_r, in_r] weight
+    seen = []
+    real = dense_gemv.dense_linear
+
+    def spy(x, weight, bias=None):
+        seen.append(tuple(weight.shape))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(dense_gemv, "dense_linear", spy)
+    col, row = ColumnParallelLinear(64, 96, bias=True), RowParallelLinear(96, 64, bias=True)
+    head = ParallelLMHead(100, 64)
+    for layer in (col, row, head):
+        for p in layer.parameters():
+            p.data.normal_()
+    x = torch.randn(2, 64)
+    y = row(col(x))
+    torch.testing.assert_close(y, F.linear(F.linear(x, col.weight, col.bias), row.weight,
+                                           row.bias))
+    torch.testing.assert_close(head(y), F.linear(y, head.weight))
+    assert seen == [(96, 64), (64, 96), (100, 64)]
+
+
+def test_table_picks_the_measured_paths():
+    # the H200 table: every one-row shape takes the GEMV, wide layers keep cuBLAS at 2..16 rows
+    assert dense_gemv.gemv_config(1, 6144, 1024) == dict(split_k=1)
+    assert dense_gemv.gemv_config(1, 28672, 4096) == dict(programs_per_sm=2)
+    assert dense_gemv.gemv_config(8, 28672, 4096) is None
+    assert dense_gemv.gemv_config(16, 128256, 4096)["min_block_m"] == 8
+    assert dense_gemv.gemv_config(8, 4096, 4096) is not None
+    assert dense_gemv.gemv_config(16, 4096, 4096) is None
+    assert dense_gemv.gemv_config(dense_gemv.GEMV_MAX_M + 1, 128256, 4096) is None
