@@ -141,6 +141,7 @@ def _gguf_mma_kernel(
         done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if done == split_k - 1:
             out = tl.load(partial_ptr + at, mask=mask, volatile=True)
+            tl.debug_barrier()  # all reads before any zeroing (see awq_gemv._awq_gemv1_kernel)
             tl.store(y_ptr + at, out.to(y_ptr.dtype.element_ty), mask=mask)
             tl.store(partial_ptr + at, tl.zeros_like(out), mask=mask)
             tl.store(count_ptr + pid_n, 0)

@@ -75,6 +75,7 @@ def _last_split_writes(y_ptr, partial_ptr, count_ptr, tile, split_k, at, mask):
     if done == split_k - 1:
         # volatile: read from L2, where the other programs' atomics landed, not from L1
         total = tl.load(partial_ptr + at, mask=mask, volatile=True)
+        tl.debug_barrier()  # all reads before any zeroing (see awq_gemv._awq_gemv1_kernel)
         tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(partial_ptr + at, tl.zeros_like(total), mask=mask)
         tl.store(count_ptr + tile, 0)
