@@ -293,8 +293,32 @@ def offline(args) -> tuple[dict, dict]:
     with count_syncs(where):
         llm.generate(prompts[: max(8, args.num_prompts // 4)], params, use_tqdm=False)
     del engine._launch
+    idle = {}
+    for use_async in (False, True):  # GPU busy / idle over 10 steps once all are admitted
+        set_mode(llm, use_async)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"g{use_async}-{i}", p, params)
+        while engine.scheduler.num_waiting or any(
+                s.is_prefill for s in engine.scheduler.running.values()):
+            engine.step(finished_only=True)
+        for _ in range(3):
+            engine.step(finished_only=True)
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(10):
+                engine.step(finished_only=True)
+            torch.cuda.synchronize()
+        trace = Path(tempfile.mkdtemp()) / "offline.json"
+        prof.export_chrome_trace(str(trace))
+        gaps = gpu_gaps(trace)
+        idle["async" if use_async else "sync"] = (
+            f"busy {gaps['busy_us'] / 10:.0f} us/step, idle {gaps['idle_us'] / 10:.0f} us/step "
+            f"at batch {engine.scheduler.num_running}")
+        while engine.has_unfinished_requests():
+            engine.step(finished_only=True)
     free(llm, engine)
-    return result, {"steps": dict(kinds), "sync sites": dict(where)}
+    return result, {"steps": dict(kinds), "sync sites": dict(where), "decode GPU": idle}
 
 
 def main() -> None:
