@@ -19,6 +19,7 @@ Stages past --budget-s seconds are skipped (the GPU round gives each script a mi
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -172,7 +173,11 @@ def decode(args, out_dir: Path) -> tuple[dict, dict, list[str]]:
                     engine.step(finished_only=True)
             finish()
             syncs[batch, use_async] = {k: v / 8 for k, v in where.items()}
-    if elapsed() < args.budget_s - 15:
+    if "paths" in args.stages:
+        notes += paths(llm, args.batch_sizes, args.paths_output_len)
+    if "profile" not in args.stages:
+        pass
+    elif elapsed() < args.budget_s - 15:
         for batch in args.batch_sizes:
             for use_async in (False, True):
                 notes += profile(llm, start, finish, batch, use_async, args.profile_steps,
@@ -227,6 +232,42 @@ def profile(llm, start, finish, batch: int, use_async: bool, steps: int, out_dir
     line += "\n    top self CPU (us/step): " + ", ".join(
         f"{e.key[:32]} {e.self_cpu_time_total / steps:.0f}" for e in top)
     return [line]
+
+
+def paths(llm: LLM, batch_sizes: list[int], out_len: int) -> list[str]:
+    """Per-sequence decode tok/s of the same engine through LLM.generate (the anchor kit's
+    measure: (t(out_len) - t(1)) / (out_len - 1)) and through AsyncLLM (`bench latency`'s), each
+    mode. AsyncLLM takes the engine over last (its thread then owns it)."""
+    from tinypaged.async_llm import AsyncLLM
+    from tinypaged.bench import _latency
+
+    cfg = SHAPES["llama3-8b"]
+    lines = []
+    for batch in batch_sizes:
+        prompts = [{"prompt_token_ids": p}
+                   for p in sample_requests(batch, 512, 512, cfg["vocab_size"], seed=2 + batch)]
+        for use_async in (False, True):
+            set_mode(llm, use_async)
+            t = {}
+            for n in (1, out_len, 1, out_len):  # the second pair counts (prefix cache warm)
+                sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                llm.generate(prompts, sp, use_tqdm=False)
+                t[n] = time.perf_counter() - start
+            lines.append(f"LLM.generate batch {batch} {'async' if use_async else 'sync'}: "
+                         f"{(out_len - 1) / (t[out_len] - t[1]):.1f} tok/s per sequence")
+    client = AsyncLLM.__new__(AsyncLLM)
+    client._init(llm.engine)
+    bench_args = argparse.Namespace(batch_sizes=batch_sizes, input_len=512, output_len=out_len,
+                                    tensor_parallel_size=1, quantization=None)
+    for use_async in (False, True):
+        set_mode(llm, use_async)
+        result = asyncio.run(_latency(client, cfg, bench_args))
+        lines += [f"AsyncLLM (bench latency) batch {b} {'async' if use_async else 'sync'}: "
+                  f"{r['tok_s_per_seq']:.1f} tok/s per sequence" for b, r in result.items()]
+    asyncio.run(client.shutdown())
+    return lines
 
 
 def gpu_gaps(trace: Path) -> dict:
@@ -330,10 +371,14 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--budget-s", type=float, default=55.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--stages", nargs="+", default=["check", "decode", "profile", "offline"],
+                        choices=["check", "decode", "profile", "paths", "offline"])
+    parser.add_argument("--paths-output-len", type=int, default=128)
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(check_tokens(), f"({elapsed():.0f} s)", flush=True)
+    if "check" in args.stages:
+        print(check_tokens(), f"({elapsed():.0f} s)", flush=True)
     times, syncs, notes = decode(args, out_dir)
     print(f"\n| decode, Llama-3-8B shape ({torch.cuda.get_device_name()}) | sync ms/step (tok/s) "
           f"| async ms/step (tok/s) | async/sync |")
@@ -351,7 +396,9 @@ def main() -> None:
         print(f"host syncs per step, batch {batch} {'async' if use_async else 'sync'}: "
               f"{where or 'none'}")
     print("\n".join(notes), f"\n({elapsed():.0f} s)", flush=True)
-    if elapsed() < args.budget_s - 20:
+    if "offline" not in args.stages:
+        pass
+    elif elapsed() < args.budget_s - 20:
         tput, counts = offline(args)
         print(f"offline Qwen3-0.6B shape, {args.num_prompts} prompts x {args.output_len} out: "
               f"sync {tput[False]:,.0f} tok/s, async {tput[True]:,.0f} tok/s "
