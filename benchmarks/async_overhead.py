@@ -108,7 +108,7 @@ def check_tokens() -> str:
     return "tokens: eager sync == graphs sync == graphs async (greedy, stop ids, max_tokens): OK"
 
 
-def decode(args, out_dir: Path) -> tuple[dict, dict, list[str]]:
+def decode(args, out_dir: Path) -> list[str]:
     cfg = SHAPES["llama3-8b"]
     llm = LLM(str(shape_dir("llama3-8b")), load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=2048, max_num_seqs=max(args.batch_sizes),
@@ -173,19 +173,40 @@ def decode(args, out_dir: Path) -> tuple[dict, dict, list[str]]:
                     engine.step(finished_only=True)
             finish()
             syncs[batch, use_async] = {k: v / 8 for k, v in where.items()}
+    report(args, times, syncs)
+    print("\n".join(notes), f"({elapsed():.0f} s)", flush=True)
+    notes = []
+    for batch in args.batch_sizes if "profile" in args.stages else ():
+        for use_async in (False, True):
+            if elapsed() > args.budget_s - 15:
+                notes.append(f"profile b{batch} {use_async} skipped: out of time")
+                continue
+            notes += profile(llm, start, finish, batch, use_async, args.profile_steps, out_dir)
     if "paths" in args.stages:
-        notes += paths(llm, args.batch_sizes, args.paths_output_len)
-    if "profile" not in args.stages:
-        pass
-    elif elapsed() < args.budget_s - 15:
-        for batch in args.batch_sizes:
-            for use_async in (False, True):
-                notes += profile(llm, start, finish, batch, use_async, args.profile_steps,
-                                 out_dir)
-    else:
-        notes.append("profiles skipped: out of time")
+        if elapsed() < args.budget_s - 12:
+            notes += paths(llm, args.batch_sizes, args.paths_output_len)
+        else:
+            notes.append("paths skipped: out of time")
     free(llm, engine)
-    return times, syncs, notes
+    return notes
+
+
+def report(args, times: dict, syncs: dict) -> None:
+    print(f"\n| decode, Llama-3-8B shape ({torch.cuda.get_device_name()}) | sync ms/step (tok/s) "
+          f"| async ms/step (tok/s) | async/sync |")
+    print("|---|---|---|---|")
+    for batch in args.batch_sizes:
+        s, a = times[batch, False], times[batch, True]
+        print(f"| batch {batch} | {1000 * s:.3f} ({1 / s:.1f}) | {1000 * a:.3f} ({1 / a:.1f}) | "
+              f"{s / a:.3f}x |")
+    for batch in args.batch_sizes:
+        if (batch, False, "numpy index") in times:
+            s, a = times[batch, False, "numpy index"], times[batch, True, "numpy index"]
+            print(f"| batch {batch}, logits[numpy rows] as before | {1000 * s:.3f} ({1 / s:.1f}) "
+                  f"| {1000 * a:.3f} ({1 / a:.1f}) | {s / a:.3f}x |")
+    for (batch, use_async), where in syncs.items():
+        print(f"host syncs per step, batch {batch} {'async' if use_async else 'sync'}: "
+              f"{where or 'none'}")
 
 
 def profile(llm, start, finish, batch: int, use_async: bool, steps: int, out_dir: Path):
@@ -371,7 +392,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--budget-s", type=float, default=55.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--stages", nargs="+", default=["check", "decode", "profile", "offline"],
+    parser.add_argument("--stages", nargs="+",
+                        default=["check", "decode", "profile", "paths", "offline"],
                         choices=["check", "decode", "profile", "paths", "offline"])
     parser.add_argument("--paths-output-len", type=int, default=128)
     args = parser.parse_args()
@@ -379,31 +401,14 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if "check" in args.stages:
         print(check_tokens(), f"({elapsed():.0f} s)", flush=True)
-    times, syncs, notes = decode(args, out_dir)
-    print(f"\n| decode, Llama-3-8B shape ({torch.cuda.get_device_name()}) | sync ms/step (tok/s) "
-          f"| async ms/step (tok/s) | async/sync |")
-    print("|---|---|---|---|")
-    for batch in args.batch_sizes:
-        s, a = times[batch, False], times[batch, True]
-        print(f"| batch {batch} | {1000 * s:.3f} ({1 / s:.1f}) | {1000 * a:.3f} ({1 / a:.1f}) | "
-              f"{s / a:.3f}x |")
-    for batch in args.batch_sizes:
-        if (batch, False, "numpy index") in times:
-            s, a = times[batch, False, "numpy index"], times[batch, True, "numpy index"]
-            print(f"| batch {batch}, logits[numpy rows] as before | {1000 * s:.3f} ({1 / s:.1f}) "
-                  f"| {1000 * a:.3f} ({1 / a:.1f}) | {s / a:.3f}x |")
-    for (batch, use_async), where in syncs.items():
-        print(f"host syncs per step, batch {batch} {'async' if use_async else 'sync'}: "
-              f"{where or 'none'}")
+    notes = decode(args, out_dir)
     print("\n".join(notes), f"\n({elapsed():.0f} s)", flush=True)
-    if "offline" not in args.stages:
-        pass
-    elif elapsed() < args.budget_s - 20:
+    if "offline" in args.stages and elapsed() < args.budget_s - 20:
         tput, counts = offline(args)
         print(f"offline Qwen3-0.6B shape, {args.num_prompts} prompts x {args.output_len} out: "
               f"sync {tput[False]:,.0f} tok/s, async {tput[True]:,.0f} tok/s "
               f"({tput[True] / tput[False]:.3f}x); {counts}")
-    else:
+    elif "offline" in args.stages:
         print("offline stage skipped: out of time")
     print(f"total {elapsed():.0f} s")
 
