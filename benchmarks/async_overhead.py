@@ -88,6 +88,7 @@ def check_tokens() -> str:
     for eager in (True, False):
         llm = LLM(str(path), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
                   enable_prefix_caching=False, max_num_seqs=16, enforce_eager=eager,
+                  num_kv_blocks=256, max_model_len=256, max_num_batched_tokens=512,
                   async_scheduling=True)  # the runner keeps what async needs; set_mode flips
         for use_async in ((False,) if eager else (False, True)):
             set_mode(llm, use_async)
@@ -112,7 +113,8 @@ def decode(args, out_dir: Path) -> list[str]:
     cfg = SHAPES["llama3-8b"]
     llm = LLM(str(shape_dir("llama3-8b")), load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=2048, max_num_seqs=max(args.batch_sizes),
-              max_num_batched_tokens=4096, gpu_memory_utilization=0.85, async_scheduling=True)
+              max_num_batched_tokens=4096, num_kv_blocks=4096, async_scheduling=True)
+    print(f"8B-shape engine up ({elapsed():.0f} s)", flush=True)
     engine = llm.engine
     times: dict = {}
     syncs: dict = {}
@@ -147,8 +149,21 @@ def decode(args, out_dir: Path) -> list[str]:
                 times[batch, use_async] = min(times.get((batch, use_async), 1e9), per_step)
                 toks = [ids for _, ids in finish()]
                 tokens.setdefault(use_async, toks)
-        if tokens[False] != tokens[True]:
-            notes.append(f"batch {batch}: sync and async tokens DIFFER")
+        same = tokens[False] == tokens[True]
+        notes.append(f"batch {batch}: sync and async greedy tokens {'equal' if same else 'DIFFER'}")
+        graphs = engine.runner.graphs
+        if graphs is not None:  # the graphs' staging against the eager path (bf16: report)
+            set_mode(llm, False)
+            start(f"e{batch}", batch, 12)
+            graph_run = finish()
+            engine.runner.graphs = None
+            start(f"e{batch}", batch, 12)
+            eager_run = finish()
+            engine.runner.graphs = graphs
+            agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                     for (_, a), (_, b) in zip(graph_run, eager_run)]
+            notes.append(f"batch {batch}: graph vs eager, tokens equal before the first "
+                         f"difference (of 12, per sequence): {agree}")
         graphs = engine.runner.graphs
         if graphs is not None:  # before this branch: logits indexed with the numpy rows
             run = graphs.run
@@ -319,8 +334,9 @@ def offline(args) -> tuple[dict, dict]:
     cfg = SHAPES["qwen3-0.6b"]
     llm = LLM(str(shape_dir("qwen3-0.6b")), load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=16384,
-              max_num_seqs=256, enable_prefix_caching=False, gpu_memory_utilization=0.5,
+              max_num_seqs=256, enable_prefix_caching=False, num_kv_blocks=8192,
               async_scheduling=True)
+    print(f"Qwen3-0.6B-shape engine up ({elapsed():.0f} s)", flush=True)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm = sample_requests(8, 100, 1024, cfg["vocab_size"], seed=1)
