@@ -191,7 +191,8 @@ def decode(args, out_dir: Path) -> list[str]:
     report(args, times, syncs)
     print("\n".join(notes), f"({elapsed():.0f} s)", flush=True)
     notes = []
-    for batch in args.batch_sizes if "profile" in args.stages else ():
+    small = [b for b in args.batch_sizes if b <= 8]  # profiles and paths: the small batches
+    for batch in small if "profile" in args.stages else ():
         for use_async in (False, True):
             if elapsed() > args.budget_s - 15:
                 notes.append(f"profile b{batch} {use_async} skipped: out of time")
@@ -199,7 +200,7 @@ def decode(args, out_dir: Path) -> list[str]:
             notes += profile(llm, start, finish, batch, use_async, args.profile_steps, out_dir)
     if "paths" in args.stages:
         if elapsed() < args.budget_s - 12:
-            notes += paths(llm, args.batch_sizes, args.paths_output_len)
+            notes += paths(llm, small, args.paths_output_len)
         else:
             notes.append("paths skipped: out of time")
     free(llm, engine)
@@ -417,8 +418,9 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if "check" in args.stages:
         print(check_tokens(), f"({elapsed():.0f} s)", flush=True)
-    notes = decode(args, out_dir)
-    print("\n".join(notes), f"\n({elapsed():.0f} s)", flush=True)
+    if {"decode", "profile", "paths"} & set(args.stages):
+        notes = decode(args, out_dir)
+        print("\n".join(notes), f"\n({elapsed():.0f} s)", flush=True)
     if "offline" in args.stages and elapsed() < args.budget_s - 20:
         tput, counts = offline(args)
         print(f"offline Qwen3-0.6B shape, {args.num_prompts} prompts x {args.output_len} out: "
