@@ -138,13 +138,12 @@ class DecodeGraphs:
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
         which = self.num_runs % 2
         self.num_runs += 1
-        key = (which, bs)
-        if key not in self.host_fields:
-            host64, host32 = self.staging[which]
-            self.host_fields[key] = _Fields(host64.numpy(), host32.numpy(), bs, self.mb)
-        stage = self.host_fields[key]
-        stage.fill(step, b)
         host64, host32 = self.staging[which]
+        stage = self.host_fields.get((which, bs))
+        if stage is None:
+            stage = _Fields(host64.numpy(), host32.numpy(), bs, self.mb)
+            self.host_fields[which, bs] = stage
+        stage.fill(step, b)
         self.ids64[: 4 * bs].copy_(host64[: 4 * bs], non_blocking=True)
         self.ids32[: len(stage.ids32)].copy_(host32[: len(stage.ids32)], non_blocking=True)
         self.graphs[bs].replay()
