@@ -175,6 +175,31 @@ def test_requests_that_need_the_host_never_overlap(model_dir):
     assert got == stream(make(model_dir, False), [("p", [5, 6, 7], params)])
 
 
+def test_offline_steps_overlap_prompt_chunks_included(model_dir):
+    """An offline run of plain requests (greedy and seeded sampling, chunked prompts arriving
+    beside decodes): every step, whether it carries prompt tokens or only decodes, is still in
+    flight when step() returns, so the next one is scheduled while it runs."""
+    llm = make(model_dir, True, max_num_batched_tokens=8)
+    engine = llm.engine
+    launch, launched = engine._launch, []
+    engine._launch = lambda out: launched.append(launch(out)) or launched[-1]
+    rng = random.Random(1)
+    for i in range(6):
+        params = (SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True) if i % 2 else
+                  SamplingParams(temperature=0.8, seed=i, max_tokens=6, ignore_eos=True))
+        prompt = [rng.randrange(3, 250) for _ in range(rng.randint(3, 20))]
+        engine.add_request(f"o{i}", {"prompt_token_ids": prompt}, params)
+    kinds = set()
+    while engine.has_unfinished_requests():
+        before = len(launched)
+        engine.step(finished_only=True)
+        if len(launched) > before:
+            step = launched[-1]
+            assert engine._in_flight is step, "a launched step was processed at once"
+            kinds.add(any(it.num_new_tokens > 1 or not it.sample for it in step.out.scheduled))
+    assert kinds == {True, False}  # steps with prompt tokens and pure decodes both overlapped
+
+
 def test_placeholders_are_gathered_from_the_previous_samples():
     """build_step marks a token past the host's token ids as a placeholder, with its row in
     the previous step's sampled ids; gather_input_ids puts the sampled id there."""

@@ -151,3 +151,37 @@ def test_block_rows_grow_for_a_batch_wider_than_max_num_seqs(tables):
         s.block_table = [i]
     check(tables, [ScheduledSequence(s, 3, 0, sample=True) for s in seqs])
     assert np.array_equal(build_step([decode(seqs[0])], BLOCK, tables).block_tables, [[0]])
+
+
+def test_graph_staging_layout_reads_back_on_the_device_side():
+    """A decode step staged in a bucket's host layout (numpy over the pinned buffers) and copied
+    flat, as DecodeGraphs.run does, reads back through the graph's views as the step's arrays,
+    with padding rows that store nothing; a smaller bucket after a larger one leaves no stale
+    entries."""
+    from tinypaged.cuda_graphs import _Fields
+
+    mb, tables = 6, HostBlockTables(max_rows=8, max_blocks_per_seq=6)
+    host64, host32 = np.zeros(4 * 8, np.int64), np.zeros(8 * (1 + mb), np.int32)
+    seqs = [Sequence(f"g{i}", list(range(5 + 4 * i))) for i in range(5)]
+    for i, s in enumerate(seqs):
+        s.block_table = list(range(10 * i, 10 * i + 1 + len(s) // BLOCK))
+    for batch, bs, ahead in ((5, 8, False), (3, 4, True)):
+        # ahead: async scheduling, each token still on the device (row 2 - b of the last step)
+        items = [ScheduledSequence(s, 1, len(s), True) if ahead else decode(s)
+                 for s in seqs[:batch]]
+        rows = {s.seq_id: 2 - b for b, s in enumerate(seqs[:batch])}
+        step = build_step(items, BLOCK, tables, prev_sample_rows=rows if ahead else None)
+        host = _Fields(host64, host32, bs, mb)
+        host.fill(step, batch)
+        dev = _Fields(torch.from_numpy(host64.copy()), torch.from_numpy(host32.copy()), bs, mb)
+        assert dev.input_ids[:batch].tolist() == step.input_ids.tolist()
+        assert dev.positions[:batch].tolist() == step.positions.tolist()
+        assert dev.slot_mapping[:batch].tolist() == step.slot_mapping.tolist()
+        assert dev.seq_lens[:batch].tolist() == step.seq_lens.tolist()
+        want = [2 - b for b in range(batch)] if ahead else [-1] * batch
+        assert dev.prev_sample_indices.tolist() == want + [-1] * (bs - batch)
+        width = step.block_tables.shape[1]
+        assert dev.block_tables[:batch, :width].tolist() == step.block_tables.tolist()
+        assert not dev.block_tables[:batch, width:].any()
+        assert (dev.slot_mapping[batch:] == -1).all() and (dev.seq_lens[batch:] == 1).all()
+        assert not dev.block_tables[batch:].any() and not dev.input_ids[batch:].any()

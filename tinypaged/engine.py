@@ -25,6 +25,11 @@ launches step N+1 first and then processes step N while the GPU runs N+1:
     step() call k:   schedule N+1 (placeholders for N's samples) -> launch N+1 -> process N
     GPU:             ... N ][ N+1 ...                 (no gap: N+1 was queued before N ended)
 
+The overlap holds only while nothing in a launch makes the host wait for the GPU (an `.item()`,
+a blocking copy, a CUDA tensor indexed with host data): one such wait makes every step wait for
+its own forward, and the host work of both halves runs while the GPU idles. `python
+benchmarks/async_overhead.py` counts them per step, by source line (torch's sync debug mode).
+
 A sequence that step N ends (eos, stop string, abort) has one wasted row in step N+1, whose
 token is dropped; its blocks are freed when step N is processed (the GPU runs N+1 before any
 later step can reuse them). A step holding a request that needs the host between its steps

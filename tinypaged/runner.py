@@ -253,7 +253,12 @@ class ModelRunner:
         with self.kernels:
             num_seqs = len(step.seq_lens)
             if self.graphs is not None and step.max_query_len == 1 and self.graphs.fits(num_seqs):
-                return self.graphs.run(step)[step.logits_indices]  # all B rows ran
+                logits = self.graphs.run(step)  # [B, vocab]: all B rows ran
+                if len(step.logits_indices) == num_seqs:  # every row, in order: a decode
+                    return logits
+                # Never index with the numpy array itself: torch would copy it to the device
+                # from pageable memory and wait for the GPU to finish the step.
+                return logits[self._to_device(step.logits_indices)]
             input_ids, positions, md, logits_indices = self._device_inputs(step)
             hidden = self.model(input_ids, positions, md)  # [T, hidden]
             return self.model.compute_logits(hidden[logits_indices])
