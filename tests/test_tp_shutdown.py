@@ -171,6 +171,11 @@ def test_script_without_main_guard_under_spawn_fails_in_one_sentence(model_dir, 
     assert "bootstrapping phase" not in err  # multiprocessing's own long text never shows
 
 
+# Known bug (#15): in the full suite (never alone) rank 0 of this script sometimes stays in a gloo
+# all_reduce of the forward after SIGINT (faulthandler stack, 2026-12-01), so the KeyboardInterrupt
+# never surfaces; the worker's side is not known yet. Non-strict so the test still runs and reports.
+@pytest.mark.xfail(reason="#15: rank 0 can hang in a gloo all_reduce after SIGINT", strict=False,
+                   raises=subprocess.TimeoutExpired)
 @pytest.mark.timeout(180)
 def test_guarded_script_under_spawn_ends_soon_after_ctrl_c(model_dir, tmp_path):
     proc = python(write_script(tmp_path, model_dir, guarded=True, once=False), "spawn")
