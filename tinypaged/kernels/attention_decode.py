@@ -27,8 +27,46 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl
+from tinypaged.kernels.activation import tanh
 from tinypaged.kernels.attention_varlen import LOG2E, attention_tile, tile_blocks
-from tinypaged.kernels.online_softmax import log_sum_exp, merge_splits, online_softmax_finish
+from tinypaged.kernels.online_softmax import (
+    log_sum_exp,
+    merge_splits,
+    online_softmax_finish,
+    online_softmax_update,
+)
+
+
+@jit
+def _load_kv(K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb, stride_cs, start_n,
+             end, offs_d, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V [BLOCK_N, BLOCK_D] of keys start_n .. start_n + BLOCK_N - 1 (0 from end on)."""
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    k_in = k_pos < end
+    block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)
+    row = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head_offset
+    offsets = row[:, None] + offs_d[None, :]
+    mask = k_in[:, None] & d_mask[None, :]
+    return (tl.load(K_CACHE + offsets, mask=mask, other=0.0),
+            tl.load(V_CACHE + offsets, mask=mask, other=0.0))
+
+
+@jit
+def _decode_tile(acc, m_i, l_i, q, k, v, start_n, end, q_pos, qk_scale, window, softcap,
+                 SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """attention_tile on loaded K/V: the one query (at q_pos) sees every key before end."""
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+    if SOFTCAP:
+        qk = softcap * tanh(qk / softcap)
+    visible = k_pos < end
+    if SLIDING:
+        visible = visible & (k_pos > q_pos - window)
+    qk = tl.where(visible[None, :], qk, float("-inf"))
+    p, alpha, m_new, l_i = online_softmax_update(m_i, l_i, qk)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @jit(do_not_specialize=('num_splits',))
@@ -44,6 +82,7 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output, skip the partials
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,  # 0: nothing, 1: the next tile's block ids, 2: its K/V
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,16 +112,38 @@ def _decode_split_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for start_n in range(start, end, BLOCK_N):
-        # the block ids are loaded in the iteration that uses them, unlike the prefill loops
-        # (attention_varlen.tile_blocks): Triton then keeps one K/V tile per program in shared
-        # memory, so more programs fit on an SM, which a memory-bound decode needs more (H200,
-        # B64 ctx2048: 95% of copy bandwidth this way, 77% with the block ids prefetched)
-        block = tile_blocks(block_table, start_n, end, BLOCK_SIZE, BLOCK_N)
-        acc, m_i, l_i = attention_tile(
-            acc, m_i, l_i, q, K_CACHE, V_CACHE, block, kv_head_offset, stride_cb,
-            stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale, window, softcap,
-            True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+    if PREFETCH == 2:  # the next tile's K/V in registers while this tile is computed
+        k, v = _load_kv(K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb, stride_cs,
+                        start, end, offs_d, d_mask, BLOCK_SIZE, BLOCK_N)
+        for start_n in range(start, end, BLOCK_N):
+            k_next, v_next = _load_kv(K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
+                                      stride_cs, start_n + BLOCK_N, end, offs_d, d_mask,
+                                      BLOCK_SIZE, BLOCK_N)
+            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k, v, start_n, end, seq_len - 1,
+                                         qk_scale, window, softcap, SLIDING, SOFTCAP, BLOCK_N,
+                                         DOT_PRECISION)
+            k = k_next
+            v = v_next
+    elif PREFETCH == 1:  # the next tile's block ids
+        block = tile_blocks(block_table, start, end, BLOCK_SIZE, BLOCK_N)
+        for start_n in range(start, end, BLOCK_N):
+            acc, m_i, l_i = attention_tile(
+                acc, m_i, l_i, q, K_CACHE, V_CACHE, block, kv_head_offset, stride_cb,
+                stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale, window, softcap,
+                True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+            block = tile_blocks(block_table, start_n + BLOCK_N, end, BLOCK_SIZE, BLOCK_N)
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            # the block ids are loaded in the iteration that uses them, unlike the prefill loops
+            # (attention_varlen.tile_blocks): Triton then keeps one K/V tile per program in
+            # shared memory, so more programs fit on an SM, which a memory-bound decode needs
+            # more (H200, B64 ctx2048: 95% of copy bandwidth this way, 77% with the block ids
+            # prefetched)
+            block = tile_blocks(block_table, start_n, end, BLOCK_SIZE, BLOCK_N)
+            acc, m_i, l_i = attention_tile(
+                acc, m_i, l_i, q, K_CACHE, V_CACHE, block, kv_head_offset, stride_cb,
+                stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale, window, softcap,
+                True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
 
     o = online_softmax_finish(acc, l_i)  # 0 for an empty split
     mask = row_valid[:, None] & d_mask[None, :]
@@ -145,6 +206,7 @@ def decode_attention_triton(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    prefetch: int,
 ) -> torch.Tensor:
     """Launch split-KV decode (and the merge when num_splits > 1); checked arguments."""
     num_seqs = seq_lens.shape[0]
@@ -171,7 +233,7 @@ def decode_attention_triton(
         SINGLE_SPLIT=num_splits == 1,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
