@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import multiprocessing
@@ -44,28 +45,27 @@ T0 = time.perf_counter()
 
 def variants() -> list[dict]:
     """Tile configurations compared at the focus cells (attention.DECODE_CONFIG's keys)."""
-    out = []
-    for block_n in (32, 64, 128):
-        for warps in (2, 4, 8):
-            for stages in (1, 2, 3):
-                out.append({"block_n": block_n, "num_warps": warps, "num_stages": stages,
-                            "prefetch": 0})
-        for warps in (4, 8):
-            for stages in (1, 3):
-                out.append({"block_n": block_n, "num_warps": warps, "num_stages": stages,
-                            "prefetch": 1})
-        for warps in (2, 4, 8):
-            for stages in (1, 2):
-                out.append({"block_n": block_n, "num_warps": warps, "num_stages": stages,
-                            "prefetch": 2})
-    out += [{"block_n": 16, "num_warps": w, "num_stages": s, "prefetch": 0}
-            for w, s in ((2, 1), (4, 1), (4, 3))]
+    def config(block_n, warps, stages, prefetch=0, use_dot=True, head_first=False):
+        return {"block_n": block_n, "num_warps": warps, "num_stages": stages,
+                "prefetch": prefetch, "use_dot": use_dot, "head_first": head_first}
+
+    grid = itertools.product
+    out = [config(n, w, s) for n, w, s in grid((32, 64, 128), (2, 4, 8), (1, 2, 3))]
+    out += [config(n, 4, s, 1) for n, s in grid((32, 64, 128), (1, 3))]
+    out += [config(n, w, s, 2) for n, w, s in grid((32, 64, 128), (4, 8), (1, 2))]
+    out += [config(n, 4, s, 3) for n, s in grid((32, 64, 128), (1, 2))]
+    out += [config(n, w, 1, p, False) for n, w, p in grid((16, 32, 64), (4, 8), (2, 3))]
+    out += [config(n, w, s, head_first=True) for n, w, s in grid((32, 64, 128), (4, 8), (1, 3))]
+    out += [config(n, 4, 1, 2, head_first=True) for n in (32, 64)]
+    out += [config(32, w, 1, 3, False, True) for w in (4, 8)]
+    out += [config(16, w, 1) for w in (2, 4)]
     return out
 
 
 def name(config: dict) -> str:
     return (f"n{config['block_n']} w{config['num_warps']} s{config['num_stages']} "
-            f"p{config['prefetch']}")
+            f"p{config['prefetch']}" + ("" if config["use_dot"] else " sum")
+            + (" hf" if config["head_first"] else ""))
 
 
 @functools.cache
@@ -96,7 +96,7 @@ class DecodeBatch:
         self.k_cache = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
         self.v_cache = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
         perm = torch.randperm(num_blocks - 1).to(torch.int32)
-        width = table_width or max(blocks)
+        width = table_width or 16 * math.ceil(max(blocks) / 16)  # one compile for all (16 | it)
         self.tables = []
         start = 0
         for _ in range(copies):
@@ -185,7 +185,7 @@ def _compile(tasks: list) -> int:
     return len(tasks)
 
 
-def precompile(tasks: list, workers: int = 15, timeout_s: float = 25.0) -> str:
+def precompile(tasks: list, workers: int = 15, timeout_s: float = 30.0) -> str:
     tasks = sorted(set((lay, tuple(sorted(c.items())), s) for lay, c, s in tasks))
     tasks = [(lay, dict(c), s) for lay, c, s in tasks]
     chunks = [tasks[i::workers] for i in range(workers)]

@@ -54,10 +54,14 @@ def _load_kv(K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb, stride_cs
 @jit
 def _decode_tile(acc, m_i, l_i, q, k, v, start_n, end, q_pos, qk_scale, window, softcap,
                  SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr):
     """attention_tile on loaded K/V: the one query (at q_pos) sees every key before end."""
     k_pos = start_n + tl.arange(0, BLOCK_N)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+    if USE_DOT:
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+    else:  # broadcast and sum: [BLOCK_H, BLOCK_N, BLOCK_D] products, no shared memory
+        qk = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+    qk = qk * qk_scale
     if SOFTCAP:
         qk = softcap * tanh(qk / softcap)
     visible = k_pos < end
@@ -65,7 +69,11 @@ def _decode_tile(acc, m_i, l_i, q, k, v, start_n, end, q_pos, qk_scale, window, 
         visible = visible & (k_pos > q_pos - window)
     qk = tl.where(visible[None, :], qk, float("-inf"))
     p, alpha, m_new, l_i = online_softmax_update(m_i, l_i, qk)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if USE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
@@ -82,10 +90,17 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output, skip the partials
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,  # 0: nothing, 1: the next tile's block ids, 2: its K/V
+    PREFETCH: tl.constexpr,  # 0: nothing, 1: the next tile's block ids, 2: its K/V, 3: 0 with
+    # _load_kv / _decode_tile
+    USE_DOT: tl.constexpr,  # the products on tensor cores (BLOCK_H >= 16) or as sums
+    HEAD_FIRST: tl.constexpr,  # grid (Hk, B, S): a sequence's KV heads start side by side
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAD_FIRST:
+        seq = tl.program_id(1)
+        kv_head = tl.program_id(0)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     token = tl.load(QUERY_START_LOC + seq).to(tl.int64)
     has_query = tl.load(QUERY_START_LOC + seq + 1) > token  # False for a 0-token padding entry
@@ -121,9 +136,16 @@ def _decode_split_kernel(
                                       BLOCK_SIZE, BLOCK_N)
             acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k, v, start_n, end, seq_len - 1,
                                          qk_scale, window, softcap, SLIDING, SOFTCAP, BLOCK_N,
-                                         DOT_PRECISION)
+                                         DOT_PRECISION, USE_DOT)
             k = k_next
             v = v_next
+    elif PREFETCH == 3:
+        for start_n in range(start, end, BLOCK_N):
+            k, v = _load_kv(K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb, stride_cs,
+                            start_n, end, offs_d, d_mask, BLOCK_SIZE, BLOCK_N)
+            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k, v, start_n, end, seq_len - 1,
+                                         qk_scale, window, softcap, SLIDING, SOFTCAP, BLOCK_N,
+                                         DOT_PRECISION, USE_DOT)
     elif PREFETCH == 1:  # the next tile's block ids
         block = tile_blocks(block_table, start, end, BLOCK_SIZE, BLOCK_N)
         for start_n in range(start, end, BLOCK_N):
@@ -207,6 +229,8 @@ def decode_attention_triton(
     num_warps: int,
     num_stages: int,
     prefetch: int,
+    use_dot: bool,
+    head_first: bool,
 ) -> torch.Tensor:
     """Launch split-KV decode (and the merge when num_splits > 1); checked arguments."""
     num_seqs = seq_lens.shape[0]
@@ -221,7 +245,9 @@ def decode_attention_triton(
                                dtype=torch.float32, device=q.device)
     else:  # pass 1 writes `out` directly; the partial buffers are not touched
         o_part = lse_part = out
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = ((num_kv_heads, num_seqs, num_splits) if head_first
+            else (num_seqs, num_kv_heads, num_splits))
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, out, o_part, lse_part, block_tables, seq_lens, query_start_loc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -229,11 +255,13 @@ def decode_attention_triton(
         lse_part.stride(0), lse_part.stride(1),
         scale * LOG2E, sliding_window or 0, (softcap or 1.0) * LOG2E, num_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(16, next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
+        BLOCK_H=max(16 if use_dot else 1, next_power_of_2(group)),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=prefetch, USE_DOT=use_dot, HEAD_FIRST=head_first,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
