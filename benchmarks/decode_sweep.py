@@ -45,9 +45,10 @@ T0 = time.perf_counter()
 
 def variants() -> list[dict]:
     """Tile configurations compared at the focus cells (attention.DECODE_CONFIG's keys)."""
-    def config(block_n, warps, stages, prefetch=0, use_dot=True, head_first=False):
+    def config(block_n, warps, stages, prefetch=0, use_dot=True, head_first=False, maxnreg=None):
         return {"block_n": block_n, "num_warps": warps, "num_stages": stages,
-                "prefetch": prefetch, "use_dot": use_dot, "head_first": head_first}
+                "prefetch": prefetch, "use_dot": use_dot, "head_first": head_first,
+                "maxnreg": maxnreg}
 
     grid = itertools.product
     out = [config(n, w, s) for n, w, s in grid((32, 64, 128), (2, 4, 8), (1, 2, 3))]
@@ -59,13 +60,15 @@ def variants() -> list[dict]:
     out += [config(n, 4, 1, 2, head_first=True) for n in (32, 64)]
     out += [config(32, w, 1, 3, False, True) for w in (4, 8)]
     out += [config(16, w, 1) for w in (2, 4)]
+    out += [config(64, 4, s, p, maxnreg=r) for s, p, r in grid((1, 3), (0, 2), (96, 128))]
     return out
 
 
 def name(config: dict) -> str:
     return (f"n{config['block_n']} w{config['num_warps']} s{config['num_stages']} "
             f"p{config['prefetch']}" + ("" if config["use_dot"] else " sum")
-            + (" hf" if config["head_first"] else ""))
+            + (" hf" if config["head_first"] else "")
+            + (f" r{config['maxnreg']}" if config["maxnreg"] else ""))
 
 
 @functools.cache
@@ -205,7 +208,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--budget-s", type=float, default=55.0)
     args = parser.parse_args()
-    results: dict = {"device": torch.cuda.get_device_name(), "rows": []}
+    results: dict = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
+                     "rows": []}
     default = dict(attention.DECODE_CONFIG)
     configs = variants()
     focus = [("llama3-8b", 64, 1024), ("llama3-8b", 64, 512), ("qwen3-0.6b", 96, "mix"),
@@ -270,7 +274,7 @@ def main() -> None:
         rows = [cell(layout, batch_size, ctx, c, splits, "variant", batch) for c in configs]
         base = cell(layout, batch_size, ctx, default, splits, "variant", batch)
         rows.sort(key=lambda r: r["graph_us"])
-        best = ", ".join(f"{r['config']} {r['graph_us']:.1f} ({r['pct']:.0f}%)" for r in rows[:5])
+        best = ", ".join(f"{r['config']} {r['graph_us']:.1f} ({r['pct']:.0f}%)" for r in rows[:8])
         print(f"{layout} B{batch_size} ctx{ctx} {splits} splits: default {base['graph_us']:.1f} "
               f"({base['pct']:.0f}%); best: {best}; worst: {rows[-1]['config']} "
               f"{rows[-1]['graph_us']:.1f}", flush=True)

@@ -42,7 +42,7 @@ from tinypaged.kernels.kv_cache import check_cache_pair
 # 2026-11-29): B4 L2048 32/8 heads, bf16.
 VARLEN_CONFIG = {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3}
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "prefetch": 0,
-                 "use_dot": True, "head_first": False}
+                 "use_dot": True, "head_first": False, "maxnreg": None}
 # Prefill on sm_90 (attention_hopper.py), for batches whose query tiles fill 128 rows: 128 x 64
 # tiles on two warpgroups, 2 stages, registers capped at 128 so that two programs share an SM
 # (one's softmax overlaps the other's MMA; a few registers spill, and it still wins). H200,

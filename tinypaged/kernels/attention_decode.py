@@ -231,6 +231,7 @@ def decode_attention_triton(
     prefetch: int,
     use_dot: bool,
     head_first: bool,
+    maxnreg: int | None,
 ) -> torch.Tensor:
     """Launch split-KV decode (and the merge when num_splits > 1); checked arguments."""
     num_seqs = seq_lens.shape[0]
@@ -261,7 +262,7 @@ def decode_attention_triton(
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PREFETCH=prefetch, USE_DOT=use_dot, HEAD_FIRST=head_first,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
