@@ -134,23 +134,6 @@ def test_decode_split_kv(combo):
     check_kernel([1, 1, 1, 1], [1, 16, 33, 70], combo, num_splits=4)
 
 
-# the decode kernel's loop and grid variants (DECODE_CONFIG's keys besides the tile sizes)
-DECODE_VARIANTS = [
-    {"prefetch": 1}, {"prefetch": 2}, {"prefetch": 3}, {"prefetch": 2, "use_dot": False},
-    {"prefetch": 3, "use_dot": False, "head_first": True}, {"head_first": True},
-]
-
-
-@pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=lambda v: "-".join(map(str, v.items())))
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_variants(variant, num_splits):
-    # fp32 and fp16, group 1 and 3, windows and soft-caps across the variants
-    combo = COMBOS[DECODE_VARIANTS.index(variant) % 2]
-    kwargs = [{}, {"sliding_window": 20}, {"softcap": 3.0}][DECODE_VARIANTS.index(variant) % 3]
-    check_kernel([1, 1, 1, 1], [1, 16, 40, 70], combo, num_splits=num_splits,
-                 config=variant, **kwargs)
-
-
 @pytest.mark.parametrize("combo", COMBOS[:2], ids=COMBO_IDS[:2])
 def test_decode_one_split(combo):
     check_kernel([1, 1, 1], [1, 33, 70], combo, num_splits=1)

@@ -38,11 +38,14 @@ from tinypaged.kernels.kv_cache import check_cache_pair
 
 # The tile configurations (the launchers have no defaults of their own), overridable per call
 # through `config=`. Prefill: 128-row query tiles over 32-key tiles, 4 warps, 3 stages; decode
-# streams K/V in 64-key tiles with 4 warps. Tuned on the H200 (benchmarks/kernels.py --tune,
-# 2026-11-29): B4 L2048 32/8 heads, bf16.
+# streams K/V in 64-key tiles with 4 warps, 3 stages. Tuned on the H200 (benchmarks/kernels.py
+# --tune, 2026-11-29): B4 L2048 32/8 heads, bf16; the decode tiles checked again against 35
+# variants (block_n 32-128, 2-8 warps, 1-3 stages, next tile prefetched, sums instead of tl.dot,
+# a register cap) in CUDA graphs (benchmarks/decode_sweep.py, 2026-12-01): none was faster on
+# every shape; 128-key tiles win on the offline mix of contexts at B96 16/8 heads (83% of copy
+# bandwidth against 76%) but lose 15% at B64 ctx1024.
 VARLEN_CONFIG = {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3}
-DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "prefetch": 0,
-                 "use_dot": True, "head_first": False, "maxnreg": None}
+DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 # Prefill on sm_90 (attention_hopper.py), for batches whose query tiles fill 128 rows: 128 x 64
 # tiles on two warpgroups, 2 stages, registers capped at 128 so that two programs share an SM
 # (one's softmax overlaps the other's MMA; a few registers spill, and it still wins). H200,

@@ -5,7 +5,7 @@ head) gives B * Hk programs, too few to keep 132 SMs streaming K/V when the batc
 sequence's context is cut into NUM_SPLITS ranges of whole BLOCK_N tiles, one program per
 (sequence, KV head, split):
 
-    pass 1, grid (B, Hk, NUM_SPLITS): o_s = softmax over split s of q k^T, times V   [GROUP, D]
+    pass 1, grid (Hk, B, NUM_SPLITS): o_s = softmax over split s of q k^T, times V   [GROUP, D]
                                       lse_s = log2 of that split's sum of exp2 scores [GROUP]
     pass 2, grid (B, Hq):              out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),
                                        M = max_s lse_s   (online_softmax.py derives both)
@@ -17,6 +17,12 @@ valid for any lengths (CUDA-graph capture). NUM_SPLITS is a runtime argument, so
 compiles nothing new; with NUM_SPLITS == 1, pass 1 writes the output itself. Partial results are
 fp32: o_part [B, Hq, NUM_SPLITS, D], lse_part [B, Hq, NUM_SPLITS].
 
+The KV heads are the grid's first axis: the GPU starts programs in index order, so the Hk programs
+of a sequence run side by side and together read whole cache rows ([BLOCK_SIZE, Hk, D] per block,
+contiguous) instead of one head's 256-byte slice of each row, while the other heads' slices come
+much later (H200, B256 ctx1024: 251 us against 259 with the sequences first; the offline mix of
+contexts at B128-256: 3-5% faster; the rest equal within noise; RESULTS.md, 2026-12-01).
+
 With a sliding window of W tokens (SLIDING) the splits share only the keys from the tile holding
 position seq_len - W on, so a long context costs what its window costs; the first tile masks
 the keys before the window. SOFTCAP caps the scores before the softmax (see attention.py).
@@ -27,54 +33,8 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl
-from tinypaged.kernels.activation import tanh
 from tinypaged.kernels.attention_varlen import LOG2E, attention_tile, tile_blocks
-from tinypaged.kernels.online_softmax import (
-    log_sum_exp,
-    merge_splits,
-    online_softmax_finish,
-    online_softmax_update,
-)
-
-
-@jit
-def _load_kv(K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb, stride_cs, start_n,
-             end, offs_d, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K and V [BLOCK_N, BLOCK_D] of keys start_n .. start_n + BLOCK_N - 1 (0 from end on)."""
-    k_pos = start_n + tl.arange(0, BLOCK_N)
-    k_in = k_pos < end
-    block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)
-    row = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head_offset
-    offsets = row[:, None] + offs_d[None, :]
-    mask = k_in[:, None] & d_mask[None, :]
-    return (tl.load(K_CACHE + offsets, mask=mask, other=0.0),
-            tl.load(V_CACHE + offsets, mask=mask, other=0.0))
-
-
-@jit
-def _decode_tile(acc, m_i, l_i, q, k, v, start_n, end, q_pos, qk_scale, window, softcap,
-                 SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr):
-    """attention_tile on loaded K/V: the one query (at q_pos) sees every key before end."""
-    k_pos = start_n + tl.arange(0, BLOCK_N)
-    if USE_DOT:
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
-    else:  # broadcast and sum: [BLOCK_H, BLOCK_N, BLOCK_D] products, no shared memory
-        qk = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-    qk = qk * qk_scale
-    if SOFTCAP:
-        qk = softcap * tanh(qk / softcap)
-    visible = k_pos < end
-    if SLIDING:
-        visible = visible & (k_pos > q_pos - window)
-    qk = tl.where(visible[None, :], qk, float("-inf"))
-    p, alpha, m_new, l_i = online_softmax_update(m_i, l_i, qk)
-    if USE_DOT:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    else:
-        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l_i
+from tinypaged.kernels.online_softmax import log_sum_exp, merge_splits, online_softmax_finish
 
 
 @jit(do_not_specialize=('num_splits',))
@@ -90,17 +50,9 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output, skip the partials
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,  # 0: nothing, 1: the next tile's block ids, 2: its K/V, 3: 0 with
-    # _load_kv / _decode_tile
-    USE_DOT: tl.constexpr,  # the products on tensor cores (BLOCK_H >= 16) or as sums
-    HEAD_FIRST: tl.constexpr,  # grid (Hk, B, S): a sequence's KV heads start side by side
 ):
-    if HEAD_FIRST:
-        seq = tl.program_id(1)
-        kv_head = tl.program_id(0)
-    else:
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     token = tl.load(QUERY_START_LOC + seq).to(tl.int64)
     has_query = tl.load(QUERY_START_LOC + seq + 1) > token  # False for a 0-token padding entry
@@ -127,45 +79,16 @@ def _decode_split_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    if PREFETCH == 2:  # the next tile's K/V in registers while this tile is computed
-        k, v = _load_kv(K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb, stride_cs,
-                        start, end, offs_d, d_mask, BLOCK_SIZE, BLOCK_N)
-        for start_n in range(start, end, BLOCK_N):
-            k_next, v_next = _load_kv(K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb,
-                                      stride_cs, start_n + BLOCK_N, end, offs_d, d_mask,
-                                      BLOCK_SIZE, BLOCK_N)
-            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k, v, start_n, end, seq_len - 1,
-                                         qk_scale, window, softcap, SLIDING, SOFTCAP, BLOCK_N,
-                                         DOT_PRECISION, USE_DOT)
-            k = k_next
-            v = v_next
-    elif PREFETCH == 3:
-        for start_n in range(start, end, BLOCK_N):
-            k, v = _load_kv(K_CACHE, V_CACHE, block_table, kv_head_offset, stride_cb, stride_cs,
-                            start_n, end, offs_d, d_mask, BLOCK_SIZE, BLOCK_N)
-            acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q, k, v, start_n, end, seq_len - 1,
-                                         qk_scale, window, softcap, SLIDING, SOFTCAP, BLOCK_N,
-                                         DOT_PRECISION, USE_DOT)
-    elif PREFETCH == 1:  # the next tile's block ids
-        block = tile_blocks(block_table, start, end, BLOCK_SIZE, BLOCK_N)
-        for start_n in range(start, end, BLOCK_N):
-            acc, m_i, l_i = attention_tile(
-                acc, m_i, l_i, q, K_CACHE, V_CACHE, block, kv_head_offset, stride_cb,
-                stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale, window, softcap,
-                True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
-            block = tile_blocks(block_table, start_n + BLOCK_N, end, BLOCK_SIZE, BLOCK_N)
-    else:
-        for start_n in range(start, end, BLOCK_N):
-            # the block ids are loaded in the iteration that uses them, unlike the prefill loops
-            # (attention_varlen.tile_blocks): Triton then keeps one K/V tile per program in
-            # shared memory, so more programs fit on an SM, which a memory-bound decode needs
-            # more (H200, B64 ctx2048: 95% of copy bandwidth this way, 77% with the block ids
-            # prefetched)
-            block = tile_blocks(block_table, start_n, end, BLOCK_SIZE, BLOCK_N)
-            acc, m_i, l_i = attention_tile(
-                acc, m_i, l_i, q, K_CACHE, V_CACHE, block, kv_head_offset, stride_cb,
-                stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale, window, softcap,
-                True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+    for start_n in range(start, end, BLOCK_N):
+        # the block ids are loaded in the iteration that uses them, unlike the prefill loops
+        # (attention_varlen.tile_blocks): Triton then keeps one K/V tile per program in shared
+        # memory, so more programs fit on an SM, which a memory-bound decode needs more (H200,
+        # B64 ctx2048: 95% of copy bandwidth this way, 77% with the block ids prefetched)
+        block = tile_blocks(block_table, start_n, end, BLOCK_SIZE, BLOCK_N)
+        acc, m_i, l_i = attention_tile(
+            acc, m_i, l_i, q, K_CACHE, V_CACHE, block, kv_head_offset, stride_cb,
+            stride_cs, start_n, q_pos, end, offs_d, d_mask, qk_scale, window, softcap,
+            True, SLIDING, SOFTCAP, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
 
     o = online_softmax_finish(acc, l_i)  # 0 for an empty split
     mask = row_valid[:, None] & d_mask[None, :]
@@ -206,8 +129,9 @@ def _decode_merge_kernel(
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits per sequence so that ~2 programs per SM stream K/V, each over >= 256 keys (on the
-    H200, B64 ctx1024 ran at 79% of copy bandwidth with 1 split and 46-71% with 2-4)."""
+    """Splits per sequence so that ~2 programs per SM stream K/V, each over >= 256 keys (H200,
+    CUDA graphs, Llama-3-8B heads: B64 ctx1024 runs at 90-94% of copy bandwidth with 1 split,
+    82% with 2, 75% with 3-4; benchmarks/decode_sweep.py)."""
     wanted = cdiv(2 * num_sms, max(num_seqs * num_kv_heads, 1))
     return max(1, min(wanted, max_seq_len // 256, 64))
 
@@ -228,10 +152,6 @@ def decode_attention_triton(
     block_n: int,
     num_warps: int,
     num_stages: int,
-    prefetch: int,
-    use_dot: bool,
-    head_first: bool,
-    maxnreg: int | None,
 ) -> torch.Tensor:
     """Launch split-KV decode (and the merge when num_splits > 1); checked arguments."""
     num_seqs = seq_lens.shape[0]
@@ -246,9 +166,7 @@ def decode_attention_triton(
                                dtype=torch.float32, device=q.device)
     else:  # pass 1 writes `out` directly; the partial buffers are not touched
         o_part = lse_part = out
-    grid = ((num_kv_heads, num_seqs, num_splits) if head_first
-            else (num_seqs, num_kv_heads, num_splits))
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, out, o_part, lse_part, block_tables, seq_lens, query_start_loc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -256,13 +174,11 @@ def decode_attention_triton(
         lse_part.stride(0), lse_part.stride(1),
         scale * LOG2E, sliding_window or 0, (softcap or 1.0) * LOG2E, num_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_H=max(16 if use_dot else 1, next_power_of_2(group)),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
+        BLOCK_H=max(16, next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         SINGLE_SPLIT=num_splits == 1,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PREFETCH=prefetch, USE_DOT=use_dot, HEAD_FIRST=head_first,
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
