@@ -17,7 +17,9 @@ prompts of seed 1. The run is done twice:
    category by its name. Kernels replayed from a decode CUDA graph belong to the graph's launch.
 2. without the profiler, timed: output tok/s as the benchmark reports it. GPU idle is this run's
    wall time minus the profiled run's busy time (the union of kernel and copy intervals), since
-   the profiler slows the host, not the kernels.
+   the profiler slows the host, not the kernels. Of it, "idle inside steps" (profiled run) is
+   the gaps between the kernels a step launched; the timed run's CUDA events
+   (offline_steps.StepTimeline) give the idle between steps and the host's time per step.
 
 Prints one table (ms per category, mixed vs decode steps, share of the timed wall) and what the
 GEMMs and attention reach against the roofline (790 TFLOP/s, 4.2 TB/s), plus the top kernels.
@@ -37,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.offline_steps import StepTimeline
+from benchmarks.offline_steps import print_summary as print_timeline
 from tinypaged import LLM, SamplingParams
 from tinypaged.bench import (
     COPY_BW,
@@ -138,14 +142,42 @@ def attribute(trace: dict) -> tuple[dict, dict, float, float]:
         row[0] += 1
         row[1] += e["dur"] / 1e3
         intervals.append((e["ts"], e["ts"] + e["dur"]))
-    intervals.sort()
+    busy = _union(intervals)
+    span = (max(b for _, b in intervals) - min(a for a, _ in intervals)) / 1e3 if intervals else 0.0
+    by_cat.update(_step_bubbles(events, launch_ts))
+    return by_cat, by_kernel, busy / 1e3, span
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals."""
     busy, end = 0.0, -1.0
-    for a, b in intervals:
+    for a, b in sorted(intervals):
         if b > end:
             busy += b - max(a, end)
             end = b
-    span = (intervals[-1][1] - intervals[0][0]) / 1e3 if intervals else 0.0
-    return by_cat, by_kernel, busy / 1e3, span
+    return busy
+
+
+def _step_bubbles(events: list[dict], launch_ts: dict) -> dict:
+    """ms of GPU idle inside steps, per step kind: for each launched step (a tp:mixed or
+    tp:decode range), the span of the GPU work it launched minus the union of that work (the
+    gaps between the kernels of a CUDA graph replay, or between eager launches)."""
+    steps = sorted((e["ts"], e["ts"] + e["dur"], e["name"][3:]) for e in events
+                   if e.get("cat") == "user_annotation" and e["name"] in ("tp:mixed", "tp:decode"))
+    starts = [r[0] for r in steps]
+    per_step: dict = defaultdict(list)
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        ts = launch_ts.get(e.get("args", {}).get("correlation"))
+        i = -1 if ts is None else bisect.bisect_right(starts, ts) - 1
+        if i >= 0 and ts <= steps[i][1]:
+            per_step[i].append((e["ts"], e["ts"] + e["dur"]))
+    out: dict = defaultdict(float)
+    for i, iv in per_step.items():
+        span = max(b for _, b in iv) - min(a for a, _ in iv)
+        out[steps[i][2], "idle inside steps"] += (span - _union(iv)) / 1e3
+    return out
 
 
 def rooflines(cfg: dict, steps: list[dict]) -> dict:
@@ -207,16 +239,19 @@ def profile_shape(shape: str, args, stamp) -> dict:
     stamp(f"profiled run {profiled_s:.1f} s, trace read")
 
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    timeline = StepTimeline(llm)
+    timeline.begin()
     outs = gen(prompts)
-    wall_ms = 1e3 * (time.perf_counter() - start)
+    timeline.finish()
+    timeline.undo()
+    wall_ms = timeline.wall_ms
     result = {
         "shape": shape, "num_prompts": args.num_prompts, "output_len": args.output_len,
         "block_size": llm.engine.runner.block_size, "wall_ms": wall_ms,
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "profiled_ms": 1e3 * profiled_s, "busy_ms": busy_ms, "span_ms": span_ms,
         "by_category": dict(by_cat), "by_kernel": dict(by_kernel),
-        "ideal_ms": rooflines(cfg, steps), "steps": steps,
+        "ideal_ms": rooflines(cfg, steps), "steps": steps, "timeline": timeline.summary(),
     }
     llm.shutdown()
     return result
@@ -263,13 +298,15 @@ def print_report(r: dict, top: int) -> dict:
                       reverse=True)[:top]
         print(f"top kernels, {kind} steps (ms / calls): " + "; ".join(
             f"{n} {ms:.1f} / {calls}" for ms, calls, n in rows))
+    print("The timed run step by step (CUDA events between steps; offline_steps.py):")
+    print_timeline(r["timeline"])
     return {
         **{k: r[k] for k in ("shape", "num_prompts", "output_len", "block_size", "wall_ms",
                              "output_tokens", "profiled_ms", "busy_ms", "span_ms")},
         "mixed_steps": n_mixed, "decode_steps": len(steps) - n_mixed,
         "by_category": {f"{k}|{c}": v for (k, c), v in by_cat.items()},
         "by_kernel": {f"{k}|{n}": v for (k, n), v in by_kernel.items()},
-        "ideal_ms": ideal, "measured_ms": measured,
+        "ideal_ms": ideal, "measured_ms": measured, "timeline": r["timeline"],
     }
 
 
