@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -47,7 +48,19 @@ def branch(llm: LLM) -> Iterator[None]:
     yield
 
 
-VARIANTS: dict[str, Callable[[LLM], contextlib.AbstractContextManager]] = {"branch": branch}
+@contextlib.contextmanager
+def no_pdl(llm: LLM) -> Iterator[None]:
+    """The norm, SiLU and rotary kernels launched without programmatic dependent launch."""
+    os.environ["TINYPAGED_PDL"] = "0"
+    try:
+        yield
+    finally:
+        del os.environ["TINYPAGED_PDL"]
+
+
+VARIANTS: dict[str, Callable[[LLM], contextlib.AbstractContextManager]] = {
+    "branch": branch, "no-pdl": no_pdl,
+}
 
 
 @contextlib.contextmanager
