@@ -46,16 +46,6 @@ for dtype in (torch.bfloat16, torch.float16):
             attention.hopper_attention_triton(
                 q, k_cache, k_cache.clone(), *args[3:], torch.tensor([0, 3, 4], dtype=torch.int32),
                 0.1, torch.empty_like(q), **attention.HOPPER_CONFIG)
-from tinypaged.kernels import pdl
-
-pdl.enabled = lambda x: True  # the kernels that wait on the previous one (sm_90 launches)
-x = torch.randn(4, 4096).to(torch.bfloat16)
-norm.rms_norm_triton(x, torch.randn(4096).to(torch.bfloat16), 1e-6, x.clone())
-activation.silu_and_mul_triton(torch.randn(4, 2 * 14336).to(torch.bfloat16))
-q, k_cache = torch.randn(4, 32, 128).to(torch.bfloat16), torch.randn(8, 16, 8, 128)
-rotary_kv_cache.rotary_store_kv_triton(
-    torch.arange(4), q, q[:, :8], q[:, :8], k_cache.to(torch.bfloat16),
-    k_cache.to(torch.bfloat16), torch.arange(4), rotary.build_cos_sin_cache(128, 8, 10000.0), 128)
 from tinypaged.kernels import moe, moe_align, moe_gemv, moe_routing
 
 for block_m in (16, 64, 128):  # the grouped GEMM's row blocks, Qwen3-30B-A3B's 128 experts

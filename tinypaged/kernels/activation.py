@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels import pdl
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl, use_triton
 
 
@@ -32,10 +31,7 @@ def _act_and_mul_kernel(
     inter_size,  # I in the docstring
     GELU_TANH: tl.constexpr,  # False: SiLU
     BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
-    if USE_PDL:
-        pdl.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter_size
@@ -59,10 +55,9 @@ def _act_and_mul_triton(x: torch.Tensor, gelu_tanh: bool, block: int | None) -> 
     if x2.shape[0] > 0 and inter > 0:
         block = block or min(next_power_of_2(inter), 1024)
         grid = (x2.shape[0], cdiv(inter, block))
-        use_pdl = pdl.enabled(x2)
         _act_and_mul_kernel[grid](
             x2, out2, x2.stride(0), out2.stride(0), inter, GELU_TANH=gelu_tanh, BLOCK=block,
-            USE_PDL=use_pdl, num_warps=4 if block <= 1024 else 8, launch_pdl=use_pdl,
+            num_warps=4 if block <= 1024 else 8,
         )
     return out
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels import pdl
 from tinypaged.kernels._triton import jit, next_power_of_2, tl, use_triton
 
 
@@ -29,10 +28,7 @@ def _rms_norm_kernel(
     H, eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,  # next power of two >= H
-    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
-    if USE_PDL:
-        pdl.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -67,16 +63,13 @@ def rms_norm_triton(
         res2, res_out, res_out2 = x2, None, out2
     if x2.shape[0] > 0:
         block_h = next_power_of_2(hidden)
-        use_pdl = pdl.enabled(x2)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out2, res_out2,
             x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
             hidden, eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK_H=block_h,
-            USE_PDL=use_pdl,
             num_warps=4 if block_h <= 1024 else (8 if block_h <= 4096 else 16),
-            launch_pdl=use_pdl,
         )
     return out if residual is None else (out, res_out)
 

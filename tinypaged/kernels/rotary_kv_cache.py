@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels import pdl
 from tinypaged.kernels._triton import jit, next_power_of_2, tl, use_triton
 from tinypaged.kernels.kv_cache import _check_args as _check_store_args
 from tinypaged.kernels.kv_cache import store_kv_ref
@@ -86,10 +85,7 @@ def _rotary_store_kv_kernel(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_NORM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
-    if USE_PDL:
-        pdl.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -136,7 +132,6 @@ def rotary_store_kv_triton(
         return q
     has_norm = q_norm_weight is not None
     block_hq, block_d = next_power_of_2(num_q_heads), next_power_of_2(head_dim)
-    use_pdl = pdl.enabled(q)
     _rotary_store_kv_kernel[(num_tokens, 2)](
         positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,  # unused if no norm
@@ -145,7 +140,7 @@ def rotary_store_kv_triton(
         num_q_heads, k.shape[1], k_cache.shape[1], eps,
         HEAD_DIM=head_dim, HALF=rotary_dim // 2, INTERLEAVED=interleaved, HAS_NORM=has_norm,
         BLOCK_HQ=block_hq, BLOCK_HK=next_power_of_2(k.shape[1]), BLOCK_D=block_d,
-        USE_PDL=use_pdl, num_warps=4 if block_hq * block_d <= 2048 else 8, launch_pdl=use_pdl,
+        num_warps=4 if block_hq * block_d <= 2048 else 8,
     )
     return q
 
