@@ -1,6 +1,6 @@
 """A/B of engine changes on the offline workload, in one process: the same engine runs the whole
-workload once per variant, in turn, `--runs` times (A B A B ...), so that both variants see the
-same GPU, clocks and host.
+workload once per variant, in turn (A B B A for two variants and two runs), so that both
+variants see the same GPU, clocks and host.
 
     PYTHONPATH=. python benchmarks/offline_ab.py [--model-shape llama3-8b] [--runs 2]
 
@@ -8,8 +8,9 @@ The workload and settings are the vLLM anchor kit's (256 prompts of 100-1024 ran
 greedy output tokens, EOS ignored, 16,384 batched tokens, 256 sequences, max_model_len 2048,
 gpu_memory_utilization 0.85, warm-up on 8 prompts of seed 1). A variant is a context manager
 that puts the engine in that state: "branch" is the code as it is; each other variant
-monkeypatches back what main did before one change (VARIANTS). The decode CUDA graphs are
-captured again on entry and exit, since a graph keeps the kernels it was captured with. Each run
+monkeypatches back what main did before this branch's changes (VARIANTS). The decode CUDA
+graphs are captured again at each switch, since a graph keeps the kernels it was captured with.
+Different GEMM kernels round differently, so greedy tokens may part after a near-tie. Each run
 goes through offline_steps.StepTimeline; the table gives output tok/s per run and, per variant,
 the GPU ms of the phases (mixed steps, full-batch decode steps) and the idle between steps.
 """
@@ -20,15 +21,17 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.offline_steps import StepTimeline
 from tinypaged import LLM, SamplingParams
 from tinypaged.bench import SHAPES, sample_requests, shape_dir, warmup_requests
+from tinypaged.models import layers
 
 
 def recapture(llm: LLM) -> None:
@@ -36,6 +39,8 @@ def recapture(llm: LLM) -> None:
     from tinypaged.cuda_graphs import DecodeGraphs
 
     runner = llm.engine.runner
+    if runner.graphs is None:  # eager (CPU, enforce_eager): nothing captured
+        return
     runner.graphs = None
     gc.collect()
     torch.cuda.synchronize()
@@ -49,35 +54,46 @@ def branch(llm: LLM) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def no_pdl(llm: LLM) -> Iterator[None]:
-    """The norm, SiLU and rotary kernels launched without programmatic dependent launch."""
-    os.environ["TINYPAGED_PDL"] = "0"
-    try:
+def main_linears(llm: LLM) -> Iterator[None]:
+    """The dense layer linears through torch's default BLAS call (cuBLAS), as on main."""
+    with mock.patch.object(layers, "cublaslt_linear", F.linear):
         yield
-    finally:
-        del os.environ["TINYPAGED_PDL"]
-
-
-VARIANTS: dict[str, Callable[[LLM], contextlib.AbstractContextManager]] = {
-    "branch": branch, "no-pdl": no_pdl,
-}
 
 
 @contextlib.contextmanager
-def variant(name: str, llm: LLM) -> Iterator[None]:
-    if name == "branch":
+def main_logits(llm: LLM) -> Iterator[None]:
+    """The LM head upcasting its logits to float32, as on main."""
+    forward = layers.ParallelLMHead.forward
+    with mock.patch.object(layers.ParallelLMHead, "forward",
+                           lambda self, hidden: forward(self, hidden).float()):
         yield
-        return
-    with VARIANTS[name](llm):
-        recapture(llm)
-        yield
-    recapture(llm)
 
 
-def main() -> None:
+@contextlib.contextmanager
+def main(llm: LLM) -> Iterator[None]:
+    """Both of this branch's changes reverted."""
+    with main_linears(llm), main_logits(llm):
+        yield
+
+
+VARIANTS: dict[str, Callable[[LLM], contextlib.AbstractContextManager]] = {
+    "main": main, "branch": branch, "main-linears": main_linears, "main-logits": main_logits,
+}
+
+
+def schedule(variants: list[str], runs: int) -> list[str]:
+    """The order of the runs: A B B A A B ... for two variants (each sees early and late GPU
+    states alike), round-robin for more."""
+    if len(variants) != 2:
+        return variants * runs
+    return [variants[(i + 1) // 2 % 2] for i in range(2 * runs)]
+
+
+def run_ab() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["main", "branch"],
+                        choices=list(VARIANTS))
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--json", help="write the numbers here")
@@ -98,19 +114,24 @@ def main() -> None:
           flush=True)
     results: dict[str, list[dict]] = {name: [] for name in args.variants}
     tokens: dict[str, list[list[int]]] = {}
-    for run in range(args.runs):
-        for name in args.variants:
-            with variant(name, llm):
-                timeline = StepTimeline(llm)
-                timeline.begin()
-                outs = gen(prompts)
-                timeline.finish()
-                timeline.undo()
+    with contextlib.ExitStack() as state:
+        current = "branch"
+        for i, name in enumerate(schedule(args.variants, args.runs)):
+            if name != current:  # leave the old state, enter the new one, capture again
+                state.close()
+                state.enter_context(VARIANTS[name](llm))
+                recapture(llm)
+                current = name
+            timeline = StepTimeline(llm)
+            timeline.begin()
+            outs = gen(prompts)
+            timeline.finish()
+            timeline.undo()
             r = timeline.summary()
             r["output_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / r["wall_ms"] * 1e3
             results[name].append(r)
             tokens.setdefault(name, [o.outputs[0].token_ids for o in outs])
-            print(f"[{time.perf_counter() - t0:5.1f} s] run {run + 1} {name}: "
+            print(f"[{time.perf_counter() - t0:5.1f} s] run {i + 1} {name}: "
                   f"{r['output_tok_s']:,.0f} output tok/s ({r['wall_ms']:.0f} ms)", flush=True)
     base = args.variants[0]
     same = {n: sum(a == b for a, b in zip(tokens[base], tokens[n])) for n in args.variants}
@@ -134,4 +155,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_ab()

@@ -75,6 +75,9 @@ def test_model_exposes_cache_geometry():
     assert (model.num_layers, model.num_kv_heads, model.head_dim) == (2, 2, 32)
     hidden = torch.randn(3, 64)
     assert model.compute_logits(hidden).dtype == torch.float32
+    # A bf16 model's logits stay bf16 (the sampler upcasts only past a plain argmax).
+    logits = model.to(torch.bfloat16).compute_logits(hidden.bfloat16())
+    assert logits.dtype == torch.bfloat16 and logits.shape == (3, model.spec.vocab_size)
 
 
 def test_layer_windows_from_every_config_style():
@@ -92,3 +95,4 @@ def test_layer_windows_from_every_config_style():
     assert read_layer_windows(config(use_sliding_window=False)) == ()  # Qwen2 4.x
     assert read_layer_windows(config(layer_types=["full_attention"] * 6)) == ()
     assert read_layer_windows(SimpleNamespace(num_hidden_layers=2, sliding_window=None)) == ()
+

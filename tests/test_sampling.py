@@ -220,3 +220,21 @@ def test_logprobs_are_raw_log_softmax():
 def test_row_count_mismatch_is_an_error():
     with pytest.raises(ValueError, match="rows"):
         Sampler()(torch.zeros(3, V), build([SamplingParams()] * 2))
+
+
+def test_model_dtype_logits_sample_as_their_float32_copy():
+    """The LM head hands over bf16 logits: greedy takes their argmax as they are, everything
+    else (penalties, logprobs, temperature with a seed) works on a float32 copy, so the tokens
+    and logprobs are those of the float32 logits."""
+    logits = (4 * torch.randn(16, V, generator=torch.Generator().manual_seed(4))).bfloat16()
+    params = [SamplingParams(temperature=0.0)] * 16
+    greedy = Sampler()(logits.clone(), build(params))
+    assert greedy.sampled.dtype == torch.int64
+    assert greedy.token_ids == logits.float().argmax(-1).tolist()
+    mixed = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(seed=3, top_p=0.8),
+             SamplingParams(temperature=0.0, presence_penalty=1.0)] * 2
+    prompts = [[0, 1]] * 6
+    got = Sampler()(logits[:6].clone(), build(mixed, prompts=prompts))
+    want = Sampler()(logits[:6].float(), build(mixed, prompts=prompts))
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == want.logprobs

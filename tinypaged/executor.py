@@ -3,7 +3,7 @@
     executor = create_executor(config, device)  # builds and loads the model on every rank
     executor.model, executor.hf_config, executor.model_dir   # rank 0's shard, the checkpoint's
     runner = executor.init_runner()             # once config.max_model_len is final
-    logits = executor.execute(scheduled)        # [rows, vocab] float32 (input_batch.py)
+    logits = executor.execute(scheduled)        # [rows, vocab], model dtype (input_batch.py)
     tokens = executor.keep_sampled(sampled)     # the sampled ids: kept on the device for the
     token_ids = executor.collect(tokens)        #   next step, then waited for on the host
     executor.shutdown()

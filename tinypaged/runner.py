@@ -248,8 +248,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Run one step; returns float32 logits [S, vocab] of the rows in `step.logits_indices`
-        (on every tensor-parallel rank the same arrays, so the collectives line up)."""
+        """Run one step; returns logits [S, vocab] (the model's dtype) of the rows in
+        `step.logits_indices` (on every tensor-parallel rank the same arrays, so the
+        collectives line up)."""
         with self.kernels:
             num_seqs = len(step.seq_lens)
             if self.graphs is not None and step.max_query_len == 1 and self.graphs.fits(num_seqs):

@@ -1,6 +1,7 @@
 """The batched sampler (SamplingParams, the per-request settings, are in sampling_params.py).
 
-One engine step hands the sampler `logits [N, V]` (one row per sequence that samples this step)
+One engine step hands the sampler `logits [N, V]` (one row per sequence that samples this step,
+in the model's dtype or float32; everything past a plain argmax runs on a float32 copy)
 and a `SamplingBatch` describing each row. Per row, in vLLM's order:
 
 0. the token bitmask of structured output, allowed_token_ids and bad_words (logits_processors.py):
@@ -188,7 +189,7 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        # logits: [N, V] float32
+        # logits: [N, V], the model's dtype or float32; argmax needs no float32 copy (exact)
         if logits.shape[0] != batch.num_rows:
             raise ValueError(
                 f"logits has {logits.shape[0]} rows but the SamplingBatch describes "

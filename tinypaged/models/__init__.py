@@ -5,7 +5,7 @@
         model = cls(hf_config, quant_config=None)
     model.load_weights(pairs_of_name_and_tensor)
     hidden = model(input_ids, positions, attn_metadata)   # [T, hidden]
-    logits = model.compute_logits(hidden[rows])           # [N, vocab] float32
+    logits = model.compute_logits(hidden[rows])           # [N, vocab], the model's dtype
 
 layers.py holds the tensor-parallel building blocks, decoder.py the transformer they form,
 rope.py the rotary settings; llama.py, qwen.py and glm.py declare each architecture's differences.

@@ -281,9 +281,9 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)  # [N, vocab] float32
+        logits = self.lm_head(hidden)  # [N, vocab] in the model's dtype
         cap = self.spec.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if cap is None else torch.tanh(logits.float() / cap) * cap
 
     def map_name(self, checkpoint_name: str) -> str | None:
         """Checkpoint tensor name -> our parameter name (before QKV / gate-up packing), or None
