@@ -300,6 +300,16 @@ def print_report(r: dict, top: int) -> dict:
             f"{n} {ms:.1f} / {calls}" for ms, calls, n in rows))
     print("The timed run step by step (CUDA events between steps; offline_steps.py):")
     print_timeline(r["timeline"])
+    # The profiler slows the host, so an eager step's gaps between kernels in the profiled run
+    # can be the profiler's own; the timed run's GPU time per step kind minus the profiled
+    # kernel time is the gap the timed run really had.
+    phases = r["timeline"]["phases"]
+    for kind, names in (("mixed", ("first step", "mixed")),
+                        ("decode", ("decode, full batch", "decode, tail", "decode, early"))):
+        timed = sum(phases[n]["gpu_ms"] for n in names if n in phases)
+        kernels = sum(ms for (k, c), ms in by_cat.items() if k == kind and c != "idle inside steps")
+        print(f"timed run, {kind} steps: GPU {timed:.0f} ms = kernels {kernels:.0f} ms (profiled "
+              f"run) + {timed - kernels:.0f} ms between them")
     return {
         **{k: r[k] for k in ("shape", "num_prompts", "output_len", "block_size", "wall_ms",
                              "output_tokens", "profiled_ms", "busy_ms", "span_ms")},
