@@ -68,16 +68,22 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
+# Rows from which the dense bf16 layer linears go through cuBLASLt (prefill-sized steps only).
+CUBLASLT_MIN_M = 8192
+
+
 def cublaslt_linear(x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) through cuBLASLt rather than torch's default cuBLAS call.
 
-    The layers' dense bf16 GEMMs above decode-GEMV sizes take it: on the H200, Llama-3-8B's
-    gate_up and down at M = 16,384 ran 4.7% / 2.9% faster through cuBLASLt's pick of kernel, qkv
-    and o within 1%, the four together at M = 256 ~1.3% faster (benchmarks/gemm_shapes.py,
-    RESULTS.md); the LM head stays with cuBLAS (13% slower through cuBLASLt at M = 256). torch
-    reads the preferred library at each call, so it is set around this one only (a captured CUDA
-    graph keeps the kernel chosen at capture)."""
+    Which library's pick of kernel wins depends on the shape and M (H200, bf16,
+    benchmarks/gemm_shapes.py, RESULTS.md): for Llama-3-8B's four layer linears together
+    cuBLASLt took 336.9 ms against 348.1 at M = 16,384 (gate_up 4.7% and down 2.9% faster, qkv
+    and o within 1%), Qwen3-0.6B's 20.36 against 20.52, but 41.2 against 39.1 at M = 2,048
+    (gate_up 13% slower) and within +-4% either way at 64-256. So only steps of at least
+    CUBLASLT_MIN_M rows (the offline workload's 16,384-token prefill steps) take it; M between
+    2,048 and 16,384 is not measured. torch reads the preferred library at each call, so it is
+    set around this one only (a captured CUDA graph keeps the kernel chosen at capture)."""
     previous = torch._C._get_blas_preferred_backend()
     torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
     try:
@@ -129,7 +135,7 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_config is None:
-            if (x.dim() == 2 and x.shape[0] > dense_gemv.GEMV_MAX_M and x.is_cuda
+            if (x.dim() == 2 and x.shape[0] >= CUBLASLT_MIN_M and x.is_cuda
                     and x.dtype == torch.bfloat16):
                 return cublaslt_linear(x, self.weight, bias)
             # F.linear, or at decode batch sizes on CUDA the split-K GEMV where it beats cuBLAS
