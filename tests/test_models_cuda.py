@@ -71,7 +71,7 @@ def test_cuda_fp32_and_bf16_match_transformers(kind):
 
 
 def test_cublaslt_linear_is_f_linear_and_restores_the_blas_choice():
-    """The dense layers' cuBLASLt call (bf16, M > 16) computes F.linear, within bf16 rounding
+    """The dense layers' cuBLASLt call (bf16 prefill steps) computes F.linear, within bf16 rounding
     of cuBLAS's result, and leaves torch's preferred BLAS library as it found it, also when
     the GEMM raises."""
     from tinypaged.models.layers import cublaslt_linear
