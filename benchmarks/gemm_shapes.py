@@ -8,8 +8,7 @@ bf16, timed as the mean of CUDA-graph replays of 20 calls that cycle through eno
 W (>= 256 MB in all) that no call finds its weight in the 50 MB L2, as in a decode step where
 every layer reads its own weights. The roofline of one call is max(2 M N K / 790 TFLOP/s,
 (N K + M K + M N) * 2 bytes / 4.2 TB/s). `torch.backends.cuda.preferred_blas_library` selects
-the library; the engine keeps torch's default (cuBLAS) except for the layer linears of steps of
-at least models/layers.CUBLASLT_MIN_M rows, which take cuBLASLt. The LM head is timed only at
+the library; the engine runs with torch's default (cuBLAS). The LM head is timed only at
 decode-sized M (the engine computes logits for sampled rows only).
 """
 

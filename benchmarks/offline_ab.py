@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.offline_steps import StepTimeline
 from tinypaged import LLM, SamplingParams
@@ -57,13 +56,6 @@ def branch(llm: LLM) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def main_linears(llm: LLM) -> Iterator[None]:
-    """The dense layer linears through torch's default BLAS call (cuBLAS), as on main."""
-    with mock.patch.object(layers, "cublaslt_linear", F.linear):
-        yield
-
-
-@contextlib.contextmanager
 def main_logits(llm: LLM) -> Iterator[None]:
     """The LM head upcasting its logits to float32, as on main."""
     forward = layers.ParallelLMHead.forward
@@ -74,16 +66,15 @@ def main_logits(llm: LLM) -> Iterator[None]:
 
 @contextlib.contextmanager
 def main(llm: LLM) -> Iterator[None]:
-    """Both of this branch's changes reverted."""
-    with main_linears(llm), main_logits(llm):
+    """This branch's changes reverted."""
+    with main_logits(llm):
         yield
 
 
 VARIANTS: dict[str, Callable[[LLM], contextlib.AbstractContextManager]] = {
-    "main": main, "branch": branch, "main-linears": main_linears, "main-logits": main_logits,
+    "main": main, "branch": branch, "main-logits": main_logits,
 }
-# Variants whose code runs inside the decode graphs (the cuBLASLt rule starts at 8,192 rows,
-# far above any decode batch, so "main-linears" runs the same graphs as "branch").
+# Variants whose code runs inside the decode graphs.
 IN_GRAPHS = {"main", "main-logits"}
 
 

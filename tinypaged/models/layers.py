@@ -68,30 +68,6 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
-# Rows from which the dense bf16 layer linears go through cuBLASLt (prefill-sized steps only).
-CUBLASLT_MIN_M = 8192
-
-
-def cublaslt_linear(x: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) through cuBLASLt rather than torch's default cuBLAS call.
-
-    Which library's pick of kernel wins depends on the shape and M (H200, bf16,
-    benchmarks/gemm_shapes.py, RESULTS.md): for Llama-3-8B's four layer linears together
-    cuBLASLt took 336.9 ms against 348.1 at M = 16,384 (gate_up 4.7% and down 2.9% faster, qkv
-    and o within 1%), Qwen3-0.6B's 20.36 against 20.52, but 41.2 against 39.1 at M = 2,048
-    (gate_up 13% slower) and within +-4% either way at 64-256. So only steps of at least
-    CUBLASLT_MIN_M rows (the offline workload's 16,384-token prefill steps) take it; M between
-    2,048 and 16,384 is not measured. torch reads the preferred library at each call, so it is
-    set around this one only (a captured CUDA graph keeps the kernel chosen at capture)."""
-    previous = torch._C._get_blas_preferred_backend()
-    torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
-    try:
-        return F.linear(x, weight, bias)
-    finally:
-        torch._C._set_blas_preferred_backend(previous)
-
-
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim; with `residual`, first
     r = x + residual and return (norm(r), r): the add and the norm in one kernel pass.
@@ -135,9 +111,6 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_config is None:
-            if (x.dim() == 2 and x.shape[0] >= CUBLASLT_MIN_M and x.is_cuda
-                    and x.dtype == torch.bfloat16):
-                return cublaslt_linear(x, self.weight, bias)
             # F.linear, or at decode batch sizes on CUDA the split-K GEMV where it beats cuBLAS
             return dense_gemv.dense_linear(x, self.weight, bias)
         return self.quant_config.apply(self, x, bias)
