@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from tinypaged.kernels import awq, awq_mma
 from tinypaged.kernels._triton import cdiv, num_sms
+from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 
 GROUP = 128
 L2_BYTES = 60 << 20
@@ -90,7 +91,7 @@ def check(x, weights, **config):
         y = gemv(x, weights, **config)
         assert torch.isfinite(y).all(), config
         errs.append(((y.float() - ref).norm() / ref.norm()).item())
-    partial, count = awq._SPLIT_K_WORKSPACE[x.device]
+    partial, count = SPLIT_K_WORKSPACE[x.device]
     assert not partial.any() and not count.any(), "workspace not re-zeroed"
     assert max(errs) < 1e-2 and max(errs) - min(errs) < 1e-3, (config, errs)
     return max(errs)
@@ -163,7 +164,7 @@ def layers():
                 for path, fn in paths.items():
                     errs = [((fn(x, weights[0]).float() - ref).norm() / ref.norm()).item()
                             for _ in range(3)]
-                    partial, count = awq._SPLIT_K_WORKSPACE.get(x.device, (ref[:0], ref[:0]))
+                    partial, count = SPLIT_K_WORKSPACE.get(x.device, (ref[:0], ref[:0]))
                     assert max(errs) < 1e-2 and max(errs) - min(errs) < 1e-3, (name, M, path, errs)
                     assert not partial.any() and not count.any(), (name, M, path)
             reps = 20 if M <= 64 else 5

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from awq_gemv import L2_BYTES, copy_bandwidth, graph_us
 
-from tinypaged.kernels import awq_gemv, dense_gemv
+from tinypaged.kernels import dense_gemv
 from tinypaged.kernels._triton import cdiv
+from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 from tinypaged.models.layers import ColumnParallelLinear
 
 # (model, layer, K, N): the dense linears of a decode step (TP 1)
@@ -65,7 +66,7 @@ def check(x, w, b=None, **config):
     errs = [rel_err(dense_gemv.dense_gemv(x, w, b, **config), ref) for _ in range(3)]
     cublas = rel_err(F.linear(x, w, b), ref)
     dirty = False
-    for partial, count in awq_gemv._SPLIT_K_WORKSPACE.values():
+    for partial, count in SPLIT_K_WORKSPACE.values():
         dirty |= bool(partial.any() or count.any())
         partial.zero_()
         count.zero_()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tinypaged.kernels import awq
+from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +96,7 @@ def test_gemv_split_k_and_strided_x():
     for split_k in (1, 2, 8, 100):  # 100 > number of groups: the extra splits are dropped
         y = awq._awq_gemv(x.contiguous(), qweight, qzeros, s, 64, block_n=128, split_k=split_k)
         torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
-        partial, count = awq._SPLIT_K_WORKSPACE[x.device]
+        partial, count = SPLIT_K_WORKSPACE[x.device]
         assert not partial.any() and not count.any()
     torch.testing.assert_close(awq.awq_gemm(x, qweight, qzeros, s, 64), ref, rtol=1e-4,
                                atol=1e-4)
@@ -155,7 +156,7 @@ def test_batch1_gemv_matches_reference(dtype, K, N, group_size, block_n, num_war
                            split_k=split_k, num_warps=num_warps, scales_t=scales_t)
         torch.testing.assert_close(y, ref, rtol=1e-3, atol=1e-3)
         # the split-K sums and arrival counters are left zeroed for the next call
-        partial, count = awq._SPLIT_K_WORKSPACE[x.device]
+        partial, count = SPLIT_K_WORKSPACE[x.device]
         assert not partial.any() and not count.any()
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tinypaged.kernels import awq, awq_mma
+from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +27,7 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=1e-2,
 
 
 def assert_workspace_zero():
-    for partial, count in awq._SPLIT_K_WORKSPACE.values():
+    for partial, count in SPLIT_K_WORKSPACE.values():
         assert not partial.any() and not count.any()
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinypaged.kernels import awq_gemv, dense_gemv
+from tinypaged.kernels import dense_gemv
+from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 from tinypaged.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 
@@ -27,7 +28,7 @@ def random_linear(M, K, N, dtype, seed, bias=False):
 
 
 def assert_workspace_zero():
-    for partial, count in awq_gemv._SPLIT_K_WORKSPACE.values():
+    for partial, count in SPLIT_K_WORKSPACE.values():
         assert not partial.any() and not count.any()
 
 

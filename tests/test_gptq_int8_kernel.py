@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tinypaged.kernels import gptq_int8 as K8
-from tinypaged.kernels.awq import _SPLIT_K_WORKSPACE
+from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +47,7 @@ def test_gemv_matches_reference(dtype, G, act_order):
             y = K8._gemv1(x, q, z, s, perm, scales_t, block_n=64, split_k=split_k)
             torch.testing.assert_close(y.float(), ref, **tol)
     torch.testing.assert_close(K8.gptq_int8_gemm(x, q, z, s, perm).float(), ref, **tol)
-    partial, count = _SPLIT_K_WORKSPACE[x.device]
+    partial, count = SPLIT_K_WORKSPACE[x.device]
     assert not partial.any() and not count.any()  # left zeroed for the next call
 
 
@@ -63,7 +63,7 @@ def test_gemm_matches_reference(dtype, M, G, act_order):
     y = K8._gemm(xp, q, z, s, K8.int8_gemv_scales(s), block_n=64, split_k=3)
     torch.testing.assert_close(y.float(), ref, **tol)
     torch.testing.assert_close(K8.gptq_int8_gemm(x, q, z, s, perm).float(), ref, **tol)
-    partial, count = _SPLIT_K_WORKSPACE[x.device]
+    partial, count = SPLIT_K_WORKSPACE[x.device]
     assert not partial.any() and not count.any()
 
 

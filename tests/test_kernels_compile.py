@@ -73,7 +73,7 @@ for world_size in (2, 3, 8):  # the custom all-reduce's two kernels, the engine'
         custom_all_reduce(x, x, ptrs, counters, 1, 128, 2**20, two_shot=two_shot)
 import os
 
-from tinypaged.kernels import awq, awq_mma
+from tinypaged.kernels import awq, awq_mma, dense_gemv, gptq_int8
 
 os.environ["TRITON_INTERPRET"] = "1"  # only so awq_dequantize's dispatch picks the kernel
 for dtype in (torch.bfloat16, torch.float16):
@@ -94,6 +94,14 @@ for dtype in (torch.bfloat16, torch.float16):
                             scales_t=awq.gemv_scales(scales), asm=True,
                             **awq.DECODE_PATHS[0][3])
         awq.awq_dequantize(qweight, qzeros, scales, group)
+for dtype in (torch.bfloat16, torch.float16):  # dense and int8 split-K (the finish adds a bias)
+    weight, bias = torch.zeros(1024, 4096).to(dtype), torch.zeros(1024).to(dtype)
+    for m, config in ((1, dict(programs_per_sm=2)), (8, dense_gemv._TENSOR_CORES)):
+        dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), weight, bias, split_k=4, **config)
+    q8, z8 = torch.zeros(4096, 1024, dtype=torch.uint8), torch.zeros(32, 1024, dtype=torch.uint8)
+    for m in (1, 8, 200):  # GEMV, split-K GEMM, dequantize + matmul
+        gptq_int8.gptq_int8_gemm(torch.randn(m, 4096).to(dtype), q8, z8,
+                                 torch.ones(32, 1024).to(dtype))
 """
 
 
@@ -106,4 +114,5 @@ def test_every_launcher_compiles_for_sm90():
         "_topk_routing_kernel", "_moe_align_kernel",
         "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel", "_awq_mma_kernel",
         "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel", "_two_shot_all_reduce_kernel",
+        "_dense_gemv_kernel", "_int8_gemv1_kernel", "_int8_gemm_kernel", "_int8_dequantize_kernel",
     ])

@@ -36,8 +36,7 @@ from tinypaged.kernels.awq_format import (
 )
 
 # the decode GEMVs live in awq_gemv.py, the tensor-core GEMMs in awq_mma.py
-from tinypaged.kernels.awq_gemv import (  # noqa: F401  (the workspace: tests read it here)
-    _SPLIT_K_WORKSPACE,
+from tinypaged.kernels.awq_gemv import (
     _awq_gemv,
     _awq_gemv1,
     _dot_precision,

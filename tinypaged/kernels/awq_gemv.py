@@ -15,8 +15,9 @@ and their arithmetic per weight has to stay small:
   the MMA's M slot); awq.DECODE_PATHS picks per shape.
 Both split K so ~2-3 programs per SM stream weights, pipeline tiles through shared memory
 (tl.range num_stages), read scales from gemv_scales' [K/G, 8, N/8] copy (coalesced), and finish in
-one launch: split-K partial sums go by atomics to a persistent zeroed fp32 workspace, and the last
-program of each column block (an arrival counter) writes y and re-zeroes it.
+one launch (split_k.py): split-K partial sums go by atomics to a persistent zeroed fp32
+workspace, and the last program of each column block (an arrival counter) writes y and re-zeroes
+it.
 H200 numbers and the experiments behind these choices: benchmarks/RESULTS.md.
 """
 
@@ -24,20 +25,15 @@ from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels._triton import cdiv, jit, num_sms, tl
+from tinypaged.kernels._triton import cdiv, jit, tl
 from tinypaged.kernels.awq_unpack import MAGIC16, _asm_nibble_minus_zero
-
-# ----------------------------------------------------------------------------- split-K
-
-
-@jit
-def _split_k_range(steps, split_k):
-    # The K-steps [first, last) of this program's split (grid axis 1) when `steps` K-tiles are
-    # shared among `split_k` programs; every split-K GEMV here (AWQ, GPTQ int8, GGUF) uses it.
-    per_split = tl.cdiv(steps, split_k)
-    first = tl.program_id(1) * per_split
-    return first, tl.minimum(first + per_split, steps)
-
+from tinypaged.kernels.split_k import (
+    programs_target,
+    split_k_finish,
+    split_k_range,
+    split_k_store,
+    split_k_workspace,
+)
 
 # ----------------------------------------------------------------------------- batch-1 kernel
 
@@ -85,7 +81,7 @@ def _awq_gemv1_kernel(
     w = offs_w[None, None, :]
     rows = tl.arange(0, T)[:, None] * R + tl.arange(0, R)[None, :]  # [T, R]
     steps = K // BLOCK_K
-    first, last = _split_k_range(steps, split_k)
+    first, last = split_k_range(steps, split_k)
     # one [T, 1, WORDS] fp32 sum per column 8w + c of each word (AWQ_PACK_ORDER: nibble i holds
     # column [0, 2, 4, 6, 1, 3, 5, 7][i], so the even columns are low nibbles)
     acc0 = tl.zeros((T, 1, WORDS), tl.float32)
@@ -128,22 +124,9 @@ def _awq_gemv1_kernel(
     _store_column(acc5, 256.0, y_ptr, partial_ptr, w, 5, w_mask, SPLIT)
     _store_column(acc6, 16.0, y_ptr, partial_ptr, w, 6, w_mask, SPLIT)
     _store_column(acc7, 16.0, y_ptr, partial_ptr, w, 7, w_mask, SPLIT)
-    if SPLIT:
-        # the last split of this column block to finish turns the fp32 sums into y and leaves
-        # the workspace zeroed for the next call: one launch, no memset, no cast
-        tl.debug_barrier()  # every thread's atomics are issued before the counter moves
-        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if done == split_k - 1:
-            offs_n = pid_n * WORDS * 8 + tl.arange(0, WORDS * 8)
-            n_mask = offs_n < N
-            # volatile: read from L2, where the other programs' atomics landed, not from L1
-            total = tl.load(partial_ptr + offs_n, mask=n_mask, volatile=True)
-            # the compiler may map this load and the zeroing store to different threads (it
-            # does in the batched kernels): every read lands before any thread zeroes
-            tl.debug_barrier()
-            tl.store(y_ptr + offs_n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
-            tl.store(partial_ptr + offs_n, tl.zeros_like(total), mask=n_mask)
-            tl.store(count_ptr + pid_n, 0)
+    if SPLIT:  # the last split of this column block writes y (split_k.py)
+        offs_n = pid_n * WORDS * 8 + tl.arange(0, WORDS * 8)
+        split_k_finish(y_ptr, partial_ptr, count_ptr, pid_n, split_k, offs_n, offs_n < N)
 
 
 @jit
@@ -217,7 +200,7 @@ def _awq_gemv_kernel(
     w_mask = offs_w < stride_q  # stride_q = N / 8 words
     offs_k = tl.arange(0, BLOCK_K)
     steps = K // BLOCK_K
-    first, last = _split_k_range(steps, split_k)
+    first, last = split_k_range(steps, split_k)
     acc0 = tl.zeros((BLOCK_M, WORDS), tl.float32)  # column 8w + c of each word in acc<c>
     acc1 = tl.zeros((BLOCK_M, WORDS), tl.float32)
     acc2 = tl.zeros((BLOCK_M, WORDS), tl.float32)
@@ -249,44 +232,22 @@ def _awq_gemv_kernel(
     rows = offs_m[:, None] * N
     mask = m_mask[:, None] & w_mask[None, :]
     cols = 8 * offs_w[None, :]
-    _store_block(acc0, y_ptr, partial_ptr, rows + cols + 0, mask, SPLIT)
-    _store_block(acc1, y_ptr, partial_ptr, rows + cols + 1, mask, SPLIT)
-    _store_block(acc2, y_ptr, partial_ptr, rows + cols + 2, mask, SPLIT)
-    _store_block(acc3, y_ptr, partial_ptr, rows + cols + 3, mask, SPLIT)
-    _store_block(acc4, y_ptr, partial_ptr, rows + cols + 4, mask, SPLIT)
-    _store_block(acc5, y_ptr, partial_ptr, rows + cols + 5, mask, SPLIT)
-    _store_block(acc6, y_ptr, partial_ptr, rows + cols + 6, mask, SPLIT)
-    _store_block(acc7, y_ptr, partial_ptr, rows + cols + 7, mask, SPLIT)
-    if SPLIT:
-        # as in _awq_gemv1_kernel: the last split of the column block writes y, re-zeroes
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if done == split_k - 1:
-            offs_n = pid_n * WORDS * 8 + tl.arange(0, WORDS * 8)
-            at = offs_m[:, None] * N + offs_n[None, :]
-            n_mask = m_mask[:, None] & (offs_n < N)[None, :]
-            total = tl.load(partial_ptr + at, mask=n_mask, volatile=True)
-            tl.debug_barrier()  # all reads before any zeroing (see _awq_gemv1_kernel)
-            tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=n_mask)
-            tl.store(partial_ptr + at, tl.zeros_like(total), mask=n_mask)
-            tl.store(count_ptr + pid_n, 0)
-
-
-@jit
-def _store_block(acc, y_ptr, partial_ptr, at, mask, SPLIT: tl.constexpr):
-    # y (row stride N) at `at`, or its fp32 partial sums when K is split
-    if not SPLIT:
-        tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(partial_ptr + at, acc, mask=mask, sem="relaxed")
+    split_k_store(acc0, y_ptr, partial_ptr, rows + cols + 0, mask, SPLIT)
+    split_k_store(acc1, y_ptr, partial_ptr, rows + cols + 1, mask, SPLIT)
+    split_k_store(acc2, y_ptr, partial_ptr, rows + cols + 2, mask, SPLIT)
+    split_k_store(acc3, y_ptr, partial_ptr, rows + cols + 3, mask, SPLIT)
+    split_k_store(acc4, y_ptr, partial_ptr, rows + cols + 4, mask, SPLIT)
+    split_k_store(acc5, y_ptr, partial_ptr, rows + cols + 5, mask, SPLIT)
+    split_k_store(acc6, y_ptr, partial_ptr, rows + cols + 6, mask, SPLIT)
+    split_k_store(acc7, y_ptr, partial_ptr, rows + cols + 7, mask, SPLIT)
+    if SPLIT:  # the last split of this column block writes y (split_k.py)
+        offs_n = pid_n * WORDS * 8 + tl.arange(0, WORDS * 8)
+        split_k_finish(y_ptr, partial_ptr, count_ptr, pid_n, split_k,
+                       offs_m[:, None] * N + offs_n[None, :],
+                       m_mask[:, None] & (offs_n < N)[None, :])
 
 
 # ----------------------------------------------------------------------------- launchers
-
-
-def _programs_target(device: torch.device) -> int:
-    # ~4 programs per SM keep every SM busy; under the interpreter few programs keep tests fast
-    return 4 * num_sms(device.index or 0) if device.type == "cuda" else 4
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -312,29 +273,6 @@ def _scale_strides(scales, scales_t, N):
     return scales_t, N, N // 8, 1  # gemv_scales(): [K/G, 8, N/8], contiguous along w
 
 
-_SPLIT_K_WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_k_workspace(device: torch.device, numel: int, blocks: int):
-    """The GEMVs' split-K sums (fp32, `numel` = M * N needed) and arrival counters, zero between
-    calls (the kernels re-zero them).
-
-    One pair per device, shared by every layer: the calls of a forward pass run one after
-    another on one stream (awq_mma.py's kernel shares it too). Sized generously on first use
-    (16 rows of 65536 columns, 4 MiB), so that it is not reallocated while a CUDA graph is being
-    captured.
-    """
-    ws = _SPLIT_K_WORKSPACE.get(device)
-    if ws is None or ws[0].numel() < numel or ws[1].numel() < blocks:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("awq_gemm: the GEMV workspace must be allocated before CUDA "
-                               "graph capture; run one eager forward pass first")
-        ws = (torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device),
-              torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device))
-        _SPLIT_K_WORKSPACE[device] = ws
-    return ws
-
-
 def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=256, rows=8, split_k=None,
                num_warps=4, num_stages=2, scales_t=None):
     """M = 1: _awq_gemv1_kernel. block_n columns (block_n / 8 words) per program; each thread
@@ -355,10 +293,10 @@ def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=256, rows=8, spli
     n_blocks = cdiv(N, block_n)
     steps = K // (T * R)
     if split_k is None:  # ~3 programs per SM (swept on the H200: 1-4, see benchmarks/awq_gemv.py)
-        split_k = max(1, min(steps, cdiv(3 * _programs_target(x.device) // 4, n_blocks)))
+        split_k = max(1, min(steps, cdiv(3 * programs_target(x.device) // 4, n_blocks)))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    partial, count = _split_k_workspace(x.device, N, n_blocks)
+    partial, count = split_k_workspace(x.device, N, n_blocks)
     scales, sg, sc, sw = _scale_strides(scales, scales_t, N)
     _awq_gemv1_kernel[(n_blocks, split_k)](
         x, qweight, qzeros, scales, y, partial, count, N, K, N // 8, sg, sc, sw, 0x3F800000,
@@ -367,8 +305,6 @@ def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=256, rows=8, spli
         num_warps=num_warps,
     )
     return y
-
-
 
 
 def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=None, block_k=64, split_k=None,
@@ -382,10 +318,10 @@ def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=None, block_k=64, 
     n_blocks = cdiv(N, block_n)
     steps = K // block_k
     if split_k is None:  # ~2 programs per SM (swept on the H200 at M = 8: 2 or 4)
-        split_k = max(1, min(steps, cdiv(_programs_target(x.device) // 2, n_blocks)))
+        split_k = max(1, min(steps, cdiv(programs_target(x.device) // 2, n_blocks)))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    partial, count = _split_k_workspace(x.device, M * N, n_blocks)
+    partial, count = split_k_workspace(x.device, M * N, n_blocks)
     scales, sg, sc, sw = _scale_strides(scales, scales_t, N)
     magic, offset = MAGIC16[x.dtype]
     _awq_gemv_kernel[(n_blocks, split_k)](

@@ -13,7 +13,7 @@ Dequantization (awq_unpack.py) is the paired PTX on the GPU, two weights per ins
 the portable conversion under the interpreter; scale_w multiplies the scale into the weights
 (one more paired instruction) so that tl.dot accumulates in place, instead of scaling each
 step's product. K is split so that ~2 programs per SM stream weights; the partial sums finish
-as in awq_gemv.py (atomics into a zeroed workspace, the last program writes y).
+as split_k.py says (atomics into a zeroed workspace, the last program writes y).
 On the H200 this beats awq_gemv.py's batched GEMV on wide layers (N >= 3K) up to 8 rows
 (awq.DECODE_PATHS; benchmarks/RESULTS.md).
 """
@@ -22,14 +22,15 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, tl
-from tinypaged.kernels.awq_gemv import (
-    _dot_precision,
-    _programs_target,
-    _scale_strides,
-    _split_k_range,
-    _split_k_workspace,
-)
+from tinypaged.kernels.awq_gemv import _dot_precision, _scale_strides
 from tinypaged.kernels.awq_unpack import MAGIC16, _asm_dequant, _asm_nibble_minus_zero, _nibble
+from tinypaged.kernels.split_k import (
+    programs_target,
+    split_k_finish,
+    split_k_range,
+    split_k_store,
+    split_k_workspace,
+)
 
 
 @jit
@@ -77,7 +78,7 @@ def _awq_mma_kernel(
     w_mask = (offs_w < N // 8)[:, None]  # [W, 1]
     offs_k = tl.arange(0, BLOCK_K)
     steps = K // BLOCK_K
-    first, last = _split_k_range(steps, split_k)
+    first, last = split_k_range(steps, split_k)
     acc0 = tl.zeros((WORDS, BLOCK_M), tl.float32)
     acc1 = tl.zeros((WORDS, BLOCK_M), tl.float32)
     acc2 = tl.zeros((WORDS, BLOCK_M), tl.float32)
@@ -113,36 +114,19 @@ def _awq_mma_kernel(
                              OFFSET, ASM, SCALE_W, DOT_PRECISION)
     at = offs_m[None, :] * N + 8 * offs_w[:, None]  # [W, BM]: y[m, 8w]
     mask = m_mask[None, :] & w_mask
-    _store_cols(acc0, y_ptr, partial_ptr, at + 0, mask, SPLIT)
-    _store_cols(acc1, y_ptr, partial_ptr, at + 1, mask, SPLIT)
-    _store_cols(acc2, y_ptr, partial_ptr, at + 2, mask, SPLIT)
-    _store_cols(acc3, y_ptr, partial_ptr, at + 3, mask, SPLIT)
-    _store_cols(acc4, y_ptr, partial_ptr, at + 4, mask, SPLIT)
-    _store_cols(acc5, y_ptr, partial_ptr, at + 5, mask, SPLIT)
-    _store_cols(acc6, y_ptr, partial_ptr, at + 6, mask, SPLIT)
-    _store_cols(acc7, y_ptr, partial_ptr, at + 7, mask, SPLIT)
-    if SPLIT:
-        # as in awq_gemv.py: the last split of the column block writes y, re-zeroes
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
-        if done == split_k - 1:
-            offs_n = pid * WORDS * 8 + tl.arange(0, WORDS * 8)
-            at_y = offs_m[:, None] * N + offs_n[None, :]
-            n_mask = m_mask[:, None] & (offs_n < N)[None, :]
-            total = tl.load(partial_ptr + at_y, mask=n_mask, volatile=True)
-            tl.debug_barrier()  # all reads before any zeroing (see _awq_gemv1_kernel)
-            tl.store(y_ptr + at_y, total.to(y_ptr.dtype.element_ty), mask=n_mask)
-            tl.store(partial_ptr + at_y, tl.zeros_like(total), mask=n_mask)
-            tl.store(count_ptr + pid, 0)
-
-
-@jit
-def _store_cols(acc, y_ptr, partial_ptr, at, mask, SPLIT: tl.constexpr):
-    # y (row stride N) at `at`, or its fp32 partial sums when K is split
-    if not SPLIT:
-        tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(partial_ptr + at, acc, mask=mask, sem="relaxed")
+    split_k_store(acc0, y_ptr, partial_ptr, at + 0, mask, SPLIT)
+    split_k_store(acc1, y_ptr, partial_ptr, at + 1, mask, SPLIT)
+    split_k_store(acc2, y_ptr, partial_ptr, at + 2, mask, SPLIT)
+    split_k_store(acc3, y_ptr, partial_ptr, at + 3, mask, SPLIT)
+    split_k_store(acc4, y_ptr, partial_ptr, at + 4, mask, SPLIT)
+    split_k_store(acc5, y_ptr, partial_ptr, at + 5, mask, SPLIT)
+    split_k_store(acc6, y_ptr, partial_ptr, at + 6, mask, SPLIT)
+    split_k_store(acc7, y_ptr, partial_ptr, at + 7, mask, SPLIT)
+    if SPLIT:  # the last split of this column block writes y (split_k.py)
+        offs_n = pid * WORDS * 8 + tl.arange(0, WORDS * 8)
+        split_k_finish(y_ptr, partial_ptr, count_ptr, pid, split_k,
+                       offs_m[:, None] * N + offs_n[None, :],
+                       m_mask[:, None] & (offs_n < N)[None, :])
 
 
 def awq_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
@@ -164,10 +148,10 @@ def awq_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     tiles = cdiv(N, block_n)
     steps = K // block_k
     if split_k is None:
-        split_k = max(1, min(steps, _programs_target(x.device) // 2 // tiles))
+        split_k = max(1, min(steps, programs_target(x.device) // 2 // tiles))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    partial, count = _split_k_workspace(x.device, M * N, tiles) if split_k > 1 else (y, y)
+    partial, count = split_k_workspace(x.device, M * N, tiles) if split_k > 1 else (y, y)
     magic, offset = MAGIC16[x.dtype]
     scales, sg, sc, sw = _scale_strides(scales, scales_t, N)
     _awq_mma_kernel[(tiles, split_k)](

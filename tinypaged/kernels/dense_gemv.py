@@ -16,9 +16,9 @@ copy bandwidth, from every SM at once:
   padded to BLOCK_M (8 or 16) columns, in the N slot; M FMAs per weight would swamp the CUDA
   cores at 16 rows, a tensor-core product costs the same for any M up to 16.
 - fp32 accumulation. Split-K partial sums go by atomics into the persistent zeroed fp32
-  workspace that the AWQ GEMVs share (awq_gemv.py); the last program of each column block (an
-  arrival counter) adds the bias, writes y in x's dtype and re-zeroes it: one launch, no memset,
-  no allocation inside a CUDA graph once the workspace exists.
+  workspace that every split-K GEMV shares (split_k.py); the last program of each column block
+  (an arrival counter) adds the bias, writes y in x's dtype and re-zeroes it: one launch, no
+  memset, no allocation inside a CUDA graph once the workspace exists.
 Memory traffic: N * K * itemsize (W, once) + split_k * M * K (x, from L2) + M * N * (itemsize +
 2 * 4 * [split]) bytes; for Llama-3-8B's layers W is > 99% of it.
 Which shapes take this kernel and which stay with cuBLAS: DENSE_GEMV_PATHS (measured on the
@@ -32,11 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
-from tinypaged.kernels.awq_gemv import (
-    _dot_precision,
-    _programs_target,
-    _split_k_range,
-    _split_k_workspace,
+from tinypaged.kernels.awq_gemv import _dot_precision
+from tinypaged.kernels.split_k import (
+    programs_target,
+    split_k_finish,
+    split_k_range,
+    split_k_workspace,
 )
 
 GEMV_MAX_M = 16  # rows of x up to which dense_linear may take the GEMV
@@ -51,7 +52,7 @@ def _dense_gemv_kernel(
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums K-steps _split_k_range(.., s) of
+    # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums K-steps split_k_range(.., s) of
     # y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -59,7 +60,7 @@ def _dense_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    first, last = _split_k_range(tl.cdiv(K, BLOCK_K), split_k)
+    first, last = split_k_range(tl.cdiv(K, BLOCK_K), split_k)
     # rows past N read row n % N (in bounds, unmasked loads) and are not stored
     w_ptrs = w_ptr + (offs_n % N)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     if USE_DOT:
@@ -91,21 +92,9 @@ def _dense_gemv_kernel(
         tl.store(y_ptr + at, out.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(partial_ptr + at, out, mask=mask, sem="relaxed")
-        # the last split of this column block to arrive writes y and re-zeroes the workspace
-        tl.debug_barrier()  # every thread's atomics are issued before the counter moves
-        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if done == split_k - 1:
-            # volatile: read from L2, where the other programs' atomics landed, not from L1
-            total = tl.load(partial_ptr + at, mask=mask, volatile=True)
-            # the compiler may give this load and the zeroing store below different thread
-            # mappings (the store's pointers are the atomics'): every read must land before any
-            # thread zeroes (without this barrier the tensor-core path lost ~18% of its sums)
-            tl.debug_barrier()
-            tl.store(partial_ptr + at, tl.zeros_like(total), mask=mask)
-            if HAS_BIAS:
-                total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.store(count_ptr + pid_n, 0)
+        # the last split of this column block writes y (split_k.py)
+        split_k_finish(y_ptr, partial_ptr, count_ptr, pid_n, split_k, at, mask,
+                       b_ptr + offs_n[None, :], n_mask[None, :], HAS_BIAS)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -139,13 +128,13 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     n_blocks = cdiv(N, block_n)
     steps = cdiv(K, block_k)
     if split_k is None:
-        target = _programs_target(x.device) * programs_per_sm // 4
+        target = programs_target(x.device) * programs_per_sm // 4
         split_k = max(1, min(steps, cdiv(target, n_blocks)))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     # sized for GEMV_MAX_M rows and 8-row blocks whatever M and the tiles are, so that no decode
     # batch size reallocates it after another one's CUDA graph captured it
-    partial, count = (_split_k_workspace(x.device, GEMV_MAX_M * N, cdiv(N, 8)) if split_k > 1
+    partial, count = (split_k_workspace(x.device, GEMV_MAX_M * N, cdiv(N, 8)) if split_k > 1
                       else (y, y))
     _dense_gemv_kernel[(n_blocks, split_k)](
         x, weight, y if bias is None else bias, y, partial, count, M, N, K, x.stride(0),

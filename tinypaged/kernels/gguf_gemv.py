@@ -15,8 +15,8 @@ block type). This file is the loop around them:
 - With prefetch the loop carries the next step's loads: they are issued before this step's
   arithmetic, so a warp's memory latency hides behind its own work, not only behind other
   warps' (few fit on an SM: the decoded weights take registers).
-- K is split so that ~4 programs per SM stream weights; split-K sums go by atomics to the fp32
-  workspace AWQ's GEMVs share, and the last program of a row block writes y (one launch).
+- K is split so that ~4 programs per SM stream weights; split-K sums go by atomics to the shared
+  fp32 workspace, and the last program of a row block writes y (one launch, split_k.py).
 """
 
 from __future__ import annotations
@@ -24,9 +24,14 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, num_sms, tl
-from tinypaged.kernels.awq_gemv import _split_k_range, _split_k_workspace
 from tinypaged.kernels.gguf_format import ggml_type, row_bytes
 from tinypaged.kernels.gguf_gemv_step import _load_step, _step_dot
+from tinypaged.kernels.split_k import (
+    split_k_finish,
+    split_k_range,
+    split_k_store,
+    split_k_workspace,
+)
 
 GEMV_MAX_M = 8
 BLOCKS_PER_STEP = {12: 1, 13: 1, 14: 1, 8: 4, 2: 8, 3: 8}  # blocks in 128 bytes of quants
@@ -57,7 +62,7 @@ def _gguf_gemv_kernel(
     ELEMS: tl.constexpr = 256 if QTYPE >= 12 else 32  # weights of a block
     nb = K // ELEMS
     steps = tl.cdiv(nb, BPS)
-    first, last = _split_k_range(steps, split_k)
+    first, last = split_k_range(steps, split_k)
     acc = tl.zeros((H, BLOCK_N, BLOCK_M), tl.float32)
     # the rows of x, one at a time in a loop that is not unrolled (unrolled 8 times, the body made
     # the compile take minutes); each row reuses the step's decoded weights
@@ -85,19 +90,9 @@ def _gguf_gemv_kernel(
     m_idx = tl.arange(0, BLOCK_M)[None, :]
     at = m_idx * N + rows[:, None]
     y_mask = (rows < N)[:, None] & (m_idx < M)
-    if not SPLIT:
-        tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=y_mask)
-    else:
-        tl.atomic_add(partial_ptr + at, total, mask=y_mask, sem="relaxed")
-        # the last split of this row block turns the fp32 sums into y and re-zeroes them
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if done == split_k - 1:
-            out = tl.load(partial_ptr + at, mask=y_mask, volatile=True)
-            tl.debug_barrier()  # all reads before any zeroing (see awq_gemv._awq_gemv1_kernel)
-            tl.store(y_ptr + at, out.to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.store(partial_ptr + at, tl.zeros_like(out), mask=y_mask)
-            tl.store(count_ptr + pid_n, 0)
+    split_k_store(total, y_ptr, partial_ptr, at, y_mask, SPLIT)
+    if SPLIT:  # the last split of this row block writes y (split_k.py)
+        split_k_finish(y_ptr, partial_ptr, count_ptr, pid_n, split_k, at, y_mask)
 
 
 def gemv_supported(type_id: int, K: int) -> bool:
@@ -135,7 +130,7 @@ def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
         split_k = max(1, min(steps, target // n_blocks))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    partial, count = _split_k_workspace(x.device, M * N, n_blocks)
+    partial, count = split_k_workspace(x.device, M * N, n_blocks)
     align = 4 if qweight.shape[1] % 16 == 0 else 1
     _gguf_gemv_kernel[(n_blocks, split_k)](
         x, qweight.view(torch.int32), qweight.view(torch.float16), y,

@@ -17,7 +17,7 @@ one product:
 - q becomes a 16-bit float exactly by OR-ing it into the bits of 128.0 (bf16; 1024.0 in fp16):
   the tile is 128 + q, and the product minus 128 * sum x is the product with q (awq_unpack.py's
   trick). fp32 activations (tests, fp32 models) take q as fp32 and IEEE products.
-- K is split so ~4 programs per SM stream weights; the sums finish as in gguf_gemv.py (atomics
+- K is split so ~4 programs per SM stream weights; the sums finish as split_k.py says (atomics
   into the shared fp32 workspace, the last program of a row block writes y).
 """
 
@@ -26,14 +26,15 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, tl
-from tinypaged.kernels.awq_gemv import (
-    _dot_precision,
-    _programs_target,
-    _split_k_range,
-    _split_k_workspace,
-)
+from tinypaged.kernels.awq_gemv import _dot_precision
 from tinypaged.kernels.awq_unpack import MAGIC16
 from tinypaged.kernels.gguf_format import ggml_type, row_bytes
+from tinypaged.kernels.split_k import (
+    programs_target,
+    split_k_finish,
+    split_k_range,
+    split_k_workspace,
+)
 
 MMA_TYPES = (12, 14)  # Q4_K, Q6_K
 MMA_MAX_M = 16
@@ -83,7 +84,7 @@ def _gguf_mma_kernel(
     row_ok = (rows < N)[:, None]  # [BN, 1]
     row = (rows.to(tl.int64) * stride_w)[:, None]  # first byte of each row
     nb = K // 256
-    first, last = _split_k_range(nb, split_k)
+    first, last = split_k_range(nb, split_k)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     t16 = tl.arange(0, 16)[None, :]  # byte of a 16-byte chunk
     for step in range(first, last):
@@ -137,14 +138,8 @@ def _gguf_mma_kernel(
         # move (with relaxed adds, 1 of 25 checks on the H200 read a split's sums late: 8 warps,
         # 2 splits)
         tl.atomic_add(partial_ptr + at, acc, mask=mask, sem="acq_rel")
-        tl.debug_barrier()  # as in gguf_gemv.py: the last split of the row block writes y
-        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if done == split_k - 1:
-            out = tl.load(partial_ptr + at, mask=mask, volatile=True)
-            tl.debug_barrier()  # all reads before any zeroing (see awq_gemv._awq_gemv1_kernel)
-            tl.store(y_ptr + at, out.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.store(partial_ptr + at, tl.zeros_like(out), mask=mask)
-            tl.store(count_ptr + pid_n, 0)
+        # the last split of this row block writes y (split_k.py)
+        split_k_finish(y_ptr, partial_ptr, count_ptr, pid_n, split_k, at, mask)
 
 
 @jit
@@ -180,10 +175,10 @@ def gguf_mma(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int 
     x, qweight = x.contiguous(), qweight.contiguous()
     n_blocks, steps = cdiv(N, block_n), K // 256
     if split_k is None:
-        split_k = max(1, min(steps, _programs_target(x.device) // n_blocks))
+        split_k = max(1, min(steps, programs_target(x.device) // n_blocks))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    partial, count = _split_k_workspace(x.device, 16 * N, n_blocks)
+    partial, count = split_k_workspace(x.device, 16 * N, n_blocks)
     magic, offset = MAGIC16[x.dtype]
     _gguf_mma_kernel[(n_blocks, split_k)](
         x, qweight, qweight.view(torch.int8), qweight.view(torch.float16), y, partial, count,

@@ -23,8 +23,8 @@ Three ways to compute y (fp32 accumulation, result in x's dtype), picked by gptq
   split K for decode batches (M <= 16), whose few column blocks alone do not fill the SMs.
   Under act-order x is gathered once before it.
 - M >= DENSE_MIN_M (prefill): dequantize once (_int8_dequantize_kernel) and call cuBLAS.
-Split-K partial sums go by atomics to awq_gemv's zeroed fp32 workspace; the last program of a
-tile (an arrival counter) writes y and re-zeroes it, so a call is one launch.
+Split-K partial sums go by atomics to the shared zeroed fp32 workspace; the last program of a
+tile (an arrival counter) writes y and re-zeroes it, so a call is one launch (split_k.py).
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
-from tinypaged.kernels.awq_gemv import (
-    _dot_precision,
-    _programs_target,
-    _split_k_range,
-    _split_k_workspace,
+from tinypaged.kernels.awq_gemv import _dot_precision
+from tinypaged.kernels.split_k import (
+    programs_target,
+    split_k_finish,
+    split_k_range,
+    split_k_store,
+    split_k_workspace,
 )
 
 __all__ = ["DENSE_MIN_M", "GEMV_MAX_M", "gptq_int8_dequantize", "gptq_int8_dequantize_reference",
@@ -66,21 +68,6 @@ def _store_byte_column(acc, y_ptr, partial_ptr, w, c: tl.constexpr, w_mask, SPLI
         tl.atomic_add(partial_ptr + 4 * w + c, col, mask=w_mask, sem="relaxed")
 
 
-@jit
-def _last_split_writes(y_ptr, partial_ptr, count_ptr, tile, split_k, at, mask):
-    # the last of split_k programs of a tile turns the fp32 sums at `at` into y and leaves the
-    # workspace zeroed for the next call
-    tl.debug_barrier()  # every thread's atomics are issued before the counter moves
-    done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-    if done == split_k - 1:
-        # volatile: read from L2, where the other programs' atomics landed, not from L1
-        total = tl.load(partial_ptr + at, mask=mask, volatile=True)
-        tl.debug_barrier()  # all reads before any zeroing (see awq_gemv._awq_gemv1_kernel)
-        tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(partial_ptr + at, tl.zeros_like(total), mask=mask)
-        tl.store(count_ptr + tile, 0)
-
-
 @jit(do_not_specialize=("split_k",))
 def _int8_gemv1_kernel(
     x_ptr, perm_ptr, qweight_ptr, qzeros_ptr, scales_ptr, y_ptr,  # x: [K]; words: [K, N/4]
@@ -99,7 +86,7 @@ def _int8_gemv1_kernel(
     w = offs_w[None, None, :]
     rows = tl.arange(0, T)[:, None] * R + tl.arange(0, R)[None, :]  # [T, R]
     steps = K // BLOCK_K
-    first, last = _split_k_range(steps, split_k)
+    first, last = split_k_range(steps, split_k)
     acc0 = tl.zeros((T, 1, WORDS), tl.float32)  # column 4w + c of each word in acc<c>
     acc1 = tl.zeros((T, 1, WORDS), tl.float32)
     acc2 = tl.zeros((T, 1, WORDS), tl.float32)
@@ -132,7 +119,7 @@ def _int8_gemv1_kernel(
     _store_byte_column(acc3, y_ptr, partial_ptr, w, 3, w_mask, SPLIT)
     if SPLIT:
         offs_n = pid_n * WORDS * 4 + tl.arange(0, WORDS * 4)
-        _last_split_writes(y_ptr, partial_ptr, count_ptr, pid_n, split_k, offs_n, offs_n < N)
+        split_k_finish(y_ptr, partial_ptr, count_ptr, pid_n, split_k, offs_n, offs_n < N)
 
 
 @jit(do_not_specialize=("M", "split_k"))
@@ -155,7 +142,7 @@ def _int8_gemm_kernel(
     m_mask, n_mask = offs_m < M, offs_n < N
     s_cols = (offs_n % 4) * stride_sc + (offs_n // 4) * stride_sw  # [BLOCK_N] in scales
     steps = K // BLOCK_K
-    first, last = _split_k_range(steps, split_k)
+    first, last = split_k_range(steps, split_k)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for step in tl.range(first, last, num_stages=STAGES):
         k = step * BLOCK_K + offs_k
@@ -172,11 +159,9 @@ def _int8_gemm_kernel(
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     at = offs_m[:, None] * N + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
-    if not SPLIT:
-        tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(partial_ptr + at, acc, mask=mask, sem="relaxed")
-        _last_split_writes(y_ptr, partial_ptr, count_ptr, tile, split_k, at, mask)
+    split_k_store(acc, y_ptr, partial_ptr, at, mask, SPLIT)
+    if SPLIT:
+        split_k_finish(y_ptr, partial_ptr, count_ptr, tile, split_k, at, mask)
 
 
 @jit
@@ -233,10 +218,10 @@ def _gemv1(x, qweight, qzeros, scales, perm, scales_t, block_n=128, rows=8, spli
     n_blocks = cdiv(N, block_n)
     steps = K // (T * R)
     if split_k is None:  # ~3 programs per SM, as the AWQ GEMV
-        split_k = max(1, min(steps, cdiv(3 * _programs_target(x.device) // 4, n_blocks)))
+        split_k = max(1, min(steps, cdiv(3 * programs_target(x.device) // 4, n_blocks)))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    partial, count = _split_k_workspace(x.device, N, n_blocks)
+    partial, count = split_k_workspace(x.device, N, n_blocks)
     s, sg, sc, sw = _scale_strides(scales, scales_t, N)
     _int8_gemv1_kernel[(n_blocks, split_k)](
         x, x if perm is None else perm, qweight.view(torch.int32), qzeros.view(torch.int32), s, y,
@@ -259,11 +244,11 @@ def _gemm(x, qweight, qzeros, scales, scales_t, block_m=None, block_n=None, bloc
     tiles = cdiv(M, block_m) * cdiv(N, block_n)
     steps = K // block_k
     if split_k is None:  # ~2 programs per SM for decode batches, no split above
-        split_k = max(1, min(steps, cdiv(_programs_target(x.device) // 2, tiles))) \
+        split_k = max(1, min(steps, cdiv(programs_target(x.device) // 2, tiles))) \
             if M <= GEMV_MAX_M else 1
     split_k = cdiv(steps, cdiv(steps, split_k))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    partial, count = _split_k_workspace(x.device, M * N, tiles) if split_k > 1 else (y, y)
+    partial, count = split_k_workspace(x.device, M * N, tiles) if split_k > 1 else (y, y)
     s, sg, sc, sw = _scale_strides(scales, scales_t, N)
     _int8_gemm_kernel[(tiles, split_k)](
         x, qweight, qzeros, s, y, partial, count, M, N, K, x.stride(0), sg, sc, sw, split_k,
