@@ -47,6 +47,15 @@ def elapsed() -> float:
     return time.perf_counter() - T0
 
 
+def timed(fn, *args, **kwargs) -> tuple[float, object]:
+    """(seconds fn(*args, **kwargs) took, the GPU drained before and after; what it returned)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, out
+
+
 def set_mode(llm: LLM, use_async: bool) -> None:
     llm.engine.config.async_scheduling = use_async
 
@@ -134,20 +143,20 @@ def decode(args, out_dir: Path) -> list[str]:
         return sorted((o.request_id, o.outputs[0].token_ids) for o in outs)
 
     n = args.decode_steps
+
+    def time_steps(tag: str, batch: int) -> tuple[float, list]:
+        """Seconds per step over n decode steps of `batch` new sequences, then their tokens."""
+        start(tag, batch, n + 8)
+        seconds, _ = timed(lambda: [engine.step(finished_only=True) for _ in range(n)])
+        return seconds / n, [ids for _, ids in finish()]
+
     for batch in args.batch_sizes:
         tokens = {}
         for rep in range(2):
             for use_async in (False, True):
                 set_mode(llm, use_async)
-                start(f"d{batch}{use_async}{rep}", batch, n + 8)
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(n):
-                    engine.step(finished_only=True)
-                torch.cuda.synchronize()
-                per_step = (time.perf_counter() - t) / n
+                per_step, toks = time_steps(f"d{batch}{use_async}{rep}", batch)
                 times[batch, use_async] = min(times.get((batch, use_async), 1e9), per_step)
-                toks = [ids for _, ids in finish()]
                 tokens.setdefault(use_async, toks)
         same = tokens[False] == tokens[True]
         notes.append(f"batch {batch}: sync and async greedy tokens {'equal' if same else 'DIFFER'}")
@@ -170,14 +179,8 @@ def decode(args, out_dir: Path) -> list[str]:
             graphs.run = lambda step, run=run: run(step)[step.logits_indices]
             for use_async in (False, True):
                 set_mode(llm, use_async)
-                start(f"o{batch}{use_async}", batch, n + 8)
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(n):
-                    engine.step(finished_only=True)
-                torch.cuda.synchronize()
-                times[batch, use_async, "numpy index"] = (time.perf_counter() - t) / n
-                finish()
+                times[batch, use_async, "numpy index"] = time_steps(f"o{batch}{use_async}",
+                                                                    batch)[0]
             del graphs.run
         for use_async in (False, True):  # syncs per step, a short window (warnings are slow)
             set_mode(llm, use_async)
@@ -288,10 +291,7 @@ def paths(llm: LLM, batch_sizes: list[int], out_len: int) -> list[str]:
             t = {}
             for n in (1, out_len, 1, out_len):  # the second pair counts (prefix cache warm)
                 sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                llm.generate(prompts, sp, use_tqdm=False)
-                t[n] = time.perf_counter() - start
+                t[n] = timed(llm.generate, prompts, sp, use_tqdm=False)[0]
             lines.append(f"LLM.generate batch {batch} {'async' if use_async else 'sync'}: "
                          f"{(out_len - 1) / (t[out_len] - t[1]):.1f} tok/s per sequence")
     client = AsyncLLM.__new__(AsyncLLM)
@@ -347,11 +347,8 @@ def offline(args) -> tuple[dict, dict]:
     result: dict = {}
     for use_async in (False, True, False, True):  # twice each, the best counts
         set_mode(llm, use_async)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        tok_s = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+        seconds, outs = timed(llm.generate, prompts, params, use_tqdm=False)
+        tok_s = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
         result[use_async] = max(result.get(use_async, 0.0), tok_s)
     print(f"offline Qwen3-0.6B shape, {args.num_prompts} prompts x {args.output_len} out: "
           f"sync {result[False]:,.0f} tok/s, async {result[True]:,.0f} tok/s "

@@ -452,6 +452,17 @@ def weight_copies(nbytes: int) -> int:
     return max(2, cdiv(3 * L2_BYTES, nbytes))
 
 
+def decode_rows(op: str, label: str, fn, weights: list, nbytes: int) -> None:
+    """fn(x, w) at M = 1 and 8 rows of the LINEAR shape, one CUDA graph cycling through the
+    weight copies `weights` (each `nbytes` with its scales and zeros)."""
+    K, N = LINEAR
+    for m in (1, 8):
+        x = randn(m, K)
+        record(op, f"M{m} {K}x{N} {label}", "triton graph",
+               [lambda x=x, w=w: fn(x, w) for w in weights],
+               bytes_moved=nbytes + 2 * m * (K + N), flops=2 * m * K * N)
+
+
 def bf16_linear_rows(K: int, N: int, ms, family: str) -> None:
     """The bf16 F.linear with the unquantized weight [N, K]: the peer of every quantized row."""
     dense = [randn(N, K) for _ in range(weight_copies(2 * K * N))]
@@ -542,11 +553,7 @@ def time_gguf() -> None:
     for name, type_id in GGUF_TYPES.items():
         nbytes = N * row_bytes(type_id, K)
         weights = [random_qweight(type_id, N, K) for _ in range(weight_copies(nbytes))]
-        for m in (1, 8):
-            x = randn(m, K)
-            record("gguf_gemv", f"M{m} {K}x{N} {name}", "triton graph",
-                   [lambda x=x, w=w, t=type_id: run(x, w, t, {}) for w in weights],
-                   bytes_moved=nbytes + 2 * m * (K + N), flops=2 * m * K * N)
+        decode_rows("gguf_gemv", name, lambda x, w, t=type_id: run(x, w, t, {}), weights, nbytes)
         del weights
     bf16_linear_rows(K, N, (1, 8), "gguf")
 
@@ -575,11 +582,8 @@ def time_gptq() -> None:
     K, N = LINEAR
     nbytes = K * N + (K // 128) * N * 3  # q, then one fp16 scale and one uint8 zero per group
     weights = int8_weights(K, N, weight_copies(nbytes))
-    for m in (1, 8):
-        x = randn(m, K)
-        record("gptq_int8_gemm", f"M{m} {K}x{N} int8 g128", "triton graph",
-               [lambda x=x, w=w: gptq_int8.gptq_int8_gemm(x, *w[:3], scales_t=w[3])
-                for w in weights], bytes_moved=nbytes + 2 * m * (K + N), flops=2 * m * K * N)
+    decode_rows("gptq_int8_gemm", "int8 g128",
+                lambda x, w: gptq_int8.gptq_int8_gemm(x, *w[:3], scales_t=w[3]), weights, nbytes)
     del weights
     bf16_linear_rows(K, N, (1, 8), "gptq_int8")
 
