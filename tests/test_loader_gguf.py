@@ -295,6 +295,23 @@ def _check_greedy(model, reference, prompt: list[int], steps: int) -> None:
 PROMPT = [1, 5, 77, 200, 31, 9, 140, 3, 60, 61, 62]
 
 
+def _check_prefill(model, converted, weights: dict, tmp_path, what: str) -> None:
+    """Prefill logits of PROMPT against transformers on `weights` (a dense state dict, saved as
+    a checkpoint beside the converted config.json: from_pretrained maps the per-expert names
+    onto its fused experts)."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text((converted / "config.json").read_text())
+    save_file(weights, str(hf_dir / "model.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                     attn_implementation="eager")
+    runner = PagedRunner(model, block_size=4, num_blocks=8)
+    logits = runner.step({runner.add_sequence(): PROMPT})[0]
+    with torch.no_grad():
+        assert_logits_close(logits, reference.eval()(torch.tensor([PROMPT])).logits[0],
+                            what=what)
+
+
 def test_loads_quantized_and_decodes_like_transformers(tiny_gguf, monkeypatch):
     _, mix, path, hf_model, types = tiny_gguf
     _quantized_on_cpu(monkeypatch)
@@ -358,19 +375,7 @@ def test_qwen3moe_experts_are_unstacked_and_run(tmp_path):
             config["moe_intermediate_size"], config["norm_topk_prob"]) == (8, 2, 32, True)
 
     model, _, _ = loader.load_model(EngineConfig(model=str(path)), "cpu")
-    # transformers' from_pretrained maps per-expert checkpoint names onto its fused experts
-    hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    (hf_dir / "config.json").write_text((out / "config.json").read_text())
-    save_file(ours, str(hf_dir / "model.safetensors"))
-    reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
-                                                     attn_implementation="eager")
-    prompt = [1, 5, 77, 200, 31, 9, 140, 3, 60, 61, 62]
-    runner = PagedRunner(model, block_size=4, num_blocks=8)
-    logits = runner.step({runner.add_sequence(): prompt})[0]
-    with torch.no_grad():
-        assert_logits_close(logits, reference.eval()(torch.tensor([prompt])).logits[0],
-                            what="prefill logits of the converted Qwen3-MoE GGUF")
+    _check_prefill(model, out, ours, tmp_path, "prefill logits of the converted Qwen3-MoE GGUF")
 
 
 def test_a_changed_file_is_converted_again(tmp_path):
@@ -486,17 +491,7 @@ def test_qwen2moe_shared_expert(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert (config["shared_expert_intermediate_size"], config["norm_topk_prob"]) == (48, False)
     model, _, _ = loader.load_model(EngineConfig(model=str(path)), "cpu")
-    hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    (hf_dir / "config.json").write_text((out / "config.json").read_text())
-    save_file(ours, str(hf_dir / "model.safetensors"))
-    reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
-                                                     attn_implementation="eager")
-    runner = PagedRunner(model, block_size=4, num_blocks=8)
-    logits = runner.step({runner.add_sequence(): PROMPT})[0]
-    with torch.no_grad():
-        assert_logits_close(logits, reference.eval()(torch.tensor([PROMPT])).logits[0],
-                            what="prefill logits of the converted Qwen2-MoE GGUF")
+    _check_prefill(model, out, ours, tmp_path, "prefill logits of the converted Qwen2-MoE GGUF")
 
 
 def test_glm4_sandwich_norms_and_fused_gate_up(tmp_path, monkeypatch):
