@@ -179,6 +179,9 @@ def test_shape_errors_name_the_layout():
     qweight = torch.zeros(4, 100, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"Q4_K weight with K=256 is uint8 \[N, 144\]"):
         gguf.gguf_linear(torch.randn(1, 256), qweight, 12)
+    for launcher in (gguf.gguf_gemv, gguf_mma):  # the kernels' launchers check it too
+        with pytest.raises(ValueError, match=rf"^{launcher.__name__}: a Q4_K weight .* \[N, 144\]"):
+            launcher(torch.randn(1, 256), qweight, 12)
     with pytest.raises(ValueError, match="whole blocks of 32"):
         gguf.gguf_dequantize(qweight, 8, 100)
     with pytest.raises(ValueError, match="type 99 is not supported"):

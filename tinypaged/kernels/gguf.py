@@ -22,12 +22,7 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
-from tinypaged.kernels.gguf_format import (
-    DENSE_TYPES,
-    ggml_type,
-    gguf_dequantize_reference,
-    row_bytes,
-)
+from tinypaged.kernels.gguf_format import DENSE_TYPES, check_qweight, gguf_dequantize_reference
 from tinypaged.kernels.gguf_gemv import GEMV_MAX_M, gemv_supported, gguf_gemv
 from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
 from tinypaged.kernels.gguf_mma import gguf_mma
@@ -171,13 +166,6 @@ def _gguf_dequantize_kernel(
              mask=mask & (k < K))
 
 
-def _check(qweight: torch.Tensor, type_id: int, K: int, what: str) -> None:
-    expected = row_bytes(type_id, K)
-    if qweight.dim() != 2 or qweight.dtype != torch.uint8 or qweight.shape[1] != expected:
-        raise ValueError(f"{what}: a {ggml_type(type_id).name} weight with K={K} is uint8 "
-                         f"[N, {expected}]; got {qweight.dtype} {list(qweight.shape)}")
-
-
 def dequantize_reference(qweight: torch.Tensor, type_id: int, K: int) -> torch.Tensor:
     """The torch reference of gguf_dequantize: device-layout qweight -> float32 W [N, K]."""
     return gguf_dequantize_reference(to_file_layout(qweight, type_id, K), type_id, K)
@@ -191,7 +179,7 @@ def linear_reference(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> to
 def gguf_dequantize(qweight: torch.Tensor, type_id: int, K: int,
                     dtype: torch.dtype = torch.float32, block_n: int = 16) -> torch.Tensor:
     """W [N, K] in `dtype` from qweight uint8 [N, row_bytes] (device layout) of type `type_id`."""
-    _check(qweight, type_id, K, "gguf_dequantize")
+    check_qweight(qweight, type_id, K, "gguf_dequantize")
     if type_id in DENSE_TYPES:
         return qweight.contiguous().view(DENSE_TYPES[type_id]).to(dtype)
     if not use_triton(qweight):
@@ -211,7 +199,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.T
     """y [M, N] = x [M, K] @ W^T in x's dtype: a decode kernel for decode-sized M
     (DECODE_PATHS), else dequantize + cuBLAS; the torch reference off the GPU."""
     K = x.shape[-1]
-    _check(qweight, type_id, K, "gguf_linear")
+    check_qweight(qweight, type_id, K, "gguf_linear")
     if type_id in DENSE_TYPES:
         return x @ gguf_dequantize(qweight, type_id, K, x.dtype).T
     if not use_triton(x):

@@ -71,6 +71,14 @@ def row_bytes(type_id: int, K: int) -> int:
     return K // t.block_elems * t.block_bytes
 
 
+def check_qweight(qweight: torch.Tensor, type_id: int, K: int, what: str) -> None:
+    """ValueError, naming `what`, unless qweight holds rows of K weights: uint8 [N, row_bytes]."""
+    expected = row_bytes(type_id, K)
+    if qweight.dim() != 2 or qweight.dtype != torch.uint8 or qweight.shape[1] != expected:
+        raise ValueError(f"{what}: a {ggml_type(type_id).name} weight with K={K} is uint8 "
+                         f"[N, {expected}]; got {qweight.dtype} {list(qweight.shape)}")
+
+
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """Pairs of bytes [..., 2] -> float32 [..., 1] (little-endian fp16)."""
     return b.contiguous().view(torch.float16).float()

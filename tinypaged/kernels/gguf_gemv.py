@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, num_sms, tl
-from tinypaged.kernels.gguf_format import ggml_type, row_bytes
+from tinypaged.kernels.gguf_format import check_qweight, ggml_type, row_bytes
 from tinypaged.kernels.gguf_gemv_step import _load_step, _step_dot
 from tinypaged.kernels.split_k import (
     split_k_finish,
@@ -115,10 +115,7 @@ def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
     if M > GEMV_MAX_M or not gemv_supported(type_id, K):
         raise ValueError(f"gguf_gemv takes 1..{GEMV_MAX_M} rows of x and whole-word rows of "
                          f"{sorted(BLOCKS_PER_STEP)}; got M={M}, type {type_id}, K={K}")
-    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (N, row_bytes(type_id, K)):
-        raise ValueError(f"gguf_gemv: a {ggml_type(type_id).name} weight with K={K} is uint8 "
-                         f"[N, {row_bytes(type_id, K)}]; got {qweight.dtype} "
-                         f"{list(qweight.shape)}")
+    check_qweight(qweight, type_id, K, "gguf_gemv")
     x, qweight = x.contiguous(), qweight.contiguous()
     if block_n is None:  # lanes cover 32 / (4 or 8 chunks) rows a warp; 4 rows a thread (2
         # for M > 1, whose x rows and sums need the registers)

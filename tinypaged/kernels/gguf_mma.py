@@ -28,7 +28,7 @@ import torch
 from tinypaged.kernels._triton import cdiv, jit, tl
 from tinypaged.kernels.awq_gemv import _dot_precision
 from tinypaged.kernels.awq_unpack import MAGIC16
-from tinypaged.kernels.gguf_format import ggml_type, row_bytes
+from tinypaged.kernels.gguf_format import check_qweight
 from tinypaged.kernels.split_k import (
     programs_target,
     split_k_finish,
@@ -168,10 +168,7 @@ def gguf_mma(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int 
     if type_id not in MMA_TYPES or not 1 <= M <= MMA_MAX_M:
         raise ValueError(f"gguf_mma takes Q4_K / Q6_K weights and 1..{MMA_MAX_M} rows of x; "
                          f"got type {type_id}, M={M}")
-    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (N, row_bytes(type_id, K)):
-        raise ValueError(f"gguf_mma: a {ggml_type(type_id).name} weight with K={K} is uint8 "
-                         f"[N, {row_bytes(type_id, K)}]; got {qweight.dtype} "
-                         f"{list(qweight.shape)}")
+    check_qweight(qweight, type_id, K, "gguf_mma")
     x, qweight = x.contiguous(), qweight.contiguous()
     n_blocks, steps = cdiv(N, block_n), K // 256
     if split_k is None:
