@@ -169,5 +169,5 @@ def test_gemv_scales_layout_and_errors():
     with pytest.raises(ValueError, match="scales_t"):
         awq.awq_gemm(x, qweight, qzeros, s, 64, scales_t=s)
     _, _, s, qweight, qzeros = random_awq(64, 512, 32, seed=9)
-    with pytest.raises(ValueError, match="group_size=32"):  # 128 rows a step, groups of 32
+    with pytest.raises(ValueError, match="the group size 32"):  # 128 rows a step, groups of 32
         awq._awq_gemv1(torch.randn(1, 64), qweight, qzeros, s, 32, block_n=32)

@@ -273,23 +273,31 @@ def _scale_strides(scales, scales_t, N):
     return scales_t, N, N // 8, 1  # gemv_scales(): [K/G, 8, N/8], contiguous along w
 
 
+def _gemv1_tile(block_n, per_word, num_warps, group_size, rows, what):
+    """(T, R, words): the [T, R, words] tile of packed words a batch-1 GEMV step reads
+    (_awq_gemv1_kernel; gptq_int8's, `per_word` columns a word). Lanes go along a row 4 words
+    (16 bytes) at a time, the lanes and warps left over cover T rows, and each thread takes R
+    rows, T * R within one group."""
+    words = block_n // per_word
+    lanes = min(32, words // 4)  # lanes along a row of the tile, 4 words (16 bytes) each
+    row_warps = num_warps // max(1, words // 128)  # warps left over for rows
+    if words < 4 or words & (words - 1) or row_warps < 1:
+        raise ValueError(f"{what}: block_n={block_n} must be a power of two from {4 * per_word} "
+                         f"to {128 * per_word * num_warps} with {num_warps} warps")
+    T = 32 // lanes * row_warps  # rows a step covers with one row per thread
+    if T > group_size:
+        raise ValueError(f"{what}: block_n={block_n} with {num_warps} warps reads {T} rows a "
+                         f"step, more than the group size {group_size}; use a wider block_n")
+    return T, max(1, min(rows, group_size // T)), words
+
+
 def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=256, rows=8, split_k=None,
                num_warps=4, num_stages=2, scales_t=None):
     """M = 1: _awq_gemv1_kernel. block_n columns (block_n / 8 words) per program; each thread
     reads `rows` rows of 4 words a step; K split so ~3 programs per SM stream weights."""
     K = x.shape[1]
     N = qweight.shape[1] * 8
-    words = block_n // 8
-    lanes = min(32, words // 4)  # lanes along a row of the tile, 4 words (16 bytes) each
-    row_warps = num_warps // max(1, words // 128)  # warps left over for rows
-    if words < 4 or words & (words - 1) or row_warps < 1:
-        raise ValueError(f"_awq_gemv1: block_n={block_n} must be a power of two from 32 to "
-                         f"{1024 * num_warps} with {num_warps} warps")
-    T = 32 // lanes * row_warps  # rows a step covers with one row per thread
-    if T > group_size:
-        raise ValueError(f"_awq_gemv1: block_n={block_n} with {num_warps} warps reads {T} rows "
-                         f"a step, more than group_size={group_size}; use a wider block_n")
-    R = max(1, min(rows, group_size // T))
+    T, R, words = _gemv1_tile(block_n, 8, num_warps, group_size, rows, "_awq_gemv1")
     n_blocks = cdiv(N, block_n)
     steps = K // (T * R)
     if split_k is None:  # ~3 programs per SM (swept on the H200: 1-4, see benchmarks/awq_gemv.py)

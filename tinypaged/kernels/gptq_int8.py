@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
-from tinypaged.kernels.awq_gemv import _dot_precision
+from tinypaged.kernels.awq_gemv import _dot_precision, _gemv1_tile
 from tinypaged.kernels.split_k import (
     programs_target,
     split_k_finish,
@@ -204,17 +204,7 @@ def _gemv1(x, qweight, qzeros, scales, perm, scales_t, block_n=128, rows=8, spli
     """M = 1: block_n columns (block_n / 4 words) per program, `rows` rows per thread a step."""
     K, N = qweight.shape
     G = K // qzeros.shape[0]
-    words = block_n // 4
-    lanes = min(32, words // 4)  # lanes along a row of the tile, 4 words (16 bytes) each
-    row_warps = num_warps // max(1, words // 128)
-    if words < 4 or words & (words - 1) or row_warps < 1:
-        raise ValueError(f"gptq_int8 GEMV: block_n={block_n} must be a power of two from 16 to "
-                         f"{512 * num_warps} with {num_warps} warps")
-    T = 32 // lanes * row_warps  # rows a step covers with one row per thread
-    if T > G:
-        raise ValueError(f"gptq_int8 GEMV: block_n={block_n} with {num_warps} warps reads {T} "
-                         f"rows a step, more than the group size {G}; use a wider block_n")
-    R = max(1, min(rows, G // T))
+    T, R, words = _gemv1_tile(block_n, 4, num_warps, G, rows, "gptq_int8 GEMV")
     n_blocks = cdiv(N, block_n)
     steps = K // (T * R)
     if split_k is None:  # ~3 programs per SM, as the AWQ GEMV
