@@ -134,6 +134,12 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAS_TRITON and (x.is_cuda or interpreting())
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for operands of `dtype`: fp32 operands (CPU tests, fp32 models)
+    get full fp32 products, "ieee", instead of the TF32 that Triton would round them to."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels import awq_mma
-from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
+from tinypaged.kernels._triton import cdiv, dot_precision, jit, tl, use_triton
 
 # the format and references live in awq_format.py; re-exported so `awq.pack_awq` etc. keep working
 from tinypaged.kernels.awq_format import (
@@ -39,7 +39,6 @@ from tinypaged.kernels.awq_format import (
 from tinypaged.kernels.awq_gemv import (
     _awq_gemv,
     _awq_gemv1,
-    _dot_precision,
     gemv_scales,
 )
 
@@ -196,7 +195,7 @@ def _awq_gemm(x, qweight, qzeros, scales, group_size, block_m=None, block_n=128,
     _awq_gemm_kernel[grid](
         x, qweight, qzeros, scales, y, M, N, K, x.stride(0), y.stride(0),
         GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return y
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels._triton import cdiv, jit, tl
+from tinypaged.kernels._triton import cdiv, dot_precision, jit, tl
 from tinypaged.kernels.awq_unpack import MAGIC16, _asm_nibble_minus_zero
 from tinypaged.kernels.split_k import (
     programs_target,
@@ -250,11 +250,6 @@ def _awq_gemv_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs (CPU tests, fp32 models) get full fp32 products instead of TF32
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def gemv_scales(scales: torch.Tensor) -> torch.Tensor:
     """scales [K/G, N] -> [K/G, 8, N/8] with out[g, c, w] = scales[g, 8w + c].
 
@@ -336,7 +331,7 @@ def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=None, block_k=64, 
         x, qweight, qzeros, scales, y, partial, count, M, N, K, x.stride(0), N // 8, sg, sc, sw,
         split_k, GROUP_SIZE=group_size, BLOCK_M=16, WORDS=block_n // 8, BLOCK_K=block_k,
         MAGIC16=magic, OFFSET=offset, SPLIT=split_k > 1, STAGES=num_stages,
-        DOT_PRECISION=_dot_precision(x.dtype), ASM=asm and magic != 0, num_warps=num_warps,
+        DOT_PRECISION=dot_precision(x.dtype), ASM=asm and magic != 0, num_warps=num_warps,
     )
     return y
 

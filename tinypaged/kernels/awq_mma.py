@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels._triton import cdiv, jit, tl
-from tinypaged.kernels.awq_gemv import _dot_precision, _scale_strides
+from tinypaged.kernels._triton import cdiv, dot_precision, jit, tl
+from tinypaged.kernels.awq_gemv import _scale_strides
 from tinypaged.kernels.awq_unpack import MAGIC16, _asm_dequant, _asm_nibble_minus_zero, _nibble
 from tinypaged.kernels.split_k import (
     programs_target,
@@ -158,7 +158,7 @@ def awq_mma(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
         x, qweight, qzeros, scales, y, partial, count, M, N, K, x.stride(0), sg, sc, sw, split_k,
         GROUP_SIZE=group_size, BLOCK_M=block_m, WORDS=block_n // 8, BLOCK_K=block_k,
         MAGIC16=magic, OFFSET=offset, ASM=asm and magic != 0, SCALE_W=scale_w,
-        SPLIT=split_k > 1, STAGES=num_stages, DOT_PRECISION=_dot_precision(x.dtype),
+        SPLIT=split_k > 1, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
         num_warps=num_warps,
     )
     return y

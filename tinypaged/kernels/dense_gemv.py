@@ -31,8 +31,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
-from tinypaged.kernels.awq_gemv import _dot_precision
+from tinypaged.kernels._triton import cdiv, dot_precision, jit, tl, use_triton
 from tinypaged.kernels.split_k import (
     programs_target,
     split_k_finish,
@@ -141,7 +140,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         weight.stride(0), split_k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        STAGES=num_stages, DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps,
+        STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps,
     )
     return y
 

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels._triton import cdiv, jit, tl
-from tinypaged.kernels.awq_gemv import _dot_precision
+from tinypaged.kernels._triton import cdiv, dot_precision, jit, tl
 from tinypaged.kernels.awq_unpack import MAGIC16
 from tinypaged.kernels.gguf_format import check_qweight
 from tinypaged.kernels.split_k import (
@@ -181,7 +180,7 @@ def gguf_mma(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int 
         x, qweight, qweight.view(torch.int8), qweight.view(torch.float16), y, partial, count,
         M, N, K, x.stride(0), qweight.shape[1], split_k,
         QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=16, SPLIT=split_k > 1, MAGIC16=magic,
-        OFFSET=offset, DOT_PRECISION=_dot_precision(x.dtype), XS_DOT=xs_dot,
+        OFFSET=offset, DOT_PRECISION=dot_precision(x.dtype), XS_DOT=xs_dot,
         num_warps=num_warps,
     )
     return y

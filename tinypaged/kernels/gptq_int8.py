@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
-from tinypaged.kernels.awq_gemv import _dot_precision, _gemv1_tile
+from tinypaged.kernels._triton import cdiv, dot_precision, jit, tl, use_triton
+from tinypaged.kernels.awq_gemv import _gemv1_tile
 from tinypaged.kernels.split_k import (
     programs_target,
     split_k_finish,
@@ -244,7 +244,7 @@ def _gemm(x, qweight, qzeros, scales, scales_t, block_m=None, block_n=None, bloc
         x, qweight, qzeros, s, y, partial, count, M, N, K, x.stride(0), sg, sc, sw, split_k,
         GROUP_SIZE=G, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT=split_k > 1, STAGES=num_stages,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps,
+        DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps,
     )
     return y
 
