@@ -6,7 +6,7 @@ own, so the K dimension is split as well: a grid (column blocks, split_k) in whi
 split_k partial sums of a block then have to meet, and with no second launch, no memset and no
 allocation (so that a CUDA graph can replay it):
 
-1. A persistent fp32 workspace `partial` (as large as y) and an int32 arrival counter per column
+1. A persistent fp32 workspace `partial` (at least as large as y) and an int32 counter per column
    block, zero between calls (split_k_workspace: one pair per device, shared by every layer,
    since the calls of a forward pass run one after another on one stream).
 2. Each program adds its fp32 sums into `partial` with atomic adds (split_k_store), then takes a
