@@ -43,15 +43,16 @@ FP16_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 SCALE = {2: 5e-3, 3: 5e-3, 8: 5e-4, 12: 4e-4, 13: 2e-4, 14: 6e-5}  # weights of ~0.05
 # --sweep: (block_n, num_warps, num_stages) of the GEMV (--configs picks others)
 SWEEP = ["64/2/1/p", "32/2/1/p", "32/2/1", "64/4/1/p", "16/2/1/p", "32/2/2"]
+DEVICE = "cuda"  # of the checks' tensors (a CPU test of kernels.py's wiring sets "cpu")
 
 
 def random_rows(type_id: int, N: int, K: int) -> torch.Tensor:
     """File rows uint8 [N, row_bytes] on the GPU: random quants, fp16 fields in [0, SCALE)."""
     t = GGML_TYPES[type_id]
     nb = K // t.block_elems
-    blocks = torch.randint(0, 256, (N, nb, t.block_bytes), dtype=torch.uint8, device="cuda")
+    blocks = torch.randint(0, 256, (N, nb, t.block_bytes), dtype=torch.uint8, device=DEVICE)
     for off in FP16_FIELDS[type_id]:
-        field = (torch.rand(N, nb, 1, device="cuda") * SCALE[type_id]).half()
+        field = (torch.rand(N, nb, 1, device=DEVICE) * SCALE[type_id]).half()
         blocks[..., off : off + 2] = field.view(torch.uint8)
     return blocks.reshape(N, -1)
 
@@ -81,12 +82,15 @@ def check(x, qweight, type_id, config=None, ref=None):
     return err
 
 
-def checks(args):
-    """Every type and M against the reference on the o shape (and a ragged N)."""
-    for (tname, type_id), M in itertools.product(args.types, args.check_m or args.m):
-        for K, N in (map(int, shape.split("x")) for shape in args.check_shapes):
+CHECK_SHAPES = ["4096x4096", "2048x1000"]  # the o shape and a ragged N
+
+
+def checks(types, ms, shapes=CHECK_SHAPES):
+    """Every (name, type id) of `types` and M of `ms` against the reference on `shapes`."""
+    for (tname, type_id), M in itertools.product(types, ms):
+        for K, N in (map(int, shape.split("x")) for shape in shapes):
             print(f"check {tname} M={M} {K}x{N}: ", end="", flush=True)
-            x = torch.randn(M, K, device="cuda").bfloat16()
+            x = torch.randn(M, K, device=DEVICE).bfloat16()
             err = check(x, random_qweight(type_id, N, K), type_id)
             print(f"rel. error {err:.1e} ok", flush=True)
 
@@ -304,7 +308,7 @@ def main():
                         help="also time dequantize + cuBLAS at 1 < M <= 8")
     parser.add_argument("--m", type=int, nargs="+", default=[1, 8, 512], help="rows of x")
     parser.add_argument("--check-m", type=int, nargs="+", help="rows of x of the checks")
-    parser.add_argument("--check-shapes", nargs="+", default=["4096x4096", "2048x1000"],
+    parser.add_argument("--check-shapes", nargs="+", default=CHECK_SHAPES,
                         help="KxN of the checks")
     parser.add_argument("--types", nargs="+", default=list(TYPES), choices=list(TYPES))
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -322,7 +326,7 @@ def main():
     torch.manual_seed(0)
     stages = args.only or ["checks", "kernels", "tokens", "decode"]
     if "checks" in stages:
-        checks(args)
+        checks(args.types, args.check_m or args.m, args.check_shapes)
     if "kernels" in stages:
         kernels(args, deadline)
     if "tokens" in stages:

@@ -530,13 +530,11 @@ def time_awq() -> None:
 
 
 def check_gguf() -> None:
-    from types import SimpleNamespace
-
     from gguf_gemv import checks  # benchmarks/gguf_gemv.py: 4096x4096 and a ragged 2048x1000
 
     print("correctness: gguf_gemv (bf16 x) against the block formats' torch reference")
     try:
-        checks(SimpleNamespace(types=list(GGUF_TYPES.items()), m=[1, 8]))
+        checks(list(GGUF_TYPES.items()), [1, 8])
     except AssertionError as e:
         print(f"  FAIL gguf_gemv {e}")
         FAILURES.append(f"gguf_gemv {e}")

@@ -90,3 +90,24 @@ def test_plots_reject_a_file_that_is_not_a_kernel_run(tmp_path):
     path.write_text(json.dumps({"requests": 256}))
     with pytest.raises(SystemExit, match="not a benchmarks/kernels.py --json file"):
         plots.main([str(path)])
+
+
+def test_kernels_gguf_check_drives_every_type_m_and_shape(monkeypatch):
+    """benchmarks/kernels.py --gguf checks through benchmarks/gguf_gemv.py's checks(): the call
+    between the two scripts, run on the CPU with the GPU work stubbed (it broke on the GPU once,
+    where nothing else runs it)."""
+    pytest.importorskip("triton")  # benchmarks/kernels.py imports triton.testing
+    pytest.importorskip("gguf")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bench = load_script(ROOT / "benchmarks" / "kernels.py")
+    import gguf_gemv
+
+    seen = []
+    monkeypatch.setattr(gguf_gemv, "DEVICE", "cpu")
+    monkeypatch.setattr(gguf_gemv, "random_qweight", lambda type_id, N, K: (type_id, N, K))
+    monkeypatch.setattr(gguf_gemv, "check",
+                        lambda x, qweight, type_id: seen.append((x.shape[0], *qweight)) or 0.0)
+    bench.check_gguf()
+    assert not bench.FAILURES
+    assert sorted(seen) == sorted((m, t, N, K) for t in bench.GGUF_TYPES.values() for m in (1, 8)
+                                  for K, N in ((4096, 4096), (2048, 1000)))
