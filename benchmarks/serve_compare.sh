@@ -2,8 +2,11 @@
 # Online serving on one GPU: `tinypaged serve` (and, with VLLM=1, `vllm serve`) on random weights
 # in the Llama-3-8B shape, loaded by `tinypaged bench serve` at 4, 16 and 64 requests/s.
 #
-#     bash benchmarks/serve_compare.sh                 # tinypaged only, ~2.5 min on an H200
+#     bash benchmarks/serve_compare.sh                 # tinypaged only, ~1.5 min on an H200
 #     VLLM=1 bash benchmarks/serve_compare.sh          # then vLLM from /tmp/vsite, ~5 min in all
+#
+# Both run the engine in a process of its own beside the API server's (tinypaged's default on a
+# GPU, engine_core.py; TINYPAGED_ENABLE_MULTIPROCESSING=0 puts it back in a thread).
 #
 # Both servers read the same folder (tinypaged.model_shapes: config.json of the shape and a
 # one-word-per-id tokenizer of its 128,256 ids, --load-format dummy), take the same limits, and
