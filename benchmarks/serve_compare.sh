@@ -52,6 +52,15 @@ trap 'exit 143' TERM INT
 
 python -c "import starlette, uvicorn" || {
   echo "tinypaged serve needs starlette and uvicorn: pip install them (wheels) first"; exit 1; }
+# `vllm serve` imports more than offline vLLM (uvicorn, watchfiles, prometheus-fastapi-
+# instrumentator, model-hosting-container-standards + jmespath): find out now, not after the
+# tinypaged half.
+if [ -n "${VLLM:-}" ]; then
+  PYTHONPATH="${VLLM_SITE:-/tmp/vsite}" python -c "import uvicorn, vllm.entrypoints.openai.api_server
+import vllm.entrypoints.serve.instrumentator.metrics" || {
+    echo "vllm serve cannot import its API server (the error above names the missing module):"
+    echo "install its wheels into ${VLLM_SITE:-/tmp/vsite} with pip --no-deps --target"; exit 1; }
+fi
 MODEL_DIR=${MODEL_DIR:-$(python -c "from tinypaged.model_shapes import shape_dir
 print(shape_dir('$SHAPE', tokenizer=True))")} || exit 1
 echo "model folder: $MODEL_DIR ($SHAPE, dummy weights)"
