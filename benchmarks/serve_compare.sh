@@ -2,14 +2,20 @@
 # Online serving on one GPU: `tinypaged serve` (and, with VLLM=1, `vllm serve`) on random weights
 # in the Llama-3-8B shape, loaded by `tinypaged bench serve` at 4, 16 and 64 requests/s.
 #
-#     bash benchmarks/serve_compare.sh                 # tinypaged only, ~2.5 min on an H200
+#     bash benchmarks/serve_compare.sh                 # tinypaged only, ~1.5 min on an H200
 #     VLLM=1 bash benchmarks/serve_compare.sh          # then vLLM from /tmp/vsite, ~5 min in all
+#
+# Both run the engine in a process of its own beside the API server's (tinypaged's default on a
+# GPU, engine_core.py; TINYPAGED_ENABLE_MULTIPROCESSING=0 puts it back in a thread).
 #
 # Both servers read the same folder (tinypaged.model_shapes: config.json of the shape and a
 # one-word-per-id tokenizer of its 128,256 ids, --load-format dummy), take the same limits, and
 # see the same requests: random token-id prompts, RANDOM_INPUT_LEN in, RANDOM_OUTPUT_LEN out with
-# ignore_eos, Poisson arrivals, RATE * DURATION requests per rate. Each server first answers a
-# correctness probe (a completion of the right length) and a warm-up burst, then the timed runs;
+# ignore_eos, Poisson arrivals, RATE * DURATION requests per rate. Each run draws its prompts from
+# a seed of its own (probe 101, warm-up 102, a rate R run R), so no timed prompt is a prefix-cache
+# hit left by an earlier run; both servers keep prefix caching on (their default). Each server
+# first answers a correctness probe (a completion of the right length) and a warm-up burst, then
+# the timed runs;
 # it is stopped with SIGTERM (its process group is killed if it has not exited 30 s later; no
 # other process is touched).
 # Prints one table at the end; the JSON of every run lands in $OUT (or /tmp/serve-compare).
@@ -46,6 +52,15 @@ trap 'exit 143' TERM INT
 
 python -c "import starlette, uvicorn" || {
   echo "tinypaged serve needs starlette and uvicorn: pip install them (wheels) first"; exit 1; }
+# `vllm serve` imports more than offline vLLM (uvicorn, watchfiles, prometheus-fastapi-
+# instrumentator, model-hosting-container-standards + jmespath): find out now, not after the
+# tinypaged half.
+if [ -n "${VLLM:-}" ]; then
+  PYTHONPATH="${VLLM_SITE:-/tmp/vsite}" python -c "import uvicorn, vllm.entrypoints.openai.api_server
+import vllm.entrypoints.serve.instrumentator.metrics" || {
+    echo "vllm serve cannot import its API server (the error above names the missing module):"
+    echo "install its wheels into ${VLLM_SITE:-/tmp/vsite} with pip --no-deps --target"; exit 1; }
+fi
 MODEL_DIR=${MODEL_DIR:-$(python -c "from tinypaged.model_shapes import shape_dir
 print(shape_dir('$SHAPE', tokenizer=True))")} || exit 1
 echo "model folder: $MODEL_DIR ($SHAPE, dummy weights)"
@@ -86,13 +101,14 @@ stop() {
     2>/dev/null | sed 's/^/GPU memory in use after the stop: /'
 }
 
-# bench NAME PORT ARGS...: bench serve against the server on PORT, for 3 x DURATION + 60 s at most
+# bench NAME PORT SEED ARGS...: bench serve against the server on PORT (prompts and arrivals
+# drawn from SEED), for 3 x DURATION + 60 s at most
 bench() {
-  local name=$1 port=$2
-  shift 2
+  local name=$1 port=$2 seed=$3
+  shift 3
   timeout $(( 3 * DURATION + 60 )) python -m tinypaged bench serve --port "$port" \
     --model "$SHAPE" --random-input-len "$IN_LEN" --random-output-len "$OUT_LEN" --ignore-eos \
-    --seed 0 --result-dir "$LOGS" --result-filename "$name.json" --save-result "$@"
+    --seed "$seed" --result-dir "$LOGS" --result-filename "$name.json" --save-result "$@"
 }
 
 # run ENGINE PORT COMMAND...: start a server, probe it, warm it up, time each rate, stop it.
@@ -109,15 +125,15 @@ run() {
     tail -n 30 "$LOGS/$engine-server.log"; stop "$pid"; return 1
   fi
   # Correctness first: 2 requests must come back complete, with exactly OUT_LEN tokens each.
-  if ! bench "$engine-probe" "$port" --num-prompts 2 --request-rate inf >"$LOGS/$engine-probe.txt" \
+  if ! bench "$engine-probe" "$port" 101 --num-prompts 2 --request-rate inf >"$LOGS/$engine-probe.txt" \
       || ! python -c "import json, sys; r = json.load(open('$LOGS/$engine-probe.json'))
 sys.exit(not (r['completed'] == 2 and r['output_lens'] == [$OUT_LEN] * 2))"; then
     echo "$engine failed the probe:"; cat "$LOGS/$engine-probe.txt"; stop "$pid"; return 1
   fi
-  bench "$engine-warmup" "$port" --num-prompts 64 --request-rate inf >/dev/null
+  bench "$engine-warmup" "$port" 102 --num-prompts 64 --request-rate inf >/dev/null
   for rate in $RATES; do
     echo "-- $engine at $rate req/s"
-    bench "$engine-$rate" "$port" --num-prompts $(( rate * DURATION )) --request-rate "$rate"
+    bench "$engine-$rate" "$port" "$rate" --num-prompts $(( rate * DURATION )) --request-rate "$rate"
   done
   stop "$pid"
 }
@@ -125,8 +141,11 @@ sys.exit(not (r['completed'] == 2 and r['output_lens'] == [$OUT_LEN] * 2))"; the
 run tinypaged 8100 python -m tinypaged serve "$MODEL_DIR" --load-format dummy "${LIMITS[@]}" \
   --log-level warning
 if [ -n "${VLLM:-}" ]; then
+  # vLLM 0.20.2's `vllm serve`; like tinypaged's --log-level warning, no access-log line per
+  # request. Its /v1/completions takes the same token-id prompts and ignore_eos.
   run vllm 8200 env PYTHONPATH="${VLLM_SITE:-/tmp/vsite}" python -m vllm.entrypoints.cli.main \
-    serve "$MODEL_DIR" --load-format dummy "${LIMITS[@]}"
+    serve "$MODEL_DIR" --load-format dummy "${LIMITS[@]}" --host 127.0.0.1 \
+    --disable-uvicorn-access-log
 fi
 
 echo "== $SHAPE, $IN_LEN in / $OUT_LEN out, ignore_eos, ${DURATION} s per rate (ms: median / p99)"

@@ -4,6 +4,7 @@ completion, graceful SIGTERM), generate, chat, and one-line errors."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -44,7 +45,13 @@ def llm(model_dir):
     return LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, dtype="float32")
 
 
-def test_serve_answers_and_stops_gracefully(model_dir):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_serve_answers_and_stops_gracefully(model_dir, engine_process):
+    # The engine in its own process (serve's default on a GPU) behaves the same from outside;
+    # one torch thread there keeps a busy 2-core CI machine from thrashing.
+    env = {**os.environ, "TINYPAGED_ENABLE_MULTIPROCESSING": str(int(engine_process))}
+    if engine_process:
+        env["OMP_NUM_THREADS"] = "1"
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -62,6 +69,7 @@ def test_serve_answers_and_stops_gracefully(model_dir):
             *ENGINE_FLAGS,
         ],
         cwd=ROOT,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

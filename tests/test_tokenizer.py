@@ -149,6 +149,28 @@ def test_unfinished_character_is_flushed_at_the_end(tok):
     assert detok.get_next_output_text(finished=True, delta=False) == tok.decode(out)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_rust_decode_stream_streams_what_the_window_does(tok, skip):
+    # A fast HF tokenizer takes tokenizers' DecodeStream; CountingTokenizer has no `.hf`, so it
+    # takes the Python window: both must stream the same deltas, held characters included.
+    out = tok.encode(TEXT * 2) + [2] + tok.encode(" b<|im_start|>c 🎉", add_special_tokens=False)
+    out = out[:-1]  # ends inside the emoji: the final flush gives its held bytes
+    prompt = tok.encode("User says:")
+    fast = IncrementalDetokenizer(tok, prompt, SamplingParams(skip_special_tokens=skip))
+    assert fast._step is not None
+    _, slow_deltas = stream(CountingTokenizer(tok), prompt, out, SamplingParams(
+        skip_special_tokens=skip))
+    _, fast_deltas = stream(tok, prompt, out, SamplingParams(skip_special_tokens=skip))
+    assert fast_deltas == slow_deltas
+    assert "".join(fast_deltas) == tok.decode(out, skip_special_tokens=skip)
+
+
+def test_rust_decode_stream_survives_ids_past_the_vocabulary(tok):
+    out = tok.encode("hello") + [10**6] + tok.encode(" world")
+    detok, deltas = stream(tok, [1], out, SamplingParams())
+    assert "".join(deltas) == detok.output_text == "hello world"
+
+
 STOP_TEXT = "The answer is forty two. END of story, goodbye."
 
 

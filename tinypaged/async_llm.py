@@ -100,8 +100,7 @@ class AsyncLLM(EngineClient):
         A request the engine refuses raises ValueError before the first output."""
         self._check_running()
         loop = asyncio.get_running_loop()
-        # Tokenizing a long prompt takes a while: a worker thread does it, not the event loop.
-        prompt = await loop.run_in_executor(None, self.engine.prepare_prompt, prompt, params)
+        prompt = await self._prepare(prompt, params)
         self._check_running()
         stream: asyncio.Queue = asyncio.Queue()
         self._send(("add", request_id, prompt, params, loop, stream))
@@ -126,6 +125,11 @@ class AsyncLLM(EngineClient):
         finally:
             if not finished:
                 self._send(("abort", request_id))
+
+    async def _prepare(self, prompt: PromptType, params: SamplingParams) -> Any:
+        # Tokenizing a long prompt takes a while: a worker thread does it, not the event loop.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.engine.prepare_prompt, prompt, params)
 
     async def abort(self, request_id: str) -> None:
         """Drop a request (at the engine's next step boundary); unknown ids are a no-op."""
@@ -181,7 +185,7 @@ class AsyncLLM(EngineClient):
             if entry is None:
                 continue
             if isinstance(item, BaseException) or item.finished:
-                del self._streams[request_id]
+                self._streams.pop(request_id, None)
             by_loop.setdefault(entry[0], []).append((request_id, entry[1], item))
         for loop, batch in by_loop.items():
             self._post(loop, batch)
@@ -194,7 +198,10 @@ class AsyncLLM(EngineClient):
             for request_id, _, _ in batch:
                 if request_id is not None:
                     self._streams.pop(request_id, None)
-                    self.engine.abort_request(request_id)
+                    self._abort_in_engine(request_id)
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)  # the engine thread only
 
     def _loop(self) -> None:
         while not self._stopped:

@@ -253,6 +253,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tinypaged.async_llm import AsyncLLM
+    from tinypaged.engine_core import AsyncMPClient, use_engine_process
     from tinypaged.server import GracefulServer, build_app
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
@@ -273,7 +274,11 @@ def serve(args: argparse.Namespace) -> int:
         model = str(shape_dir(args.model_shape, args.quantization, tokenizer=True))
         args.load_format = "dummy"
         served_model_name = served_model_name or [args.model_shape]
-    engine = _load(AsyncLLM, {**_engine_kwargs(args, model), "seed": args.seed})
+    try:  # the engine in a process of its own on CUDA (engine_core.py), as vLLM
+        client = AsyncMPClient if use_engine_process(args.device) else AsyncLLM
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    engine = _load(client, {**_engine_kwargs(args, model), "seed": args.seed})
     app = build_app(
         engine,
         served_model_name,
