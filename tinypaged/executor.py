@@ -70,7 +70,7 @@ from tinypaged.config import EngineConfig
 from tinypaged.runner import ModelRunner, SampledTokens
 from tinypaged.scheduler import ScheduledSequence
 from tinypaged.shm_broadcast import ShmBroadcast
-from tinypaged.tp_worker import pack_step, start_method, worker_main
+from tinypaged.tp_worker import pack_step, sigint_held_back, start_method, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +301,8 @@ class MultiprocExecutor:
                     args=(rank, world_size, backend, init_method, devices[rank], config,
                           child_conn, self.channel.path),
                 )
-                process.start()
+                with sigint_held_back():
+                    process.start()
                 child_conn.close()  # so that the worker's death reads as EOF here
                 self.workers.append(_Worker(rank, process, conn))
             threading.Thread(target=_watch, args=(self.workers, self.health, wake_recv),
