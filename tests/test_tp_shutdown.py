@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from model_helpers import single_thread  # noqa: F401 - autouse fixture
 from test_server_helpers import build_tiny_model, free_port
 
 import tinypaged.executor as executor_module
-from tinypaged import LLM, SamplingParams
+from tinypaged import LLM, SamplingParams, sigint_watch
 from tinypaged.tp_worker import sigint_held_back
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,6 +116,30 @@ def test_ctrl_c_in_the_middle_of_a_step(model_dir, monkeypatch):
     assert not worker.is_alive()
     assert not torch.distributed.is_initialized()
     assert timed_shutdown(llm) < 1.0
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_rank0_waits_for_a_stuck_worker(model_dir, monkeypatch):
+    # Python's KeyboardInterrupt, as in a terminal, even under a runner that ignores SIGINT
+    monkeypatch.setattr(sigint_watch, "GRACE_S", 0.5)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        llm = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
+        worker = llm.engine.executor.workers[0].process
+        os.kill(worker.pid, signal.SIGSTOP)  # alive, but never joins the step's all-reduce
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):  # without the watch: the collective's timeout
+            llm.generate(PROMPT, PARAMS, use_tqdm=False)
+        assert time.monotonic() - start < 10.0
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    worker.join(5.0)
+    assert worker.exitcode == -signal.SIGKILL
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="interrupted"):  # the engine stays dead
+        llm.generate(PROMPT, PARAMS, use_tqdm=False)
 
 
 def report_pending_sigint(conn) -> None:
