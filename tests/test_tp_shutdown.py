@@ -232,12 +232,17 @@ def test_script_without_main_guard_under_spawn_fails_in_one_sentence(model_dir, 
 
 
 @pytest.mark.timeout(180)
-def test_guarded_script_under_spawn_ends_soon_after_ctrl_c(model_dir, tmp_path):
-    proc = python(write_script(tmp_path, model_dir, guarded=True, once=False), "spawn")
+@pytest.mark.parametrize("reaches", ["rank 0", "the process group"])  # the latter: a terminal's
+def test_guarded_script_under_spawn_ends_soon_after_ctrl_c(model_dir, tmp_path, reaches):
+    script = write_script(tmp_path, model_dir, guarded=True, once=False)
+    proc = python(script, "spawn", start_new_session=True)  # its own group: only it and its worker
     try:
         worker = int(proc.stdout.readline().split()[1])
         assert proc.stdout.readline().startswith("TOKENS")
-        proc.send_signal(signal.SIGINT)
+        if reaches == "rank 0":
+            proc.send_signal(signal.SIGINT)
+        else:  # the worker ignores it; rank 0 alone stops it
+            os.killpg(proc.pid, signal.SIGINT)
         start = time.monotonic()
         assert proc.wait(timeout=30) == -signal.SIGINT  # KeyboardInterrupt, not a crash
         assert time.monotonic() - start < 10.0

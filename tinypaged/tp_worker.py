@@ -194,6 +194,7 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
     # Ctrl-C reaches every process of the terminal; rank 0 alone decides when the workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # see sigint_held_back
+    signal.set_wakeup_fd(-1)  # a forked worker's signals are not the engine's (sigint_watch.py)
     _exit_with_parent()
     try:
         if device.type == "cuda":
