@@ -48,10 +48,16 @@ STOP_TIMEOUT_S: kill the workers and abort the group (distributed.leave_tp). Eve
 bounded, so shutdown returns within seconds whatever state the ranks are in. Workers are daemon
 processes, ignore Ctrl-C (the engine decides when they stop) and exit by themselves when the
 engine process is gone (SIGTERM or SIGKILL of the engine included).
+
+Ctrl-C. The KeyboardInterrupt fails the step it lands in (the other ranks wait in a collective
+rank 0 will not join), so the executor stops. When rank 0 itself waits in a collective for a
+worker that is stuck, the interrupt cannot surface: a second after the Ctrl-C the workers are
+killed, which ends that collective (sigint_watch.py).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
@@ -70,7 +76,8 @@ from tinypaged.config import EngineConfig
 from tinypaged.runner import ModelRunner, SampledTokens
 from tinypaged.scheduler import ScheduledSequence
 from tinypaged.shm_broadcast import ShmBroadcast
-from tinypaged.tp_worker import pack_step, start_method, worker_main
+from tinypaged.sigint_watch import StepWatch
+from tinypaged.tp_worker import pack_step, sigint_held_back, start_method, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +222,15 @@ def _watch(workers: list[_Worker], health: _Health, wake: Connection) -> None:
         distributed.abort_tp()
 
 
+def _interrupted(workers: list[_Worker], health: _Health) -> None:
+    """A Ctrl-C did not get rank 0 out of its step within sigint_watch.GRACE_S: kill the
+    workers, so that the collective rank 0 waits in fails (the watchdog aborts NCCL's) and the
+    KeyboardInterrupt surfaces."""
+    health.fail("tensor-parallel step interrupted (Ctrl-C) while rank 0 waited for the workers")
+    for w in workers:
+        w.process.kill()
+
+
 def _stopping(workers: list[_Worker], timeout_s: float) -> bool:
     """True when every worker answered the stop with "stopping" within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -285,6 +301,7 @@ class MultiprocExecutor:
         self.health = _Health()
         self.workers: list[_Worker] = []
         self._graceful = [False]  # a clean stop only once every rank is up
+        self._watch = StepWatch(functools.partial(_interrupted, self.workers, self.health))
         # Decided last: whatever ran before (imports included) may have initialized CUDA.
         ctx = torch.multiprocessing.get_context(start_method())
         wake_recv, wake_send = ctx.Pipe(duplex=False)
@@ -301,7 +318,8 @@ class MultiprocExecutor:
                     args=(rank, world_size, backend, init_method, devices[rank], config,
                           child_conn, self.channel.path),
                 )
-                process.start()
+                with sigint_held_back():
+                    process.start()
                 child_conn.close()  # so that the worker's death reads as EOF here
                 self.workers.append(_Worker(rank, process, conn))
             threading.Thread(target=_watch, args=(self.workers, self.health, wake_recv),
@@ -374,15 +392,20 @@ class MultiprocExecutor:
     def _guarded(self, call, *args):
         """call(*args) as part of a step: any failure, here or on a worker, fails the group."""
         self._raise_if_failed()
+        token = self._watch.begin()
         try:
             result = call(*args)
         except BaseException as exc:
-            self._raise_worker_failure(exc)
-            # Rank 0 itself failed or was interrupted mid-step: the workers now wait in a
-            # collective it never joined, so the group cannot go on.
-            self.health.fail(f"tensor-parallel rank 0 failed during a step: {exc!r}")
-            self.shutdown()
+            try:
+                self._raise_worker_failure(exc)
+            finally:  # a Ctrl-C may land in here too (sigint_watch.py)
+                # Rank 0 itself failed or was interrupted mid-step: the workers now wait in a
+                # collective it never joined, so the group cannot go on.
+                self.health.fail(f"tensor-parallel rank 0 failed during a step: {exc!r}")
+                self.shutdown()
             raise
+        finally:
+            self._watch.end(token)
         self._raise_if_failed()
         return result
 

@@ -42,6 +42,8 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 
 import numpy as np
@@ -111,6 +113,22 @@ def start_method() -> str:
     return method
 
 
+@contextmanager
+def sigint_held_back() -> Iterator[None]:
+    """Start worker processes inside: SIGINT is blocked in this thread meanwhile, and a child
+    inherits the mask. A Ctrl-C reaches every process of the terminal's process group; one that
+    comes while a worker is still in its bootstrap (a spawned one imports torch and the script
+    for seconds) then stays pending there until `worker_main` ignores SIGINT, which discards it,
+    instead of killing the worker with a traceback. In this process the signal is not lost:
+    another thread takes it, or it arrives when the mask is lifted (resource_tracker in the
+    standard library starts its process the same way)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _cuda_initialized() -> bool:
     """Whether this process has initialized the CUDA driver, by whatever means. Asks the driver
     itself: before cuInit, cuDeviceGetCount answers CUDA_ERROR_NOT_INITIALIZED (3)."""
@@ -173,7 +191,10 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
     (engine gone)."""
     from tinypaged.models.loader import load_model
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the terminal
+    # Ctrl-C reaches every process of the terminal; rank 0 alone decides when the workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # see sigint_held_back
+    signal.set_wakeup_fd(-1)  # a forked worker's signals are not the engine's (sigint_watch.py)
     _exit_with_parent()
     try:
         if device.type == "cuda":
