@@ -110,26 +110,13 @@ class DecodeBatch:
 
 
 def graph_us(batch: DecodeBatch, **kwargs) -> float:
-    """Mean time of one call from replays of a graph of calls cycling through the copies."""
-    calls = max(batch.copies, 4)
-    for i in range(batch.copies):
-        batch.call(paged_attention_triton, i, **kwargs)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            batch.call(paged_attention_triton, i % batch.copies, **kwargs)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(3):
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[1]
+    """Median time of one call from replays of a graph of calls cycling through the copies
+    (benchmarks/awq_gemv.py's graph_us)."""
+    from awq_gemv import graph_us as graph_us_of
+
+    calls = [functools.partial(batch.call, paged_attention_triton, i, **kwargs)
+             for i in range(batch.copies)]
+    return graph_us_of(calls, reps=max(batch.copies, 4))
 
 
 def kernel_us(batch: DecodeBatch, **kwargs) -> dict:

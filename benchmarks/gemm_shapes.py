@@ -32,25 +32,14 @@ def linears(cfg: dict) -> dict[str, tuple[int, int]]:
 
 
 def time_linear(m: int, n: int, k: int, calls: int = 20) -> float:
-    """Mean us of one F.linear [m, k] x [n, k]^T, W cycling through copies that defeat L2."""
+    """Median us of one F.linear [m, k] x [n, k]^T from a CUDA graph of `calls` calls, W cycling
+    through copies that defeat L2 (benchmarks/awq_gemv.py's graph_us)."""
+    from awq_gemv import graph_us
+
     copies = max(1, -(-256 * 2**20 // (2 * n * k)))
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    torch.nn.functional.linear(x, ws[0])  # let cuBLAS pick and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            torch.nn.functional.linear(x, ws[i % copies])
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (3 * calls)
+    return graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws], reps=calls)
 
 
 def roofline_us(m: int, n: int, k: int) -> float:
