@@ -63,11 +63,12 @@ def mixed_batch(prompt: int, decodes: int, context: int) -> list[ScheduledSequen
     return scheduled
 
 
-def timed(name: str, fn, totals: dict):
+def timed(name: str, fn, totals: dict, calls: dict):
     def wrapper(*args, **kwargs):
         start = time.perf_counter_ns()
         out = fn(*args, **kwargs)
         totals[name] += time.perf_counter_ns() - start
+        calls[name] += 1
         return out
     return wrapper
 
@@ -86,9 +87,11 @@ def main() -> None:
     InterpretedFunction.__getitem__ = lambda self, grid: lambda *a, **k: None  # no launch
 
     totals: dict[str, int] = defaultdict(int)
+    calls: dict[str, int] = defaultdict(int)
     for name in LAUNCHERS:
-        setattr(kernels, name, timed(name, getattr(kernels, name), totals))
-    dense_gemv.dense_linear = timed("linear (dense_linear)", dense_gemv.dense_linear, totals)
+        setattr(kernels, name, timed(name, getattr(kernels, name), totals, calls))
+    dense_gemv.dense_linear = timed("linear (dense_linear)", dense_gemv.dense_linear, totals,
+                                   calls)
     # the GEMM itself stubbed too: an output of the right shape, as a launched cuBLAS call gives
     dense_gemv.F = SimpleNamespace(linear=lambda x, w, b=None: x.new_empty(x.shape[0], w.shape[0]))
     decoder.ACTIVATIONS["silu"] = kernels.silu_and_mul
@@ -116,6 +119,7 @@ def main() -> None:
     with torch.inference_mode(), _triton.kernel_choice("triton"):
         one_step()  # warm-up
         totals.clear()
+        calls.clear()
         for _ in range(args.repeats):
             one_step()
         cache = model.model.layers[0].self_attn.attn.k_cache.to(torch.float16)
@@ -130,9 +134,11 @@ def main() -> None:
     per_step["glue (forward - launchers)"] = per_step["forward"] - launched
     print(f"mixed step: {args.prompt} prompt tokens + {args.decodes} decodes, {NUM_LAYERS} "
           "layers, Triton launches stubbed, CPU")
-    print(f"{'what':46s} {'us/step':>9s} {'us/layer':>9s}")
+    print(f"{'what':46s} {'us/step':>9s} {'us/layer':>9s} {'calls/layer':>11s} {'us/call':>8s}")
     for name, us in per_step.items():
-        print(f"{name:46s} {us:9.1f} {us / NUM_LAYERS:9.2f}")
+        n = calls.get(name, 0) / args.repeats / NUM_LAYERS
+        per_call = f"{us / NUM_LAYERS / n:8.2f}" if n else ""
+        print(f"{name:46s} {us:9.1f} {us / NUM_LAYERS:9.2f} {n or '':>11} {per_call}")
     print(json.dumps({k: round(v, 1) for k, v in per_step.items()}))
 
 
