@@ -55,6 +55,8 @@ DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 HOPPER_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True,
                  "maxnreg": 128}
 
+_CONFIG_KEYS = frozenset(VARLEN_CONFIG) | frozenset(DECODE_CONFIG) | frozenset(HOPPER_CONFIG)
+
 
 def _varlen_config(max_query_len: int, group: int) -> dict:
     """Shrink the query tile for short queries (decode-heavy mixed batches) to waste fewer rows."""
@@ -207,10 +209,11 @@ def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ou
     )
     if any(t.device != q.device for t in tensors):
         raise ValueError(f"every tensor must be on q's device {q.device}")
-    known = set(VARLEN_CONFIG) | set(DECODE_CONFIG) | set(HOPPER_CONFIG)
-    unknown = set(config or {}) - known
+    unknown = set(config or ()) - _CONFIG_KEYS
     if unknown:
-        raise ValueError(f"config has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        raise ValueError(
+            f"config has unknown keys {sorted(unknown)}; known: {sorted(_CONFIG_KEYS)}"
+        )
 
 
 def paged_attention(
