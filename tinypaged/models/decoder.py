@@ -158,16 +158,25 @@ class SelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
+        q = self.project_qkv(positions, x, attn_metadata.slot_mapping)
+        return self.project_out(self.attn.attend(q, attn_metadata))
+
+    def project_qkv(self, positions: torch.Tensor, x: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> the rotated q [T, num_heads, head_dim]; k and v go to the cache."""
         qkv = self.qkv_proj(x)  # [T, (num_heads + 2 num_kv_heads) * head_dim]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        # q/k norm, rotary and the KV store: one kernel inside attention
+        # q/k norm, rotary and the KV store: one kernel
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        out = self.attn(positions, q, k, v, attn_metadata, *norms)  # [T, num_heads, head_dim]
-        return self.o_proj(out.reshape(-1, q_size))
+        return self.attn.store_kv(positions, q, k, v, slot_mapping, *norms)
+
+    def project_out(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """attn_out [T, num_heads, head_dim] -> [T, hidden]"""
+        return self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -205,11 +214,23 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, attn_metadata: AttentionMetadata):
         # `residual` is the running sum h; `hidden` the last block's output not yet added to it.
+        q, residual = self.pre_attention(positions, hidden, residual, attn_metadata.slot_mapping)
+        return self.post_attention(self.self_attn.attn.attend(q, attn_metadata), residual)
+
+    def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor,
+                      residual: torch.Tensor | None, slot_mapping: torch.Tensor):
+        """Token-wise work up to attention: (the add and) the input norm, QKV, rotary, KV store.
+        Returns the rotated q [T, num_heads, head_dim] and the running sum h [T, hidden]."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, attn_metadata)
+        return self.self_attn.project_qkv(positions, hidden, slot_mapping), residual
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
+        """Token-wise work after attention: o_proj, the add and norm, the MLP. Returns the
+        MLP's output and the running sum, each [T, hidden]."""
+        hidden = self.self_attn.project_out(attn_out)
         if self.sandwich_norms:
             hidden = self.post_self_attn_layernorm(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -241,15 +262,38 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        return hidden if self.embed_scale is None else hidden * self.embed_scale
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        if self.embed_scale is not None:
-            hidden = hidden * self.embed_scale
+        hidden, residual = self.embed(input_ids), None  # [T, hidden]
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def piece(self, i: int, x: torch.Tensor, residual: torch.Tensor | None,
+              positions: torch.Tensor, slot_mapping: torch.Tensor):
+        """Piece i (0..num_layers) of the forward cut at every attention: all of it token-wise,
+        so it can be captured once per token count (piecewise_graphs.py).
+
+            piece 0:       x = input_ids [T] -> embed, layer 0 up to attention
+            piece i:       x = layer i-1's attention output [T, heads, head_dim] -> its o_proj
+                           and MLP, then layer i up to attention
+            piece L:       the last o_proj and MLP, the final norm
+
+        Pieces 0..L-1 return (layer i's rotated q [T, heads, head_dim], running sum
+        [T, hidden]); piece L returns (hidden [T, hidden], None). Between pieces i and i+1 the
+        caller runs layer i's attention on q."""
+        if i == 0:
+            hidden = self.embed(x)
+        else:
+            hidden, residual = self.layers[i - 1].post_attention(x, residual)
+        if i == len(self.layers):
+            return self.norm(hidden, residual)[0], None
+        return self.layers[i].pre_attention(positions, hidden, residual, slot_mapping)
 
 
 class DecoderForCausalLM(nn.Module):

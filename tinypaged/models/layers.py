@@ -312,21 +312,35 @@ class Attention(nn.Module):
                 v: torch.Tensor, attn_metadata: AttentionMetadata,
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         # q [T, num_heads, head_dim]; k, v [T, num_kv_heads, head_dim]; q is rotated in place
+        q = self.store_kv(positions, q, k, v, attn_metadata.slot_mapping, q_norm, k_norm)
+        return self.attend(q, attn_metadata)  # [T, num_heads, head_dim]
+
+    def store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, slot_mapping: torch.Tensor, q_norm: RMSNorm | None = None,
+                 k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """The token-wise half: q/k norm, rotary, k and v into their slots (slot -1: not
+        stored); returns the rotated q. Piecewise CUDA graphs capture this half."""
         if self.k_cache.numel() == 0:
             raise RuntimeError(
                 "Attention.k_cache / v_cache are not assigned: allocate the KV cache "
                 "[num_blocks, block_size, num_kv_heads, head_dim] for every layer before forward"
             )
-        md, rope = attn_metadata, self.rotary_emb
-        q = kernels.rotary_store_kv(
-            positions, q, k, v, self.k_cache, self.v_cache, md.slot_mapping,
+        rope = self.rotary_emb
+        return kernels.rotary_store_kv(
+            positions, q, k, v, self.k_cache, self.v_cache, slot_mapping,
             rope.cos_sin_cache, rope.rotary_dim, rope.interleaved,
             q_norm_weight=None if q_norm is None else q_norm.weight,
             k_norm_weight=None if k_norm is None else k_norm.weight,
             eps=1e-6 if q_norm is None else q_norm.eps,
         )
+
+    def attend(self, q: torch.Tensor, attn_metadata: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The half that reads the whole batch's context: each new token over its cached keys
+        (shapes depend on the batch, so piecewise CUDA graphs run it eagerly, into `out`)."""
+        md = attn_metadata
         return kernels.paged_attention(
             q, self.k_cache, self.v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
             self.scale, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
-            sliding_window=self.sliding_window, softcap=self.logits_soft_cap,
+            out=out, sliding_window=self.sliding_window, softcap=self.logits_soft_cap,
         )  # [T, num_heads, head_dim]
