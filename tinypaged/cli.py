@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tinypaged.config import CUDAGRAPH_MODES
 from tinypaged.model_shapes import SHAPES
 from tinypaged.parsers import REASONING_PARSERS, TOOL_PARSERS
 
@@ -53,6 +54,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV-cache size")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--cudagraph-mode", default="FULL_DECODE_ONLY", choices=list(CUDAGRAPH_MODES),
+        help="FULL_AND_PIECEWISE: steps with prompt tokens replay graphs of the pieces between "
+             "attentions too (vLLM: --compilation-config '{\"cudagraph_mode\": ...}')")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the GPU runs this one (default: on CUDA)")
     p.add_argument("--quantization", default=None, choices=["awq", "gptq", "gguf"])
@@ -201,6 +206,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "num_kv_blocks": args.num_kv_blocks,
         "enable_prefix_caching": args.enable_prefix_caching,
         "enforce_eager": args.enforce_eager,
+        "cudagraph_mode": args.cudagraph_mode,
         "async_scheduling": args.async_scheduling,
         "quantization": args.quantization,
         "tensor_parallel_size": args.tensor_parallel_size,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
+CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
 
 @dataclass
 class EngineConfig:
@@ -25,6 +27,10 @@ class EngineConfig:
     cpu_kv_cache_space: float = 1.0  # GiB of KV cache on the CPU (vLLM: VLLM_CPU_KVCACHE_SPACE)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True = no CUDA graphs
+    # CUDA graphs when not enforce_eager (vLLM's compilation_config cudagraph_mode):
+    # "FULL_DECODE_ONLY" = full graphs of pure-decode steps; "FULL_AND_PIECEWISE" = those, and
+    # steps with prompt tokens replay graphs of the pieces between attentions (piecewise_graphs.py)
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
     quantization: str | None = None  # None (auto-detect) | "awq" | "gptq" | "gguf"
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -54,6 +60,11 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 positive(name)
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(
+                f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}; got "
+                f"{self.cudagraph_mode!r} (enforce_eager=True turns every graph off)"
+            )
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -3,7 +3,9 @@
 `build_step(scheduled)` turns the scheduler's choice into a StepInput (input_batch.py: the flat
 arrays, no padding) and `execute(step)` runs it: one pinned, non-blocking host-to-device copy of
 the arrays, then the model. Pure-decode batches replay a CUDA graph captured for the nearest
-batch-size bucket (see `cuda_graphs.py`); every other batch runs eagerly. `config.kernels`
+batch-size bucket (see `cuda_graphs.py`); with cudagraph_mode FULL_AND_PIECEWISE a batch of up
+to 512 tokens with prompt tokens replays graphs of the pieces between its attentions, which run
+eagerly (`piecewise_graphs.py`); every other batch runs eagerly. `config.kernels`
 decides, for the duration of each forward, who runs the ops (kernels/_triton.py).
 
 Under tensor parallelism every rank has its own ModelRunner (its shard, the KV cache of its heads,
@@ -99,6 +101,7 @@ class ModelRunner:
                          for _ in range(2 if self.pin else 0)]
         self.num_kept = 0
         self.graphs = None  # eager while profiling; captured after the cache exists
+        self.piecewise = None  # piecewise graphs of steps with prompt tokens (optional)
         self.kv_cache_info = self._allocate_kv_cache()
         if device.type == "cuda":
             self._warm_up()
@@ -107,15 +110,28 @@ class ModelRunner:
 
             with self.kernels:
                 self.graphs = DecodeGraphs(self)
+                self.piecewise = self._piecewise_graphs()
+
+    def _piecewise_graphs(self):
+        from tinypaged.piecewise_graphs import PiecewiseGraphs, supports_piecewise, token_buckets
+
+        buckets = token_buckets(self.config.max_num_batched_tokens)
+        if self.config.cudagraph_mode != "FULL_AND_PIECEWISE" or not buckets:
+            return None
+        if not supports_piecewise(self.model):
+            logger.info("piecewise CUDA graphs: not for %s (MoE); its prompt steps run eagerly",
+                        type(self.model).__name__)
+            return None
+        return PiecewiseGraphs(self.model, buckets, self.device, self.dtype)
 
     def release_graphs(self) -> None:
-        """Drop the captured decode graphs and their memory pool; later steps run eagerly.
-        Under tensor parallelism every rank must do this before leaving the process group: NCCL
-        can neither destroy nor abort a communicator that a live CUDA graph holds (a captured
-        all-reduce), and waits forever (seen on 2 x H200, torch 2.11)."""
+        """Drop the captured graphs (decode and piecewise) and their memory pools; later steps
+        run eagerly. Under tensor parallelism every rank must do this before leaving the
+        process group: NCCL can neither destroy nor abort a communicator that a live CUDA
+        graph holds (a captured all-reduce), and waits forever (seen on 2 x H200, torch 2.11)."""
         if self.graphs is None:
             return
-        self.graphs = None
+        self.graphs = self.piecewise = None
         gc.collect()  # DecodeGraphs and the runner reference each other
         torch.cuda.synchronize(self.device)
 
@@ -261,7 +277,10 @@ class ModelRunner:
                 # from pageable memory and wait for the GPU to finish the step.
                 return logits[self._to_device(step.logits_indices)]
             input_ids, positions, md, logits_indices = self._device_inputs(step)
-            hidden = self.model(input_ids, positions, md)  # [T, hidden]
+            if self.piecewise is not None and self.piecewise.fits(len(step.input_ids)):
+                hidden = self.piecewise.run(input_ids, positions, md)  # [T, hidden]
+            else:
+                hidden = self.model(input_ids, positions, md)  # [T, hidden]
             return self.model.compute_logits(hidden[logits_indices])
 
 

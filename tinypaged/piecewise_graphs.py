@@ -1,0 +1,127 @@
+"""Piecewise CUDA graphs for steps that carry prompt tokens (vLLM's PIECEWISE cudagraph mode).
+
+An eager step of a few hundred tokens spends more time launching kernels from Python than the
+GPU spends running them (benchmarks/RESULTS.md, "host cost of an eager mixed step"). Its
+attention cannot be captured once and replayed: its grid and tiles follow the batch (how many
+sequences, how long each query, prefill or decode kernel). Everything else is token-wise, so
+the forward is cut at every attention into L + 1 pieces (DecoderModel.piece):
+
+    piece 0:  embed, layer 0's input norm, QKV, rotary + KV store         -> q_0, h
+    attention of layer 0, eager, into the static buffer attn_out
+    piece i:  layer i-1's o_proj, norm, MLP; layer i's norm, QKV, store    -> q_i, h
+    ...
+    piece L:  layer L-1's o_proj, norm, MLP; final norm                   -> hidden
+
+Each piece is captured once per token-count bucket (16..256 step 16, then 288..512 step 32),
+largest first, all in one memory pool. A step of T tokens runs in the smallest bucket bs >= T:
+its token-wise inputs are copied to the front of static buffers and rows T..bs-1 padded
+(input_ids 0, position 0, slot -1 so nothing is stored); attention runs on the first T rows
+only, with the step's own metadata, and writes attn_out[:T]. Padding rows never mix with real
+ones (every captured op is token-wise), so the first T rows of the result are the eager ones.
+
+A captured piece's outputs (q, h) stay alive as the next piece's inputs: per bucket L tensors
+of [bs, heads * head_dim] and of [bs, hidden] (about 2.8 GB in all for the Llama-3-8B shape
+at the default buckets). Under tensor parallelism the all-reduces inside o_proj and down_proj
+are captured like the decode graphs' ones.
+
+Without `capture` (the CPU, tests) `run` is the same loop with each piece run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from tinypaged.models.batch import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def token_buckets(max_num_tokens: int) -> list[int]:
+    """16..256 step 16, then 288..512 step 32, those <= max_num_tokens."""
+    sizes = list(range(16, 257, 16)) + list(range(288, 513, 32))
+    return [s for s in sizes if s <= max_num_tokens]
+
+
+def supports_piecewise(model: torch.nn.Module) -> bool:
+    """Dense decoders only: the MoE block's routing reads expert ids on the host."""
+    spec = getattr(model, "spec", None)
+    return spec is not None and spec.moe is None and hasattr(model, "model")
+
+
+class PiecewiseGraphs:
+    def __init__(self, model: torch.nn.Module, buckets: list[int], device: torch.device,
+                 dtype: torch.dtype, capture: bool = True) -> None:
+        if not buckets:
+            raise ValueError("piecewise CUDA graphs need at least one token-count bucket")
+        self.decoder = model.model
+        self.attns = [layer.self_attn.attn for layer in self.decoder.layers]
+        self.buckets = sorted(buckets)
+        max_t, first = self.buckets[-1], self.attns[0]
+        self.input_ids = torch.zeros(max_t, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_t, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_t,), -1, dtype=torch.int64, device=device)
+        # [max_t, num_heads, head_dim]: every layer's attention writes here, the next piece reads
+        self.attn_out = torch.zeros(max_t, first.num_heads, first.head_dim, dtype=dtype,
+                                    device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple] = {}
+        if capture:
+            self._capture()
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.buckets[-1]
+
+    def _piece(self, bs: int, i: int, x: torch.Tensor, residual: torch.Tensor | None):
+        graph = self.graphs.get((bs, i))
+        if graph is None:
+            return self.decoder.piece(i, x, residual, self.positions[:bs], self.slot_mapping[:bs])
+        graph.replay()
+        return self.outputs[bs, i]  # the tensors the capture wrote: x, residual were its inputs
+
+    def _forward(self, bs: int, n: int, attn_metadata: AttentionMetadata | None) -> torch.Tensor:
+        """Pieces and attentions of bucket bs, the step's n real tokens at the front;
+        attn_metadata None: skip attention (capture records only the pieces)."""
+        x, residual, out = self.input_ids[:bs], None, self.attn_out[:bs]
+        for i, attn in enumerate(self.attns):
+            q, residual = self._piece(bs, i, x, residual)
+            if attn_metadata is not None:
+                attn.attend(q[:n], attn_metadata, out=out[:n])
+            x = out
+        return self._piece(bs, len(self.attns), x, residual)[0]  # [bs, hidden]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """hidden [T, hidden] of a step of T <= max bucket tokens (device tensors, as the eager
+        forward takes them)."""
+        n = input_ids.shape[0]
+        bs = self.buckets[bisect.bisect_left(self.buckets, n)]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(attn_metadata.slot_mapping)
+        self.input_ids[n:bs] = 0
+        self.positions[n:bs] = 0
+        self.slot_mapping[n:bs] = -1
+        return self._forward(bs, n, attn_metadata)[:n]
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = None
+        for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
+            for _ in range(2):  # warm up: compile kernels, settle the allocator
+                self._forward(bs, bs, None)
+            torch.cuda.synchronize()
+            x, residual = self.input_ids[:bs], None
+            for i in range(len(self.attns) + 1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outs = self.decoder.piece(i, x, residual, self.positions[:bs],
+                                              self.slot_mapping[:bs])
+                pool = graph.pool()
+                self.graphs[bs, i], self.outputs[bs, i] = graph, outs
+                x, residual = self.attn_out[:bs], outs[1]
+        torch.cuda.synchronize()
+        logger.info("captured piecewise CUDA graphs (%d pieces) for token counts %s",
+                    len(self.attns) + 1, self.buckets)
