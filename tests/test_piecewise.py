@@ -89,3 +89,50 @@ def test_piecewise_forward_matches_eager(kind, num_tokens):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
     bs = min(b for b in BUCKETS if b >= num_tokens)
     assert pieces.attn_out[num_tokens:bs].isnan().all()  # padding rows never attended
+
+
+def test_runner_takes_the_piecewise_path_for_steps_that_fit(tmp_path):
+    """The runner's wiring: steps with prompt tokens of at most the largest bucket go through
+    the pieces (run eagerly here), larger ones and pure decodes do not; tokens are unchanged."""
+    import json
+
+    from tinypaged import LLM, SamplingParams
+
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+              device="cpu", enable_prefix_caching=False, max_num_seqs=8,
+              max_num_batched_tokens=32, max_model_len=256)
+    runner = llm.engine.runner
+    pieces = PiecewiseGraphs(runner.model, [8, 16], torch.device("cpu"), torch.float32,
+                             capture=False)
+    sizes, steps, run, execute = [], [], pieces.run, runner.execute
+
+    def counted(input_ids, positions, md):
+        sizes.append((input_ids.shape[0], md.max_query_len))
+        return run(input_ids, positions, md)
+
+    def counted_step(step):
+        steps.append(len(step.input_ids))
+        return execute(step)
+
+    pieces.run, runner.execute = counted, counted_step
+    gen = torch.Generator().manual_seed(2)
+    batches = [[{"prompt_token_ids": torch.randint(3, 512, (n,), generator=gen).tolist()}
+                for n in lengths] for lengths in ((3, 50, 17, 9, 31, 44), (5, 9))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def generate():
+        return [o.outputs[0].token_ids for prompts in batches
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    eager = generate()
+    runner.piecewise = pieces
+    assert generate() == eager
+    ours_steps = steps[len(steps) // 2:]
+    assert [n for n, _ in sizes] == [n for n in ours_steps if n <= 16]
+    assert any(q > 1 for _, q in sizes)  # steps with prompt tokens took it
+    assert any(n > 16 for n in ours_steps)  # and larger ones ran eagerly
