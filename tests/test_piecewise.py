@@ -22,7 +22,12 @@ from model_helpers import (
 
 from tinypaged.config import EngineConfig
 from tinypaged.models.layers import Attention
-from tinypaged.piecewise_graphs import PiecewiseGraphs, supports_piecewise, token_buckets
+from tinypaged.piecewise_graphs import (
+    PiecewiseGraphs,
+    supports_piecewise,
+    token_buckets,
+    weak_view,
+)
 
 BUCKETS = [8, 16, 32]
 BLOCK_SIZE = 8
@@ -34,6 +39,21 @@ def test_token_buckets():
     assert token_buckets(8192)[-1] == 512
     assert token_buckets(100) == [16, 32, 48, 64, 80, 96]
     assert token_buckets(8) == []
+
+
+def test_weak_view_aliases_without_owning():
+    qkv = torch.arange(24.0).reshape(4, 6)
+    q = qkv[:, :4].reshape(4, 2, 2)  # a strided view at offset 0, as the rotated q is
+    k = qkv[1:, 4:]  # a view at an offset
+    owners = torch._C._storage_Use_Count(qkv.untyped_storage()._cdata)
+    for t in (q, k):
+        weak = weak_view(t)
+        assert weak.data_ptr() == t.data_ptr() and weak.stride() == t.stride()
+        assert torch.equal(weak, t)
+    # a plain view would hold the storage; the weak ones do not
+    assert torch._C._storage_Use_Count(qkv.untyped_storage()._cdata) == owners
+    qkv[1, 4] = -1.0
+    assert weak_view(k)[0, 0] == -1.0
 
 
 def test_cudagraph_mode_is_validated():

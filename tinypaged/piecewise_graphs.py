@@ -19,10 +19,14 @@ its token-wise inputs are copied to the front of static buffers and rows T..bs-1
 only, with the step's own metadata, and writes attn_out[:T]. Padding rows never mix with real
 ones (every captured op is token-wise), so the first T rows of the result are the eager ones.
 
-A captured piece's outputs (q, h) stay alive as the next piece's inputs: per bucket L tensors
-of [bs, heads * head_dim] and of [bs, hidden] (about 2.8 GB in all for the Llama-3-8B shape
-at the default buckets). Under tensor parallelism the all-reduces inside o_proj and down_proj
-are captured like the decode graphs' ones.
+Memory: every piece of every bucket is captured into one pool, and a piece's outputs (q, h)
+are kept only as weak views (`weak_view`, vLLM's weak_ref_tensor): once the next piece is
+captured their memory goes back to the pool, and later captures may reuse it. That is safe
+because replays run in capture order: q_i and h_i are dead once piece i+1 has run, and a
+bucket's outputs are dead once its step has read them. Held strongly, they would cost
+L * ([bs, (heads + 2 kv_heads) * head_dim] + [bs, hidden]) per bucket, ~3.5 GB for the
+Llama-3-8B shape. Under tensor parallelism the all-reduces inside o_proj and down_proj are
+captured like the decode graphs' ones.
 
 Without `capture` (the CPU, tests) `run` is the same loop with each piece run eagerly.
 """
@@ -43,6 +47,16 @@ def token_buckets(max_num_tokens: int) -> list[int]:
     """16..256 step 16, then 288..512 step 32, those <= max_num_tokens."""
     sizes = list(range(16, 257, 16)) + list(range(288, 513, 32))
     return [s for s in sizes if s <= max_num_tokens]
+
+
+def weak_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over t's memory that does not keep that memory allocated (torch's own CUDA
+    graph trees rebuild their outputs the same way)."""
+    storage = t.untyped_storage()
+    weak = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device,
+                                                         storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        weak, t.storage_offset(), t.shape, t.stride())
 
 
 def supports_piecewise(model: torch.nn.Module) -> bool:
@@ -117,11 +131,14 @@ class PiecewiseGraphs:
             for i in range(len(self.attns) + 1):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
+                    # `residual` (piece i-1's output) is held until this capture is done
                     outs = self.decoder.piece(i, x, residual, self.positions[:bs],
                                               self.slot_mapping[:bs])
                 pool = graph.pool()
-                self.graphs[bs, i], self.outputs[bs, i] = graph, outs
+                self.graphs[bs, i] = graph
+                self.outputs[bs, i] = tuple(None if t is None else weak_view(t) for t in outs)
                 x, residual = self.attn_out[:bs], outs[1]
+            del outs, residual
         torch.cuda.synchronize()
         logger.info("captured piecewise CUDA graphs (%d pieces) for token counts %s",
                     len(self.attns) + 1, self.buckets)
