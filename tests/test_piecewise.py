@@ -156,3 +156,66 @@ def test_runner_takes_the_piecewise_path_for_steps_that_fit(tmp_path):
     assert [n for n, _ in sizes] == [n for n in ours_steps if n <= 16]
     assert any(q > 1 for _, q in sizes)  # steps with prompt tokens took it
     assert any(n > 16 for n in ours_steps)  # and larger ones ran eagerly
+
+
+class _RecordedGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU with a graph's contract: replay reruns the
+    captured call on the captured inputs and writes into the captured outputs' memory."""
+
+    capturing = None
+
+    def __init__(self) -> None:
+        self.call, self.outputs = None, None
+
+    def pool(self) -> str:
+        return "pool"
+
+    def replay(self) -> None:
+        for out, new in zip(self.outputs, self.call()):
+            if out is not None:
+                out.copy_(new)
+
+
+@torch.inference_mode()
+def test_capture_and_replay_wiring(monkeypatch):
+    """`_capture` then `run` in graph mode: each replay's outputs are the tensors the next
+    piece and the attention read (graphs emulated; weak views off, as the CPU frees at once)."""
+    import contextlib
+
+    import tinypaged.piecewise_graphs as pg
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None):
+        _RecordedGraph.capturing = graph
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(pg, "weak_view", lambda t: t)
+    hf = tiny_hf_model("qwen3", seed=6)
+    model = build_model(hf.config, checkpoint_weights(hf))
+    piece = model.model.piece
+
+    def recorded_piece(*args):
+        outs, graph = piece(*args), _RecordedGraph.capturing
+        if graph is not None:
+            graph.call, graph.outputs, _RecordedGraph.capturing = lambda: piece(*args), outs, None
+        return outs
+
+    monkeypatch.setattr(model.model, "piece", recorded_piece)
+    runner = PagedRunner(model, block_size=BLOCK_SIZE, num_blocks=24, seed=3)
+    cached, fresh = runner.add_sequence(), runner.add_sequence()
+    runner.step({cached: list(range(11))})
+    graphs = PiecewiseGraphs(model, [16, 32], torch.device("cpu"), torch.float32)
+    assert len(graphs.graphs) == 2 * (len(graphs.attns) + 1)
+    for n in (13, 16, 20):
+        new = {cached: [5], fresh: list(range(3, 2 + n))}
+        for s, toks in new.items():
+            while len(runner.block_tables[s]) * BLOCK_SIZE < runner.num_cached[s] + len(toks):
+                runner.block_tables[s].append(runner.free_blocks.pop())
+        ids, positions, md = build_flat_batch(
+            list(new.values()), [runner.num_cached[s] for s in new],
+            [runner.block_tables[s] for s in new], BLOCK_SIZE)
+        torch.testing.assert_close(graphs.run(ids, positions, md), model(ids, positions, md),
+                                   rtol=1e-5, atol=1e-5)
