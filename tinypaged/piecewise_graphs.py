@@ -60,12 +60,16 @@ def weak_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def supports_piecewise(model: torch.nn.Module) -> bool:
-    """Dense decoders only: the MoE block's routing reads expert ids on the host."""
+    """Dense decoders only: MoE models stay eager (the torch path of the expert routing reads
+    expert ids on the host, and the Triton one has not been checked under capture)."""
     spec = getattr(model, "spec", None)
     return spec is not None and spec.moe is None and hasattr(model, "model")
 
 
 class PiecewiseGraphs:
+    """The captured pieces of one model per token-count bucket and the loop that replays them
+    around eager attention (`run`); `capture=False` runs the pieces eagerly instead."""
+
     def __init__(self, model: torch.nn.Module, buckets: list[int], device: torch.device,
                  dtype: torch.dtype, capture: bool = True) -> None:
         if not buckets:
