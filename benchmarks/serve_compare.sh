@@ -22,7 +22,8 @@
 #
 # Knobs (environment): SHAPE (llama3-8b), RATES ("4 16 64"), DURATION (s per rate, 20),
 # RANDOM_INPUT_LEN (256), RANDOM_OUTPUT_LEN (128), VLLM (unset), VLLM_SITE (/tmp/vsite);
-# MODEL_DIR, DTYPE, MAX_MODEL_LEN replace the shape's folder, bfloat16, 2048 (a dry run on a CPU).
+# MODEL_DIR, DTYPE, MAX_MODEL_LEN replace the shape's folder, bfloat16, 2048 (a dry run on a CPU);
+# TINYPAGED_ARGS adds flags to `tinypaged serve` only (e.g. "--cudagraph-mode FULL_DECODE_ONLY").
 set -u
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -139,7 +140,7 @@ sys.exit(not (r['completed'] == 2 and r['output_lens'] == [$OUT_LEN] * 2))"; the
 }
 
 run tinypaged 8100 python -m tinypaged serve "$MODEL_DIR" --load-format dummy "${LIMITS[@]}" \
-  --log-level warning
+  --log-level warning ${TINYPAGED_ARGS:-}
 if [ -n "${VLLM:-}" ]; then
   # vLLM 0.20.2's `vllm serve`; like tinypaged's --log-level warning, no access-log line per
   # request. Its /v1/completions takes the same token-id prompts and ignore_eos.

@@ -17,7 +17,10 @@
    long shutdown() took after it.
 5. --signal-check: a script that builds the LLM at module level, with no main guard (workers
    forked), run in a subprocess at the largest TP size, ended once by SIGINT and once by
-   SIGTERM: how long until it exited, and whether its worker is gone.
+   SIGTERM: how long until it exited, and whether its worker is gone. Then the same two signals
+   to `tinypaged serve -tp N` after it answered a request: exit time, exit status, and whether
+   every process it started (engine core, workers) is gone. And an LLM dropped without
+   shutdown() (`del llm; gc.collect()`): how long until its workers are gone.
 Every shutdown() is timed (the largest is printed). The script exits with status 3 at once if
 an error never comes within 120 s or a shutdown takes over 60 s (a hang).
 
@@ -262,6 +265,112 @@ def signal_check(tp: int) -> list[tuple]:
     return rows
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...), read from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """The pids still alive after up to `timeout` s (zombies count as gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def gc_check(tp: int) -> tuple:
+    """An LLM at TP=`tp` dropped without shutdown(): its finalizer must stop the workers."""
+    path = Path(tempfile.mkdtemp())
+    save_tiny("llama", path)
+    llm = LLM(str(path), skip_tokenizer_init=True, tensor_parallel_size=tp, num_kv_blocks=256)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=8), use_tqdm=False)
+    workers = [w.process.pid for w in llm.engine.executor.workers]
+    start = time.monotonic()
+    del llm
+    gc.collect()
+    left = wait_gone(workers, 20.0)
+    took = time.monotonic() - start
+    shutil.rmtree(path)
+    note = f"del llm + gc.collect(): {len(workers) - len(left)}/{len(workers)} workers gone "
+    return ("garbage-collected LLM", "float32", tp, 0, note + f"after {took:.2f} s", 0)
+
+
+def serve_check(tp: int) -> list[tuple]:
+    """`tinypaged serve -tp N`, one completion answered, then SIGINT (Ctrl-C) and SIGTERM."""
+    import httpx
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tests.test_server_helpers import free_port
+
+    path = Path(tempfile.mkdtemp())
+    save_tiny("llama", path)
+    # A word-level tokenizer over the tiny vocabulary (the GPU machine cannot fetch one).
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    rows = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tinypaged", "serve", str(path), "-tp", str(tp), "--port",
+             str(port), "--num-kv-blocks", "256", "--max-model-len", "256"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": "."})
+        guard = hang_guard(300.0, f"serve check TP={tp} {sig.name}")
+        url = f"http://127.0.0.1:{port}"
+        while proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        if proc.poll() is not None:
+            note = f"serve exited {proc.returncode} before it was healthy: " + \
+                proc.stderr.read()[-300:].replace("\n", " ")
+        else:
+            body = {"model": str(path), "prompt": [5, 6, 7], "max_tokens": 8,
+                    "temperature": 0.0, "ignore_eos": True}
+            reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            procs = descendants(proc.pid)
+            proc.send_signal(sig)
+            start = time.monotonic()
+            try:
+                proc.wait(timeout=60)
+                took = f"exited {time.monotonic() - start:.2f} s after {sig.name} " \
+                       f"(status {proc.returncode})"
+            except subprocess.TimeoutExpired:
+                took = f"STILL RUNNING 60 s after {sig.name}"
+            left = wait_gone(procs)
+            note = (f"request answered {reply.status_code}; {took}; {len(procs)} processes below "
+                    f"it, {'still running: ' + str(left) if left else 'all gone'}")
+        guard.cancel()
+        if proc.poll() is None:
+            proc.kill()
+        rows.append(("tinypaged serve", "bfloat16", tp, 0, note, 0))
+    shutil.rmtree(path)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, nargs="*", default=[2], help="TP sizes against TP=1")
@@ -273,7 +382,8 @@ def main() -> None:
     parser.add_argument("--skip-8b", action="store_true")
     parser.add_argument("--kill-check", action="store_true", help="kill a worker mid-decode")
     parser.add_argument("--signal-check", action="store_true",
-                        help="SIGINT / SIGTERM a module-level script running TP")
+                        help="SIGINT / SIGTERM a module-level script and `tinypaged serve` "
+                        "running TP; an LLM dropped without shutdown()")
     args = parser.parse_args()
     print(f"{torch.cuda.device_count()} GPU(s); NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
     rows = tiny_checks(args.kinds, args.dtypes, args.tp, args.eager, args.one_rank_group)
@@ -283,6 +393,8 @@ def main() -> None:
         rows.append(kill_check(max(args.tp), args.eager))
     if args.tp and args.signal_check:
         rows += signal_check(max(args.tp))
+        rows += serve_check(max(args.tp))
+        rows.append(gc_check(max(args.tp)))
     print("| model | dtype | TP | prompts equal to TP=1 | first disagreements |")
     print("|---|---|---|---|---|")
     for model, dtype, tp, equal, note, n in rows:

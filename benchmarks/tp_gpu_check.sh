@@ -2,8 +2,9 @@
 # Tensor parallelism on a multi-GPU machine, end to end, in one command (under 9.5 minutes):
 #   1. `tinypaged bench throughput --model-shape llama3-8b -tp N` (it used to hang at exit);
 #   2. benchmarks/tp_check.py: greedy tokens at TP=N against TP=1 (tiny models, Llama-3-8B
-#      shape), a worker killed mid-decode (--kill-check), a module-level script ended by SIGINT
-#      and by SIGTERM (--signal-check);
+#      shape), a worker killed mid-decode (--kill-check), a module-level script and
+#      `tinypaged serve -tp N` each ended by SIGINT and by SIGTERM, an LLM dropped without
+#      shutdown() (--signal-check);
 # after each, no process may still hold a GPU (nvidia-smi). Logs go to $OUT (or /tmp); the last
 # lines printed are the summary.
 #
@@ -34,9 +35,9 @@ check() {
 }
 
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
-check bench_tp 200 python -m tinypaged bench throughput --model-shape llama3-8b -tp "$TP" \
+check bench_tp 150 python -m tinypaged bench throughput --model-shape llama3-8b -tp "$TP" \
   --json "$LOGS/bench_tp$TP.json"
-check tp_check 320 python benchmarks/tp_check.py --tp "$TP" --dtypes bfloat16 --kill-check \
+check tp_check 400 python benchmarks/tp_check.py --tp "$TP" --dtypes bfloat16 --kill-check \
   --signal-check
 echo "== summary (TP=$TP; exit 124 = over its time limit, 3 = a hang caught by tp_check)"
 printf '%s\n' "${SUMMARY[@]}"
