@@ -31,6 +31,7 @@ an error never comes within 120 s or a shutdown takes over 60 s (a hang).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import os
@@ -65,6 +66,7 @@ def hang_guard(seconds: float, what: str) -> threading.Timer:
     """Exit with status 3 unless cancelled within `seconds`: a hang fails fast and loudly."""
     def hang() -> None:
         print(f"| {what} | HANG: not done after {seconds:.0f} s |", flush=True)
+        faulthandler.dump_traceback(all_threads=True)  # where rank 0 waits
         os._exit(3)
 
     guard = threading.Timer(seconds, hang)
@@ -82,11 +84,24 @@ def timed_shutdown(llm: LLM) -> float:
     return SHUTDOWN_S[-1]
 
 
+START = time.monotonic()
+
+
+def log(line: str) -> None:
+    print(f"[{time.monotonic() - START:6.1f} s] {line}", flush=True)
+
+
 def run(path: str, prompts: list[list[int]], steps: int, **engine) -> list:
-    """(token ids, per-step logprobs) of each prompt; the engine (and its workers) is freed."""
+    """(token ids, per-step logprobs) of each prompt; the engine (and its workers) is freed.
+    Start-up (Triton compiles, graph capture) and generation must end within 240 s."""
+    what = f"{Path(path).name} {engine.get('dtype')} TP={engine.get('tensor_parallel_size', 1)}"
+    guard = hang_guard(240.0, f"engine {what}")
     llm = LLM(path, skip_tokenizer_init=True, **engine)
+    log(f"{what}: engine up")
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    guard.cancel()
+    log(f"{what}: generated")
     timed_shutdown(llm)
     del llm
     gc.collect()
@@ -115,7 +130,7 @@ def tiny_checks(kinds: list[str], dtypes: list[str], tp_sizes: list[int], eager:
     prompts = [[rng.randrange(2, 250) for _ in range(rng.randint(5, 60))] for _ in range(8)]
     rows = []
     for kind in kinds:
-        path = Path(tempfile.mkdtemp())
+        path = Path(tempfile.mkdtemp(prefix=f"tp-check-{kind}-"))
         save_tiny(kind, path)
         for dtype in dtypes:
             engine = dict(dtype=dtype, num_kv_blocks=256, max_num_seqs=16, enforce_eager=eager)
@@ -130,9 +145,11 @@ def tiny_checks(kinds: list[str], dtypes: list[str], tp_sizes: list[int], eager:
                 finally:
                     engine_module.create_executor = create_executor
                 rows.append((kind, dtype, "1 (1-rank group)", *compare(ref, ours), len(prompts)))
+                log(row_text(rows[-1]))
             for tp in tp_sizes:
                 ours = run(str(path), prompts, 16, tensor_parallel_size=tp, **engine)
                 rows.append((kind, dtype, tp, *compare(ref, ours), len(prompts)))
+                log(row_text(rows[-1]))
         shutil.rmtree(path)
     return rows
 
@@ -179,6 +196,7 @@ def llama8b_checks(tp_sizes: list[int], eager: bool, steps: int = 32) -> list[tu
     path = Path(tempfile.mkdtemp(prefix="tp-check-llama8b-"))
     try:
         write_random_llama(path, SHAPES["llama3-8b"])
+        log("Llama-3-8B-shape checkpoint written")
         rng = random.Random(1)
         prompts = [[rng.randrange(1000, 127000) for _ in range(n)] for n in (7, 60, 200, 513)]
         engine = dict(dtype="bfloat16", num_kv_blocks=1024, max_num_seqs=16,
@@ -371,6 +389,11 @@ def serve_check(tp: int) -> list[tuple]:
     return rows
 
 
+def row_text(row: tuple) -> str:
+    model, dtype, tp, equal, note, n = row
+    return f"| {model} | {dtype} | {tp} | {equal}/{n} | {note} |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, nargs="*", default=[2], help="TP sizes against TP=1")
@@ -387,18 +410,22 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{torch.cuda.device_count()} GPU(s); NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
     rows = tiny_checks(args.kinds, args.dtypes, args.tp, args.eager, args.one_rank_group)
+    checks = []
     if args.tp and not args.skip_8b:
-        rows += llama8b_checks(args.tp, args.eager)
+        checks.append(lambda: llama8b_checks(args.tp, args.eager))
     if args.tp and args.kill_check:
-        rows.append(kill_check(max(args.tp), args.eager))
+        checks.append(lambda: [kill_check(max(args.tp), args.eager)])
     if args.tp and args.signal_check:
-        rows += signal_check(max(args.tp))
-        rows += serve_check(max(args.tp))
-        rows.append(gc_check(max(args.tp)))
+        checks += [lambda: signal_check(max(args.tp)), lambda: serve_check(max(args.tp)),
+                   lambda: [gc_check(max(args.tp))]]
+    for check in checks:
+        for row in check():
+            rows.append(row)
+            log(row_text(row))
     print("| model | dtype | TP | prompts equal to TP=1 | first disagreements |")
     print("|---|---|---|---|---|")
-    for model, dtype, tp, equal, note, n in rows:
-        print(f"| {model} | {dtype} | {tp} | {equal}/{n} | {note} |")
+    for row in rows:
+        print(row_text(row))
     print(f"{len(SHUTDOWN_S)} shutdown() calls, the slowest {max(SHUTDOWN_S, default=0):.2f} s")
 
 
