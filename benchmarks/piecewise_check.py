@@ -56,7 +56,7 @@ def check_tiny(kind: str) -> str:
     (path / "config.json").write_text(json.dumps({**BASE, **TINY[kind]}))
     llm = LLM(str(path), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
               enable_prefix_caching=False, max_num_seqs=32, max_num_batched_tokens=512,
-              max_model_len=1024, gpu_memory_utilization=0.1, cudagraph_mode="FULL_AND_PIECEWISE")
+              max_model_len=1024, num_kv_blocks=2048, cudagraph_mode="FULL_AND_PIECEWISE")
     runner = llm.engine.runner
     graphs, calls = runner.piecewise, [0]
     if graphs is None:
