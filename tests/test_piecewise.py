@@ -24,7 +24,7 @@ from tinypaged.config import EngineConfig
 from tinypaged.models.layers import Attention
 from tinypaged.piecewise_graphs import (
     PiecewiseGraphs,
-    supports_piecewise,
+    piecewise_unsupported,
     token_buckets,
     weak_view,
 )
@@ -64,7 +64,23 @@ def test_cudagraph_mode_is_validated():
 
 def test_moe_models_stay_eager():
     hf = tiny_hf_model("qwen3_moe", seed=1)
-    assert not supports_piecewise(build_model(hf.config, checkpoint_weights(hf)))
+    assert piecewise_unsupported(build_model(hf.config, checkpoint_weights(hf))) == "MoE"
+
+
+def test_quantized_models_stay_eager(tmp_path):
+    from test_awq_model import quantized_pair
+
+    from tinypaged.models.loader import load_model
+
+    awq_dir, _ = quantized_pair("llama", tmp_path)
+    model, _, _ = load_model(EngineConfig(model=str(awq_dir)), "cpu")
+    assert piecewise_unsupported(model) == "quantized weights"
+
+
+def test_dense_float_models_are_captured_by_default():
+    assert EngineConfig().cudagraph_mode == "FULL_AND_PIECEWISE"
+    hf = tiny_hf_model("llama", seed=1)
+    assert piecewise_unsupported(build_model(hf.config, checkpoint_weights(hf))) is None
 
 
 def _caches(model) -> list[torch.Tensor]:

@@ -55,9 +55,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
-        "--cudagraph-mode", default="FULL_DECODE_ONLY", choices=list(CUDAGRAPH_MODES),
-        help="FULL_AND_PIECEWISE: steps with prompt tokens replay graphs of the pieces between "
-             "attentions too (vLLM: --compilation-config '{\"cudagraph_mode\": ...}')")
+        "--cudagraph-mode", default="FULL_AND_PIECEWISE", choices=list(CUDAGRAPH_MODES),
+        help="FULL_AND_PIECEWISE (default): steps with prompt tokens replay graphs of the pieces "
+             "between attentions too; FULL_DECODE_ONLY: only pure-decode steps use graphs "
+             "(vLLM: --compilation-config '{\"cudagraph_mode\": ...}')")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the GPU runs this one (default: on CUDA)")
     p.add_argument("--quantization", default=None, choices=["awq", "gptq", "gguf"])

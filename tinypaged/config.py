@@ -30,7 +30,7 @@ class EngineConfig:
     # CUDA graphs when not enforce_eager (vLLM's compilation_config cudagraph_mode):
     # "FULL_DECODE_ONLY" = full graphs of pure-decode steps; "FULL_AND_PIECEWISE" = those, and
     # steps with prompt tokens replay graphs of the pieces between attentions (piecewise_graphs.py)
-    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"  # vLLM's default
     quantization: str | None = None  # None (auto-detect) | "awq" | "gptq" | "gguf"
     seed: int = 0
     tensor_parallel_size: int = 1

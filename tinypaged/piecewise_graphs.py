@@ -59,11 +59,19 @@ def weak_view(t: torch.Tensor) -> torch.Tensor:
         weak, t.storage_offset(), t.shape, t.stride())
 
 
-def supports_piecewise(model: torch.nn.Module) -> bool:
-    """Dense decoders only: MoE models stay eager (the torch path of the expert routing reads
-    expert ids on the host, and the Triton one has not been checked under capture)."""
+def piecewise_unsupported(model: torch.nn.Module) -> str | None:
+    """Why `model`'s prompt steps must stay eager, or None. Dense decoders in float weights
+    only: MoE routing reads expert ids on the host in its torch path (and the Triton one has
+    not been checked under capture); the quantized GEMMs (AWQ, GPTQ, GGUF: integer weights)
+    take other paths above the decode batch sizes that have not been checked under capture."""
     spec = getattr(model, "spec", None)
-    return spec is not None and spec.moe is None and hasattr(model, "model")
+    if spec is None or not hasattr(model, "model"):
+        return "not a DecoderForCausalLM"
+    if spec.moe is not None:
+        return "MoE"
+    if any(not t.dtype.is_floating_point for t in model.parameters()):
+        return "quantized weights"
+    return None
 
 
 class PiecewiseGraphs:

@@ -113,14 +113,18 @@ class ModelRunner:
                 self.piecewise = self._piecewise_graphs()
 
     def _piecewise_graphs(self):
-        from tinypaged.piecewise_graphs import PiecewiseGraphs, supports_piecewise, token_buckets
+        from tinypaged.piecewise_graphs import (
+            PiecewiseGraphs,
+            piecewise_unsupported,
+            token_buckets,
+        )
 
         buckets = token_buckets(self.config.max_num_batched_tokens)
         if self.config.cudagraph_mode != "FULL_AND_PIECEWISE" or not buckets:
             return None
-        if not supports_piecewise(self.model):
-            logger.info("piecewise CUDA graphs: not for %s (MoE); its prompt steps run eagerly",
-                        type(self.model).__name__)
+        if reason := piecewise_unsupported(self.model):
+            logger.info("piecewise CUDA graphs: not for %s (%s); its prompt steps run eagerly",
+                        type(self.model).__name__, reason)
             return None
         return PiecewiseGraphs(self.model, buckets, self.device, self.dtype)
 
