@@ -77,10 +77,15 @@ def test_quantized_models_stay_eager(tmp_path):
     assert piecewise_unsupported(model) == "quantized weights"
 
 
-def test_dense_float_models_are_captured_by_default():
+def test_dense_float_models_are_captured_by_default_except_under_tensor_parallelism():
+    from tinypaged import distributed
+
     assert EngineConfig().cudagraph_mode == "FULL_AND_PIECEWISE"
     hf = tiny_hf_model("llama", seed=1)
-    assert piecewise_unsupported(build_model(hf.config, checkpoint_weights(hf))) is None
+    model = build_model(hf.config, checkpoint_weights(hf))
+    assert piecewise_unsupported(model) is None
+    with distributed.build_as(0, 2):
+        assert piecewise_unsupported(model) == "tensor parallelism"
 
 
 def _caches(model) -> list[torch.Tensor]:
