@@ -5,6 +5,8 @@
    (5..600 tokens, chunked under max_num_batched_tokens 512, so steps mix prefill chunks and
    decodes) equal with the piecewise graphs on and off (at most one request may differ, a
    near-tie under a differently tiled GEMM); the run must take the piecewise path.
+   --test-kinds adds the tests' tiny checkpoints (gemma2's soft-caps and sandwich norms, phi3,
+   chatglm, ...; prompts up to 232 tokens, their context is 256); --tiny-only stops here.
 2. Llama-3-8B shape, bf16: at every bucket edge (T = b - 1, b, b + 1 up to 512) one mixed step
    (8 decodes over random cached K/V + a prompt chunk) through the eager forward and through the
    graphs: hidden states within bf16 noise (relative 3e-2), the argmax of the sampled rows
@@ -25,6 +27,7 @@ import gc
 import json
 import math
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -33,7 +36,7 @@ from pathlib import Path
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.bench import sample_requests, shape_dir
+from tinypaged.bench import shape_dir
 from tinypaged.scheduler import ScheduledSequence, Sequence
 
 BASE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
@@ -54,9 +57,26 @@ TIMED = [64, 128, 300, 512]
 def check_tiny(kind: str) -> str:
     path = Path(tempfile.mkdtemp(prefix=f"tinypaged-pw-{kind}-"))
     (path / "config.json").write_text(json.dumps({**BASE, **TINY[kind]}))
-    llm = LLM(str(path), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+    return check_model(kind, path, 4096, 600, load_format="dummy")
+
+
+def check_test_kind(kind: str) -> str:
+    """One of the tests' tiny random checkpoints (tests/model_helpers.tiny_hf_model)."""
+    from tests.test_engine import save_tiny
+
+    path = Path(tempfile.mkdtemp(prefix=f"tinypaged-pw-{kind}-"))
+    hf = save_tiny(kind, path)
+    max_len = min(600, getattr(hf.config, "max_position_embeddings", 600) - 24)
+    return check_model(kind, path, min(hf.config.vocab_size, 250), max_len)
+
+
+def check_model(kind: str, path: Path, vocab: int, max_prompt: int, **engine) -> str:
+    """Greedy tokens of 24 prompts (5..max_prompt tokens, chunked at 512) with the piecewise
+    graphs on and off in one float32 engine."""
+    llm = LLM(str(path), skip_tokenizer_init=True, dtype="float32",
               enable_prefix_caching=False, max_num_seqs=32, max_num_batched_tokens=512,
-              max_model_len=1024, num_kv_blocks=2048, cudagraph_mode="FULL_AND_PIECEWISE")
+              max_model_len=max_prompt + 24, num_kv_blocks=2048,
+              cudagraph_mode="FULL_AND_PIECEWISE", **engine)
     runner = llm.engine.runner
     graphs, calls = runner.piecewise, [0]
     if graphs is None:
@@ -68,7 +88,9 @@ def check_tiny(kind: str) -> str:
         return replay(*args)
 
     graphs.run = counted
-    prompts = [{"prompt_token_ids": p} for p in sample_requests(24, 5, 600, 4096, seed=5)]
+    rng = random.Random(5)
+    lengths = [rng.randint(5, max_prompt) for _ in range(24)]
+    prompts = [{"prompt_token_ids": [rng.randrange(2, vocab) for _ in range(n)]} for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     runs = {}
     for on in (False, True):
@@ -154,9 +176,18 @@ def time_steps(runner, repeats: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--kinds", nargs="*", default=list(TINY), choices=list(TINY))
+    ap.add_argument("--test-kinds", nargs="*", default=[],
+                    help="also these of the tests' tiny checkpoints (gemma2, phi3, chatglm, ...)")
+    ap.add_argument("--tiny-only", action="store_true", help="skip the Llama-3-8B shape")
     args = ap.parse_args()
-    report = {"tiny": [check_tiny(kind) for kind in TINY]}
-    print("\n".join(report["tiny"]))
+    report = {"tiny": []}
+    for check, kinds in ((check_tiny, args.kinds), (check_test_kind, args.test_kinds)):
+        for kind in kinds:
+            report["tiny"].append(check(kind))
+            print(report["tiny"][-1], flush=True)
+    if args.tiny_only:
+        return
     start = time.perf_counter()
     llm = LLM(str(shape_dir("llama3-8b")), load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=2048,
