@@ -88,6 +88,16 @@ def test_dense_float_models_are_captured_by_default_except_under_tensor_parallel
         assert piecewise_unsupported(model) == "tensor parallelism"
 
 
+def flat_step(runner, new: dict) -> tuple:
+    """(ids, positions, metadata) of one step that brings `new[seq]` tokens to each sequence,
+    blocks reserved first (nothing is run)."""
+    for s, toks in new.items():
+        while len(runner.block_tables[s]) * BLOCK_SIZE < runner.num_cached[s] + len(toks):
+            runner.block_tables[s].append(runner.free_blocks.pop())
+    return build_flat_batch(list(new.values()), [runner.num_cached[s] for s in new],
+                            [runner.block_tables[s] for s in new], BLOCK_SIZE)
+
+
 def _caches(model) -> list[torch.Tensor]:
     return [t for m in model.modules() if isinstance(m, Attention) for t in (m.k_cache, m.v_cache)]
 
@@ -106,12 +116,7 @@ def test_piecewise_forward_matches_eager(kind, num_tokens):
     # the mixed step: 1 decode token, 6 more of the chunked prompt, the rest a fresh prompt
     new = {decode: [5], chunked: torch.randint(0, 256, (6,), generator=gen).tolist(),
            fresh: torch.randint(0, 256, (num_tokens - 7,), generator=gen).tolist()}
-    for s, toks in new.items():
-        while len(runner.block_tables[s]) * BLOCK_SIZE < runner.num_cached[s] + len(toks):
-            runner.block_tables[s].append(runner.free_blocks.pop())
-    ids, positions, md = build_flat_batch(
-        list(new.values()), [runner.num_cached[s] for s in new],
-        [runner.block_tables[s] for s in new], BLOCK_SIZE)
+    ids, positions, md = flat_step(runner, new)
     before = [t.clone() for t in _caches(model)]
 
     eager = model(ids, positions, md)  # [T, hidden]
@@ -232,11 +237,6 @@ def test_capture_and_replay_wiring(monkeypatch):
     assert len(graphs.graphs) == 2 * (len(graphs.attns) + 1)
     for n in (13, 16, 20):
         new = {cached: [5], fresh: list(range(3, 2 + n))}
-        for s, toks in new.items():
-            while len(runner.block_tables[s]) * BLOCK_SIZE < runner.num_cached[s] + len(toks):
-                runner.block_tables[s].append(runner.free_blocks.pop())
-        ids, positions, md = build_flat_batch(
-            list(new.values()), [runner.num_cached[s] for s in new],
-            [runner.block_tables[s] for s in new], BLOCK_SIZE)
+        ids, positions, md = flat_step(runner, new)
         torch.testing.assert_close(graphs.run(ids, positions, md), model(ids, positions, md),
                                    rtol=1e-5, atol=1e-5)
