@@ -261,6 +261,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from tinypaged.async_llm import AsyncLLM
     from tinypaged.engine_core import AsyncMPClient, use_engine_process
+    from tinypaged.gc_freeze import freeze_gc_heap
     from tinypaged.server import GracefulServer, build_app
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
@@ -324,6 +325,7 @@ def serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
     )
     userver = GracefulServer(config, server, args.shutdown_timeout)
+    freeze_gc_heap()  # this process lives as long as the server (gc_freeze.py)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     logger.info("serving the OpenAI API at http://%s:%d/v1 (Ctrl-C to stop)", shown, args.port)
     # uvicorn handles SIGINT / SIGTERM itself (GracefulServer: stop admitting, let requests

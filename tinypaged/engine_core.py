@@ -38,6 +38,7 @@ from typing import Any
 
 from tinypaged.async_llm import AsyncLLM
 from tinypaged.config import EngineConfig
+from tinypaged.gc_freeze import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def run_engine_core(config: EngineConfig, inbox: Any, outbox: Any) -> None:
     except BaseException as exc:  # noqa: BLE001 - the server reports it and exits
         outbox.send(("failed", _portable(exc)))
         return
+    freeze_gc_heap()  # this process lives as long as the engine (gc_freeze.py)
     outbox.send(("ready", {
         "config": engine.config, "model_name": engine.model_name,
         "model_dir": str(engine.model_dir), "kv_cache_info": engine.kv_cache_info,

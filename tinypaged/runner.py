@@ -136,6 +136,7 @@ class ModelRunner:
         if self.graphs is None:
             return
         self.graphs = self.piecewise = None
+        gc.unfreeze()  # a serving process froze its heap, the graphs with it (gc_freeze.py)
         gc.collect()  # DecodeGraphs and the runner reference each other
         torch.cuda.synchronize(self.device)
 

@@ -51,6 +51,7 @@ import torch
 
 from tinypaged import distributed
 from tinypaged.config import EngineConfig
+from tinypaged.gc_freeze import freeze_gc_heap
 from tinypaged.runner import ModelRunner, StepInput
 from tinypaged.shm_broadcast import ShmBroadcast
 
@@ -211,6 +212,7 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
         config = conn.recv()  # the engine's final config (max_model_len resolved)
         torch.manual_seed(config.seed)
         runner = ModelRunner(config, model, device, next(model.parameters()).dtype)
+        freeze_gc_heap(collect=False)  # lives as long as its engine; forked (gc_freeze.py)
         conn.send(("ready", runner.kv_cache_info.num_blocks))
         while payload := channel.recv(conn):
             runner.execute(unpack_step(payload))
