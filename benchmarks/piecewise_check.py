@@ -6,7 +6,10 @@
    decodes) equal with the piecewise graphs on and off (at most one request may differ, a
    near-tie under a differently tiled GEMM); the run must take the piecewise path.
    --test-kinds adds the tests' tiny checkpoints (gemma2's soft-caps and sandwich norms, phi3,
-   chatglm, ...; prompts up to 232 tokens, their context is 256); --tiny-only stops here.
+   chatglm, ...; prompts up to 232 tokens, their context is 256); --unchecked awq gptq4 gptq8
+   the tests' tiny llama quantized, in float16, captured although quantized models stay eager
+   by default (TINYPAGED_PIECEWISE_UNCHECKED=1): the check that would lift that;
+   --tiny-only stops here.
 2. Llama-3-8B shape, bf16: at every bucket edge (T = b - 1, b, b + 1 up to 512) one mixed step
    (8 decodes over random cached K/V + a prompt chunk) through the eager forward and through the
    graphs: hidden states within bf16 noise (relative 3e-2), the argmax of the sampled rows
@@ -50,6 +53,7 @@ TINY = {
     "glm": dict(architectures=["GlmForCausalLM"], model_type="glm", head_dim=32,
                 partial_rotary_factor=0.5, pad_token_id=0),
 }
+QUANTIZED = ["awq", "gptq4", "gptq8"]
 EDGES = [b + d for b in (16, 256, 288, 512) for d in (-1, 0, 1) if b + d <= 512]
 TIMED = [64, 128, 300, 512]
 
@@ -70,10 +74,30 @@ def check_test_kind(kind: str) -> str:
     return check_model(kind, path, min(hf.config.vocab_size, 250), max_len)
 
 
-def check_model(kind: str, path: Path, vocab: int, max_prompt: int, **engine) -> str:
+def check_quantized(kind: str) -> str:
+    """The tests' tiny llama as an AWQ int4 or GPTQ int4 / int8 checkpoint, in float16, captured
+    although piecewise_unsupported still leaves quantized models eager (the env override)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_awq_model import quantized_pair
+    from test_gptq_model import gptq_pair
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"tinypaged-pw-{kind}-"))
+    path = quantized_pair("llama", tmp)[0] if kind == "awq" else gptq_pair(
+        tmp, bits=int(kind.removeprefix("gptq")))[0]
+    os.environ["TINYPAGED_PIECEWISE_UNCHECKED"] = "1"
+    try:
+        return check_model(kind, path, 250, 232, dtype="float16")
+    finally:
+        del os.environ["TINYPAGED_PIECEWISE_UNCHECKED"]
+
+
+def check_model(kind: str, path: Path, vocab: int, max_prompt: int, dtype: str = "float32",
+                **engine) -> str:
     """Greedy tokens of 24 prompts (5..max_prompt tokens, chunked at 512) with the piecewise
-    graphs on and off in one float32 engine."""
-    llm = LLM(str(path), skip_tokenizer_init=True, dtype="float32",
+    graphs on and off in one engine."""
+    llm = LLM(str(path), skip_tokenizer_init=True, dtype=dtype,
               enable_prefix_caching=False, max_num_seqs=32, max_num_batched_tokens=512,
               max_model_len=max_prompt + 24, num_kv_blocks=2048,
               cudagraph_mode="FULL_AND_PIECEWISE", **engine)
@@ -179,10 +203,13 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="*", default=list(TINY), choices=list(TINY))
     ap.add_argument("--test-kinds", nargs="*", default=[],
                     help="also these of the tests' tiny checkpoints (gemma2, phi3, chatglm, ...)")
+    ap.add_argument("--unchecked", nargs="*", default=[], choices=QUANTIZED,
+                    help="also quantized tiny llamas, captured despite piecewise_unsupported")
     ap.add_argument("--tiny-only", action="store_true", help="skip the Llama-3-8B shape")
     args = ap.parse_args()
     report = {"tiny": []}
-    for check, kinds in ((check_tiny, args.kinds), (check_test_kind, args.test_kinds)):
+    for check, kinds in ((check_tiny, args.kinds), (check_test_kind, args.test_kinds),
+                         (check_quantized, args.unchecked)):
         for kind in kinds:
             report["tiny"].append(check(kind))
             print(report["tiny"][-1], flush=True)

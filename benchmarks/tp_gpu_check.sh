@@ -9,6 +9,8 @@
 # lines printed are the summary.
 #
 #     bash benchmarks/tp_gpu_check.sh        # TP=2; `bash benchmarks/tp_gpu_check.sh 4` on 4 GPUs
+#     TINYPAGED_PIECEWISE_UNCHECKED=1 bash benchmarks/tp_gpu_check.sh   # the same with piecewise
+#         CUDA graphs captured at TP=N too (the check that would lift their TP exclusion)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=.

@@ -67,7 +67,7 @@ def test_moe_models_stay_eager():
     assert piecewise_unsupported(build_model(hf.config, checkpoint_weights(hf))) == "MoE"
 
 
-def test_quantized_models_stay_eager(tmp_path):
+def test_quantized_models_stay_eager(tmp_path, monkeypatch):
     from test_awq_model import quantized_pair
 
     from tinypaged.models.loader import load_model
@@ -75,6 +75,8 @@ def test_quantized_models_stay_eager(tmp_path):
     awq_dir, _ = quantized_pair("llama", tmp_path)
     model, _, _ = load_model(EngineConfig(model=str(awq_dir)), "cpu")
     assert piecewise_unsupported(model) == "quantized weights"
+    monkeypatch.setenv("TINYPAGED_PIECEWISE_UNCHECKED", "1")  # the GPU checks' override
+    assert piecewise_unsupported(model) is None
 
 
 def test_dense_float_models_are_captured_by_default_except_under_tensor_parallelism():

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 
 import torch
 
@@ -66,12 +67,15 @@ def piecewise_unsupported(model: torch.nn.Module) -> str | None:
     not been checked under capture); the quantized GEMMs (AWQ, GPTQ, GGUF: integer weights)
     take other paths above the decode batch sizes that have not been checked under capture;
     under tensor parallelism the pieces' all-reduces (up to 512 rows) have not yet been
-    captured on two GPUs (benchmarks/tp_check.py does it once lifted)."""
+    captured on two GPUs. TINYPAGED_PIECEWISE_UNCHECKED=1 captures the last two anyway, for
+    the GPU checks that would lift them (piecewise_check.py --unchecked, and tp_check.py)."""
     spec = getattr(model, "spec", None)
     if spec is None or not hasattr(model, "model"):
         return "not a DecoderForCausalLM"
     if spec.moe is not None:
         return "MoE"
+    if os.environ.get("TINYPAGED_PIECEWISE_UNCHECKED") == "1":
+        return None
     if any(not t.dtype.is_floating_point for t in model.parameters()):
         return "quantized weights"
     if distributed.get_tp_size() > 1:
