@@ -4,9 +4,10 @@ freeze_gc_heap does).
 A process that imported torch, transformers and Triton and built a model holds several hundred
 thousand container objects that live as long as the process. Each full (generation 2)
 collection walks all of them. On the 2-core CPU box a tiny-model engine holds 406k objects, and
-one full collection takes 210 ms. On the H200, `tinypaged serve` at 64 req/s showed two pauses
-of 335-367 ms in 10 s: every open stream's inter-token gap grew by the same amount at the same
-moment. `freeze_gc_heap()` collects once, then moves every live object into the permanent
+one full collection takes 210 ms; while it runs, every stream waits. On the H200, `tinypaged
+serve` at 64 req/s showed two such stalls of 335-367 ms in 10 s, every open stream's gap at the
+same moment (a collection is the likely cause; not yet measured there, TINYPAGED_GC_DEBUG
+below does). `freeze_gc_heap()` collects once, then moves every live object into the permanent
 generation, which later collections skip. Objects made afterwards are collected as usual.
 
 It is called only where a process lives exactly as long as its engine: the engine process of
@@ -14,9 +15,9 @@ It is called only where a process lives exactly as long as its engine: the engin
 freezes without collecting first. A collection there would also free the garbage it inherited
 from the parent, such as an earlier engine, and run those objects' finalizers. A finalizer can
 wait on a lock that a thread of the parent held at the fork. That thread does not exist in the
-child, so the worker would hang (seen in tests/test_tp.py). `LLM(...)` does not
-call it, because the user's process outlives the engine, and the frozen cycles of a dropped
-engine would never be freed. Code that must free a frozen cycle calls `gc.unfreeze()` first
+child, so the worker would hang (seen in tests/test_tp.py). `LLM(...)` does not call it,
+because the user's process outlives the engine, and the frozen cycles of a dropped engine would
+never be freed. Code that must free a frozen cycle calls `gc.unfreeze()` first
 (ModelRunner.release_graphs: a live decode graph that holds an all-reduce keeps NCCL from
 leaving its group).
 
