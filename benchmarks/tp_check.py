@@ -266,19 +266,9 @@ def signal_check(tp: int) -> list[tuple]:
         if "TOKENS" not in lines:
             note = f"the script failed before generating (exit status {proc.wait()})"
         else:
-            proc.send_signal(sig)
-            start = time.monotonic()
-            proc.wait()
-            took = time.monotonic() - start
-            worker = int(lines["WORKER"])
-            time.sleep(2.0)
-            left = os.path.exists(f"/proc/{worker}")
-            note = (f"worker a {lines['METHOD']}; exited {took:.2f} s after {sig.name} "
-                    f"(status {proc.returncode}); worker {'STILL RUNNING' if left else 'gone'}")
-        guard.cancel()
-        if proc.poll() is None:
-            proc.kill()
+            note = f"worker a {lines['METHOD']}; " + end_by_signal(proc, sig)
         rows.append(("module-level script", "float32", tp, 0, note, 0))
+        guard.cancel()
     shutil.rmtree(path)
     return rows
 
@@ -313,6 +303,24 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.1)
+
+
+def end_by_signal(proc: subprocess.Popen, sig: signal.Signals) -> str:
+    """Send `sig` to `proc`; how long until it exited (60 s at most, then it is killed) and
+    whether every process it had started (workers, an engine process) is gone."""
+    procs = descendants(proc.pid)
+    proc.send_signal(sig)
+    start = time.monotonic()
+    try:
+        proc.wait(timeout=60)
+        took = (f"exited {time.monotonic() - start:.2f} s after {sig.name} "
+                f"(status {proc.returncode})")
+    except subprocess.TimeoutExpired:
+        took = f"STILL RUNNING 60 s after {sig.name}"
+        proc.kill()
+    left = wait_gone(procs)
+    return (f"{took}; {len(procs)} processes below it, "
+            f"{'still running: ' + str(left) if left else 'all gone'}")
 
 
 def gc_check(tp: int) -> tuple:
@@ -369,22 +377,11 @@ def serve_check(tp: int) -> list[tuple]:
             body = {"model": str(path), "prompt": [5, 6, 7], "max_tokens": 8,
                     "temperature": 0.0, "ignore_eos": True}
             reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
-            procs = descendants(proc.pid)
-            proc.send_signal(sig)
-            start = time.monotonic()
-            try:
-                proc.wait(timeout=60)
-                took = f"exited {time.monotonic() - start:.2f} s after {sig.name} " \
-                       f"(status {proc.returncode})"
-            except subprocess.TimeoutExpired:
-                took = f"STILL RUNNING 60 s after {sig.name}"
-            left = wait_gone(procs)
-            note = (f"request answered {reply.status_code}; {took}; {len(procs)} processes below "
-                    f"it, {'still running: ' + str(left) if left else 'all gone'}")
+            note = f"request answered {reply.status_code}; " + end_by_signal(proc, sig)
+        rows.append(("tinypaged serve", "bfloat16", tp, 0, note, 0))
         guard.cancel()
         if proc.poll() is None:
             proc.kill()
-        rows.append(("tinypaged serve", "bfloat16", tp, 0, note, 0))
     shutil.rmtree(path)
     return rows
 
