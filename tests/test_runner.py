@@ -130,6 +130,19 @@ def test_kernels_setting_from_the_environment_and_its_errors(llama_dir, monkeypa
             skip_tokenizer_init=True)
 
 
+def test_the_torch_references_run_without_cuda_graphs():
+    """The references sync with the host (a boolean-mask index in store_kv_ref), which a CUDA
+    graph cannot capture: on a GPU, kernels='torch' runs eagerly (seen failing the capture on
+    an H200 before)."""
+    from tinypaged.config import EngineConfig
+    from tinypaged.runner import no_graphs_reason
+
+    assert no_graphs_reason(EngineConfig()) is None
+    assert no_graphs_reason(EngineConfig(kernels="triton")) is None
+    assert no_graphs_reason(EngineConfig(enforce_eager=True)) == "enforce_eager"
+    assert "torch references" in no_graphs_reason(EngineConfig(kernels="torch"))
+
+
 def test_kernels_choice_is_scoped():
     from tinypaged.kernels._triton import HAS_TRITON, interpreting, kernel_choice, use_triton
 

@@ -72,6 +72,16 @@ class KVCacheInfo:
         }
 
 
+def no_graphs_reason(config: EngineConfig) -> str | None:
+    """Why a GPU engine runs every step eagerly, or None when it captures CUDA graphs."""
+    if config.enforce_eager:
+        return "enforce_eager"
+    if config.kernels == "torch":
+        # e.g. store_kv_ref selects the slots to write with a boolean mask: a host sync
+        return "kernels='torch' runs the torch references, which read values on the host"
+    return None
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, model: torch.nn.Module, device: torch.device, dtype: torch.dtype
@@ -105,7 +115,9 @@ class ModelRunner:
         self.kv_cache_info = self._allocate_kv_cache()
         if device.type == "cuda":
             self._warm_up()
-        if device.type == "cuda" and not config.enforce_eager:
+        if device.type == "cuda" and (reason := no_graphs_reason(config)):
+            logger.info("CUDA graphs off: %s", reason)
+        elif device.type == "cuda":
             from tinypaged.cuda_graphs import DecodeGraphs
 
             with self.kernels:
@@ -161,12 +173,19 @@ class ModelRunner:
         peak_extra = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(
             self.device
         )
-        budget = total * self.config.gpu_memory_utilization - (total - free) - peak_extra
+        allowed = total * self.config.gpu_memory_utilization
+        budget = allowed - (total - free) - peak_extra
         num_blocks = int(budget) // self._block_bytes()
         if num_blocks < 1:
+            gib = 2**30
             raise RuntimeError(
-                f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB); raise "
-                "gpu_memory_utilization or lower max_num_batched_tokens"
+                f"no GPU memory left for the KV cache: gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization} allows {allowed / gib:.2f} GiB of the "
+                f"GPU's {total / gib:.2f}, but {(total - free) / gib:.2f} GiB are in use already "
+                "(this engine's weights, plus any other engine in this process or other "
+                f"processes on the GPU) and a forward step needs {peak_extra / gib:.2f} GiB more; "
+                "raise gpu_memory_utilization, shut down the other engines, or lower "
+                "max_num_batched_tokens"
             )
         return num_blocks
 
