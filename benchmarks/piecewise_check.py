@@ -6,9 +6,8 @@
    decodes) equal with the piecewise graphs on and off (at most one request may differ, a
    near-tie under a differently tiled GEMM); the run must take the piecewise path.
    --test-kinds adds the tests' tiny checkpoints (gemma2's soft-caps and sandwich norms, phi3,
-   chatglm, ...; prompts up to 232 tokens, their context is 256); --unchecked awq gptq4 gptq8
-   the tests' tiny llama quantized, in float16, captured although quantized models stay eager
-   by default (TINYPAGED_PIECEWISE_UNCHECKED=1): the check that would lift that;
+   chatglm, ...; prompts up to 232 tokens, their context is 256); --quantized awq gptq4 gptq8
+   gguf the tests' tiny llama quantized (AWQ int4, GPTQ int4 / int8, GGUF Q4_K_M), in float16;
    --tiny-only stops here.
 2. Llama-3-8B shape, bf16: at every bucket edge (T = b - 1, b, b + 1 up to 512) one mixed step
    (8 decodes over random cached K/V + a prompt chunk) through the eager forward and through the
@@ -53,7 +52,7 @@ TINY = {
     "glm": dict(architectures=["GlmForCausalLM"], model_type="glm", head_dim=32,
                 partial_rotary_factor=0.5, pad_token_id=0),
 }
-QUANTIZED = ["awq", "gptq4", "gptq8"]
+QUANTIZED = ["awq", "gptq4", "gptq8", "gguf"]
 EDGES = [b + d for b in (16, 256, 288, 512) for d in (-1, 0, 1) if b + d <= 512]
 TIMED = [64, 128, 300, 512]
 
@@ -75,22 +74,24 @@ def check_test_kind(kind: str) -> str:
 
 
 def check_quantized(kind: str) -> str:
-    """The tests' tiny llama as an AWQ int4 or GPTQ int4 / int8 checkpoint, in float16, captured
-    although piecewise_unsupported still leaves quantized models eager (the env override)."""
+    """The tests' tiny llama as an AWQ int4, GPTQ int4 / int8 or GGUF Q4_K_M checkpoint, in
+    float16."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_awq_model import quantized_pair
     from test_gptq_model import gptq_pair
+    from test_loader_gguf import _write_case
 
     tmp = Path(tempfile.mkdtemp(prefix=f"tinypaged-pw-{kind}-"))
-    path = quantized_pair("llama", tmp)[0] if kind == "awq" else gptq_pair(
-        tmp, bits=int(kind.removeprefix("gptq")))[0]
-    os.environ["TINYPAGED_PIECEWISE_UNCHECKED"] = "1"
-    try:
-        return check_model(kind, path, 250, 232, dtype="float16")
-    finally:
-        del os.environ["TINYPAGED_PIECEWISE_UNCHECKED"]
+    if kind == "awq":
+        path = quantized_pair("llama", tmp)[0]
+    elif kind == "gguf":
+        os.environ["TINYPAGED_CACHE"] = str(tmp / "cache")  # its converted checkpoint
+        path = _write_case(tmp, "llama", "llama", "q4_k_m")[0]
+    else:
+        path = gptq_pair(tmp, bits=int(kind.removeprefix("gptq")))[0]
+    return check_model(kind, path, 250, 232, dtype="float16")
 
 
 def check_model(kind: str, path: Path, vocab: int, max_prompt: int, dtype: str = "float32",
@@ -203,13 +204,13 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="*", default=list(TINY), choices=list(TINY))
     ap.add_argument("--test-kinds", nargs="*", default=[],
                     help="also these of the tests' tiny checkpoints (gemma2, phi3, chatglm, ...)")
-    ap.add_argument("--unchecked", nargs="*", default=[], choices=QUANTIZED,
-                    help="also quantized tiny llamas, captured despite piecewise_unsupported")
+    ap.add_argument("--quantized", nargs="*", default=[], choices=QUANTIZED,
+                    help="also the tests' tiny llama quantized these ways")
     ap.add_argument("--tiny-only", action="store_true", help="skip the Llama-3-8B shape")
     args = ap.parse_args()
     report = {"tiny": []}
     for check, kinds in ((check_tiny, args.kinds), (check_test_kind, args.test_kinds),
-                         (check_quantized, args.unchecked)):
+                         (check_quantized, args.quantized)):
         for kind in kinds:
             report["tiny"].append(check(kind))
             print(report["tiny"][-1], flush=True)

@@ -67,19 +67,18 @@ def test_moe_models_stay_eager():
     assert piecewise_unsupported(build_model(hf.config, checkpoint_weights(hf))) == "MoE"
 
 
-def test_quantized_models_stay_eager(tmp_path, monkeypatch):
+def test_quantized_models_are_captured(tmp_path):
     from test_awq_model import quantized_pair
 
     from tinypaged.models.loader import load_model
 
     awq_dir, _ = quantized_pair("llama", tmp_path)
     model, _, _ = load_model(EngineConfig(model=str(awq_dir)), "cpu")
-    assert piecewise_unsupported(model) == "quantized weights"
-    monkeypatch.setenv("TINYPAGED_PIECEWISE_UNCHECKED", "1")  # the GPU checks' override
+    assert not all(t.dtype.is_floating_point for t in model.parameters())  # int4 weights
     assert piecewise_unsupported(model) is None
 
 
-def test_dense_float_models_are_captured_by_default_except_under_tensor_parallelism():
+def test_dense_models_are_captured_by_default_except_under_tensor_parallelism(monkeypatch):
     from tinypaged import distributed
 
     assert EngineConfig().cudagraph_mode == "FULL_AND_PIECEWISE"
@@ -88,6 +87,8 @@ def test_dense_float_models_are_captured_by_default_except_under_tensor_parallel
     assert piecewise_unsupported(model) is None
     with distributed.build_as(0, 2):
         assert piecewise_unsupported(model) == "tensor parallelism"
+        monkeypatch.setenv("TINYPAGED_PIECEWISE_UNCHECKED", "1")  # the GPU check's override
+        assert piecewise_unsupported(model) is None
 
 
 def flat_step(runner, new: dict) -> tuple:
