@@ -106,6 +106,11 @@ def test_unsupported_reason():
     assert "single rank" in car.unsupported_reason("cuda", 1, False, [[True]])
     no_p2p = [[True, True, True], [True, True, False], [True, True, True]]
     assert "(1, 2)" in car.unsupported_reason("cuda", 3, False, no_p2p)
+    # a second TP engine in one process: rank 0 made one rendezvous, its fresh workers none
+    assert car.unsupported_reason("cuda", 2, False, full, [0, 0]) is None
+    assert car.unsupported_reason("cuda", 2, False, full, [1, 1]) is None
+    assert "[1, 0] symmetric-memory rendezvous" in car.unsupported_reason(
+        "cuda", 2, False, full, [1, 0])
 
 
 def test_buffer_layout_keeps_regions_aligned():

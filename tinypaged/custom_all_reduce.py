@@ -23,6 +23,14 @@ Used when (as vLLM's custom all-reduce): the group runs on CUDA with 2+ ranks, e
 access every other's memory, and `disable_custom_all_reduce` is off; per call, when the message
 is at most `max_size` bytes (default 16 MiB: 2048 tokens x hidden 4096 in bf16). Everything else
 goes to NCCL. One-shot at 2 ranks; with more, two-shot from TWO_SHOT_MIN_SIZE bytes on.
+
+One more condition: every rank's process must have made the same number of rendezvous before.
+torch numbers the store exchanges of a rendezvous per process (keys
+CUDASymmetricMemory/<n>/<rank>, n counting up from 0 in each process), so rank 0 of a second
+tensor-parallel engine in one process (n = 2 after the first engine) and that engine's fresh
+workers (n = 0) would each wait for keys the other never writes: a hang of the collective
+timeout, seen as `tp_check.py`'s second TP=2 engine on 2 x H200 and reproduced on one H200 with
+two processes (benchmarks/RESULTS.md). Such a group uses NCCL instead.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ DEFAULT_MAX_SIZE = 16 * 2**20  # 2048 x 4096 bf16: still 1.3x faster than NCCL (
 TWO_SHOT_MIN_SIZE = 512 * 2**10
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALIGN = 256  # bytes: every region starts aligned, so the kernel's loads are 16-byte vectors
+_rendezvous_done = 0  # symmetric-memory rendezvous made by this process (see the docstring)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -105,9 +114,11 @@ def buffer_bytes(world_size: int, max_size: int, num_programs: int) -> int:
 
 
 def unsupported_reason(device_type: str, world_size: int, disabled: bool,
-                       peer_access: list[list[bool]]) -> str | None:
+                       peer_access: list[list[bool]],
+                       rendezvous_done: list[int] | None = None) -> str | None:
     """Why the custom all-reduce cannot serve this group (None: it can). `peer_access[i][j]`:
-    can rank i's GPU read rank j's memory."""
+    can rank i's GPU read rank j's memory; `rendezvous_done[i]`: how many symmetric-memory
+    rendezvous rank i's process has made before."""
     if disabled:
         return "disabled (disable_custom_all_reduce)"
     if device_type != "cuda":
@@ -118,6 +129,10 @@ def unsupported_reason(device_type: str, world_size: int, disabled: bool,
                if i != j and not peer_access[i][j]]
     if missing:
         return f"no P2P access between the GPUs of ranks {missing[0]}"
+    if rendezvous_done and len(set(rendezvous_done)) > 1:
+        return (f"the ranks' processes made {rendezvous_done} symmetric-memory rendezvous before "
+                "(a second tensor-parallel engine in one process), and torch's rendezvous would "
+                "wait forever across processes whose counts differ")
     return None
 
 
@@ -132,14 +147,16 @@ def create_custom_all_reduce(device: torch.device, disabled: bool = False,
     import torch.distributed as dist
 
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    mine = (device.index, num_sms(device.index)) if device.type == "cuda" else (None, 0)
+    global _rendezvous_done
+    mine = (device.index, num_sms(device.index) if device.type == "cuda" else 0, _rendezvous_done)
     ranks: list[tuple] = [mine] * world_size
     dist.all_gather_object(ranks, mine)
-    devices = [index for index, _ in ranks]
+    devices = [index for index, _, _ in ranks]
     peer_access = [[i == j or (a is not None and b is not None
                                and torch.cuda.can_device_access_peer(a, b))
                     for j, b in enumerate(devices)] for i, a in enumerate(devices)]
-    reason = unsupported_reason(device.type, world_size, disabled, peer_access)
+    reason = unsupported_reason(device.type, world_size, disabled, peer_access,
+                                [done for _, _, done in ranks])
     if reason is not None:
         logger.info("custom all-reduce off: %s; all-reduces go through NCCL", reason)
         return None
@@ -147,12 +164,13 @@ def create_custom_all_reduce(device: torch.device, disabled: bool = False,
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
     import torch.distributed._symmetric_memory as symm_mem
 
-    num_programs = num_programs or min(sms for _, sms in ranks)
+    num_programs = num_programs or min(sms for _, sms, _ in ranks)
     nbytes = buffer_bytes(world_size, max_size, num_programs)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     buffer[: flags_bytes(world_size, num_programs)].zero_()
     torch.cuda.synchronize(device)  # zeroed before rendezvous lets any peer signal here
     handle = symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
+    _rendezvous_done += 1
     # buffer_ptrs may name each allocation's start while `buffer` sits inside it (torch's
     # symmetric memory pool): the offset is the same on every rank.
     offset = buffer.data_ptr() - handle.buffer_ptrs[rank]
