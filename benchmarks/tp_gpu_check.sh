@@ -11,6 +11,8 @@
 #     bash benchmarks/tp_gpu_check.sh        # TP=2; `bash benchmarks/tp_gpu_check.sh 4` on 4 GPUs
 #     TINYPAGED_PIECEWISE_UNCHECKED=1 bash benchmarks/tp_gpu_check.sh   # the same with piecewise
 #         CUDA graphs captured at TP=N too (the check that would lift their TP exclusion)
+#     STEPS=tp_check CHECK_LIMIT=560 bash benchmarks/tp_gpu_check.sh     # one step, its own limit
+#         (a fresh machine compiles every kernel once: give tp_check a call of its own there)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=.
@@ -36,10 +38,15 @@ check() {
   tail -n 25 "$LOGS/$name.log"
 }
 
+STEPS=${STEPS:-bench tp_check}
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
-check bench_tp 150 python -m tinypaged bench throughput --model-shape llama3-8b -tp "$TP" \
-  --json "$LOGS/bench_tp$TP.json"
-check tp_check 400 python benchmarks/tp_check.py --tp "$TP" --dtypes bfloat16 --kill-check \
-  --signal-check
+if [[ " $STEPS " == *" bench "* ]]; then
+  check bench_tp "${BENCH_LIMIT:-150}" python -m tinypaged bench throughput \
+    --model-shape llama3-8b -tp "$TP" --json "$LOGS/bench_tp$TP.json"
+fi
+if [[ " $STEPS " == *" tp_check "* ]]; then
+  check tp_check "${CHECK_LIMIT:-400}" python benchmarks/tp_check.py --tp "$TP" \
+    --dtypes bfloat16 --kill-check --signal-check
+fi
 echo "== summary (TP=$TP; exit 124 = over its time limit, 3 = a hang caught by tp_check)"
 printf '%s\n' "${SUMMARY[@]}"
