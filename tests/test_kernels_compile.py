@@ -51,9 +51,11 @@ from tinypaged.kernels import moe, moe_align, moe_gemv, moe_routing
 for block_m in (16, 64, 128):  # the grouped GEMM's row blocks, Qwen3-30B-A3B's 128 experts
     moe_align.moe_align_block_size_triton(torch.randint(0, 128, (64, 8)), block_m, 128)
 
-for dtype, token_counts in ((torch.bfloat16, (1, 64, 256, 512, 4096)), (torch.float16, (8,))):
+every_config = (1, 64, 256, 512, 4096)  # every tile config of get_config
+for dtype, token_counts in ((torch.bfloat16, every_config), (torch.float16, (8,)),
+                            (torch.float32, every_config)):  # fp32: twice the bytes per tile
     w13, w2 = torch.zeros(4, 2 * 768, 2048).to(dtype), torch.zeros(4, 2048, 768).to(dtype)
-    for num_tokens in token_counts:  # every tile config of get_config, the Qwen3-30B-A3B dims
+    for num_tokens in token_counts:  # the Qwen3-30B-A3B dims
         topk_ids = torch.randint(0, 4, (num_tokens, 2), dtype=torch.int32)
         moe.fused_experts_triton(torch.randn(num_tokens, 2048).to(dtype), w13, w2,
                                  torch.rand(num_tokens, 2), topk_ids)

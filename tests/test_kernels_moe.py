@@ -252,3 +252,6 @@ def test_fused_experts_dispatch_and_errors(monkeypatch, num_tokens, path):
 def test_get_config_grows_tiles_with_tokens():
     sizes = [moe.get_config(t)["BLOCK_M"] for t in (1, 8, 64, 512, 4096)]
     assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] >= 64
+    # float32 tiles keep the bytes of the 16-bit ones (test_kernels_compile checks they fit)
+    for t in (1, 512, 4096):
+        assert moe.get_config(t, 4)["BLOCK_K"] * 2 == moe.get_config(t, 2)["BLOCK_K"]

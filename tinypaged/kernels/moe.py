@@ -94,11 +94,15 @@ _CONFIGS = (
 )
 
 
-def get_config(num_tokens: int) -> dict[str, int]:
+def get_config(num_tokens: int, element_size: int = 2) -> dict[str, int]:
+    """The tile config for T = `num_tokens` tokens of `element_size`-byte operands. Each pipeline
+    stage holds an A tile and two B tiles in shared memory; the table is sized for 16-bit
+    operands, so 4-byte ones (float32) get half the BLOCK_K: the same bytes per stage (at full
+    BLOCK_K the T <= 1024 tiles would need 240 KiB, over the H200's 227 KiB)."""
     for max_t, bm, bn, bk, warps, stages in _CONFIGS:
         if max_t is None or num_tokens <= max_t:
-            return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
-                    "num_stages": stages}
+            return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk * 2 // max(2, element_size),
+                    "num_warps": warps, "num_stages": stages}
     raise AssertionError("the last config has no bound")
 
 
@@ -120,7 +124,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w13: torch.Tensor, w2: tor
     """The Triton path; `config` overrides the tile sizes (BLOCK_M/N/K, num_warps, num_stages)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
-    config = config or get_config(num_tokens)
+    config = config or get_config(num_tokens, hidden_states.element_size())
     hidden_states, w13, w2 = hidden_states.contiguous(), w13.contiguous(), w2.contiguous()
     align = moe_align_block_size(topk_ids, config["BLOCK_M"], num_experts)
     num_pairs = num_tokens * top_k
