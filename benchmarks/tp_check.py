@@ -22,8 +22,9 @@
    every process it started (engine core, workers) is gone. And an LLM dropped without
    shutdown() (`del llm; gc.collect()`): how long until its workers are gone.
 In one process only the first TP engine gets the custom all-reduce; the later ones all-reduce
-through NCCL (custom_all_reduce.py says why). Every shutdown() is timed (the largest is printed). The script exits with status 3 at once if
-an error never comes within 120 s or a shutdown takes over 60 s (a hang).
+through NCCL (custom_all_reduce.py says why). Every shutdown() is timed (the largest is
+printed). The script exits with status 3 at once if an error never comes within 120 s or a
+shutdown takes over 60 s (a hang).
 
     PYTHONPATH=. python benchmarks/tp_check.py --tp 2 4 --kill-check   # 4 GPUs; --tp 2 on two
     PYTHONPATH=. python benchmarks/tp_check.py --one-rank-group        # one GPU

@@ -62,18 +62,14 @@ def weak_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def piecewise_unsupported(model: torch.nn.Module) -> str | None:
-    """Why `model`'s prompt steps must stay eager, or None. Dense decoders, in float or
-    quantized weights (AWQ, GPTQ and GGUF were checked under capture on an H200:
-    benchmarks/piecewise_check.py --quantized). MoE routing reads expert ids on the host in its
-    torch path (and the Triton one has not been checked under capture); under tensor
-    parallelism the pieces' all-reduces (up to 512 rows) have not yet been captured on two
-    GPUs. TINYPAGED_PIECEWISE_UNCHECKED=1 captures tensor-parallel models anyway, for the GPU
-    check that would lift that (benchmarks/tp_gpu_check.sh)."""
-    spec = getattr(model, "spec", None)
-    if spec is None or not hasattr(model, "model"):
+    """Why `model`'s prompt steps must stay eager, or None. Dense and MoE decoders, in float or
+    quantized weights, were checked under capture on an H200 (benchmarks/piecewise_check.py:
+    the MoE ones route, sort and run their experts on the device). Under tensor parallelism the
+    pieces' all-reduces (up to 512 rows) have not yet been captured on two GPUs;
+    TINYPAGED_PIECEWISE_UNCHECKED=1 captures them anyway, for the GPU check that would lift
+    that (benchmarks/tp_gpu_check.sh)."""
+    if getattr(model, "spec", None) is None or not hasattr(model, "model"):
         return "not a DecoderForCausalLM"
-    if spec.moe is not None:
-        return "MoE"
     if distributed.get_tp_size() > 1 and os.environ.get("TINYPAGED_PIECEWISE_UNCHECKED") != "1":
         return "tensor parallelism"
     return None
