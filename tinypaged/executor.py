@@ -73,6 +73,7 @@ import torch
 
 from tinypaged import distributed
 from tinypaged.config import EngineConfig
+from tinypaged.gpu_memory import free_at_start
 from tinypaged.runner import ModelRunner, SampledTokens
 from tinypaged.scheduler import ScheduledSequence
 from tinypaged.shm_broadcast import ShmBroadcast
@@ -104,11 +105,13 @@ class UniprocExecutor:
         from tinypaged.models.loader import load_model
 
         self.config, self.device = config, device
+        self.free_at_start = free_at_start(config, device)
         self.model, self.hf_config, self.model_dir = load_model(config, device)
         self.runner: ModelRunner | None = None
 
     def init_runner(self) -> ModelRunner:
-        self.runner = ModelRunner(self.config, self.model, self.device, _dtype(self.model))
+        self.runner = ModelRunner(self.config, self.model, self.device, _dtype(self.model),
+                                  self.free_at_start)
         return self.runner
 
     def execute(self, scheduled: list[ScheduledSequence],
@@ -331,6 +334,7 @@ class MultiprocExecutor:
             distributed.init_tp(0, world_size, backend, init_method,
                                 custom_all_reduce=not config.disable_custom_all_reduce)
             stats: dict = {}
+            self.free_at_start = free_at_start(config, device)
             self.model, self.hf_config, self.model_dir = load_model(config, device, stats)
             self.bytes_read = [stats.get("bytes_read", 0), *self._receive("loaded")]
             logger.info("tensor parallel over %d ranks (%s): checkpoint bytes read per rank %s",
@@ -353,7 +357,8 @@ class MultiprocExecutor:
             for w in self.workers:
                 w.conn.send(self.config)
             torch.manual_seed(self.config.seed)
-            self.runner = ModelRunner(self.config, self.model, self.device, _dtype(self.model))
+            self.runner = ModelRunner(self.config, self.model, self.device, _dtype(self.model),
+                                      self.free_at_start)
             self.health.runner = self.runner
             blocks = self._receive("ready")
         except BaseException as exc:

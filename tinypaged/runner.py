@@ -19,7 +19,8 @@ so no worker ever waits on the host), and starts their copy to the host: a non-b
 a pinned buffer and a CUDA event, which `SampledTokens.tolist()` waits for.
 
 The KV cache is allocated once: on the GPU from `gpu_memory_utilization` after a profiling forward
-pass at the largest batch, on the CPU from `cpu_kv_cache_space` GiB, or `num_kv_blocks` if given.
+pass at the largest batch (gpu_memory.py), on the CPU from `cpu_kv_cache_space` GiB, or
+`num_kv_blocks` if given.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tinypaged import distributed
+from tinypaged import distributed, gpu_memory
 from tinypaged.config import EngineConfig
 from tinypaged.input_batch import (
     HostBlockTables,
@@ -84,9 +85,11 @@ def no_graphs_reason(config: EngineConfig) -> str | None:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model: torch.nn.Module, device: torch.device, dtype: torch.dtype
+        self, config: EngineConfig, model: torch.nn.Module, device: torch.device,
+        dtype: torch.dtype, free_at_start: int | None = None,  # free GPU bytes before the weights
     ):
         self.config = config
+        self.free_at_start = free_at_start
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -173,20 +176,10 @@ class ModelRunner:
         peak_extra = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(
             self.device
         )
-        allowed = total * self.config.gpu_memory_utilization
-        budget = allowed - (total - free) - peak_extra
-        num_blocks = int(budget) // self._block_bytes()
+        memory = (total, free, self.free_at_start, self.config.gpu_memory_utilization, peak_extra)
+        num_blocks = int(gpu_memory.kv_cache_budget(*memory)) // self._block_bytes()
         if num_blocks < 1:
-            gib = 2**30
-            raise RuntimeError(
-                f"no GPU memory left for the KV cache: gpu_memory_utilization="
-                f"{self.config.gpu_memory_utilization} allows {allowed / gib:.2f} GiB of the "
-                f"GPU's {total / gib:.2f}, but {(total - free) / gib:.2f} GiB are in use already "
-                "(this engine's weights, plus any other engine in this process or other "
-                f"processes on the GPU) and a forward step needs {peak_extra / gib:.2f} GiB more; "
-                "raise gpu_memory_utilization, shut down the other engines, or lower "
-                "max_num_batched_tokens"
-            )
+            raise RuntimeError(gpu_memory.no_kv_memory_message(*memory))
         return num_blocks
 
     def _profile_forward(self) -> None:

@@ -52,6 +52,7 @@ import torch
 from tinypaged import distributed
 from tinypaged.config import EngineConfig
 from tinypaged.gc_freeze import freeze_gc_heap
+from tinypaged.gpu_memory import free_at_start
 from tinypaged.runner import ModelRunner, StepInput
 from tinypaged.shm_broadcast import ShmBroadcast
 
@@ -207,11 +208,12 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
         distributed.init_tp(rank, world_size, backend, init_method,
                             custom_all_reduce=not config.disable_custom_all_reduce)
         stats: dict = {}
+        start = free_at_start(config, device)
         model, _, _ = load_model(config, device, stats)
         conn.send(("loaded", stats.get("bytes_read", 0)))
         config = conn.recv()  # the engine's final config (max_model_len resolved)
         torch.manual_seed(config.seed)
-        runner = ModelRunner(config, model, device, next(model.parameters()).dtype)
+        runner = ModelRunner(config, model, device, next(model.parameters()).dtype, start)
         freeze_gc_heap(collect=False)  # lives as long as its engine; forked (gc_freeze.py)
         conn.send(("ready", runner.kv_cache_info.num_blocks))
         while payload := channel.recv(conn):
