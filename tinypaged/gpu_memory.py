@@ -26,11 +26,15 @@ GIB = 2**30
 
 def free_at_start(config: EngineConfig, device: torch.device) -> int | None:
     """Free bytes on `device` before the engine loads its weights (None off CUDA); raises
-    ValueError when less than gpu_memory_utilization x total is free."""
+    ValueError when less than gpu_memory_utilization x total is free (not checked when
+    num_kv_blocks sizes the cache). What this process's allocator caches is given back first;
+    an engine dropped without shutdown() holds its memory until a gc.collect()."""
     if device.type != "cuda":
         return None
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    check_free_at_start(free, total, config.gpu_memory_utilization)
+    if config.num_kv_blocks is None:
+        check_free_at_start(free, total, config.gpu_memory_utilization)
     return free
 
 
@@ -39,8 +43,8 @@ def check_free_at_start(free: int, total: int, utilization: float) -> None:
         raise ValueError(
             f"gpu_memory_utilization={utilization} asks for {utilization * total / GIB:.2f} GiB "
             f"of the GPU's {total / GIB:.2f}, but only {free / GIB:.2f} GiB are free (other "
-            "engines in this process or other processes hold the rest); lower "
-            "gpu_memory_utilization, or free the GPU first"
+            "engines in this process or other processes hold the rest); shut down the engines "
+            "you no longer need, or lower gpu_memory_utilization"
         )
 
 
