@@ -51,6 +51,16 @@ def test_too_little_free_memory_stops_the_engine_at_start():
     assert free_at_start(EngineConfig(), torch.device("cpu")) is None
 
 
+def test_the_start_check_on_a_busy_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * GIB, TOTAL))
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="only 10.00 GiB are free"):
+        free_at_start(EngineConfig(), cuda)
+    assert free_at_start(EngineConfig(gpu_memory_utilization=0.05), cuda) == 10 * GIB
+    assert free_at_start(EngineConfig(num_kv_blocks=64), cuda) == 10 * GIB  # sized by hand
+
+
 def test_the_message_gives_every_figure():
     message = no_kv_memory_message(TOTAL, 30 * GIB, 50 * GIB, 0.1, 1 * GIB)
     assert "allows 14.00 GiB of the GPU's 140.00, 20.00 GiB are in use (this engine's" in message
