@@ -99,7 +99,7 @@ def decode(batch_sizes: list[int], steps: int) -> dict:
     cfg = SHAPES["llama3-8b"]
     llm = LLM(str(shape_dir("llama3-8b")), load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batch_sizes),
-              gpu_memory_utilization=0.9, async_scheduling=True)  # fits beside the above
+              gpu_memory_utilization=0.5, async_scheduling=True)  # fits beside the above
     engine = llm.engine
     result = {}
     for batch in batch_sizes:
