@@ -14,7 +14,8 @@
    plain engine, on the tiny models. Runs on a one-GPU machine.
 4. --kill-check: SIGKILL worker rank 1 while requests decode at the largest TP size; prints how
    long until LLM.generate raised the error naming it (the NCCL watchdog abort path) and how
-   long shutdown() took after it.
+   long shutdown() took after it. Run in a fresh child process, so that its engine uses the
+   custom all-reduce (see below).
 5. --signal-check: a script that builds the LLM at module level, with no main guard (workers
    forked), run in a subprocess at the largest TP size, ended once by SIGINT and once by
    SIGTERM: how long until it exited, and whether its worker is gone. Then the same two signals
@@ -211,6 +212,24 @@ def llama8b_checks(tp_sizes: list[int], eager: bool, steps: int = 32) -> list[tu
         shutil.rmtree(path, ignore_errors=True)
 
 
+def kill_check_in_child(tp: int, eager: bool) -> tuple:
+    """kill_check in a fresh process (this script again): there its engine is the process's
+    first, so it all-reduces through the custom all-reduce, whose abort path is the one to
+    check; a later engine in this process would all-reduce through NCCL."""
+    cmd = [sys.executable, __file__, "--tp", str(tp), "--kinds", "--skip-8b", "--kill-check",
+           "--rows-json"] + (["--eager"] if eager else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=200,
+                             env={**os.environ, "PYTHONPATH": "."})
+    except subprocess.TimeoutExpired:
+        return ("kill check", "float32", tp, 0, "HANG: the child did not end within 200 s", 0)
+    rows = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
+    if out.returncode != 0 or not rows:
+        tail = (out.stdout + out.stderr)[-400:].replace("\n", " ")
+        return ("kill check", "float32", tp, 0, f"child exited {out.returncode}: {tail}", 0)
+    return tuple(rows[0])
+
+
 def kill_check(tp: int, eager: bool) -> tuple:
     """Kill worker rank 1 mid-decode; the error must name it within seconds, not hang."""
     path = Path(tempfile.mkdtemp())
@@ -396,7 +415,7 @@ def row_text(row: tuple) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, nargs="*", default=[2], help="TP sizes against TP=1")
-    parser.add_argument("--kinds", nargs="+", default=["llama", "qwen3", "glm"], choices=KINDS)
+    parser.add_argument("--kinds", nargs="*", default=["llama", "qwen3", "glm"], choices=KINDS)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--one-rank-group", action="store_true",
                         help="also TP=1 through a one-rank NCCL group (one GPU is enough)")
@@ -406,6 +425,8 @@ def main() -> None:
     parser.add_argument("--signal-check", action="store_true",
                         help="SIGINT / SIGTERM a module-level script and `tinypaged serve` "
                         "running TP; an LLM dropped without shutdown()")
+    parser.add_argument("--rows-json", action="store_true",
+                        help="also print each row as 'ROW <json>' (the kill check's child)")
     args = parser.parse_args()
     print(f"{torch.cuda.device_count()} GPU(s); NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
     rows = tiny_checks(args.kinds, args.dtypes, args.tp, args.eager, args.one_rank_group)
@@ -413,7 +434,8 @@ def main() -> None:
     if args.tp and not args.skip_8b:
         checks.append(lambda: llama8b_checks(args.tp, args.eager))
     if args.tp and args.kill_check:
-        checks.append(lambda: [kill_check(max(args.tp), args.eager)])
+        kill = kill_check if args.rows_json else kill_check_in_child  # the child runs it here
+        checks.append(lambda: [kill(max(args.tp), args.eager)])
     if args.tp and args.signal_check:
         checks += [lambda: signal_check(max(args.tp)), lambda: serve_check(max(args.tp)),
                    lambda: [gc_check(max(args.tp))]]
@@ -421,6 +443,8 @@ def main() -> None:
         for row in check():
             rows.append(row)
             log(row_text(row))
+            if args.rows_json:
+                print("ROW " + json.dumps(row), flush=True)
     print("| model | dtype | TP | prompts equal to TP=1 | first disagreements |")
     print("|---|---|---|---|---|")
     for row in rows:
