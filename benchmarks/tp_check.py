@@ -14,8 +14,7 @@
    plain engine, on the tiny models. Runs on a one-GPU machine.
 4. --kill-check: SIGKILL worker rank 1 while requests decode at the largest TP size; prints how
    long until LLM.generate raised the error naming it (the NCCL watchdog abort path) and how
-   long shutdown() took after it. Run in a fresh child process, so that its engine uses the
-   custom all-reduce (see below).
+   long shutdown() took after it.
 5. --signal-check: a script that builds the LLM at module level, with no main guard (workers
    forked), run in a subprocess at the largest TP size, ended once by SIGINT and once by
    SIGTERM: how long until it exited, and whether its worker is gone. Then the same two signals
@@ -23,9 +22,11 @@
    every process it started (engine core, workers) is gone. And an LLM dropped without
    shutdown() (`del llm; gc.collect()`): how long until its workers are gone.
 In one process only the first TP engine gets the custom all-reduce; the later ones all-reduce
-through NCCL (custom_all_reduce.py says why). Every shutdown() is timed (the largest is
-printed). The script exits with status 3 at once if an error never comes within 120 s or a
-shutdown takes over 60 s (a hang).
+through NCCL (custom_all_reduce.py says why). So checks 2 and 4 each run in a fresh child
+process (this script again), where the custom all-reduce serves their engines as it serves
+`tinypaged serve` and the bench; of the tiny models only the first kind's engine uses it. Every
+shutdown() in this process is timed (the largest is printed). The script exits with status 3
+at once if an error never comes within 120 s or a shutdown takes over 60 s (a hang).
 
     PYTHONPATH=. python benchmarks/tp_check.py --tp 2 4 --kill-check   # 4 GPUs; --tp 2 on two
     PYTHONPATH=. python benchmarks/tp_check.py --one-rank-group        # one GPU
@@ -212,22 +213,22 @@ def llama8b_checks(tp_sizes: list[int], eager: bool, steps: int = 32) -> list[tu
         shutil.rmtree(path, ignore_errors=True)
 
 
-def kill_check_in_child(tp: int, eager: bool) -> tuple:
-    """kill_check in a fresh process (this script again): there its engine is the process's
-    first, so it all-reduces through the custom all-reduce, whose abort path is the one to
-    check; a later engine in this process would all-reduce through NCCL."""
-    cmd = [sys.executable, __file__, "--tp", str(tp), "--kinds", "--skip-8b", "--kill-check",
-           "--rows-json"] + (["--eager"] if eager else [])
+def rows_from_child(flags: list[str], what: str, tp: int, timeout: float) -> list[tuple]:
+    """Run this script again with `flags` in a fresh process and return its rows. There the
+    first TP engine is the process's first, so it all-reduces through the custom all-reduce; a
+    later TP engine in this process would all-reduce through NCCL."""
+    cmd = [sys.executable, __file__, "--kinds", "--rows-json", *flags]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=200,
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                              env={**os.environ, "PYTHONPATH": "."})
     except subprocess.TimeoutExpired:
-        return ("kill check", "float32", tp, 0, "HANG: the child did not end within 200 s", 0)
-    rows = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
+        return [(what, "", tp, 0, f"HANG: the child did not end within {timeout:.0f} s", 0)]
+    rows = [tuple(json.loads(line[4:])) for line in out.stdout.splitlines()
+            if line.startswith("ROW ")]
     if out.returncode != 0 or not rows:
         tail = (out.stdout + out.stderr)[-400:].replace("\n", " ")
-        return ("kill check", "float32", tp, 0, f"child exited {out.returncode}: {tail}", 0)
-    return tuple(rows[0])
+        return [(what, "", tp, 0, f"child exited {out.returncode}: {tail}", 0)]
+    return rows
 
 
 def kill_check(tp: int, eager: bool) -> tuple:
@@ -430,15 +431,21 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{torch.cuda.device_count()} GPU(s); NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
     rows = tiny_checks(args.kinds, args.dtypes, args.tp, args.eager, args.one_rank_group)
-    checks = []
-    if args.tp and not args.skip_8b:
-        checks.append(lambda: llama8b_checks(args.tp, args.eager))
-    if args.tp and args.kill_check:
-        kill = kill_check if args.rows_json else kill_check_in_child  # the child runs it here
-        checks.append(lambda: [kill(max(args.tp), args.eager)])
+    checks, tp, eager = [], max(args.tp, default=1), ["--eager"] if args.eager else []
+    sizes = ["--tp", *map(str, args.tp)]
+    if args.rows_json:  # the child of rows_from_child
+        if not args.skip_8b:
+            checks.append(lambda: llama8b_checks(args.tp, args.eager))
+        if args.kill_check:
+            checks.append(lambda: [kill_check(tp, args.eager)])
+    elif args.tp:  # each in a fresh process, so that the custom all-reduce serves its engines
+        if not args.skip_8b:
+            checks.append(lambda: rows_from_child(sizes + eager, "llama3-8b shape", tp, 400))
+        if args.kill_check:
+            checks.append(lambda: rows_from_child(
+                sizes + eager + ["--skip-8b", "--kill-check"], "kill check", tp, 200))
     if args.tp and args.signal_check:
-        checks += [lambda: signal_check(max(args.tp)), lambda: serve_check(max(args.tp)),
-                   lambda: [gc_check(max(args.tp))]]
+        checks += [lambda: signal_check(tp), lambda: serve_check(tp), lambda: [gc_check(tp)]]
     for check in checks:
         for row in check():
             rows.append(row)
