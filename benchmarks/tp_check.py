@@ -427,7 +427,7 @@ def main() -> None:
                         help="SIGINT / SIGTERM a module-level script and `tinypaged serve` "
                         "running TP; an LLM dropped without shutdown()")
     parser.add_argument("--rows-json", action="store_true",
-                        help="also print each row as 'ROW <json>' (the kill check's child)")
+                        help="also print each row as 'ROW <json>' (a child of rows_from_child)")
     args = parser.parse_args()
     print(f"{torch.cuda.device_count()} GPU(s); NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
     rows = tiny_checks(args.kinds, args.dtypes, args.tp, args.eager, args.one_rank_group)
