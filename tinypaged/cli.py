@@ -50,7 +50,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences per batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="this engine's share of the GPU's memory, weights and KV cache included")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV-cache size")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
