@@ -22,11 +22,12 @@
    every process it started (engine core, workers) is gone. And an LLM dropped without
    shutdown() (`del llm; gc.collect()`): how long until its workers are gone.
 In one process only the first TP engine gets the custom all-reduce; the later ones all-reduce
-through NCCL (custom_all_reduce.py says why). So checks 2 and 4 each run in a fresh child
-process (this script again), where the custom all-reduce serves their engines as it serves
-`tinypaged serve` and the bench; of the tiny models only the first kind's engine uses it. Every
-shutdown() in this process is timed (the largest is printed). The script exits with status 3
-at once if an error never comes within 120 s or a shutdown takes over 60 s (a hang).
+through NCCL (custom_all_reduce.py says why). So every TP engine of checks 1, 2 and 4 runs in a
+fresh child process (this script again, one per model, dtype and TP size), where the custom
+all-reduce serves it as it serves `tinypaged serve` and the bench; a child that fails or hangs
+gives a row saying so and leaves its output in $OUT. Every shutdown() is timed, the children's
+too (the largest is printed). The script exits with status 3 at once if an error never comes
+within 120 s or a shutdown takes over 60 s (a hang).
 
     PYTHONPATH=. python benchmarks/tp_check.py --tp 2 4 --kill-check   # 4 GPUs; --tp 2 on two
     PYTHONPATH=. python benchmarks/tp_check.py --one-rank-group        # one GPU
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import gc
 import json
 import os
@@ -149,11 +151,9 @@ def tiny_checks(kinds: list[str], dtypes: list[str], tp_sizes: list[int], eager:
                 finally:
                     engine_module.create_executor = create_executor
                 rows.append((kind, dtype, "1 (1-rank group)", *compare(ref, ours), len(prompts)))
-                log(row_text(rows[-1]))
             for tp in tp_sizes:
                 ours = run(str(path), prompts, 16, tensor_parallel_size=tp, **engine)
                 rows.append((kind, dtype, tp, *compare(ref, ours), len(prompts)))
-                log(row_text(rows[-1]))
         shutil.rmtree(path)
     return rows
 
@@ -216,19 +216,27 @@ def llama8b_checks(tp_sizes: list[int], eager: bool, steps: int = 32) -> list[tu
 def rows_from_child(flags: list[str], what: str, tp: int, timeout: float) -> list[tuple]:
     """Run this script again with `flags` in a fresh process and return its rows. There the
     first TP engine is the process's first, so it all-reduces through the custom all-reduce; a
-    later TP engine in this process would all-reduce through NCCL."""
-    cmd = [sys.executable, __file__, "--kinds", "--rows-json", *flags]
+    later TP engine in this process would all-reduce through NCCL. A child that fails or hangs
+    gives one row saying so, and its whole output goes to $OUT (or the temp folder)."""
+    cmd = [sys.executable, __file__, "--rows-json", *flags]
+    env = {**os.environ, "PYTHONPATH": "."}
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                             env={**os.environ, "PYTHONPATH": "."})
-    except subprocess.TimeoutExpired:
-        return [(what, "", tp, 0, f"HANG: the child did not end within {timeout:.0f} s", 0)]
-    rows = [tuple(json.loads(line[4:])) for line in out.stdout.splitlines()
-            if line.startswith("ROW ")]
-    if out.returncode != 0 or not rows:
-        tail = (out.stdout + out.stderr)[-400:].replace("\n", " ")
-        return [(what, "", tp, 0, f"child exited {out.returncode}: {tail}", 0)]
-    return rows
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        lines = out.stdout.splitlines()
+        rows = [tuple(json.loads(line[4:])) for line in lines if line.startswith("ROW ")]
+        SHUTDOWN_S.extend(float(line[9:]) for line in lines if line.startswith("SHUTDOWN "))
+        if out.returncode == 0 and rows:
+            return rows
+        failure, text = f"child exited {out.returncode}", out.stdout + out.stderr
+    except subprocess.TimeoutExpired as exc:
+        text = "".join(t.decode() if isinstance(t, bytes) else t or ""
+                       for t in (exc.stdout, exc.stderr))
+        failure = f"HANG: the child did not end within {timeout:.0f} s"
+    name = f"tp-check-{what.replace(' ', '-')}-tp{tp}.log"
+    log_file = Path(os.environ.get("OUT", tempfile.gettempdir())) / name
+    log_file.write_text(" ".join(cmd) + "\n" + text)
+    tail = text[-300:].replace("\n", " ")
+    return [(what, "", tp, 0, f"{failure} (output in {log_file}): ...{tail}", 0)]
 
 
 def kill_check(tp: int, eager: bool) -> tuple:
@@ -430,22 +438,34 @@ def main() -> None:
                         help="also print each row as 'ROW <json>' (a child of rows_from_child)")
     args = parser.parse_args()
     print(f"{torch.cuda.device_count()} GPU(s); NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
-    rows = tiny_checks(args.kinds, args.dtypes, args.tp, args.eager, args.one_rank_group)
-    checks, tp, eager = [], max(args.tp, default=1), ["--eager"] if args.eager else []
-    sizes = ["--tp", *map(str, args.tp)]
-    if args.rows_json:  # the child of rows_from_child
-        if not args.skip_8b:
+    tp, eager = max(args.tp, default=1), ["--eager"] if args.eager else []
+    checks = []
+    if args.rows_json or not args.tp:  # a child of rows_from_child, or no TP engine at all
+        checks.append(lambda: tiny_checks(args.kinds, args.dtypes, args.tp, args.eager,
+                                          args.one_rank_group))
+        if args.tp and not args.skip_8b:
             checks.append(lambda: llama8b_checks(args.tp, args.eager))
-        if args.kill_check:
+        if args.tp and args.kill_check:
             checks.append(lambda: [kill_check(tp, args.eager)])
-    elif args.tp:  # each in a fresh process, so that the custom all-reduce serves its engines
+    else:  # every TP engine in a fresh process, so that the custom all-reduce serves it
+        for kind in args.kinds:
+            for dtype in args.dtypes:
+                for size in args.tp:
+                    one_rank = ["--one-rank-group"] if args.one_rank_group and size == tp else []
+                    flags = ["--kinds", kind, "--dtypes", dtype, "--tp", str(size), "--skip-8b"]
+                    checks.append(functools.partial(rows_from_child, flags + eager + one_rank,
+                                                    kind, size, 300))
         if not args.skip_8b:
-            checks.append(lambda: rows_from_child(sizes + eager, "llama3-8b shape", tp, 400))
+            for size in args.tp:
+                checks.append(functools.partial(rows_from_child, ["--kinds", "--tp", str(size)]
+                                                + eager, "llama3-8b shape", size, 400))
         if args.kill_check:
-            checks.append(lambda: rows_from_child(
-                sizes + eager + ["--skip-8b", "--kill-check"], "kill check", tp, 200))
-    if args.tp and args.signal_check:
+            checks.append(functools.partial(rows_from_child, [
+                "--kinds", "--tp", str(tp), "--skip-8b", "--kill-check"] + eager,
+                "kill check", tp, 200))
+    if args.tp and args.signal_check and not args.rows_json:
         checks += [lambda: signal_check(tp), lambda: serve_check(tp), lambda: [gc_check(tp)]]
+    rows = []
     for check in checks:
         for row in check():
             rows.append(row)
@@ -456,6 +476,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for row in rows:
         print(row_text(row))
+    if args.rows_json:  # for the parent's count
+        print("\n".join(f"SHUTDOWN {t}" for t in SHUTDOWN_S))
     print(f"{len(SHUTDOWN_S)} shutdown() calls, the slowest {max(SHUTDOWN_S, default=0):.2f} s")
 
 
