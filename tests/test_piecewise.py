@@ -141,6 +141,55 @@ def test_piecewise_forward_matches_eager(kind, num_tokens):
     assert pieces.attn_out[num_tokens:bs].isnan().all()  # padding rows never attended
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["llama", "qwen2_moe"])
+def test_piecewise_forward_matches_eager_under_tensor_parallelism(monkeypatch, kind):
+    """Two ranks in threads (test_models_tp's summing barrier for the all-reduces): the pieces,
+    whose row-parallel layers all-reduce inside them, give each rank the eager forward's hidden
+    states and KV cache (what capturing them at TP=2 on GPUs would need; not yet done)."""
+    from test_models_tp import ThreadAllReduce, run_ranks, set_tp
+
+    from tinypaged.models import layers
+    from tinypaged.models import moe as moe_layers
+
+    hf = tiny_hf_model(kind, seed=7)
+    weights = checkpoint_weights(hf)
+    models = []
+    for rank in range(2):
+        set_tp(monkeypatch, rank, 2)
+        models.append(build_model(hf.config, weights))
+    set_tp(monkeypatch, 0, 1)  # each layer keeps the slices it was built with
+    reduce = ThreadAllReduce(2)
+    monkeypatch.setattr(layers, "all_reduce", reduce)
+    monkeypatch.setattr(moe_layers, "all_reduce", reduce)
+    monkeypatch.setattr(layers, "all_gather_columns", reduce.gather_columns)
+    gen = torch.Generator().manual_seed(11)
+    first = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (11, 9)]
+    mixed = [[5], torch.randint(0, 256, (6,), generator=gen).tolist(),
+             torch.randint(0, 256, (10,), generator=gen).tolist()]  # 17 tokens: bucket 32
+
+    def rank_run(rank: int):
+        model = models[rank]
+        runner = PagedRunner(model, block_size=BLOCK_SIZE, num_blocks=24, seed=3)
+        seqs = [runner.add_sequence() for _ in range(3)]
+        runner.step(dict(zip(seqs, first)))
+        ids, positions, md = flat_step(runner, dict(zip(seqs, mixed)))
+        before = [t.clone() for t in _caches(model)]
+        eager = model(ids, positions, md)
+        eager_caches = [t.clone() for t in _caches(model)]
+        for t, saved in zip(_caches(model), before):
+            t.copy_(saved)
+        pieces = PiecewiseGraphs(model, BUCKETS, torch.device("cpu"), torch.float32,
+                                 capture=False)
+        return eager, eager_caches, pieces.run(ids, positions, md), _caches(model)
+
+    for eager, eager_caches, piecewise, caches in run_ranks(reduce, [
+            lambda r=r: rank_run(r) for r in range(2)]):
+        torch.testing.assert_close(piecewise, eager, rtol=1e-5, atol=1e-5)
+        for ours, ref in zip(caches, eager_caches):
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def test_runner_takes_the_piecewise_path_for_steps_that_fit(tmp_path):
     """The runner's wiring: steps with prompt tokens of at most the largest bucket go through
     the pieces (run eagerly here), larger ones and pure decodes do not; tokens are unchanged."""
