@@ -4,7 +4,7 @@
   (fp32) for tiny random llama (GQA, 2 KV heads), qwen3 with 1 KV head (replicated on both
   ranks), glm and glm4_moe (experts split across ranks), under chunked prefill and prefix
   caching; each rank read about half the checkpoint; the workers are gone after shutdown() and
-  after garbage collection.
+  after garbage collection. The same at TP=4 for llama (each KV head on two ranks).
 - A killed worker: AsyncLLM's streams end with a RuntimeError naming the rank, the engine stops
   (is_running False) and new requests are refused, all within a pytest timeout (no hang). A
   worker that fails in a step: LLM.generate raises its traceback, and keeps raising.
@@ -12,7 +12,8 @@
 - The rank-0 path with a 1-rank gloo group (what a one-GPU machine can run of the NCCL path).
 - The step's wire format round-trips.
 
-Process start-up is slow on a loaded 2-core machine: every test here starts at most one worker.
+Process start-up is slow on a loaded 2-core machine: every test here starts at most one worker,
+except the TP=4 one (three).
 """
 
 from __future__ import annotations
@@ -99,6 +100,22 @@ def test_tp2_greedy_matches_tp1(model_dirs, kind):
         llm.shutdown()
     assert wait_dead(workers) == [False]
     llm.shutdown()  # idempotent
+
+
+@pytest.mark.timeout(180)
+def test_tp4_greedy_matches_tp1(model_dirs):
+    """Any N, not only 2: four ranks, llama's 2 KV heads each held by two ranks."""
+    path = str(model_dirs["llama"])
+    batch = prompts()
+    expected = greedy_tokens(LLM(path, **ENGINE), batch)
+    llm = LLM(path, tensor_parallel_size=4, **ENGINE)
+    workers = [w.process for w in llm.engine.executor.workers]
+    try:
+        assert len(workers) == 3 and llm.engine.runner.model.num_kv_heads == 1
+        assert greedy_tokens(llm, batch) == expected
+    finally:
+        llm.shutdown()
+    assert wait_dead(workers) == [False] * 3
 
 
 @pytest.mark.timeout(120)
