@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tinypaged import bench_serve
+from tinypaged.config import CUDAGRAPH_MODES
 from tinypaged.model_shapes import SHAPES, shape_dir
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ def _model_args(args) -> tuple[str, dict, dict]:
     engine = dict(
         dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
+        cudagraph_mode=args.cudagraph_mode, async_scheduling=args.async_scheduling,
         gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
         disable_custom_all_reduce=args.disable_custom_all_reduce, **extra,
@@ -291,6 +292,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--quantization", default=None)
         p.add_argument("--enforce-eager", action="store_true")
+        p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE",
+                       choices=list(CUDAGRAPH_MODES))
         p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         p.add_argument("--disable-custom-all-reduce", action="store_true")
