@@ -34,7 +34,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import torch  # noqa: E402
 
-from tinypaged import distributed  # noqa: E402
+from tinypaged.distributed import parallel_state as distributed  # noqa: E402
 
 # (num_programs, block, num_warps); the first is the default on an H200 (132 SMs)
 SWEEP = [(132, 4096, 16), (132, 8192, 16), (264, 4096, 16), (264, 2048, 8), (132, 4096, 8),
@@ -138,7 +138,7 @@ def timings(rows_list: list[int], hidden: int, two_shot) -> list[str]:
 
 
 def sweep(rank: int, rows_list: list[int], hidden: int) -> list[str]:
-    from tinypaged.custom_all_reduce import create_custom_all_reduce
+    from tinypaged.distributed.custom_all_reduce import create_custom_all_reduce
 
     lines = []
     device = torch.device("cuda", torch.cuda.current_device())
@@ -165,7 +165,7 @@ def sweep(rank: int, rows_list: list[int], hidden: int) -> list[str]:
 def abort_check(rank: int, hidden: int) -> list[str]:
     """Rank 0 waits in the kernel for peers that never come until another thread aborts
     (what the engine's watchdog does through distributed.abort_tp when a worker dies)."""
-    from tinypaged.custom_all_reduce import create_custom_all_reduce
+    from tinypaged.distributed.custom_all_reduce import create_custom_all_reduce
 
     ca = create_custom_all_reduce(torch.device("cuda", torch.cuda.current_device()))
     line = []
@@ -182,7 +182,7 @@ def abort_check(rank: int, hidden: int) -> list[str]:
 
 
 def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    from tinypaged.custom_all_reduce import create_custom_all_reduce
+    from tinypaged.distributed.custom_all_reduce import create_custom_all_reduce
 
     torch.cuda.set_device(rank)
     distributed.init_tp(rank, world_size, "nccl", f"tcp://127.0.0.1:{port}")

@@ -84,14 +84,14 @@ def main() -> None:
     engine = dict(dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=args.batch,
                   max_model_len=256 if args.model == "tiny" else 1024)
     if args.model == "tiny":
-        from tests.test_engine import save_tiny
+        from helpers.models import save_tiny
 
         path = Path(tempfile.mkdtemp())
         save_tiny("llama", path)
         args.vocab = 256
         engine["num_kv_blocks"] = 4096
     else:
-        from tinypaged.bench import SHAPES, shape_dir
+        from tinypaged.bench.offline import SHAPES, shape_dir
 
         path = shape_dir(args.model)
         args.vocab = SHAPES[args.model]["vocab_size"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.bench import SHAPES, sample_requests, shape_dir
+from tinypaged.bench.offline import SHAPES, sample_requests, shape_dir
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=128,
             intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

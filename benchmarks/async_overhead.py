@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.bench import SHAPES, sample_requests, shape_dir
+from tinypaged.bench.offline import SHAPES, sample_requests, shape_dir
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=128,
             intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -278,8 +278,8 @@ def paths(llm: LLM, batch_sizes: list[int], out_len: int) -> list[str]:
     """Per-sequence decode tok/s of the same engine through LLM.generate (the anchor kit's
     measure: (t(out_len) - t(1)) / (out_len - 1)) and through AsyncLLM (`bench latency`'s), each
     mode. AsyncLLM takes the engine over last (its thread then owns it)."""
-    from tinypaged.async_llm import AsyncLLM
-    from tinypaged.bench import _latency
+    from tinypaged.bench.offline import _latency
+    from tinypaged.engine.async_llm import AsyncLLM
 
     cfg = SHAPES["llama3-8b"]
     lines = []

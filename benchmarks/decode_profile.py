@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.bench import SHAPES, sample_requests, shape_dir
+from tinypaged.bench.offline import SHAPES, sample_requests, shape_dir
 
 PROFILED_STEPS, TIMED_STEPS = 3, 5
 

@@ -22,7 +22,7 @@ from kernels import PagedBatch
 from triton.testing import do_bench
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.bench import COPY_BW, SHAPES, sample_requests, shape_dir, warmup_requests
+from tinypaged.bench.offline import COPY_BW, SHAPES, sample_requests, shape_dir, warmup_requests
 from tinypaged.kernels import attention
 from tinypaged.kernels.attention import paged_attention
 

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from tinypaged.bench import COPY_BW, SHAPES, sample_requests
+from tinypaged.bench.offline import COPY_BW, SHAPES, sample_requests
 from tinypaged.kernels import attention
 from tinypaged.kernels.attention import paged_attention_ref, paged_attention_triton
 from tinypaged.kernels.attention_decode import decode_num_splits

@@ -198,7 +198,7 @@ def e2e(args, start):
     """`tinypaged bench latency` with the GEMV on and off (TINYPAGED_DENSE_GEMV), alternating in
     one process (the second engine reuses the first's compiled kernels) until the budget is
     spent, at least once each; tok/s per sequence, best of the runs of each."""
-    from tinypaged import bench
+    from tinypaged.bench import offline as bench
 
     best: dict[tuple[str, int], float] = {}
     runs = 0

@@ -19,8 +19,8 @@ import json
 
 import torch
 
-from tinypaged.bench import COPY_BW, PEAK_FLOPS
-from tinypaged.model_shapes import SHAPES
+from tinypaged.bench.model_shapes import SHAPES
+from tinypaged.bench.offline import COPY_BW, PEAK_FLOPS
 
 
 def linears(cfg: dict) -> dict[str, tuple[int, int]]:

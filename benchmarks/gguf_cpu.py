@@ -18,13 +18,13 @@ import torch
 torch.set_num_threads({threads})
 steps, mode = {steps}, "{mode}"
 prompt = list(range(100, 132))
-from tinypaged.default_model import ensure_default_model
+from tinypaged.models.default_model import ensure_default_model
 model_dir = ensure_default_model()
 start = time.perf_counter()
 if mode == "transformers":
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    from tinypaged.models.gguf import gguf_file_of
+    from tinypaged.models.gguf_file import gguf_file_of
     path = gguf_file_of(model_dir)  # what from_pretrained(gguf_file=) does, without accelerate
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -43,7 +43,8 @@ if mode == "transformers":
             past, tok = out.past_key_values, int(out.logits[0, -1].argmax())
 else:
     from tinypaged.config import EngineConfig
-    from tinypaged.models import gguf_layers, loader
+    from tinypaged.models import loader
+    from tinypaged.quantization import gguf as gguf_layers
     if mode == "per-call":
         gguf_layers.GGUFConfig.from_config = classmethod(lambda cls, q: cls(cpu_dequantize=False))
     model, _, _ = loader.load_model(EngineConfig(), "cpu")
@@ -52,7 +53,7 @@ else:
     for module in model.modules():  # the tied head's dense copy appears at its first call
         weights += sum(w.numel() * w.element_size() for _, w in getattr(module, "gguf_parts", []))
     sys.path.insert(0, "tests")
-    from model_helpers import PagedRunner
+    from helpers.models import PagedRunner
     runner = PagedRunner(model, block_size=16, num_blocks=(len(prompt) + steps) // 16 + 2)
     seq = runner.add_sequence()
     with torch.no_grad():

@@ -29,12 +29,13 @@ import torch
 import torch.nn.functional as F
 from awq_gemv import L2_BYTES, awq_weights, copy_bandwidth, gemv, graph_us
 
-from tinypaged import bench
+from tinypaged.bench import offline as bench
 from tinypaged.kernels import gguf
 from tinypaged.kernels._triton import cdiv
 from tinypaged.kernels.gguf_format import GGML_TYPES, row_bytes
 from tinypaged.kernels.gguf_mma import MMA_TYPES, gguf_mma
-from tinypaged.models import gguf_layers, loader
+from tinypaged.models import loader
+from tinypaged.quantization import gguf as gguf_layers
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096), "lm_head": (4096, 128256)}  # name -> (K, N)

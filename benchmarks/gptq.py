@@ -25,7 +25,7 @@ from torch import nn
 from tinypaged.kernels import gptq_int8 as K8
 from tinypaged.kernels._triton import cdiv, num_sms
 from tinypaged.kernels.gptq_format import gptq_dequantize_reference, pack_gptq
-from tinypaged.models.gptq import GPTQConfig
+from tinypaged.quantization.gptq import GPTQConfig
 
 VARIANTS = [("int4 g128", 4, 128, False), ("int8 g128", 8, 128, False),
             ("int8 g128 act-order", 8, 128, True)]

@@ -16,11 +16,12 @@ import tempfile
 from pathlib import Path
 
 import torch
+from helpers.models import save_tiny
 
-from tests.test_engine import save_tiny
 from tinypaged import LLM, SamplingParams
 
-# phi3_longrope is left to tests/test_models_cuda.py: these prompts outgrow its 64-token original
+# phi3_longrope is left to tests/models/test_models_cuda.py: these prompts outgrow its 64-token
+# original
 # context, past which transformers re-rotates the whole sequence with the long factors
 KINDS = ["llama", "llama3_scaling", "qwen2", "qwen3", "glm", "glm4", "chatglm", "qwen2_moe",
          "qwen3_moe", "glm4_moe", "mistral", "qwen2_sliding", "gemma2", "gemma3", "phi3",

@@ -7,7 +7,7 @@ then walks a valid document token by token: fill the packed int32 bitmask of the
 tokens, then accept the token. Checks first that every token of the document is allowed by both
 engines' masks (and the end is reached), then prints compile time and the median and p99 time
 of one mask fill. Needs both packages (`pip install llguidance xgrammar`); tinypaged itself uses
-only the one named in tinypaged/structured_output.py.
+only the one named in tinypaged/sampling/structured_output.py.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     if args.model is None:
-        from tinypaged.default_model import ensure_default_model
+        from tinypaged.models.default_model import ensure_default_model
 
         args.model = str(ensure_default_model())
     hf_tok = AutoTokenizer.from_pretrained(args.model)

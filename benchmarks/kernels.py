@@ -557,7 +557,10 @@ def time_gguf() -> None:
 
 
 def check_gptq() -> None:
-    from gptq import check, gptq_layer  # benchmarks/gptq.py: the layer as models/gptq.py builds it
+    from gptq import (  # benchmarks/gptq.py: the layer as quantization/gptq.py builds it
+        check,
+        gptq_layer,
+    )
 
     print("correctness: GPTQ int8 layers (M = 1, 8, 40, 300) against the format's reference")
     for act_order in (False, True):

@@ -30,13 +30,13 @@ import torch
 from transformers import LlamaConfig
 
 from tinypaged import kernels
-from tinypaged.input_batch import HostBlockTables, build_step
 from tinypaged.kernels import _triton, dense_gemv
 from tinypaged.kernels.attention_hopper import _kv_operand
 from tinypaged.models import decoder
-from tinypaged.models.batch import AttentionMetadata
+from tinypaged.models.attention_metadata import AttentionMetadata
 from tinypaged.models.llama import LlamaForCausalLM
 from tinypaged.scheduler import ScheduledSequence, Sequence
+from tinypaged.worker.input_batch import HostBlockTables, build_step
 
 NUM_LAYERS, BLOCK_SIZE = 32, 16
 LAUNCHERS = ("rms_norm", "rotary_store_kv", "paged_attention", "silu_and_mul")

@@ -32,13 +32,13 @@ import torch
 
 from benchmarks.offline_steps import StepTimeline
 from tinypaged import LLM, SamplingParams
-from tinypaged.bench import SHAPES, sample_requests, shape_dir, warmup_requests
+from tinypaged.bench.offline import SHAPES, sample_requests, shape_dir, warmup_requests
 from tinypaged.models import layers
 
 
 def recapture(llm: LLM) -> None:
     """Capture the decode graphs again with the kernels the code now calls."""
-    from tinypaged.cuda_graphs import DecodeGraphs
+    from tinypaged.worker.cuda_graphs import DecodeGraphs
 
     runner = llm.engine.runner
     if runner.graphs is None:  # eager (CPU, enforce_eager): nothing captured

@@ -42,7 +42,7 @@ import torch
 from benchmarks.offline_steps import StepTimeline
 from benchmarks.offline_steps import print_summary as print_timeline
 from tinypaged import LLM, SamplingParams
-from tinypaged.bench import (
+from tinypaged.bench.offline import (
     COPY_BW,
     PEAK_FLOPS,
     SHAPES,

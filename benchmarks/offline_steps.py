@@ -164,7 +164,7 @@ def print_summary(r: dict) -> None:
 
 
 def main() -> None:
-    from tinypaged.bench import SHAPES, sample_requests, shape_dir, warmup_requests
+    from tinypaged.bench.offline import SHAPES, sample_requests, shape_dir, warmup_requests
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-shape", default="llama3-8b", choices=sorted(SHAPES))

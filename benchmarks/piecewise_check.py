@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.bench import shape_dir
+from tinypaged.bench.offline import shape_dir
 from tinypaged.scheduler import ScheduledSequence, Sequence
 
 BASE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
@@ -65,7 +65,7 @@ def check_tiny(kind: str) -> str:
 
 def check_test_kind(kind: str) -> str:
     """One of the tests' tiny random checkpoints (tests/model_helpers.tiny_hf_model)."""
-    from tests.test_engine import save_tiny
+    from helpers.models import save_tiny
 
     path = Path(tempfile.mkdtemp(prefix=f"tinypaged-pw-{kind}-"))
     hf = save_tiny(kind, path)

@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.bench import SHAPES, sample_requests, shape_dir
+from tinypaged.bench.offline import SHAPES, sample_requests, shape_dir
 
 
 def main() -> None:

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tinypaged import gptq_quant
-from tinypaged import quantize as Q
-from tinypaged.default_model import ensure_default_model
 from tinypaged.kernels.awq import awq_dequantize_reference
 from tinypaged.kernels.gptq_format import gptq_dequantize_reference
+from tinypaged.models.default_model import ensure_default_model
+from tinypaged.quantization import gptq_quant
+from tinypaged.quantization import quantize as Q
 
 
 def perplexity(model, ids) -> float:
@@ -52,7 +52,7 @@ def dequantized_state(out: Path) -> dict[str, torch.Tensor]:
 def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from tinypaged.models.gguf import dense_state_dict
+    from tinypaged.models.gguf_file import dense_state_dict
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--group-size", type=int, default=32)

@@ -6,9 +6,9 @@
 #     VLLM=1 bash benchmarks/serve_compare.sh          # then vLLM from /tmp/vsite, ~5 min in all
 #
 # Both run the engine in a process of its own beside the API server's (tinypaged's default on a
-# GPU, engine_core.py; TINYPAGED_ENABLE_MULTIPROCESSING=0 puts it back in a thread).
+# GPU, engine/core.py; TINYPAGED_ENABLE_MULTIPROCESSING=0 puts it back in a thread).
 #
-# Both servers read the same folder (tinypaged.model_shapes: config.json of the shape and a
+# Both servers read the same folder (tinypaged.bench.model_shapes: config.json of the shape and a
 # one-word-per-id tokenizer of its 128,256 ids, --load-format dummy), take the same limits, and
 # see the same requests: random token-id prompts, RANDOM_INPUT_LEN in, RANDOM_OUTPUT_LEN out with
 # ignore_eos, Poisson arrivals, RATE * DURATION requests per rate. Each run draws its prompts from
@@ -62,7 +62,7 @@ import vllm.entrypoints.serve.instrumentator.metrics" || {
     echo "vllm serve cannot import its API server (the error above names the missing module):"
     echo "install its wheels into ${VLLM_SITE:-/tmp/vsite} with pip --no-deps --target"; exit 1; }
 fi
-MODEL_DIR=${MODEL_DIR:-$(python -c "from tinypaged.model_shapes import shape_dir
+MODEL_DIR=${MODEL_DIR:-$(python -c "from tinypaged.bench.model_shapes import shape_dir
 print(shape_dir('$SHAPE', tokenizer=True))")} || exit 1
 echo "model folder: $MODEL_DIR ($SHAPE, dummy weights)"
 nvidia-smi -i "${CUDA_VISIBLE_DEVICES:-0}" --query-gpu=name,memory.used --format=csv,noheader \

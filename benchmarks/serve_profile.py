@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from tinypaged import engine_core
-from tinypaged.async_llm import AsyncLLM
-from tinypaged.model_shapes import shape_dir
-from tinypaged.server import build_app
+from tinypaged.bench.model_shapes import shape_dir
+from tinypaged.engine import core as engine_core
+from tinypaged.engine.async_llm import AsyncLLM
+from tinypaged.entrypoints.openai.api_server import build_app
 
 ROWS_ENV = "SERVE_PROFILE_ROWS"  # where the engine process writes its rows at shutdown
 
@@ -102,9 +102,9 @@ class StepProbe:
 
 def profiled_engine_core(config, inbox, outbox) -> None:
     """engine_core.run_engine_core with a StepProbe on its engine; rows to $SERVE_PROFILE_ROWS."""
-    import tinypaged.engine
+    import tinypaged.engine.engine
 
-    class ProfiledEngine(tinypaged.engine.Engine):
+    class ProfiledEngine(tinypaged.engine.engine.Engine):
         def __init__(self, config) -> None:
             super().__init__(config)
             self.probe = StepProbe(self)
@@ -115,7 +115,7 @@ def profiled_engine_core(config, inbox, outbox) -> None:
             Path(os.environ[ROWS_ENV]).write_text(json.dumps({"rows": rows, "cpu_end": cpu}))
             super().shutdown()
 
-    tinypaged.engine.Engine = ProfiledEngine
+    tinypaged.engine.engine.Engine = ProfiledEngine
     engine_core.run_engine_core(config, inbox, outbox)
 
 

@@ -1,5 +1,5 @@
 """How fast a step reaches the tensor-parallel workers: one pipe per worker (before) against the
-shared-memory ring (tinypaged/shm_broadcast.py, now), on the CPU, no GPU needed.
+shared-memory ring (tinypaged/distributed/shm_broadcast.py, now), on the CPU, no GPU needed.
 
 Rank 0 sends a packed step (tp_worker.pack_step: a decode batch of --batch sequences with
 --blocks blocks each) every --gap-us microseconds (a sleep: the engine's work between steps), to N
@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-from tinypaged.runner import StepInput
-from tinypaged.shm_broadcast import ShmBroadcast
-from tinypaged.tp_worker import pack_step
+from tinypaged.distributed.shm_broadcast import ShmBroadcast
+from tinypaged.worker.model_runner import StepInput
+from tinypaged.worker.tp_worker import pack_step
 
 
 def decode_step(batch: int, blocks: int) -> bytes:

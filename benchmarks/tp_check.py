@@ -22,7 +22,8 @@
    every process it started (engine core, workers) is gone. And an LLM dropped without
    shutdown() (`del llm; gc.collect()`): how long until its workers are gone.
 In one process only the first TP engine gets the custom all-reduce; the later ones all-reduce
-through NCCL (custom_all_reduce.py says why). So every TP engine of checks 1, 2 and 4 runs in a
+through NCCL (distributed/custom_all_reduce.py says why). So every TP engine of checks 1, 2 and 4
+runs in a
 fresh child process (this script again, one per model, dtype and TP size), where the custom
 all-reduce serves it as it serves `tinypaged serve` and the bench; a child that fails or hangs
 gives a row saying so and leaves its output in $OUT. Every shutdown() is timed, the children's
@@ -58,9 +59,10 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-from tests.test_engine import save_tiny  # noqa: E402
+from helpers.models import save_tiny  # noqa: E402
+
 from tinypaged import LLM, SamplingParams  # noqa: E402
-from tinypaged.bench import SHAPES  # noqa: E402
+from tinypaged.bench.offline import SHAPES  # noqa: E402
 
 KINDS = ["llama", "qwen2", "qwen3", "glm", "glm4", "chatglm"]  # all; the default is 3 of them
 
@@ -142,8 +144,8 @@ def tiny_checks(kinds: list[str], dtypes: list[str], tp_sizes: list[int], eager:
             engine = dict(dtype=dtype, num_kv_blocks=256, max_num_seqs=16, enforce_eager=eager)
             ref = run(str(path), prompts, 16, **engine)
             if one_rank_group:
-                import tinypaged.engine as engine_module
-                from tinypaged.executor import MultiprocExecutor, create_executor
+                import tinypaged.engine.engine as engine_module
+                from tinypaged.worker.executor import MultiprocExecutor, create_executor
 
                 engine_module.create_executor = MultiprocExecutor
                 try:
@@ -373,9 +375,8 @@ def gc_check(tp: int) -> tuple:
 def serve_check(tp: int) -> list[tuple]:
     """`tinypaged serve -tp N`, one completion answered, then SIGINT (Ctrl-C) and SIGTERM."""
     import httpx
+    from helpers.server import free_port
     from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from tests.test_server_helpers import free_port
 
     path = Path(tempfile.mkdtemp())
     save_tiny("llama", path)

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from tinypaged import LLM, SamplingParams  # noqa: E402
-from tinypaged.bench import SHAPES, shape_dir  # noqa: E402
+from tinypaged.bench.offline import SHAPES, shape_dir  # noqa: E402
 
 KINDS = [  # (kind, substrings of kernel names), first match wins
     ("all-reduce", ("allreduce", "all_reduce")),

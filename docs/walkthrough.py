@@ -7,9 +7,9 @@ Change the numbers (block_size, the token budget, the prompts) and run it again.
 """
 
 from tinypaged.config import EngineConfig
-from tinypaged.input_batch import HostBlockTables, build_step
-from tinypaged.sampling_params import SamplingParams
+from tinypaged.sampling.params import SamplingParams
 from tinypaged.scheduler import Scheduler, Sequence
+from tinypaged.worker.input_batch import HostBlockTables, build_step
 
 config = EngineConfig(max_model_len=32, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
 scheduler = Scheduler(config, num_blocks=12)

@@ -16,25 +16,25 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "tinypaged.llm",
-    "AsyncLLM": "tinypaged.async_llm",
-    "SamplingParams": "tinypaged.sampling",
+    "LLM": "tinypaged.engine.llm",
+    "AsyncLLM": "tinypaged.engine.async_llm",
+    "SamplingParams": "tinypaged.sampling.params",
     "EngineConfig": "tinypaged.config",
     "RequestOutput": "tinypaged.outputs",
     "CompletionOutput": "tinypaged.outputs",
-    "StructuredOutputsParams": "tinypaged.structured_output",
+    "StructuredOutputsParams": "tinypaged.sampling.structured_output",
 }
 
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
     # For type checkers and IDEs only: at run time `__getattr__` below imports these lazily.
-    from tinypaged.async_llm import AsyncLLM  # noqa: F401
     from tinypaged.config import EngineConfig  # noqa: F401
-    from tinypaged.llm import LLM  # noqa: F401
+    from tinypaged.engine.async_llm import AsyncLLM  # noqa: F401
+    from tinypaged.engine.llm import LLM  # noqa: F401
     from tinypaged.outputs import CompletionOutput, RequestOutput  # noqa: F401
-    from tinypaged.sampling_params import SamplingParams  # noqa: F401
-    from tinypaged.structured_output import StructuredOutputsParams  # noqa: F401
+    from tinypaged.sampling.params import SamplingParams  # noqa: F401
+    from tinypaged.sampling.structured_output import StructuredOutputsParams  # noqa: F401
 
 
 def __getattr__(name: str):

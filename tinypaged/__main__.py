@@ -2,6 +2,6 @@
 
 import sys
 
-from tinypaged.cli import main
+from tinypaged.entrypoints.cli import main
 
 sys.exit(main())

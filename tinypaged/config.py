@@ -29,12 +29,14 @@ class EngineConfig:
     enforce_eager: bool = False  # True = no CUDA graphs
     # CUDA graphs when not enforce_eager (vLLM's compilation_config cudagraph_mode):
     # "FULL_DECODE_ONLY" = full graphs of pure-decode steps; "FULL_AND_PIECEWISE" = those, and
-    # steps with prompt tokens replay graphs of the pieces between attentions (piecewise_graphs.py)
+    # steps with prompt tokens replay graphs of the pieces between attentions
+    # (worker/piecewise_graphs.py)
     cudagraph_mode: str = "FULL_AND_PIECEWISE"  # vLLM's default
     quantization: str | None = None  # None (auto-detect) | "awq" | "gptq" | "gguf"
     seed: int = 0
     tensor_parallel_size: int = 1
-    # True = every tensor-parallel all-reduce through NCCL (custom_all_reduce.py, as in vLLM)
+    # True = every tensor-parallel all-reduce through NCCL (distributed/custom_all_reduce.py, as in
+    # vLLM)
     disable_custom_all_reduce: bool = False
     # Schedule step N+1 while the GPU runs step N (vLLM's name); None = on for CUDA, off on CPU.
     async_scheduling: bool | None = None

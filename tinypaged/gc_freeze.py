@@ -15,7 +15,7 @@ It is called only where a process lives exactly as long as its engine: the engin
 freezes without collecting first. A collection there would also free the garbage it inherited
 from the parent, such as an earlier engine, and run those objects' finalizers. A finalizer can
 wait on a lock that a thread of the parent held at the fork. That thread does not exist in the
-child, so the worker would hang (seen in tests/test_tp.py). `LLM(...)` does not call it,
+child, so the worker would hang (seen in tests/distributed/test_tp.py). `LLM(...)` does not call it,
 because the user's process outlives the engine, and the frozen cycles of a dropped engine would
 never be freed. Code that must free a frozen cycle calls `gc.unfreeze()` first
 (ModelRunner.release_graphs: a live decode graph that holds an all-reduce keeps NCCL from

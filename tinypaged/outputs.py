@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinypaged.engine_stats import RequestStateStats
+from tinypaged.engine.stats import RequestStateStats
 
 
 @dataclass

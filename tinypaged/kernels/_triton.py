@@ -28,7 +28,7 @@ import torch
 
 def _has_gpu() -> bool:
     """device_count() asks NVML, not the CUDA driver: importing the kernels must not initialize
-    CUDA, or the engine could no longer fork its tensor-parallel workers (tp_worker.py)."""
+    CUDA, or the engine could no longer fork its tensor-parallel workers (worker/tp_worker.py)."""
     return torch.cuda.device_count() > 0
 
 

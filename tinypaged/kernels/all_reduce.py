@@ -4,7 +4,7 @@ With tensor parallelism each rank r holds a partial result x_r [n] of a row-para
 needs the sum over the W ranks. NCCL sends it through its own protocol; for the small messages
 of a decode step its fixed cost dominates (~7 us at batch 1 on 2 x H200). When every rank can
 load and store the others' GPU memory (P2P over NVLink), the sum is one kernel over buffers
-every rank maps (custom_all_reduce.py allocates them):
+every rank maps (distributed/custom_all_reduce.py allocates them):
 
     one-shot                                     two-shot (reduce-scatter + all-gather)
     1. copy x_r -> my input                      1. copy x_r -> my input

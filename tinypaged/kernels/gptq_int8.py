@@ -1,6 +1,6 @@
 """GPTQ int8 matmul: y [M, N] = x [M, K] @ W, W dequantized from 8-bit integers on the fly.
 
-The layer's layout (models/gptq.py builds it once at load from the checkpoint's packing):
+The layer's layout (quantization/gptq.py builds it once at load from the checkpoint's packing):
     qweight uint8 [K, N]      q, input rows in the order the kernels read them
     qzeros  uint8 [K/G, N]    z
     scales        [K/G, N]    s

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from tinypaged import kernels
-from tinypaged.models.batch import AttentionMetadata
+from tinypaged.models.attention_metadata import AttentionMetadata
 from tinypaged.models.layers import (
     Attention,
     MergedColumnParallelLinear,
@@ -277,7 +277,7 @@ class DecoderModel(nn.Module):
     def piece(self, i: int, x: torch.Tensor, residual: torch.Tensor | None,
               positions: torch.Tensor, slot_mapping: torch.Tensor):
         """Piece i (0..num_layers) of the forward cut at every attention: all of it token-wise,
-        so it can be captured once per token count (piecewise_graphs.py).
+        so it can be captured once per token count (worker/piecewise_graphs.py).
 
             piece 0:       x = input_ids [T] -> embed, layer 0 up to attention
             piece i:       x = layer i-1's attention output [T, heads, head_dim] -> its o_proj

@@ -31,9 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinypaged import kernels
-from tinypaged.distributed import all_gather_columns, all_reduce, get_tp_rank, get_tp_size
+from tinypaged.distributed.parallel_state import (
+    all_gather_columns,
+    all_reduce,
+    get_tp_rank,
+    get_tp_size,
+)
 from tinypaged.kernels import dense_gemv
-from tinypaged.models.batch import AttentionMetadata
+from tinypaged.models.attention_metadata import AttentionMetadata
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

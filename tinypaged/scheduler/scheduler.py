@@ -31,7 +31,8 @@ The engine's step (every call O(batch)):
             scheduler.finish(seq, "stop" or "length")
     scheduler.abort(request_id)                      # any time between steps
 
-Async scheduling (engine.py) calls `schedule()` for step N+1 before `update()` of step N. Then a
+Async scheduling (engine/engine.py) calls `schedule()` for step N+1 before `update()` of step N.
+Then a
 sequence sampled in step N is one placeholder ahead: it is scheduled for one token (the
 placeholder, whose id the runner takes from step N's sampled ids on the device), unless its
 tokens in flight already reach max_tokens or max_model_len (it ends at step N). A preempted

@@ -1,0 +1,215 @@
+"""GGUF block formats: the torch references against the `gguf` package's dequantizers, the
+device layout against the file's, and the Triton dequantize and GEMV kernels (which read the
+device layout) against the references under the Triton interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from helpers.compile_sm90 import compile_for_sm90
+from helpers.gguf import random_blocks
+
+from tinypaged.kernels import gguf
+from tinypaged.kernels.gguf_format import (
+    GGML_TYPES,
+    QUANTIZED_TYPES,
+    gguf_dequantize_reference,
+)
+from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
+from tinypaged.kernels.gguf_mma import gguf_mma
+
+NAMES = {t: GGML_TYPES[t].name for t in QUANTIZED_TYPES}
+
+
+def _k(type_id: int) -> int:
+    # legacy rows of 576 (SmolLM2's hidden size) leave a partial 256-weight chunk
+    return 576 if GGML_TYPES[type_id].block_elems == 32 else 512
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("type_id", QUANTIZED_TYPES, ids=NAMES.get)
+def test_reference_equals_the_gguf_package(type_id):
+    raw = random_blocks(type_id, 6, 2 * _k(type_id), seed=type_id)
+    oracle = dequantize(raw, GGMLQuantizationType(type_id))
+    ours = gguf_dequantize_reference(torch.from_numpy(raw), type_id, 2 * _k(type_id))
+    assert np.abs(oracle).max() > 0
+    assert torch.equal(ours, torch.from_numpy(oracle))
+
+
+@pytest.mark.parametrize("type_id", QUANTIZED_TYPES, ids=NAMES.get)
+def test_device_layout_round_trip(type_id):
+    K = _k(type_id)
+    raw = torch.from_numpy(random_blocks(type_id, 5, K, seed=4))
+    device = to_device_layout(raw, type_id, K)
+    assert device.shape == raw.shape and not torch.equal(device, raw)
+    assert torch.equal(to_file_layout(device, type_id, K), raw)
+
+
+def test_device_layout_of_q4_k():
+    """Row = the quant plane (16-byte chunks transposed as 4 x 4 bytes, the first halves of the
+    sub-block pairs first), then the headers."""
+    raw = torch.from_numpy(random_blocks(12, 2, 512, seed=5))  # two blocks of 144 bytes a row
+    device = to_device_layout(raw, 12, 512)
+    quants = torch.stack([raw[:, 16:144], raw[:, 160:288]], dim=1)  # blocks 0 and 1
+    chunks = quants.reshape(2, 2, 8, 16)[:, :, [0, 2, 4, 6, 1, 3, 5, 7]]  # halves of pairs first
+    transposed = chunks.reshape(2, 2, 8, 4, 4).transpose(-1, -2).reshape(2, 256)
+    assert torch.equal(device[:, :256], transposed)
+    assert torch.equal(device[:, 1:4], raw[:, [20, 24, 28]])  # word 0 = bytes 0, 4, 8, 12
+    assert torch.equal(device[:, 16:20], raw[:, [48, 52, 56, 60]])  # chunk 2 follows chunk 0
+    assert torch.equal(device[:, 256:], torch.cat([raw[:, :16], raw[:, 144:160]], dim=1))
+
+
+def test_device_layout_of_q6_k():
+    """Row = ql (chunks in the order 0 1 4 5 2 3 6 7, transposed), qh (transposed), the scales
+    of GEMV thread h = 2n + lh (sub-blocks 8n + 2i + lh) in word h, d."""
+    raw = torch.from_numpy(random_blocks(14, 3, 256, seed=7))  # one block of 210 bytes a row
+    device = to_device_layout(raw, 14, 256)
+    chunks = raw[:, :128].reshape(3, 8, 16)[:, [0, 1, 4, 5, 2, 3, 6, 7]]
+    transposed = chunks.reshape(3, 8, 4, 4).transpose(-1, -2).reshape(3, 128)
+    assert torch.equal(device[:, :128], transposed)
+    assert torch.equal(device[:, 128:192],
+                       raw[:, 128:192].reshape(3, 4, 4, 4).transpose(-1, -2).reshape(3, 64))
+    subs = [8 * (h // 2) + 2 * i + h % 2 for h in range(4) for i in range(4)]
+    assert subs[:8] == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert torch.equal(device[:, 192:208], raw[:, 192:208][:, subs])
+    assert torch.equal(device[:, 208:], raw[:, 208:])
+
+
+@pytest.mark.parametrize("type_id", [0, 1, 30], ids=["F32", "F16", "BF16"])
+def test_float_types_pass_through(type_id):
+    w = torch.randn(3, 64).to({0: torch.float32, 1: torch.float16, 30: torch.bfloat16}[type_id])
+    raw = w.view(torch.uint8)
+    assert torch.equal(gguf_dequantize_reference(raw, type_id, 64), w.float())
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(gguf.gguf_linear(x, raw, type_id), x @ w.float().T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("type_id", QUANTIZED_TYPES, ids=NAMES.get)
+def test_dequantize_kernel(interpret, type_id, dtype):
+    K = _k(type_id)
+    raw = torch.from_numpy(random_blocks(type_id, 20, K, seed=1))
+    ours = gguf.gguf_dequantize(to_device_layout(raw, type_id, K), type_id, K, dtype)
+    assert ours.dtype == dtype
+    reference = gguf_dequantize_reference(raw, type_id, K).to(dtype)
+    assert torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("dtype,M", [(torch.float32, 1), (torch.float16, 3)])
+@pytest.mark.parametrize("type_id", QUANTIZED_TYPES, ids=NAMES.get)
+def test_gemv_kernel(interpret, type_id, dtype, M):
+    K = _k(type_id)
+    raw = torch.from_numpy(random_blocks(type_id, 20, K, seed=2))
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(0)).to(dtype)
+    # two programs, the second half empty
+    y = gguf.gguf_gemv(x, to_device_layout(raw, type_id, K), type_id, block_n=16)
+    assert y.shape == (M, 20) and y.dtype == dtype
+    reference = x.float() @ gguf_dequantize_reference(raw, type_id, K).T
+    # fp32: sums of 1 + q * 2**-8 spend up to 8 of fp32's 24 bits before the subtraction
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(y.float(), reference, rtol=tol, atol=tol * reference.abs().max())
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+@pytest.mark.parametrize("type_id", [12, 14, 8], ids=["Q4_K", "Q6_K", "Q8_0"])
+def test_gemv_split_k(interpret, type_id, prefetch):
+    """K split over 3 (Q6_K: 2) programs a row block (one with a partial step for Q8_0's 36
+    blocks): the last to finish writes y and leaves the workspace zeroed, so a second call
+    agrees; with prefetch, no program reads the step after its own range."""
+    K = {12: 768, 14: 1024, 8: 1152}[type_id]
+    raw = torch.from_numpy(random_blocks(type_id, 8, K, seed=6))
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(1))
+    qweight = to_device_layout(raw, type_id, K)
+    reference = x @ gguf_dequantize_reference(raw, type_id, K).T
+    for _ in range(2):
+        y = gguf.gguf_gemv(x, qweight, type_id, block_n=8, split_k=3, prefetch=prefetch)
+        torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
+
+
+@pytest.mark.parametrize("dtype,M,split_k,xs_dot", [(torch.float32, 2, 1, False),
+                                                    (torch.float16, 11, 2, True)])
+@pytest.mark.parametrize("type_id", [12, 14], ids=["Q4_K", "Q6_K"])
+def test_mma_kernel(interpret, type_id, dtype, M, split_k, xs_dot):
+    """The tensor-core path for M > 1: rows of x padded to 16, K split over 2 programs."""
+    K = 512
+    raw = torch.from_numpy(random_blocks(type_id, 20, K, seed=8))
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(2)).to(dtype)
+    y = gguf_mma(x, to_device_layout(raw, type_id, K), type_id, block_n=16, split_k=split_k,
+                 xs_dot=xs_dot)
+    assert y.shape == (M, 20) and y.dtype == dtype
+    reference = x.float() @ gguf_dequantize_reference(raw, type_id, K).T
+    # fp16: the 16-bit x and 1024 + q are exact, products summed in fp32; y rounds to fp16
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(y.float(), reference, rtol=tol, atol=tol * reference.abs().max())
+
+
+def test_linear_dispatch(interpret, monkeypatch):
+    """DECODE_PATHS picks the kernel by M: Q4_K's GEMV up to 4 rows, mma up to 16, then
+    dequantize + cuBLAS; each agrees with the reference (the kernels are spied on)."""
+    K, type_id = 256, 12
+    raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=3))
+    qweight = to_device_layout(raw, type_id, K)
+    x = torch.randn(17, K)
+    reference = x @ gguf_dequantize_reference(raw, type_id, K).T
+    assert torch.equal(gguf.linear_reference(x, qweight, type_id), reference)
+    calls = []
+    for name in ("gguf_gemv", "gguf_mma", "gguf_dequantize"):
+        kernel = getattr(gguf, name)
+        monkeypatch.setattr(gguf, name, lambda *a, _k=kernel, _n=name, **kw: (
+            calls.append(_n), _k(*a, **kw))[1])
+    tol = dict(rtol=1e-4, atol=1e-4 * reference.abs().max())
+    for M, kernel in ((2, "gguf_gemv"), (4, "gguf_gemv"), (5, "gguf_mma"), (16, "gguf_mma"),
+                      (17, "gguf_dequantize")):
+        torch.testing.assert_close(gguf.gguf_linear(x[:M], qweight, type_id), reference[:M], **tol)
+        assert calls.pop() == kernel, M
+    assert gguf.decode_path(14, 512, 1) == ("gemv", {"prefetch": True, "asm": True})
+    assert gguf.decode_path(14, 256, 1) is None  # 210-byte rows: not whole words
+    assert gguf.decode_path(8, 256, 9) is None  # Q8_0: the GEMV up to 8 rows
+    assert gguf.gguf_linear(x[:0], qweight, type_id).shape == (0, 16)
+
+
+def test_shape_errors_name_the_layout():
+    qweight = torch.zeros(4, 100, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"Q4_K weight with K=256 is uint8 \[N, 144\]"):
+        gguf.gguf_linear(torch.randn(1, 256), qweight, 12)
+    for launcher in (gguf.gguf_gemv, gguf_mma):  # the kernels' launchers check it too
+        with pytest.raises(ValueError, match=rf"^{launcher.__name__}: a Q4_K weight .* \[N, 144\]"):
+            launcher(torch.randn(1, 256), qweight, 12)
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        gguf.gguf_dequantize(qweight, 8, 100)
+    with pytest.raises(ValueError, match="type 99 is not supported"):
+        gguf.gguf_dequantize(qweight, 99, 100)
+
+
+GGUF_LAUNCHES = r"""import os
+
+from tinypaged.kernels import gguf
+from tinypaged.kernels.gguf_format import QUANTIZED_TYPES, row_bytes
+from tinypaged.kernels.gguf_mma import gguf_mma
+
+os.environ["TRITON_INTERPRET"] = "1"  # after the import: only so the launchers pick the kernels
+
+for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 on Q4_K_M's two
+    qweight = torch.zeros(4096, row_bytes(type_id, 4096), dtype=torch.uint8)
+    gguf.gguf_gemv(torch.randn(1, 4096).to(torch.bfloat16), qweight, type_id)
+    gguf.gguf_dequantize(qweight, type_id, 4096, torch.bfloat16)
+    if type_id in (12, 14):
+        gguf.gguf_gemv(torch.randn(8, 4096).to(torch.float16), qweight, type_id, split_k=4)
+        gguf_mma(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, split_k=4)
+        gguf_mma(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, xs_dot=True)
+        gguf.gguf_gemv(torch.randn(1, 4096).to(torch.bfloat16), qweight, type_id, block_n=32,
+                       prefetch=True, asm=True)
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter accepts programs ptxas rejects: build every variant for the H200."""
+    assert compile_for_sm90(GGUF_LAUNCHES) == ["_gguf_dequantize_kernel", "_gguf_gemv_kernel",
+                                               "_gguf_mma_kernel"]

@@ -1,0 +1,120 @@
+"""Every kernel (AWQ too), through its real launcher, compiles for the H200 (sm_90) on a CPU
+(see helpers/compile_sm90.py for how)."""
+
+from helpers.compile_sm90 import compile_for_sm90
+
+LAUNCHES = r"""
+from tinypaged.kernels import activation, attention, kv_cache, norm, rotary, rotary_kv_cache
+
+for dtype in (torch.bfloat16, torch.float16):
+    x = torch.randn(4, 4096).to(dtype)
+    norm.rms_norm_triton(x, torch.randn(4096).to(dtype), 1e-6, x.clone())
+    activation.silu_and_mul_triton(torch.randn(4, 2 * 14336).to(dtype))
+    activation.gelu_tanh_and_mul_triton(torch.randn(4, 2 * 14336).to(dtype))
+    q, k = torch.randn(4, 32, 128).to(dtype), torch.randn(4, 8, 128).to(dtype)
+    for rotary_dim, interleaved in ((128, False), (64, True)):
+        cache = rotary.build_cos_sin_cache(rotary_dim, 8, 10000.0)
+        rotary.rotary_embedding_triton(torch.arange(4), q, k, cache, rotary_dim, interleaved)
+    for num_q_heads, num_kv_heads, head_dim in ((32, 8, 128), (9, 3, 64)):
+        q = torch.randn(4, num_q_heads, head_dim).to(dtype)
+        k_cache = torch.randn(8, 16, num_kv_heads, head_dim).to(dtype)
+        kv_cache.store_kv_triton(q[:, :num_kv_heads], q[:, :num_kv_heads], k_cache,
+                                 k_cache.clone(), torch.arange(4))
+        cache = rotary.build_cos_sin_cache(head_dim // 2, 8, 10000.0)
+        norm_w = torch.ones(head_dim).to(dtype)
+        for interleaved, weights in ((False, (norm_w, norm_w)), (True, (None, None))):
+            rotary_kv_cache.rotary_store_kv_triton(
+                torch.arange(4), q, q[:, :num_kv_heads], q[:, :num_kv_heads], k_cache,
+                k_cache.clone(), torch.arange(4), cache, head_dim // 2, interleaved, *weights)
+        args = (q, k_cache, k_cache.clone(), torch.zeros(2, 4, dtype=torch.int32),
+                torch.tensor([40, 9], dtype=torch.int32))
+        for window, softcap in ((None, None), (8, 50.0)):  # Gemma 2's local layers
+            for max_query_len in (3, 40, 2048):  # the three default query tiles
+                attention.paged_attention_triton(
+                    *args, torch.tensor([0, 3, 4], dtype=torch.int32), 0.1,
+                    max_query_len=max_query_len, max_seq_len=40, sliding_window=window,
+                    softcap=softcap)
+            for num_splits in (1, 4):
+                attention.paged_attention_triton(
+                    *args, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1,
+                    max_seq_len=40, num_splits=num_splits, sliding_window=window,
+                    softcap=softcap)
+        # the sm_90 prefill kernel at its config: pointer loads from 16-token blocks, TMA from
+        # 64-token blocks (CPU tensors never dispatch to it, so call its launcher)
+        for block_size in (16, 64):
+            k_cache = torch.randn(8, block_size, num_kv_heads, head_dim).to(dtype)
+            attention.hopper_attention_triton(
+                q, k_cache, k_cache.clone(), *args[3:], torch.tensor([0, 3, 4], dtype=torch.int32),
+                0.1, torch.empty_like(q), **attention.HOPPER_CONFIG)
+from tinypaged.kernels import moe, moe_align, moe_gemv, moe_routing
+
+for block_m in (16, 64, 128):  # the grouped GEMM's row blocks, Qwen3-30B-A3B's 128 experts
+    moe_align.moe_align_block_size_triton(torch.randint(0, 128, (64, 8)), block_m, 128)
+
+every_config = (1, 64, 256, 512, 4096)  # every tile config of get_config
+for dtype, token_counts in ((torch.bfloat16, every_config), (torch.float16, (8,)),
+                            (torch.float32, every_config)):  # fp32: twice the bytes per tile
+    w13, w2 = torch.zeros(4, 2 * 768, 2048).to(dtype), torch.zeros(4, 2048, 768).to(dtype)
+    for num_tokens in token_counts:  # the Qwen3-30B-A3B dims
+        topk_ids = torch.randint(0, 4, (num_tokens, 2), dtype=torch.int32)
+        moe.fused_experts_triton(torch.randn(num_tokens, 2048).to(dtype), w13, w2,
+                                 torch.rand(num_tokens, 2), topk_ids)
+        for scoring_func, bias in (("softmax", None), ("sigmoid", torch.zeros(128))):
+            moe_routing.select_experts_triton(torch.randn(num_tokens, 128).to(dtype), 8,
+                                              renormalize=True, scoring_func=scoring_func,
+                                              e_score_correction_bias=bias)
+        if num_tokens <= 8:  # the decode GEMVs
+            moe_gemv.fused_experts_gemv(torch.randn(num_tokens, 2048).to(dtype), w13, w2,
+                                        torch.rand(num_tokens, 2), topk_ids)
+from tinypaged.kernels.all_reduce import custom_all_reduce
+
+for world_size in (2, 3, 8):  # the custom all-reduce's two kernels, the engine's launch
+    ptrs, counters = torch.zeros(world_size + 1, dtype=torch.int64), torch.zeros(64).int()
+    for dtype, two_shot in ((torch.bfloat16, False), (torch.float16, True)):
+        x = torch.zeros(4096).to(dtype)
+        custom_all_reduce(x, x, ptrs, counters, 1, 128, 2**20, two_shot=two_shot)
+import os
+
+from tinypaged.kernels import awq, awq_mma, dense_gemv, gptq_int8
+
+os.environ["TRITON_INTERPRET"] = "1"  # only so awq_dequantize's dispatch picks the kernel
+for dtype in (torch.bfloat16, torch.float16):
+    for K, N, group in ((4096, 1024, 128), (512, 256, 32)):
+        qweight = torch.zeros(K, N // 8, dtype=torch.int32)
+        qzeros = torch.zeros(K // group, N // 8, dtype=torch.int32)
+        scales = torch.ones(K // group, N).to(dtype)
+        for scales_t in (None, awq.gemv_scales(scales)):
+            awq._awq_gemv1(torch.randn(1, K).to(dtype), qweight, qzeros, scales, group,
+                           scales_t=scales_t)
+        awq._awq_gemv(torch.randn(8, K).to(dtype), qweight, qzeros, scales, group, split_k=2)
+        for m in (64, 200):
+            awq._awq_gemm(torch.randn(m, K).to(dtype), qweight, qzeros, scales, group)
+        for m in (2, 16):  # the decode paths as on the GPU (paired-PTX dequant)
+            awq._awq_gemv(torch.randn(m, K).to(dtype), qweight, qzeros, scales, group,
+                          scales_t=awq.gemv_scales(scales), asm=True)
+            awq_mma.awq_mma(torch.randn(m, K).to(dtype), qweight, qzeros, scales, group,
+                            scales_t=awq.gemv_scales(scales), asm=True,
+                            **awq.DECODE_PATHS[0][3])
+        awq.awq_dequantize(qweight, qzeros, scales, group)
+for dtype in (torch.bfloat16, torch.float16):  # dense and int8 split-K (the finish adds a bias)
+    weight, bias = torch.zeros(1024, 4096).to(dtype), torch.zeros(1024).to(dtype)
+    for m, config in ((1, dict(programs_per_sm=2)), (8, dense_gemv._TENSOR_CORES)):
+        dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), weight, bias, split_k=4, **config)
+    q8, z8 = torch.zeros(4096, 1024, dtype=torch.uint8), torch.zeros(32, 1024, dtype=torch.uint8)
+    for m in (1, 8, 200):  # GEMV, split-K GEMM, dequantize + matmul
+        gptq_int8.gptq_int8_gemm(torch.randn(m, 4096).to(dtype), q8, z8,
+                                 torch.ones(32, 1024).to(dtype))
+"""
+
+
+def test_every_launcher_compiles_for_sm90():
+    assert compile_for_sm90(LAUNCHES) == sorted([
+        "_decode_merge_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_rotary_kernel",
+        "_act_and_mul_kernel", "_store_kv_kernel", "_rotary_store_kv_kernel",
+        "_varlen_attention_kernel", "_hopper_attention_kernel",
+        "_fused_moe_kernel", "_moe_gemv_gate_up_kernel", "_moe_gemv_down_kernel",
+        "_topk_routing_kernel", "_moe_align_kernel",
+        "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel", "_awq_mma_kernel",
+        "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel", "_two_shot_all_reduce_kernel",
+        "_dense_gemv_kernel", "_int8_gemv1_kernel", "_int8_gemm_kernel", "_int8_dequantize_kernel",
+    ])

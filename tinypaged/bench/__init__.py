@@ -1,0 +1,1 @@
+"""`tinypaged bench`: offline throughput and latency, load on a server, named model shapes."""

@@ -1,0 +1,1 @@
+"""Tensor-parallel process groups, the custom all-reduce, the shared-memory broadcast."""

@@ -1,0 +1,587 @@
+"""Engine: one step = schedule -> run the model -> sample -> update, over many requests.
+
+    engine = Engine(EngineConfig(model=...))
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step():  # RequestOutputs of the requests that moved this step
+            ...
+
+A request with n samples becomes n Sequences for the scheduler (they share the prompt's cached
+blocks). After each step every sampled sequence gets its token, its text grows through an
+incremental detokenizer, and the stop conditions are checked in this order: stop token (eos unless
+ignore_eos, or stop_token_ids) -> stop string -> grammar complete (structured output) ->
+max_tokens -> max_model_len. A finished sequence's blocks are freed at once.
+
+Logits constraints (structured output, allowed_token_ids, bad_words, logit_bias) are prepared per
+request at add_request (sampling/logits_processors.py); each step their masks are built on the CPU
+right
+after the model's launch, so on a GPU they overlap the forward pass.
+
+Async scheduling (`async_scheduling`, on by default on CUDA, as vLLM's). A step is launched
+(schedule -> build the batch -> run -> sample, all queued on the GPU) and processed (wait for the
+sampled ids on the host -> scheduler update -> stop checks -> detokenize -> outputs) in two
+halves. Synchronously each `step()` launches a step and processes it; with async scheduling it
+launches step N+1 first and then processes step N while the GPU runs N+1:
+
+    step() call k:   schedule N+1 (placeholders for N's samples) -> launch N+1 -> process N
+    GPU:             ... N ][ N+1 ...                 (no gap: N+1 was queued before N ended)
+
+The overlap holds only while nothing in a launch makes the host wait for the GPU (an `.item()`,
+a blocking copy, a CUDA tensor indexed with host data): one such wait makes every step wait for
+its own forward, and the host work of both halves runs while the GPU idles. `python
+benchmarks/async_overhead.py` counts them per step, by source line (torch's sync debug mode).
+
+A sequence that step N ends (eos, stop string, abort) has one wasted row in step N+1, whose
+token is dropped; its blocks are freed when step N is processed (the GPU runs N+1 before any
+later step can reuse them). A step holding a request that needs the host between its steps
+(logits constraints, penalties, min_tokens, logprobs, prompt_logprobs) is processed at
+once, before the next one is scheduled: such a request never has a step in flight while the
+next is built, so its outputs are those of the synchronous engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinypaged.config import EngineConfig
+from tinypaged.engine.stats import IterationStats, RequestStateStats
+from tinypaged.outputs import CompletionOutput, RequestOutput
+from tinypaged.sampling.generation_config import default_sampling_params
+from tinypaged.sampling.logits_processors import LogitsConstraints, LogitsMaskBuilder
+from tinypaged.sampling.params import SamplingParams
+from tinypaged.sampling.prompt_logprobs import prompt_rows_wanted, take_prompt_logprobs
+from tinypaged.sampling.sampler import Sampler, SamplingBatch, new_generator
+from tinypaged.scheduler import Scheduler, SchedulerOutput, Sequence
+from tinypaged.worker.executor import create_executor
+from tinypaged.worker.model_runner import SampledTokens
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[Any]  # one IncrementalDetokenizer per sample (None without a tokenizer)
+    generators: list[torch.Generator | None]
+    logprobs: list[list[dict[int, float]] | None]
+    cumulative_logprob: list[float]
+    stop_reasons: list[int | str | None] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # grows during the prefill
+    stats: RequestStateStats = field(default_factory=RequestStateStats)
+    constraints: LogitsConstraints | None = None
+
+    @property
+    def finished(self) -> bool:
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, once per step: no generator
+            return seqs[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in seqs)
+
+    def output(self) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text=d.get_next_output_text(s.finish_reason is not None, delta=False)
+                if d is not None
+                else "",
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=(
+                    self.cumulative_logprob[i] if self.logprobs[i] is not None else None
+                ),
+                # Copies, never the live lists: the engine thread keeps appending to them
+                # while the API side formats this output.
+                logprobs=None if self.logprobs[i] is None else list(self.logprobs[i]),
+                finish_reason=s.finish_reason,
+                stop_reason=self.stop_reasons[i],
+            )
+            for i, (s, d) in enumerate(zip(self.seqs, self.detoks))
+        ]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=self.finished,
+            num_cached_tokens=self.seqs[0].num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
+            metrics=self.stats,
+        )
+
+
+def needs_host(params: SamplingParams, constraints: LogitsConstraints | None) -> bool:
+    """Whether a request's next sampling reads what the host learns from its previous step
+    (output history, grammar state, logprobs; the logits constraints also refill one host
+    buffer each step, free only once the previous step has run): its steps never overlap."""
+    return (
+        constraints is not None or params.uses_penalties or params.min_tokens > 0
+        or params.logprobs is not None or params.prompt_logprobs is not None
+    )
+
+
+@dataclass
+class _LaunchedStep:
+    """A step queued on the device whose sampled tokens are not processed yet."""
+
+    out: SchedulerOutput
+    seqs: list[Sequence]  # the sampled sequences, in the rows of `tokens`
+    tokens: SampledTokens | None  # None when nothing was sampled
+    logprobs: list[dict[int, float] | None]
+    needs_host: bool
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        # device_count() asks NVML; is_available() would initialize the CUDA driver here, and a
+        # process that did cannot fork tensor-parallel workers (tp_worker.start_method).
+        default_device = "cuda" if torch.cuda.device_count() > 0 else "cpu"
+        self.device = torch.device(config.device or default_device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Not current_device() before CUDA is initialized: it would initialize it.
+            index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+            self.device = torch.device("cuda", index)
+        if config.async_scheduling is None:  # decided before any rank reads the config
+            config.async_scheduling = self.device.type == "cuda"
+        # The model on every tensor-parallel rank (worker processes when tensor_parallel_size > 1).
+        self.executor = create_executor(config, self.device)
+        try:
+            self._init(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _init(self, config: EngineConfig) -> None:
+        ex = self.executor
+        model, hf_config, model_dir = ex.model, ex.hf_config, ex.model_dir
+        self.hf_config = hf_config
+        self.model_dir = model_dir
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = hf_config.vocab_size if hasattr(hf_config, "vocab_size") else None
+        config.max_model_len = self._resolve_max_model_len(hf_config)
+
+        self.tokenizer = None
+        eos: set[int] = set()
+        if not config.skip_tokenizer_init:
+            from tinypaged.tokenizer.tokenizer import load_tokenizer, tokenizer_path
+
+            self.tokenizer = load_tokenizer(
+                tokenizer_path(config.tokenizer, model_dir), chat_template=config.chat_template
+            )
+            eos = set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.default_sampling_params = default_sampling_params(
+            model_dir if Path(model_dir).is_dir() else None, config.generation_config
+        )
+        self.vocab_size = model.vocab_size if hasattr(model, "vocab_size") else self.vocab_size
+        if self.vocab_size is None and hasattr(model, "spec"):  # e.g. ChatGLM's padded_vocab_size
+            self.vocab_size = model.spec.vocab_size
+
+        torch.manual_seed(config.seed)
+        self.runner = ex.init_runner()
+        self.scheduler = Scheduler(config, self.runner.kv_cache_info.num_blocks)
+        self.sampler = Sampler(config.seed)
+        self.mask_builder = LogitsMaskBuilder(self.vocab_size, self.device)
+        self._grammar_compiler = None  # built at the first structured-output request
+        self.requests: dict[str, _Request] = {}
+        self.iteration_stats = IterationStats()
+        self._unscheduled: set[str] = set()  # added, never scheduled yet
+        self._host_requests: set[str] = set()  # live requests that need_host
+        self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, unprocessed
+        self._errors: list[tuple[str, BaseException]] = []
+        info = self.runner.kv_cache_info
+        logger.info(
+            "model %s on %s (%s); KV cache %d blocks x %d tokens = %d tokens, %.2f GiB",
+            self.model_name, self.device, str(self.dtype).removeprefix("torch."),
+            info.num_blocks, info.block_size, info.num_tokens, info.bytes / 2**30,
+        )
+
+    def _resolve_max_model_len(self, hf_config) -> int:
+        limit = None
+        for name in ("max_position_embeddings", "seq_length", "max_sequence_length"):
+            if getattr(hf_config, name, None):
+                limit = int(getattr(hf_config, name))
+                break
+        wanted = self.config.max_model_len
+        if wanted is None:
+            if limit is None:
+                raise ValueError(
+                    "the model config has no max_position_embeddings; pass max_model_len"
+                )
+            return limit
+        if limit is not None and wanted > limit:
+            raise ValueError(
+                f"max_model_len={wanted} is larger than the model's max_position_embeddings "
+                f"({limit}); pass a value <= {limit}"
+            )
+        return wanted
+
+    @property
+    def kv_cache_info(self) -> dict:
+        return self.runner.kv_cache_info.as_dict()
+
+    @property
+    def is_dead(self) -> bool:
+        """True once a tensor-parallel rank failed: no later step can run."""
+        return self.executor.failure is not None
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also at garbage collection)."""
+        self.executor.shutdown()
+
+    # ------------------------------------------------------------------ requests
+
+    def _prompt_ids(
+        self, prompt: PromptType, params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
+        text, ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM: keep the end of the prompt
+            ids = ids[-params.truncate_prompt_tokens :]
+        return text, ids
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(
+            f"prompt must be a string, token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> dict[str, Any]:
+        """Tokenize and validate a request against the model without touching the engine's
+        state, so any thread may call it: returns {"prompt", "prompt_token_ids"} ready for
+        `add_request`, or raises ValueError saying what is wrong."""
+        text, ids = self._prompt_ids(prompt, params)
+        self._check_request(ids, params)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def _check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Everything that could raise later inside a batched step is refused here, one request
+        at a time: token ids outside the vocabulary, more logprobs than the vocabulary has."""
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.vocab_size
+        bad = [
+            t for t in ids if not isinstance(t, int) or (vocab is not None and not 0 <= t < vocab)
+        ]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+        if vocab is None:
+            return
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab}) for this model"
+            )
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(
+                f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}"
+            )
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        """Queue a request; raises ValueError now if it could never run."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt, params)
+        self._check_request(ids, params)
+        constraints = LogitsConstraints.build(
+            params, self.vocab_size, self.tokenizer, self._get_grammar_compiler
+        )
+        seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
+        # Prompt logprobs need the logits of every prompt position: no cached prefix.
+        seqs[0].skip_prefix_cache = params.prompt_logprobs is not None
+        for seq in seqs:
+            try:
+                self.scheduler.add(seq)
+            except Exception:
+                self.scheduler.abort(request_id)
+                raise
+        detoks = [self._detokenizer(ids, params) for _ in seqs]
+        generators = [
+            new_generator(params.seed + i, self.device) if params.seed is not None else None
+            for i in range(params.n)
+        ]
+        want_lp = params.logprobs is not None
+        self.requests[request_id] = _Request(
+            request_id, text, ids, params, seqs, detoks, generators,
+            [[] if want_lp else None for _ in seqs], [0.0] * params.n, [None] * params.n,
+            [None] if params.prompt_logprobs is not None else None,
+            constraints=constraints,
+        )
+        self._unscheduled.add(request_id)
+        if needs_host(params, constraints):
+            self._host_requests.add(request_id)
+
+    def _get_grammar_compiler(self):
+        if self._grammar_compiler is None:
+            from tinypaged.sampling.structured_output import GrammarCompiler
+
+            hf = getattr(self.tokenizer, "hf", None)
+            if hf is None:
+                raise ValueError(
+                    "structured_outputs needs a Hugging Face tokenizer; this model's tokenizer "
+                    f"({type(self.tokenizer).__name__}) has none"
+                )
+            self._grammar_compiler = GrammarCompiler(hf, self.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        from tinypaged.tokenizer.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request at once, freeing its KV blocks; unknown ids are a no-op."""
+        self.scheduler.abort(request_id)
+        self.requests.pop(request_id, None)
+        self._unscheduled.discard(request_id)
+        self._host_requests.discard(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_cache_usage": s.kv_cache_usage,
+            "num_free_blocks": s.num_free_blocks,
+            "num_total_blocks": s.num_total_blocks,
+            "iteration_stats": self.iteration_stats,
+        }
+
+    def fail_running(self) -> list[str]:
+        """After a failed step: abort every request that was scheduled; return their ids."""
+        self._in_flight = None
+        failed = [
+            rid
+            for rid, r in self.requests.items()
+            if any(s.num_computed_tokens or s.block_table or s.num_output_placeholders
+                   for s in r.seqs)
+        ]
+        for rid in failed:
+            self.abort_request(rid)
+        return failed
+
+    def pop_request_errors(self) -> list[tuple[str, BaseException]]:
+        errors, self._errors = self._errors, []
+        return errors
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests that moved (only the finished ones
+        with `finished_only`, which spares building cumulative outputs every step). With async
+        scheduling these are the outputs of the step launched by the previous call."""
+        outputs: list[RequestOutput] = []
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None and prev.needs_host:  # its tokens are read by the next schedule
+            outputs += self._process(prev, finished_only)
+            prev = None
+        out = self.scheduler.schedule()
+        launched = None if out.is_empty else self._launch(out)
+        if prev is not None:  # while the GPU runs `launched`
+            outputs += self._process(prev, finished_only)
+        if launched is None:
+            if prev is None and self.requests and not self.scheduler.has_unfinished():
+                raise RuntimeError("requests are pending but the scheduler holds none")
+        elif self.config.async_scheduling and not launched.needs_host:
+            self._in_flight = launched
+        else:
+            outputs += self._process(launched, finished_only)
+        return outputs
+
+    def _launch(self, out: SchedulerOutput) -> _LaunchedStep:
+        """Run the model on a scheduled step and sample; the tokens stay on the device."""
+        items = out.scheduled
+        self.iteration_stats.observe_step(out.num_batched_tokens, len(out.preempted))
+        if self._unscheduled:  # requests scheduled for the first time: their queue time ends
+            now = time.monotonic()
+            for it in items:
+                if it.seq.request_id in self._unscheduled:
+                    self._unscheduled.discard(it.seq.request_id)
+                    self.requests[it.seq.request_id].stats.first_scheduled_time = now
+        host = self._host_requests
+        needs = bool(host) and any(it.seq.request_id in host for it in items)
+        sampled_items = [it for it in items if it.sample]
+        # Only sample 0 of a request with prompt_logprobs (a host request) skips the prefix
+        # cache: a cheap test.
+        prompt_rows = [
+            prompt_rows_wanted(it, self.requests[it.seq.request_id])
+            if it.seq.skip_prefix_cache
+            else 0
+            for it in items
+        ] if needs else [0]
+        logits = self.executor.execute(  # [rows, vocab], rows in `items` order
+            items, [n > 0 for n in prompt_rows] if any(prompt_rows) else None
+        )
+        seqs = [it.seq for it in sampled_items]
+        try:
+            if any(prompt_rows):
+                reqs = [self.requests[it.seq.request_id] for it in items]
+                logits = take_prompt_logprobs(items, reqs, prompt_rows, logits)
+            sampled, logprobs = self._sample(seqs, logits) if seqs else (None, [])
+        except BaseException:
+            self.executor.keep_sampled(None)  # every rank's collectives stay in step
+            raise
+        return _LaunchedStep(out, seqs, self.executor.keep_sampled(sampled), logprobs, needs)
+
+    def _process(self, step: _LaunchedStep, finished_only: bool) -> list[RequestOutput]:
+        """Take a launched step's tokens: scheduler update, stop checks, detokenization; returns
+        the outputs of the requests that moved (see `step`)."""
+        touched: dict[str, _Request] = {}
+        tokens: dict[int, int] = {}
+        lp_by_seq: dict[int, dict[int, float] | None] = {}
+        if step.tokens is not None:
+            token_ids = self.executor.collect(step.tokens)
+            tokens = {seq.seq_id: t for seq, t in zip(step.seqs, token_ids)}
+            if any(lp is not None for lp in step.logprobs):
+                lp_by_seq = {seq.seq_id: lp for seq, lp in zip(step.seqs, step.logprobs)}
+        now = time.monotonic()
+        for seq in self.scheduler.update(step.out, tokens):
+            req = self.requests.get(seq.request_id)
+            if req is None:  # a sibling sample failed this request earlier in the loop
+                continue
+            touched[req.request_id] = req
+            if req.stats.first_token_time is None:
+                req.stats.first_token_time = now
+            req.stats.last_token_time = now
+            try:
+                self._after_token(req, seq, lp_by_seq.get(seq.seq_id))
+            except Exception as exc:  # a fault in one request (e.g. detokenizing) ends only it
+                logger.exception("request %s failed", req.request_id)
+                self._errors.append((req.request_id, exc))
+                self.abort_request(req.request_id)
+                touched.pop(req.request_id, None)
+        outputs = []
+        for req in touched.values():
+            finished = req.finished
+            if finished or not finished_only:
+                outputs.append(req.output())
+            if finished:
+                self.requests.pop(req.request_id, None)
+                self._host_requests.discard(req.request_id)
+        return outputs
+
+    def _grammar_done(self, matcher) -> bool:
+        from tinypaged.sampling.structured_output import grammar_only_allows_stop
+
+        return grammar_only_allows_stop(matcher, self.vocab_size, sorted(self.eos_token_ids))
+
+    def _sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+        reqs = [self.requests[s.request_id] for s in seqs]
+        # On a GPU the forward pass is still running: build the grammar masks meanwhile.
+        masks = self.mask_builder.build([
+            (row, r.constraints, s.index, s.output_token_ids)
+            for row, (r, s) in enumerate(zip(reqs, seqs)) if r.constraints is not None
+        ])
+        # Token histories are read only by penalties and min_tokens (host requests): skip the
+        # copies.
+        if self._host_requests:
+            needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0
+                     for r in reqs}
+            hist = [needs[id(r.params)] for r in reqs]
+            prompts = [s.prompt_token_ids if h else () for s, h in zip(seqs, hist)]
+            outputs = [s.output_token_ids if h else () for s, h in zip(seqs, hist)]
+        else:
+            prompts = outputs = [()] * len(seqs)
+        batch = SamplingBatch.build(
+            [r.params for r in reqs], prompts, outputs,
+            [r.generators[s.index] for r, s in zip(reqs, seqs)],
+            self.eos_token_ids,
+            device,
+        )
+        batch.logits_masks = masks
+        return batch
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """(sampled ids [N] on the device, logprobs or None per row) of `logits` [N, V].
+
+        Admission validates every field, so the batched path should not raise; if it does, the
+        rows are sampled one by one and only the requests whose own row raises fail (their row
+        holds 0, dropped as the request is gone; the others' tokens come from the retry, which
+        may draw fresh randomness for unseeded rows)."""
+        try:
+            result = self.sampler(logits, self._sampling_batch(seqs, logits.device))
+            return result.sampled, result.logprobs
+        except Exception:
+            logger.exception("sampling a batch of %d rows failed; retrying row by row", len(seqs))
+        rows: list[torch.Tensor] = []
+        logprobs: list[dict[int, float] | None] = []
+        for i, seq in enumerate(seqs):
+            token, lp = torch.zeros(1, dtype=torch.int64, device=logits.device), None
+            if seq.request_id in self.requests:  # a sibling sample may have failed it already
+                try:
+                    batch = self._sampling_batch([seq], logits.device)
+                    row = self.sampler(logits[i : i + 1], batch)
+                    token, lp = row.sampled, row.logprobs[0]
+                except Exception as exc:  # this request alone fails; the step goes on
+                    logger.exception("sampling failed for request %s", seq.request_id)
+                    self._errors.append((seq.request_id, exc))
+                    self.abort_request(seq.request_id)
+            rows.append(token)
+            logprobs.append(lp)
+        return torch.cat(rows), logprobs
+
+    def _after_token(self, req: _Request, seq: Sequence, logprobs: dict[int, float] | None) -> None:
+        token = seq.last_token_id
+        params = req.params
+        if logprobs is not None and req.logprobs[seq.index] is not None:
+            req.logprobs[seq.index].append(logprobs)
+            req.cumulative_logprob[seq.index] += logprobs[token]
+        detok = req.detoks[seq.index]
+        num_out = seq.num_output_tokens
+        reason: str | None = None
+        stop_reason: int | str | None = None
+        min_done = num_out >= params.min_tokens
+        if min_done and not params.ignore_eos and token in self.eos_token_ids:
+            reason, stop_reason = "stop", None
+        elif min_done and params.stop_token_ids and token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        if detok is not None:
+            # The stop token itself is not part of the text (vLLM drops eos / stop ids).
+            stop_str = detok.update(token, skip=reason is not None, check_stop=min_done)
+            if reason is None and stop_str is not None:
+                reason, stop_reason = "stop", stop_str
+        if req.constraints is not None and req.constraints.matchers:
+            matcher = req.constraints.matchers[seq.index]
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"the grammar rejected sampled token {token}")
+            if reason is None and (matcher.is_terminated() or self._grammar_done(matcher)):
+                reason = "stop"
+        if reason is None and params.max_tokens is not None and num_out >= params.max_tokens:
+            reason = "length"
+        if reason is None and len(seq) >= self.config.max_model_len:
+            reason = "length"
+        if reason is not None:
+            req.stop_reasons[seq.index] = stop_reason
+            self.scheduler.finish(seq, reason)

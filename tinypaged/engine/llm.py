@@ -1,0 +1,128 @@
+"""LLM: the offline facade. Submit every prompt, step the engine until all are done.
+
+    llm = LLM("path/to/model")
+    outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
+    outs[0].outputs[0].text
+
+Outputs come back in input order whatever order the engine finished them in.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tinypaged.config import EngineConfig
+from tinypaged.engine.engine import Engine, PromptType
+from tinypaged.outputs import RequestOutput
+from tinypaged.sampling.params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.engine = Engine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also done at garbage collection)."""
+        self.engine.shutdown()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without sampling_params: the model's
+        generation_config.json sampling defaults (see sampling/generation_config.py), else
+        vLLM's."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list of them; returns one RequestOutput per prompt."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params)} entries but there are {len(prompts)} "
+                    "prompts; pass one SamplingParams or one per prompt"
+                )
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        As vLLM's: `tools` (OpenAI tool definitions) and `chat_template_kwargs` (e.g.
+        {"enable_thinking": False}) are handed to the template; `continue_final_message` leaves
+        the last (assistant) message open for the model to continue."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = {
+            **(chat_template_kwargs or {}),
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "tools": tools,
+            "chat_template": chat_template,
+        }
+        prompts = [
+            {"prompt_token_ids": self.tokenizer.apply_chat_template(conv, **kwargs)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        order: dict[str, int] = {}
+        for prompt, p in zip(prompts, params):
+            request_id = str(next(self._ids))
+            try:
+                self.engine.add_request(request_id, prompt, p)
+            except Exception:
+                for rid in order:  # leave the engine clean for the next call
+                    self.engine.abort_request(rid)
+                raise
+            order[request_id] = len(order)
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, unit="req")
+        generated = 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step(finished_only=True):
+                if out.finished:
+                    results[order[out.request_id]] = out
+                    generated += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(f"output: {generated / elapsed:.1f} tok/s", refresh=False)
+        bar.close()
+        return results  # type: ignore[return-value]

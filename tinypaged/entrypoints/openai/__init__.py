@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: app, protocol, request handling, response bodies, metrics."""

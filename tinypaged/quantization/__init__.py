@@ -1,0 +1,1 @@
+"""Quantized weights: the linear methods of each format and the offline quantizers."""

@@ -1,0 +1,190 @@
+"""What a request adds to its logits besides the sampler's own settings: allowed_token_ids,
+bad_words, logit_bias and a structured-output grammar (vLLM's names and semantics).
+
+Per request, once at `add_request` (`LogitsConstraints.build`, which also validates the token
+ids against the vocabulary):
+- allowed_token_ids -> a packed bit row, bit t set = token t allowed;
+- bad_words -> the token ids of each word, tokenized with and without a leading space as vLLM
+  does; the word's last token is banned whenever the output ends with the tokens before it (a
+  one-token word is always banned);
+- logit_bias -> (token, bias) pairs, bias already clamped to [-100, 100];
+- structured_outputs -> the compiled grammar and one matcher per sample (structured_output.py).
+
+Per step (`LogitsMaskBuilder.build`, on the CPU while the GPU runs the model), for the sampled
+rows that have any of these, one packed int32 bitmask [R, ceil(V / 32)]:
+
+    row = grammar_mask(matcher) & allowed_row & ~banned_bad_word_tokens
+
+plus the bias entries (row, token, bias), each sent to the device in one copy; the sampler
+applies them with kernels/logits.py. Rows of unconstrained requests are not in R.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinypaged.sampling.params import SamplingParams
+
+
+def num_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def clear_bits(words: np.ndarray, token_ids: Sequence[int]) -> None:
+    """Clear bit t of `words` (uint32 [W]) for each t: token t is not allowed."""
+    for t in token_ids:
+        words[t >> 5] &= ~(1 << (t & 31)) & 0xFFFFFFFF
+
+
+def _bad_words_ids(bad_words: list[str], tokenizer: Any) -> list[list[int]]:
+    # As vLLM: the word as written and with one leading space (how it reads mid-sentence), the
+    # second kept when it tokenizes differently but to as many tokens.
+    out: list[list[int]] = []
+    for word in bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return [ids for ids in out if ids]
+
+
+def _check_ids(field_name: str, ids: Sequence[int], vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"{field_name} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})"
+        )
+
+
+@dataclass
+class LogitsConstraints:
+    """One request's logits constraints (build with `build`; None when it has none)."""
+
+    allowed_words: np.ndarray | None = None  # uint32 [W]: bit t set = token t allowed
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    bias_ids: list[int] = field(default_factory=list)
+    bias_values: list[float] = field(default_factory=list)
+    matchers: list[Any] = field(default_factory=list)  # one grammar matcher per sample, or []
+
+    @property
+    def has_mask(self) -> bool:
+        return bool(self.matchers) or self.allowed_words is not None or bool(self.bad_words_ids)
+
+    @classmethod
+    def build(
+        cls,
+        params: SamplingParams,
+        vocab_size: int,
+        tokenizer: Any,
+        grammar_compiler: Callable[[], Any],
+    ) -> LogitsConstraints | None:
+        """Validate and prepare; raises ValueError naming the field for ids outside the vocab,
+        an invalid grammar, or a field that needs a tokenizer when there is none.
+        grammar_compiler() returns the engine's GrammarCompiler (built on first use)."""
+        if not (
+            params.allowed_token_ids is not None or params.bad_words or params.logit_bias
+            or params.structured_outputs is not None
+        ):
+            return None
+        c = cls()
+        if params.allowed_token_ids is not None:
+            _check_ids("allowed_token_ids", params.allowed_token_ids, vocab_size)
+            c.allowed_words = np.zeros(num_words(vocab_size), dtype=np.uint32)
+            ids = np.asarray(params.allowed_token_ids, dtype=np.int64)
+            np.bitwise_or.at(c.allowed_words, ids >> 5, (1 << (ids & 31)).astype(np.uint32))
+        if params.logit_bias:
+            _check_ids("logit_bias", list(params.logit_bias), vocab_size)
+            c.bias_ids, c.bias_values = list(params.logit_bias), list(params.logit_bias.values())
+        if params.bad_words or params.structured_outputs is not None:
+            if tokenizer is None:
+                what = "bad_words" if params.bad_words else "structured_outputs"
+                raise ValueError(f"{what} needs a tokenizer (skip_tokenizer_init is set)")
+        if params.bad_words:
+            c.bad_words_ids = _bad_words_ids(params.bad_words, tokenizer)
+            _check_ids("bad_words", [t for w in c.bad_words_ids for t in w], vocab_size)
+        if params.structured_outputs is not None:
+            compiler = grammar_compiler()
+            grammar = compiler.compile(params.structured_outputs)
+            c.matchers = [compiler.matcher(grammar) for _ in range(params.n)]
+        return c
+
+    def banned_tokens(self, output_ids: list[int]) -> list[int]:
+        """The bad words' last tokens that may not come next after `output_ids`."""
+        banned = []
+        for ids in self.bad_words_ids:
+            prefix = ids[:-1]
+            if not prefix or output_ids[len(output_ids) - len(prefix):] == prefix:
+                banned.append(ids[-1])
+        return banned
+
+
+@dataclass
+class LogitsMasks:
+    """One step's constraints on the device (see kernels/logits.py for the layout)."""
+
+    bitmask_rows: torch.Tensor | None = None  # [R] int64: logits rows with a mask
+    bitmask: torch.Tensor | None = None  # [R, W] int32
+    bias_rows: torch.Tensor | None = None  # [K] int64
+    bias_ids: torch.Tensor | None = None  # [K] int64
+    bias_values: torch.Tensor | None = None  # [K] float32
+
+
+class LogitsMaskBuilder:
+    """Builds each step's LogitsMasks; keeps one host buffer (pinned when the device is a GPU,
+    so the copy is asynchronous) that grows with the number of constrained rows."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._host = torch.empty((0, num_words(vocab_size)), dtype=torch.int32)
+
+    def _buffer(self, num_rows: int) -> torch.Tensor:
+        if self._host.shape[0] < num_rows:
+            pin = self.device.type == "cuda"
+            self._host = torch.empty(
+                (max(num_rows, 2 * self._host.shape[0]), self._host.shape[1]),
+                dtype=torch.int32, pin_memory=pin,
+            )
+        return self._host[:num_rows]
+
+    def build(
+        self, rows: list[tuple[int, LogitsConstraints, int, list[int]]]
+    ) -> LogitsMasks | None:
+        """rows: (logits row, the request's constraints, sample index, output ids so far) for
+        each sampled sequence whose request has constraints. Returns None when nothing applies.
+        The previous step's copy has finished (the sampler synchronizes to read its tokens), so
+        the host buffer is free to refill."""
+        masks = LogitsMasks()
+        masked = [r for r in rows if r[1].has_mask]
+        if masked:
+            host = self._buffer(len(masked))
+            words = host.numpy().view(np.uint32)  # the same memory, bit ops without sign
+            for i, (_, c, index, output_ids) in enumerate(masked):
+                if c.matchers:
+                    c.matchers[index].fill_next_token_bitmask(host, i)
+                else:
+                    words[i] = 0xFFFFFFFF
+                if c.allowed_words is not None:
+                    words[i] &= c.allowed_words
+                if c.bad_words_ids:
+                    clear_bits(words[i], c.banned_tokens(output_ids))
+            masks.bitmask = host.to(self.device, non_blocking=True)
+            masks.bitmask_rows = torch.tensor([r[0] for r in masked]).to(
+                self.device, non_blocking=True
+            )
+        entries = [
+            (row, t, b) for row, c, _, _ in rows for t, b in zip(c.bias_ids, c.bias_values)
+        ]
+        if entries:
+            packed = torch.tensor(entries, dtype=torch.float64).to(self.device, non_blocking=True)
+            masks.bias_rows, masks.bias_ids = packed[:, 0].long(), packed[:, 1].long()
+            masks.bias_values = packed[:, 2].float()
+        if masks.bitmask is None and masks.bias_rows is None:
+            return None
+        return masks

@@ -1,0 +1,1 @@
+"""Tokenizers (HF and ChatGLM), chat templates, the incremental detokenizer."""

@@ -1,0 +1,150 @@
+"""CUDA graphs for pure-decode steps: one capture per batch-size bucket, replayed with padding.
+
+A decode step of a small model is ~6 kernel launches per layer; from Python each costs several
+microseconds of CPU, more than the GPU work itself. A captured graph replays all of them with one
+launch. Graphs need fixed shapes and addresses, so every bucket reads its inputs from the front of
+two static device buffers, laid out for that bucket's size bs (mb = max_blocks_per_seq):
+
+    ids64 [4 * bs] int64:      input_ids | positions | slot_mapping | prev_sample_indices
+    ids32 [bs + bs * mb] int32: seq_lens | block_tables [bs, mb]
+
+and query_start_loc = 0..max_bs. Each region is contiguous, so a step's inputs travel from two
+pinned host buffers of the same layout in two plain copies: no copy kernels, and no pageable
+staging that would make the host wait for the copy (a strided or pageable source does).
+
+The runner's StepInput of B decodes (the same arrays an eager step reads) fills the first B
+entries of each field; entries B..bs-1 are padding: slot -1 (no KV store), seq_len 1 over the
+first block their row names, and their logits are dropped. Attention is captured with
+`max_seq_len = max_model_len` so its split count does not depend on the live batch. The graph
+begins with the placeholders' gather from the runner's `sampled_ids` (async scheduling), so a
+replay reads the previous step's samples where that step left them.
+
+The pinned buffers come in two sets used in turn: under async scheduling the host stages step
+N+1 while step N's copy may still be queued behind the GPU's work (step N-1 has been processed by
+then, so the set it used has been read).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from tinypaged.models.attention_metadata import AttentionMetadata
+from tinypaged.worker.input_batch import StepInput, gather_input_ids
+
+logger = logging.getLogger(__name__)
+
+
+def batch_size_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (as vLLM does)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class _Fields:
+    """One bucket's layout (bs rows, mb blocks per row) as views of an ids64 / ids32 pair: torch
+    tensors on the device, numpy arrays over the pinned host buffers."""
+
+    def __init__(self, ids64, ids32, bs: int, mb: int) -> None:
+        self.ids64, self.ids32 = ids64[: 4 * bs], ids32[: bs * (1 + mb)]
+        rows = self.ids64.reshape(4, bs)
+        self.input_ids, self.positions, self.slot_mapping, self.prev_sample_indices = rows
+        self.seq_lens = self.ids32[:bs]
+        self.block_tables = self.ids32[bs:].reshape(bs, mb)
+
+    def fill(self, step: StepInput, b: int) -> None:
+        """Rows 0..b-1 take a step's arrays; rows b.. become padding."""
+        self.input_ids[:b] = step.input_ids
+        self.positions[:b] = step.positions
+        self.slot_mapping[:b] = step.slot_mapping
+        prev = step.prev_sample_indices
+        self.prev_sample_indices[:b] = -1 if prev is None else prev
+        self.seq_lens[:b] = step.seq_lens
+        width = step.block_tables.shape[1]
+        self.block_tables[:b, :width] = step.block_tables
+        self.block_tables[:b, width:] = 0
+        self.pad(b)
+
+    def pad(self, start: int) -> None:
+        """Rows start.. store nothing (slot -1), attend to one ignored key, read no sample."""
+        self.input_ids[start:] = 0
+        self.positions[start:] = 0
+        self.slot_mapping[start:] = -1
+        self.prev_sample_indices[start:] = -1
+        self.seq_lens[start:] = 1
+        self.block_tables[start:] = 0
+
+
+class DecodeGraphs:
+    def __init__(self, runner):
+        self.runner = runner
+        self.buckets = batch_size_buckets(runner.config.max_num_seqs)
+        max_bs, mb = self.buckets[-1], runner.max_blocks_per_seq
+        self.mb = mb
+        dev = runner.device
+        self.ids64 = torch.zeros(4 * max_bs, dtype=torch.int64, device=dev)
+        self.ids32 = torch.zeros(max_bs * (1 + mb), dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.staging = [
+            (torch.zeros(4 * max_bs, dtype=torch.int64).pin_memory(),
+             torch.zeros(max_bs * (1 + mb), dtype=torch.int32).pin_memory())
+            for _ in range(2)
+        ]
+        self.num_runs = 0
+        self.host_fields: dict[tuple[int, int], _Fields] = {}  # (set, bs) -> numpy views
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self._capture()
+
+    def fits(self, batch_size: int) -> bool:
+        return batch_size <= self.buckets[-1]
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        model = self.runner.model
+        pool = None
+        for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
+            f = _Fields(self.ids64, self.ids32, bs, self.mb)
+            f.pad(0)
+            md = AttentionMetadata(
+                slot_mapping=f.slot_mapping, query_start_loc=self.query_start_loc[: bs + 1],
+                seq_lens=f.seq_lens, block_tables=f.block_tables, max_query_len=1,
+                max_seq_len=self.runner.max_model_len,
+            )
+            for _ in range(2):  # warm up: compile kernels, settle the allocator
+                model.compute_logits(model(f.input_ids, f.positions, md))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                input_ids = gather_input_ids(f.input_ids, f.prev_sample_indices,
+                                             self.runner.sampled_ids)
+                hidden = model(input_ids, f.positions, md)
+                self.logits[bs] = model.compute_logits(hidden)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.buckets)
+
+    def run(self, step: StepInput) -> torch.Tensor:
+        """Replay the bucket that fits a decode step of B sequences; returns logits [B, vocab]
+        (the graph's own output buffer, overwritten by the next replay: stream order keeps the
+        sampler's reads of it before that).
+
+        The inputs are staged in the bucket's layout in one pinned set, padding rows B..bs-1
+        are added, and the set travels to the static inputs in two copies."""
+        b = len(step.seq_lens)
+        bs = self.buckets[bisect.bisect_left(self.buckets, b)]
+        which = self.num_runs % 2
+        self.num_runs += 1
+        host64, host32 = self.staging[which]
+        stage = self.host_fields.get((which, bs))
+        if stage is None:
+            stage = _Fields(host64.numpy(), host32.numpy(), bs, self.mb)
+            self.host_fields[which, bs] = stage
+        stage.fill(step, b)
+        self.ids64[: 4 * bs].copy_(host64[: 4 * bs], non_blocking=True)
+        self.ids32[: len(stage.ids32)].copy_(host32[: len(stage.ids32)], non_blocking=True)
+        self.graphs[bs].replay()
+        return self.logits[bs][:b]
