@@ -6,8 +6,9 @@ rewriting code. `LLM`, `AsyncLLM` and the CLI all build one of these.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
+
+from tinypaged import envs
 
 CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
@@ -47,7 +48,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # token ids in and out only (benchmarks)
     # Who runs the ops: "auto" = Triton on CUDA, torch references on the CPU; "triton" = Triton
     # everywhere (the interpreter on the CPU: slow, for learners); "torch" = the references.
-    kernels: str = field(default_factory=lambda: os.environ.get("TINYPAGED_KERNELS", "auto"))
+    kernels: str = field(default_factory=lambda: envs.TINYPAGED_KERNELS)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -82,7 +83,7 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kernels not in ("auto", "triton", "torch"):
-            from_env = os.environ.get("TINYPAGED_KERNELS") == self.kernels
+            from_env = envs.TINYPAGED_KERNELS == self.kernels
             source = " (from $TINYPAGED_KERNELS)" if from_env else ""
             raise ValueError(
                 f"kernels must be auto, triton or torch; got {self.kernels!r}{source}"

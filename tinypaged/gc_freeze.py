@@ -32,12 +32,14 @@ import logging
 import os
 import time
 
+from tinypaged import envs
+
 logger = logging.getLogger(__name__)
 
 
 def freeze_gc_heap(collect: bool = True) -> None:
     """Freeze every live object (after one full collection, unless `collect` is False)."""
-    if os.environ.get("TINYPAGED_GC_DEBUG") == "1" and _log_full_collection not in gc.callbacks:
+    if envs.TINYPAGED_GC_DEBUG and _log_full_collection not in gc.callbacks:
         gc.callbacks.append(_log_full_collection)
     if collect:
         gc.collect()

@@ -111,12 +111,6 @@ def test_unknown_model_type_keeps_its_fields_for_the_registry_error(tmp_path):
     assert config.architectures == ["MysteryForCausalLM"] and config.hidden_size == 8
 
 
-def test_generation_config(tmp_path):
-    assert loader.load_generation_config(tmp_path) == {}
-    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7], "bos_token_id": 1}')
-    assert loader.load_generation_config(tmp_path)["eos_token_id"] == [2, 7]
-
-
 # ------------------------------------------------------------------ dtype
 class _Cfg:
     def __init__(self, dtype):

@@ -36,6 +36,7 @@ from tinypaged.kernels.gguf_format import gguf_dequantize_reference
 from tinypaged.models import gguf_file as tp_gguf
 from tinypaged.models import loader
 from tinypaged.quantization import gguf as gguf_layers
+from tinypaged.sampling.generation_config import load_generation_config
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he"]
@@ -267,7 +268,7 @@ def test_tokenizer_chat_template_and_stop_tokens(tmp_path):
     assert ids == "<|im_start|>user\nthe<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.encode("<|im_end|> the", add_special_tokens=False) == [2, len(TOKENS) - 1]
     assert tokenizer.decode([TOKENS.index("Ġt"), TOKENS.index("he")]) == " the"
-    assert loader.load_generation_config(out)["eos_token_id"] == [2, 0]
+    assert load_generation_config(out)["eos_token_id"] == [2, 0]
     assert not list((tmp_path).glob(".converted.tmp-*"))  # the temp dir was renamed, not left
 
 

@@ -4,13 +4,19 @@ server, as vLLM applies them ("auto"), or not ("vllm")."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from helpers.server import FakeEngine, build_tiny_model, post, running_server
 
 from tinypaged import LLM
 from tinypaged.entrypoints.openai.api_server import build_app
-from tinypaged.sampling.generation_config import default_sampling_params
+from tinypaged.sampling.generation_config import (
+    default_sampling_params,
+    load_generation_config,
+    read_eos_token_ids,
+)
 
 QWEN3_LIKE = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 5,
               "do_sample": True, "eos_token_id": [1, 2], "min_p": None}
@@ -25,6 +31,34 @@ def test_read_from_generation_config(tmp_path):
     assert default_sampling_params(tmp_path / "nothing-here", "auto") == {}
     with pytest.raises(ValueError, match="no generation_config.json"):
         default_sampling_params(None, str(tmp_path / "nothing-here"))
+
+
+def test_the_file_as_a_dict_is_read_again_when_rewritten(tmp_path):
+    assert load_generation_config(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7], "bos_token_id": 1}')
+    assert load_generation_config(tmp_path) == {"eos_token_id": [2, 7], "bos_token_id": 1}
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 3}')
+    assert load_generation_config(tmp_path) == {"eos_token_id": 3}  # no stale copy
+
+
+def test_eos_ids_from_generation_config_else_config_json(tmp_path):
+    assert read_eos_token_ids(tmp_path) == set()
+    (tmp_path / "config.json").write_text('{"eos_token_id": 5}')
+    assert read_eos_token_ids(tmp_path) == {5}
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6}')
+    assert read_eos_token_ids(tmp_path) == {5}  # no eos_token_id there: config.json's
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7]}')
+    assert read_eos_token_ids(tmp_path) == {2, 7}
+    (tmp_path / "config.json").write_text("not json")  # not read once generation_config answers
+    assert read_eos_token_ids(tmp_path) == {2, 7}
+
+
+def test_no_other_module_reads_the_file():
+    package = Path(__file__).resolve().parents[2] / "tinypaged"
+    writers = {"models/gguf_file.py", "quantization/quantize.py"}  # write or copy it, never read
+    naming = {str(p.relative_to(package)) for p in package.rglob("*.py")
+              if re.search(r"""["']generation_config\.json["']""", p.read_text())}
+    assert naming - writers == {"sampling/generation_config.py"}
 
 
 def test_server_fills_fields_the_request_left_out():

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import pickle
 import queue
 import signal
 import threading
 from typing import Any
 
+from tinypaged import envs
 from tinypaged.config import EngineConfig
 from tinypaged.engine.async_llm import AsyncLLM
 from tinypaged.gc_freeze import freeze_gc_heap
@@ -50,11 +50,9 @@ def use_engine_process(device: str | None) -> bool:
     """Whether `serve` runs the engine in its own process: TINYPAGED_ENABLE_MULTIPROCESSING=0|1,
     else when the engine runs on CUDA (a CPU engine is slow enough that its GIL share hardly
     matters, and starting a process costs seconds). `device`: the engine's, None = default."""
-    flag = os.environ.get("TINYPAGED_ENABLE_MULTIPROCESSING")
+    flag = envs.TINYPAGED_ENABLE_MULTIPROCESSING
     if flag is not None:
-        if flag not in ("0", "1"):
-            raise ValueError(f"TINYPAGED_ENABLE_MULTIPROCESSING must be 0 or 1, got {flag!r}")
-        return flag == "1"
+        return flag
     if device is not None:
         return device.startswith("cuda")
     import torch

@@ -17,12 +17,12 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from tinypaged import envs
 from tinypaged.bench.model_shapes import SHAPES
 from tinypaged.config import CUDAGRAPH_MODES
 from tinypaged.entrypoints.openai.parsers import REASONING_PARSERS, TOOL_PARSERS
@@ -79,7 +79,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="sampling defaults: the model's generation_config.json (auto), none (vllm), or DIR's",
     )
     p.add_argument(
-        "--kernels", default=os.environ.get("TINYPAGED_KERNELS", "auto"),
+        "--kernels", default=envs.TINYPAGED_KERNELS,
         choices=["auto", "triton", "torch"],
         help="who runs the ops: auto = Triton on CUDA, torch references on the CPU; triton = "
         "Triton everywhere (the Triton interpreter on the CPU: slow, shows kernel edits); "
@@ -273,7 +273,7 @@ def serve(args: argparse.Namespace) -> int:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    api_key = args.api_key or os.environ.get("TINYPAGED_API_KEY") or None
+    api_key = args.api_key or envs.TINYPAGED_API_KEY
     model, served_model_name = args.model, args.served_model_name
     if args.model_shape is not None:
         if model is not None:

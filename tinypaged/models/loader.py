@@ -175,12 +175,6 @@ def load_hf_config(model_dir: str | os.PathLike):
     return config
 
 
-def load_generation_config(model_dir: str | os.PathLike) -> dict[str, Any]:
-    """generation_config.json as a dict ({} when absent), e.g. its `eos_token_id` (int or list)."""
-    path = Path(model_dir) / "generation_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def _checkpoint_dtype(hf_config) -> torch.dtype | None:
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(value, str):

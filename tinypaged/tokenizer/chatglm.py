@@ -21,7 +21,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tinypaged.tokenizer.tokenizer import Messages, Tokenizer, read_eos_token_ids
+from tinypaged.sampling.generation_config import read_eos_token_ids
+from tinypaged.tokenizer.tokenizer import Messages, Tokenizer
 
 SPECIAL_TOKENS = (
     "[MASK]",

@@ -7,14 +7,17 @@ sentencepiece `tokenizer.model`; for it we load the sentencepiece model directly
 
 eos_token_ids = {the tokenizer's eos} | {generation_config.json's eos_token_id (int or list)}:
 instruct models often end turns with a token that is not the tokenizer's eos (e.g. <|eot_id|>).
+sampling/generation_config.py reads that file (the one place that does); it imports nothing from
+tinypaged, so the tokenizer may import it.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
+
+from tinypaged.sampling.generation_config import read_eos_token_ids
 
 Messages = list[dict[str, Any]]
 
@@ -113,17 +116,6 @@ class HFTokenizer(Tokenizer):
             chat_template=template,
             **template_kwargs,
         )
-
-
-def read_eos_token_ids(model_dir: Path) -> set[int]:
-    """eos ids from generation_config.json (else config.json): an int, a list, or absent."""
-    for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            if value is not None:
-                return {value} if isinstance(value, int) else {int(v) for v in value}
-    return set()
 
 
 def _read_chat_template(chat_template: str | None) -> str | None:

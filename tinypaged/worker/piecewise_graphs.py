@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 
 import torch
 
+from tinypaged import envs
 from tinypaged.distributed import parallel_state as distributed
 from tinypaged.models.attention_metadata import AttentionMetadata
 
@@ -70,7 +70,7 @@ def piecewise_unsupported(model: torch.nn.Module) -> str | None:
     that (benchmarks/tp_gpu_check.sh)."""
     if getattr(model, "spec", None) is None or not hasattr(model, "model"):
         return "not a DecoderForCausalLM"
-    if distributed.get_tp_size() > 1 and os.environ.get("TINYPAGED_PIECEWISE_UNCHECKED") != "1":
+    if distributed.get_tp_size() > 1 and not envs.TINYPAGED_PIECEWISE_UNCHECKED:
         return "tensor parallelism"
     return None
 

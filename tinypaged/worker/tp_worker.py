@@ -49,6 +49,7 @@ from multiprocessing.connection import Connection, wait
 import numpy as np
 import torch
 
+from tinypaged import envs
 from tinypaged.config import EngineConfig
 from tinypaged.distributed import parallel_state as distributed
 from tinypaged.distributed.shm_broadcast import ShmBroadcast
@@ -100,11 +101,8 @@ def start_method() -> str:
     """"fork" while this process has not initialized CUDA, else "spawn" (or the value of
     TINYPAGED_WORKER_MULTIPROC_METHOD). Raises RuntimeError at once when spawned workers would
     build the engine again from the top level of the user's script."""
-    method = os.environ.get("TINYPAGED_WORKER_MULTIPROC_METHOD", "")
-    if method not in ("", "fork", "spawn"):
-        raise ValueError(f"TINYPAGED_WORKER_MULTIPROC_METHOD must be 'fork' or 'spawn', got "
-                         f"{method!r}")
-    method = method or ("spawn" if _cuda_initialized() else "fork")
+    method = envs.TINYPAGED_WORKER_MULTIPROC_METHOD or (
+        "spawn" if _cuda_initialized() else "fork")
     if method == "spawn" and (line := _unguarded_main_line()) is not None:
         raise RuntimeError(
             f"tensor_parallel_size > 1 in a process that already initialized CUDA starts its "

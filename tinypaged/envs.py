@@ -1,0 +1,114 @@
+"""Every TINYPAGED_* environment variable, declared once (a small vLLM `vllm/envs.py`).
+
+    from tinypaged import envs
+    if envs.TINYPAGED_GC_DEBUG: ...
+
+`ENVIRONMENT_VARIABLES` maps each name to its type, its value when unset, a one-line meaning
+and the function that turns the variable's text into that value. README's "Environment
+variables" lists the same names (a test holds the two together).
+
+A variable is read when its attribute is looked up, never at import: a value set after
+`import tinypaged` (a launcher script, a test's monkeypatch) counts, and a module that reads one
+once per step pays one dict lookup. A value that cannot mean anything raises ValueError naming
+the variable, the value and what it accepts; the on/off switches stay as lenient as they always
+were (only "1" turns GC_DEBUG and PIECEWISE_UNCHECKED on, only "0" turns DENSE_GEMV off).
+TINYPAGED_KERNELS comes back as written: EngineConfig checks it, as it checks the `kernels=`
+argument, so the CLI's `--help` still works with a bad value in the environment.
+
+This module imports nothing from tinypaged, so every layer (kernels included) may read it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    type: str  # what the attribute gives, as the README writes it
+    default: Any  # the value when the variable is unset
+    meaning: str
+    parse: Callable[[str, str], Any]  # (name, text as set) -> value
+
+
+def _is_one(name: str, text: str) -> bool:
+    return text == "1"
+
+
+def _is_not_zero(name: str, text: str) -> bool:
+    return text != "0"
+
+
+def _zero_or_one(name: str, text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
+def _fork_or_spawn(name: str, text: str) -> str | None:
+    if text not in ("", "fork", "spawn"):
+        raise ValueError(f"{name} must be 'fork' or 'spawn', got {text!r}")
+    return text or None
+
+
+ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
+    "TINYPAGED_KERNELS": EnvVar(
+        "str", "auto",
+        "who runs the ops (auto, triton or torch) when neither `kernels=` nor `--kernels` says",
+        lambda name, text: text,
+    ),
+    "TINYPAGED_ENABLE_MULTIPROCESSING": EnvVar(
+        "bool | None", None,
+        "`serve` runs the engine in a process of its own (1) or in a thread (0); "
+        "unset: a process on CUDA, a thread on the CPU",
+        _zero_or_one,
+    ),
+    "TINYPAGED_WORKER_MULTIPROC_METHOD": EnvVar(
+        "str | None", None,
+        "how tensor-parallel workers start (fork or spawn); unset: fork until CUDA is "
+        "initialized in the engine's process, then spawn",
+        _fork_or_spawn,
+    ),
+    "TINYPAGED_API_KEY": EnvVar(
+        "str | None", None,
+        "the key `serve` requires of clients when `--api-key` is not given",
+        lambda name, text: text or None,
+    ),
+    "TINYPAGED_CACHE": EnvVar(
+        "Path | None", None,
+        "root of the cache for the built-in model and converted .gguf files; "
+        "unset: the user cache dir, e.g. ~/.cache/tinypaged",
+        lambda name, text: Path(text).expanduser() if text else None,
+    ),
+    "TINYPAGED_GC_DEBUG": EnvVar(
+        "bool", False,
+        "1 logs every full garbage collection of the serving processes with its duration",
+        _is_one,
+    ),
+    "TINYPAGED_DENSE_GEMV": EnvVar(
+        "bool", True,
+        "0 sends every dense decode linear to F.linear, not the Triton GEMV (for A/B benchmarks)",
+        _is_not_zero,
+    ),
+    "TINYPAGED_PIECEWISE_UNCHECKED": EnvVar(
+        "bool", False,
+        "1 captures piecewise CUDA graphs under tensor parallelism (not yet checked on GPUs)",
+        _is_one,
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    var = ENVIRONMENT_VARIABLES.get(name)
+    if var is None:
+        raise AttributeError(f"module 'tinypaged.envs' has no attribute {name!r}")
+    text = os.environ.get(name)
+    return var.default if text is None else var.parse(name, text)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *ENVIRONMENT_VARIABLES])
