@@ -16,11 +16,8 @@ from helpers.server import assert_error, post, running_server
 from helpers.structured import SCHEMA, save_tiny_with_smollm2_vocab
 
 from tinypaged import AsyncLLM
-from tinypaged.entrypoints.openai.protocol import (
-    APIError,
-    parse_chat_request,
-    parse_completion_request,
-)
+from tinypaged.entrypoints.openai.errors import APIError
+from tinypaged.entrypoints.openai.protocol import parse_chat_request, parse_completion_request
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 

@@ -41,20 +41,17 @@ from tinypaged.entrypoints.openai.chat_protocol import (
     check_tool_choice,
     parse_chat_options,
 )
+from tinypaged.entrypoints.openai.errors import APIError, bad_request, error_body, show
 from tinypaged.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from tinypaged.entrypoints.openai.parsers import REASONING_PARSERS, TOOL_PARSERS
 from tinypaged.entrypoints.openai.protocol import (
-    APIError,
     GenerationRequest,
-    bad_request,
-    error_body,
     field_value,
     parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,
     parse_json_body,
     parse_tokenize_request,
-    show,
 )
 from tinypaged.entrypoints.openai.request_handler import Generation, respond, sampling_params
 from tinypaged.entrypoints.openai.response_bodies import ResponseFormat, new_id, now
@@ -304,7 +301,8 @@ class OpenAIServer:
         req = parse_chat_request(body or await self.read_json(request))
         model = self.check_model(req.model)
         opts = req.chat
-        check_tool_choice(req, auto_ready=self.enable_auto_tool_choice and bool(self.tool_parser))
+        auto_ready = self.enable_auto_tool_choice and bool(self.tool_parser)
+        check_tool_choice(req.chat, req.sampling, auto_ready)
         tok = self.engine.tokenizer
         if req.truncate_prompt_tokens is None:  # a truncated prompt may be any length
             chars = sum(len(m["content"]) for m in req.messages if isinstance(m["content"], str))

@@ -1,15 +1,12 @@
 """OpenAI request bodies: parsing and validation, free of HTTP and engine code.
 
 Every parser takes the decoded JSON body and either returns a plain description of the request or
-raises `APIError`, whose body is OpenAI's error shape:
-
-    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens",
-               "code": "invalid_value"}}
-
-`param` names the offending field (dotted / indexed for nested ones, e.g. `messages[1].content`),
-so a client can point at it. Sampling fields keep their OpenAI names here and are handed to
-`SamplingParams` under vLLM's names (the same, apart from chat's `top_logprobs` -> `logprobs`).
-The response bodies are built in `response_bodies.py`.
+raises `APIError` (errors.py), a 400 whose `param` names the offending field. Chat's tool and
+template fields are parsed in chat_protocol.py, the structured-output and logits fields in
+structured_protocol.py; this module puts them together into one `GenerationRequest`. Sampling
+fields keep their OpenAI names here and are handed to `SamplingParams` under vLLM's names (the
+same, apart from chat's `top_logprobs` -> `logprobs`). The response bodies are built in
+`response_bodies.py`.
 """
 
 from __future__ import annotations
@@ -18,51 +15,17 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from tinypaged.entrypoints.openai.chat_protocol import ChatOptions
+from tinypaged.entrypoints.openai.chat_protocol import (
+    ChatOptions,
+    message_extras,
+    parse_chat_options,
+)
+from tinypaged.entrypoints.openai.errors import bad_request, show
+from tinypaged.entrypoints.openai.structured_protocol import parse_logits_fields
 
 _MISSING = object()
-
-
-class APIError(Exception):
-    """An error that ends one HTTP request with an OpenAI-style body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(param: str, message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def show(value: Any, limit: int = 100) -> str:
-    """repr(value) cut to `limit` characters: an error message never echoes a huge field."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # A UTF-16 surrogate written as a JSON escape; paired ones are fine, a lone one is not text.
@@ -289,8 +252,6 @@ def _common(body: dict, req: GenerationRequest) -> None:
                     f"stream_options.{name}", f"'{name}' must be a boolean", code="invalid_type"
                 )
             setattr(req, name, flag)
-    from tinypaged.entrypoints.openai.structured_protocol import parse_logits_fields
-
     kwargs, req.logits_fields = parse_logits_fields(body)
     s.update(kwargs)
     for name in UNSUPPORTED:
@@ -383,10 +344,6 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def parse_chat_request(body: Any) -> GenerationRequest:
-    from tinypaged.entrypoints.openai.chat_protocol import (
-        parse_chat_options,  # it builds on this module
-    )
-
     if not isinstance(body, dict):
         raise bad_request("body", "the request body must be a JSON object", code="invalid_type")
     req = GenerationRequest(model=None)
@@ -407,10 +364,6 @@ def parse_chat_request(body: Any) -> GenerationRequest:
 def parse_messages(messages: Any) -> list[dict]:
     """Messages reduced to {"role", "content": str} plus their tool fields (`tool_calls`,
     `tool_call_id`, `name`); list-of-parts content is joined as text."""
-    from tinypaged.entrypoints.openai.chat_protocol import (
-        message_extras,  # it builds on this module
-    )
-
     if messages is _MISSING or messages is None:
         raise bad_request("messages", "'messages' is a required field", code="missing_field")
     if not isinstance(messages, list) or not messages:

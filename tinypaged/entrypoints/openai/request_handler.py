@@ -24,13 +24,9 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tinypaged.entrypoints.openai.errors import APIError, bad_request, error_body
 from tinypaged.entrypoints.openai.metrics import ServerMetrics
-from tinypaged.entrypoints.openai.protocol import (
-    APIError,
-    GenerationRequest,
-    bad_request,
-    error_body,
-)
+from tinypaged.entrypoints.openai.protocol import GenerationRequest
 from tinypaged.entrypoints.openai.response_bodies import ResponseFormat
 from tinypaged.entrypoints.openai.structured_protocol import param_for
 

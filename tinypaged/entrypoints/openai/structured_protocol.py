@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tinypaged.entrypoints.openai.protocol import bad_request, show
+from tinypaged.entrypoints.openai.errors import bad_request, show
 from tinypaged.sampling.structured_output import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
