@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tinypaged.tokenizer.tokenizer import Messages, Tokenizer, read_eos_token_ids
+from tinypaged.tokenizer.base import Messages, Tokenizer, read_eos_token_ids
 
 SPECIAL_TOKENS = (
     "[MASK]",
