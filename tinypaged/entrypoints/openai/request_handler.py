@@ -1,12 +1,14 @@
-"""Running one HTTP request against the engine: submission, disconnects, the answer or the stream.
+"""Running one request against the engine: its SamplingParams, disconnects, the answer or stream.
 
-One HTTP request becomes one engine request per prompt (the `n` samples of a prompt share it);
-`Generation` merges their outputs into one stream of (prompt index, cumulative RequestOutput).
-Before answering, `respond` waits for the first output: a request the engine refuses at
-submission still gets a proper 400, not a broken stream. While it waits, generates or streams, a
-watcher listens for the client's disconnect and aborts the engine requests at once, which frees
-their KV blocks. An exception inside one request ends that request only (the server turns it into
-a 500, or an error event when the stream has already begun).
+The HTTP side (routes, auth, admission, shutdown) is api_server.py; this file takes over once a
+request is parsed and its prompts tokenized. One HTTP request becomes one engine request per
+prompt (the `n` samples of a prompt share it); `Generation` merges their outputs into one stream
+of (prompt index, cumulative RequestOutput). Before answering, `respond` waits for the first
+output: a request the engine refuses at submission still gets a proper 400, not a broken stream.
+While it waits, generates or streams, a watcher listens for the client's disconnect and aborts
+the engine requests at once, which frees their KV blocks. An exception inside one request ends
+that request only (api_server.py turns it into a 500, or an error event when the stream has
+already begun).
 
 A stream is server-sent events: one `data: {json}` line and a blank line per chunk, the last
 one `data: [DONE]`.
@@ -27,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from tinypaged.entrypoints.openai.errors import APIError, bad_request, error_body
 from tinypaged.entrypoints.openai.metrics import ServerMetrics
 from tinypaged.entrypoints.openai.protocol import GenerationRequest
-from tinypaged.entrypoints.openai.response_bodies import ResponseFormat
+from tinypaged.entrypoints.openai.response_bodies import ResponseBuilder
 from tinypaged.entrypoints.openai.structured_protocol import param_for
 
 if TYPE_CHECKING:
@@ -43,7 +45,7 @@ def sse(data: dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-def sampling_params(
+def build_sampling_params(
     req: GenerationRequest,
     prompt_len: int,
     prompt_param: str,
@@ -216,7 +218,7 @@ async def respond(
     request: Request,
     gen: Generation,
     req: GenerationRequest,
-    fmt: ResponseFormat,
+    builder: ResponseBuilder,
     prompt_param: str,
 ) -> Response:
     """The JSON answer, or an EventStream once the first output is in; `gen` is always closed
@@ -225,7 +227,7 @@ async def respond(
         first = await until_disconnect(request, gen.next())
         if not req.stream:
             result = await until_disconnect(request, _collect(gen, first))
-            return JSONResponse(fmt.response(result))
+            return JSONResponse(builder.response(result))
     except _ClientGone:
         await gen.close()
         return Response(status_code=499)  # nobody is listening; the status is for the logs
@@ -239,7 +241,7 @@ async def respond(
     finally:
         if not req.stream:
             await gen.close()
-    return EventStream(_events(gen, first, fmt, req.include_usage), gen.close)
+    return EventStream(_events(gen, first, builder, req.include_usage), gen.close)
 
 
 async def _collect(gen: Generation, item) -> list:
@@ -251,22 +253,22 @@ async def _collect(gen: Generation, item) -> list:
 
 
 async def _events(
-    gen: Generation, first, fmt: ResponseFormat, include_usage: bool
+    gen: Generation, first, builder: ResponseBuilder, include_usage: bool
 ) -> AsyncIterator[bytes]:
     try:
-        for chunk in fmt.start_chunks():
+        for chunk in builder.start_chunks():
             yield sse(chunk)
         item = first
         while item is not None:
-            for chunk in fmt.delta_chunks(*item):
+            for chunk in builder.delta_chunks(*item):
                 yield sse(chunk)
             item = await gen.next()
         if include_usage:
-            yield sse(fmt.usage_chunk())
+            yield sse(builder.usage_chunk())
     except APIError as exc:  # the server is shutting down
         yield sse(exc.body())
     except Exception as exc:
-        logger.exception("request %s failed while streaming", fmt.request_id)
+        logger.exception("request %s failed while streaming", builder.request_id)
         yield sse(
             error_body(
                 f"internal error while generating: {exc}", "server_error", code="internal_error"
