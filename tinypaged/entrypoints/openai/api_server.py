@@ -332,7 +332,7 @@ class OpenAIServer:
         k, limit = req.truncate_prompt_tokens, self.max_model_len
         if k is None:
             return prompt
-        if k == 0 or k > limit:
+        if not (k == -1 or 1 <= k <= limit):
             raise bad_request(
                 "truncate_prompt_tokens",
                 f"'truncate_prompt_tokens' must be -1 (the context length) or in [1, {limit}] "

@@ -50,3 +50,20 @@ def show(value: Any, limit: int = 100) -> str:
     """repr(value) cut to `limit` characters: an error message never echoes a huge field."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def field_error(message: str, body_fields: dict[str, str], fallback: str) -> APIError:
+    """A ValueError of SamplingParams or of the engine as a 400 naming the body field it is about.
+
+    Their messages start with the SamplingParams field ("top_p must be > 0 and <= 1, got 0",
+    "structured_outputs.json is not valid JSON: ..."); `body_fields` maps it to the body field
+    that set it (chat's top_logprobs sets logprobs), which the message then names as the client
+    wrote it. A message about no field of the body blames `fallback`."""
+    head = message.split(maxsplit=1)[0] if message else ""
+    name = head.split(".")[0].rstrip(":")
+    param = body_fields.get(name)
+    if param is None:
+        return bad_request(fallback, message)
+    if head == name:  # "top_p must be ..." -> "'top_p' must be ...", as the parsers write it
+        message = f"'{param}'{message[len(name):]}"
+    return bad_request(param, message)

@@ -26,11 +26,10 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tinypaged.entrypoints.openai.errors import APIError, bad_request, error_body
+from tinypaged.entrypoints.openai.errors import APIError, bad_request, error_body, field_error
 from tinypaged.entrypoints.openai.metrics import ServerMetrics
 from tinypaged.entrypoints.openai.protocol import GenerationRequest
 from tinypaged.entrypoints.openai.response_bodies import ResponseBuilder
-from tinypaged.entrypoints.openai.structured_protocol import param_for
 
 if TYPE_CHECKING:
     from tinypaged.engine.client import EngineClient
@@ -54,12 +53,11 @@ def build_sampling_params(
 ) -> SamplingParams:
     """The SamplingParams of one prompt; a prompt or max_tokens over the context is a 400.
 
-    `defaults` (the model's generation_config sampling) fill the fields the request left out;
-    their max_tokens caps the request's, as in vLLM."""
+    Without max_tokens the answer may fill the rest of the context (completions: 16 tokens, as
+    OpenAI). `defaults` (the model's generation_config sampling) fill the fields the request left
+    out; their max_tokens caps the request's, as in vLLM."""
     defaults = dict(defaults or {})
     cap = defaults.pop("max_tokens", None)
-    from tinypaged.sampling.params import SamplingParams
-
     limit = max_model_len
     if prompt_len >= limit:
         raise bad_request(
@@ -68,7 +66,10 @@ def build_sampling_params(
             f"is {limit} tokens; shorten the prompt",
             code="context_length_exceeded",
         )
-    max_tokens = req.max_tokens or min(req.default_max_tokens or limit, limit - prompt_len)
+    if req.max_tokens is not None:
+        max_tokens = req.max_tokens
+    else:
+        max_tokens = min(req.default_max_tokens or limit, limit - prompt_len)
     if cap is not None:
         max_tokens = min(max_tokens, cap)
     if prompt_len + max_tokens > limit:
@@ -79,12 +80,7 @@ def build_sampling_params(
             f"{limit - prompt_len}",
             code="context_length_exceeded",
         )
-    try:
-        return SamplingParams(**{**defaults, **req.sampling}, max_tokens=max_tokens)
-    except (ValueError, TypeError) as exc:
-        text = str(exc)  # SamplingParams' messages start with the field's name
-        first = text.split(maxsplit=1)[0] if text else ""
-        raise bad_request(first if first.isidentifier() else "body", text) from None
+    return req.to_sampling_params(max_tokens, defaults)
 
 
 class _ClientGone(Exception):
@@ -233,8 +229,7 @@ async def respond(
         return Response(status_code=499)  # nobody is listening; the status is for the logs
     except ValueError as exc:  # the engine refused the request at submission
         await gen.close()
-        param = param_for(str(exc), req.logits_fields) or prompt_param
-        raise bad_request(param, str(exc)) from None
+        raise field_error(str(exc), req.body_fields, fallback=prompt_param) from None
     except BaseException:
         await gen.close()
         raise
