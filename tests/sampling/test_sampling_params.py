@@ -85,6 +85,15 @@ def test_bad_value_names_the_field(field, value):
     assert repr(value) in str(info.value) or str(value) in str(info.value)
 
 
+def test_range_errors_state_the_range():
+    with pytest.raises(ValueError, match=r"^top_p must be > 0 and <= 1 \(1 means off\), got 0$"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match=r"^presence_penalty must be >= -2 and <= 2, got 3$"):
+        SamplingParams(presence_penalty=3)
+    with pytest.raises(ValueError, match=r"^n must be >= 1, got 0$"):
+        SamplingParams(n=0)
+
+
 def test_min_tokens_above_max_tokens():
     with pytest.raises(ValueError, match="min_tokens.*max_tokens"):
         SamplingParams(min_tokens=20, max_tokens=10)

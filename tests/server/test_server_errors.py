@@ -43,6 +43,11 @@ COMPLETION_400 = [
     ({"prompt": "a", "presence_penalty": 3}, "presence_penalty", "<= 2"),
     ({"prompt": "a", "frequency_penalty": -2.5}, "frequency_penalty", ">= -2"),
     ({"prompt": "a", "logprobs": 21}, "logprobs", "<= 20"),
+    ({"prompt": "a", "logprobs": -1}, "logprobs", ">= 0, got -1"),
+    ({"prompt": "a", "n": 129}, "n", "<= 128"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty", ">= 0.01"),
+    ({"prompt": "a", "stop": ""}, "stop", "non-empty"),
+    ({"prompt": "a", "truncate_prompt_tokens": -5}, "truncate_prompt_tokens", "-5"),
     ({"prompt": "a", "stop": 5}, "stop", "string"),
     ({"prompt": "a", "stop_token_ids": [1, -1]}, "stop_token_ids", "token ids"),
     ({"prompt": "a", "seed": "x"}, "seed", "integer"),
@@ -90,6 +95,11 @@ CHAT_400 = [
         {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
         "max_completion_tokens",
         ">= 1",
+    ),
+    (  # SamplingParams' logprobs, named as the body sent it
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1},
+        "top_logprobs",
+        "'top_logprobs' must be >= 0, got -1",
     ),
     (
         {"messages": [{"role": "user", "content": "x" * 30}], "max_tokens": 30},

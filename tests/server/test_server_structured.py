@@ -16,11 +16,8 @@ from helpers.server import assert_error, post, running_server
 from helpers.structured import SCHEMA, save_tiny_with_smollm2_vocab
 
 from tinypaged import AsyncLLM
-from tinypaged.entrypoints.openai.protocol import (
-    APIError,
-    parse_chat_request,
-    parse_completion_request,
-)
+from tinypaged.entrypoints.openai.errors import APIError
+from tinypaged.entrypoints.openai.protocol import parse_chat_request, parse_completion_request
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -38,7 +35,7 @@ def test_parse_structured_fields(chat):
     assert structured({"response_format": {"type": "json_object"}}, chat)[0].json_object
     so, req = structured({"response_format": {"type": "json_schema", "json_schema": {
         "name": "pet", "strict": True, "schema": SCHEMA}}}, chat)
-    assert so.json == SCHEMA and req.logits_fields["structured_outputs"] == "response_format"
+    assert so.json == SCHEMA and req.body_fields["structured_outputs"] == "response_format"
     assert structured({"guided_json": json.dumps(SCHEMA)}, chat)[0].json == SCHEMA
     assert structured({"guided_regex": "[a-z]+"}, chat)[0].regex == "[a-z]+"
     assert structured({"guided_choice": ["a", "b"]}, chat)[0].choice == ["a", "b"]

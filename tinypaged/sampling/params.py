@@ -1,12 +1,14 @@
 """SamplingParams: how to sample one request, with vLLM's field names, defaults and ranges.
 
-Validated on construction: a bad value raises ValueError naming the field and its allowed range
-(the server turns it into a 400). Greedy requests (temperature < 1e-5, as in vLLM) have top_p,
-top_k and min_p cleared, and top_k = -1 becomes 0: one spelling of "off" for the sampler.
-Positive temperatures below 1e-2 are raised to 1e-2 (vLLM). Tighter than vLLM, so that nothing
-that reaches the batched sampler can overflow: temperature <= 100, repetition_penalty in
-[0.01, 100], and every integer fits in int64. The engine adds the checks against the model
-(token ids below the vocabulary size) when a request is admitted.
+This is the one place that checks sampling values, for `LLM` and the server alike: a bad value
+raises ValueError whose message starts with the field's name, states the allowed range and the
+value seen ("top_p must be > 0 and <= 1, got 0"); the server turns it into a 400 naming the
+field. Greedy requests (temperature < 1e-5, as in vLLM) have top_p, top_k and min_p cleared, and
+top_k = -1 becomes 0: one spelling of "off" for the sampler. Positive temperatures below 1e-2
+are raised to 1e-2 (vLLM). Tighter than vLLM, so that nothing that reaches the batched sampler
+can overflow: temperature <= 100, repetition_penalty in [0.01, 100], and every integer fits in
+int64. The engine adds the checks against the model (token ids below the vocabulary size) when a
+request is admitted.
 """
 
 from __future__ import annotations
@@ -24,6 +26,47 @@ _INT64_MAX = 2**63 - 1  # every int becomes an int64 tensor element somewhere
 _REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 
 
+@dataclass(frozen=True)
+class _Range:
+    """An interval a number must lie in; None leaves that side open-ended."""
+
+    low: float | None = None
+    high: float | None = None
+    low_excluded: bool = False  # the low end itself is outside (top_p > 0)
+    note: str = ""  # what the special values mean
+
+    def allows(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_excluded else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def __str__(self) -> str:  # "> 0 and <= 1 (1 means off)"
+        bounds = []
+        if self.low is not None:
+            bounds.append(f"{'>' if self.low_excluded else '>='} {self.low:g}")
+        if self.high is not None:
+            bounds.append(f"<= {self.high:g}")
+        return " and ".join(bounds) + (f" ({self.note})" if self.note else "")
+
+
+# The range of every number field (None, where a field allows it, is checked apart).
+_RANGES = {
+    "n": _Range(1),
+    "temperature": _Range(0, _MAX_TEMP, note="0 means greedy"),
+    "top_p": _Range(0, 1, low_excluded=True, note="1 means off"),
+    "top_k": _Range(-1, note="0 or -1 means off"),
+    "min_p": _Range(0, 1, note="0 means off"),
+    "presence_penalty": _Range(-2, 2),
+    "frequency_penalty": _Range(-2, 2),
+    "repetition_penalty": _Range(*_REPETITION_PENALTY_RANGE, note="1 means off"),
+    "max_tokens": _Range(1),
+    "min_tokens": _Range(0),
+    "logprobs": _Range(0),
+    "prompt_logprobs": _Range(0),
+    "truncate_prompt_tokens": _Range(1),
+}
+
+
 def _check_number(name: str, value, kind: type) -> None:
     ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
     if not ok or (isinstance(value, float) and not math.isfinite(value)):
@@ -38,13 +81,13 @@ class SamplingParams:
     """How to sample one request; the same fields, defaults and ranges as vLLM."""
 
     n: int = 1  # number of completions for the prompt
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # in [0, 100]; 0 = greedy
     top_p: float = 1.0  # in (0, 1]; 1 = off
     top_k: int = 0  # 0 or -1 = off
     min_p: float = 0.0  # in [0, 1]; 0 = off
     presence_penalty: float = 0.0  # in [-2, 2]
     frequency_penalty: float = 0.0  # in [-2, 2]
-    repetition_penalty: float = 1.0  # > 0; 1 = off
+    repetition_penalty: float = 1.0  # in [0.01, 100]; 1 = off
     seed: int | None = None
     stop: str | list[str] | None = None  # stop strings, left out of the text
     stop_token_ids: list[int] | None = None
@@ -90,39 +133,15 @@ class SamplingParams:
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
-        def bad(name: str, rule: str) -> ValueError:
+        def bad(name: str, rule: object) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r:.200}")
 
-        if self.n < 1:
-            raise bad("n", "at least 1")
-        if not 0 <= self.temperature <= _MAX_TEMP:
-            raise bad("temperature", f"in [0, {_MAX_TEMP:g}] (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "in (0, 1]")
-        if self.top_k < -1:
-            raise bad("top_k", "0 or -1 (off) or at least 1")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "in [0, 1]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise bad(name, "in [-2, 2]")
-        lo, hi = _REPETITION_PENALTY_RANGE
-        if not lo <= self.repetition_penalty <= hi:
-            raise bad("repetition_penalty", f"in [{lo}, {hi}] (1 means off)")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", "at least 1")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", ">= 0")
+        for name, allowed in _RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not allowed.allows(value):
+                raise bad(name, allowed)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
-                f"and max_tokens={self.max_tokens}"
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise bad(name, ">= 0")
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
-            raise bad("truncate_prompt_tokens", "at least 1")
+            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
 
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):

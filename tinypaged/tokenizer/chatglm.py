@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tinypaged.sampling.generation_config import read_eos_token_ids
-from tinypaged.tokenizer.tokenizer import Messages, Tokenizer
+from tinypaged.tokenizer.base import Messages, Tokenizer
 
 SPECIAL_TOKENS = (
     "[MASK]",

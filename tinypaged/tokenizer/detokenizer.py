@@ -33,7 +33,7 @@ so a streamed delta never shows part of a stop string that the final text leaves
 from __future__ import annotations
 
 from tinypaged.sampling.params import SamplingParams
-from tinypaged.tokenizer.tokenizer import Tokenizer
+from tinypaged.tokenizer.base import Tokenizer
 
 PROMPT_CONTEXT = 5  # prompt tokens decoded ahead of the output (vLLM uses 5 too)
 WINDOW_TRIM = 64  # the fast path trims its emitted ids only past this many (not every token)

@@ -1,19 +1,21 @@
-"""The OpenAI-compatible HTTP server: a Starlette app around one engine (an EngineClient: AsyncLLM).
+"""The HTTP side of the OpenAI-compatible server: routes, auth, admission and shutdown.
+
+A Starlette app around one engine (an EngineClient: AsyncLLM):
 
     app = build_app(AsyncLLM(), served_model_name="smollm2", api_key=None, max_queue=None)
     GracefulServer(uvicorn.Config(app, port=8000), app.state.server, 5.0).run()  # `serve`
 
 Endpoints: GET /health, /metrics, /version, /v1/models; POST /v1/completions,
 /v1/chat/completions, /invocations, /tokenize, /detokenize; CORS through Starlette's
-middleware. This file is the HTTP side: routes, the API key, body limits, model names, admission
-(a full queue, a dead engine or a shutdown is a 503), the drain on SIGTERM (`GracefulServer`)
-and the mapping of errors to OpenAI's error bodies. Long bodies are parsed, and prompts
-tokenized, in a worker thread: the event loop only routes. Request validation lives in
-`protocol.py` (chat's tool and template fields in `chat_protocol.py`), the response shapes in
-`response_bodies.py`, running a request against the engine
-(disconnects, streaming) in `request_handler.py`, the Prometheus metrics in `metrics.py`. An
-exception
-inside one request ends that request only (500).
+middleware. This file holds the routes, the API key, body limits, model names, admission (a
+full queue, a dead engine or a shutdown is a 503), the drain on SIGTERM (`GracefulServer`) and
+the mapping of errors to OpenAI's error bodies. Long bodies are parsed, and prompts tokenized, in
+a worker thread: the event loop only routes. The rest lives beside it: request parsing in
+`protocol.py` (chat's tool and template fields in `chat_protocol.py`, structured output in
+`structured_protocol.py`, the error shape in `errors.py`), running one request against the
+engine (disconnects, streaming) in `request_handler.py`, the response shapes in
+`response_bodies.py`, the Prometheus metrics in `metrics.py`. An exception inside one request
+ends that request only (500).
 """
 
 from __future__ import annotations
@@ -41,23 +43,20 @@ from tinypaged.entrypoints.openai.chat_protocol import (
     check_tool_choice,
     parse_chat_options,
 )
+from tinypaged.entrypoints.openai.errors import APIError, bad_request, error_body, show
 from tinypaged.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from tinypaged.entrypoints.openai.parsers import REASONING_PARSERS, TOOL_PARSERS
 from tinypaged.entrypoints.openai.protocol import (
-    APIError,
     GenerationRequest,
-    bad_request,
-    error_body,
     field_value,
     parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,
     parse_json_body,
     parse_tokenize_request,
-    show,
 )
-from tinypaged.entrypoints.openai.request_handler import Generation, respond, sampling_params
-from tinypaged.entrypoints.openai.response_bodies import ResponseFormat, new_id, now
+from tinypaged.entrypoints.openai.request_handler import Generation, build_sampling_params, respond
+from tinypaged.entrypoints.openai.response_bodies import ResponseBuilder, new_id, now
 
 logger = logging.getLogger(__name__)
 
@@ -259,19 +258,21 @@ class OpenAIServer:
         request: Request,
         req: GenerationRequest,
         prompts: list[list[int]],
-        fmt: ResponseFormat,
+        builder: ResponseBuilder,
         prompt_param: str,
     ) -> Response:
         limit = self.max_model_len
         defaults = self.engine.default_sampling_params
         params = [
-            sampling_params(req, len(ids), prompt_param, limit, defaults) for ids in prompts
+            build_sampling_params(req, len(ids), prompt_param, limit, defaults) for ids in prompts
         ]
         self.admit(len(prompts))
-        gen = Generation(self.engine, self.metrics, fmt.request_id, prompts, params, self.release)
+        gen = Generation(
+            self.engine, self.metrics, builder.request_id, prompts, params, self.release
+        )
         self.active.add(gen)
         self.in_flight += len(prompts)
-        return await respond(request, gen, req, fmt, prompt_param)
+        return await respond(request, gen, req, builder, prompt_param)
 
     # ------------------------------------------------------------------------------ endpoints
 
@@ -286,7 +287,7 @@ class OpenAIServer:
         encoded = iter(await self.encode(texts, "prompt"))
         prompts = [next(encoded) if isinstance(p, str) else p for p in req.prompts]
         prompts = [self.truncate(req, p) for p in prompts]
-        fmt = ResponseFormat(
+        builder = ResponseBuilder(
             "completion",
             new_id("cmpl"),
             model,
@@ -298,13 +299,14 @@ class OpenAIServer:
             if req.echo
             else None,
         )
-        return await self.generate(request, req, prompts, fmt, "prompt")
+        return await self.generate(request, req, prompts, builder, "prompt")
 
     async def chat_completions(self, request: Request, body: Any = None) -> Response:
         req = parse_chat_request(body or await self.read_json(request))
         model = self.check_model(req.model)
         opts = req.chat
-        check_tool_choice(req, auto_ready=self.enable_auto_tool_choice and bool(self.tool_parser))
+        auto_ready = self.enable_auto_tool_choice and bool(self.tool_parser)
+        check_tool_choice(req.chat, req.sampling, auto_ready)
         tok = self.engine.tokenizer
         if req.truncate_prompt_tokens is None:  # a truncated prompt may be any length
             chars = sum(len(m["content"]) for m in req.messages if isinstance(m["content"], str))
@@ -312,7 +314,7 @@ class OpenAIServer:
         prompt = self.truncate(req, await self._chat_prompt(req.messages, opts))
         last = req.messages[-1]
         echo = last["content"] if opts.echo and last["role"] == "assistant" else ""
-        fmt = ResponseFormat(
+        builder = ResponseBuilder(
             "chat",
             new_id("chatcmpl"),
             model,
@@ -323,14 +325,14 @@ class OpenAIServer:
             echo=echo,
             prompt_tokens_details=self.prompt_tokens_details,
         )
-        return await self.generate(request, req, [prompt], fmt, "messages")
+        return await self.generate(request, req, [prompt], builder, "messages")
 
     def truncate(self, req: GenerationRequest, prompt: list[int]) -> list[int]:
         """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: max_model_len)."""
         k, limit = req.truncate_prompt_tokens, self.max_model_len
         if k is None:
             return prompt
-        if k == 0 or k > limit:
+        if not (k == -1 or 1 <= k <= limit):
             raise bad_request(
                 "truncate_prompt_tokens",
                 f"'truncate_prompt_tokens' must be -1 (the context length) or in [1, {limit}] "

@@ -15,7 +15,7 @@ What /v1/chat/completions takes besides messages and sampling (vLLM's names and 
 
 and, inside messages, an assistant's `tool_calls`, a tool result's `tool_call_id`, and `name`:
 what a client sends back to replay a tool conversation. Errors are `bad_request`s naming the
-field, as in protocol.py.
+field (errors.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from tinypaged.entrypoints.openai.errors import bad_request, show
 from tinypaged.entrypoints.openai.parsers.forced import tool_choice_schema
-from tinypaged.entrypoints.openai.protocol import GenerationRequest, bad_request, show
+from tinypaged.sampling.structured_output import StructuredOutputsParams
 
 
 @dataclass
@@ -191,11 +192,13 @@ def message_extras(m: dict, where: str) -> dict:
     return extras
 
 
-def check_tool_choice(req: GenerationRequest, auto_ready: bool) -> None:
-    """"auto" needs the server's tool parser (`auto_ready`: --enable-auto-tool-choice and
-    --tool-call-parser); "required" and a named function constrain the output to the JSON of
-    `tool_choice_schema` through structured output."""
-    opts = req.chat
+def check_tool_choice(
+    opts: ChatOptions | None, sampling: dict[str, Any], auto_ready: bool
+) -> None:
+    """Check `tool_choice` against the server and add what it needs to `sampling` (the request's
+    SamplingParams kwargs). "auto" needs the server's tool parser (`auto_ready`:
+    --enable-auto-tool-choice and --tool-call-parser); "required" and a named function constrain
+    the output to the JSON of `tool_choice_schema` through structured output."""
     if opts is None or not opts.tools or opts.tool_choice == "none":
         return
     if opts.tool_choice == "auto":
@@ -208,9 +211,7 @@ def check_tool_choice(req: GenerationRequest, auto_ready: bool) -> None:
             )
         # Some models' tool-call tags are special tokens (GLM-4.5's); the parser must see them,
         # so they stay in the text unless the request says otherwise (as vLLM).
-        req.sampling.setdefault("skip_special_tokens", False)
+        sampling.setdefault("skip_special_tokens", False)
         return
-    from tinypaged.sampling.params import StructuredOutputsParams
-
     schema = tool_choice_schema(opts.tools, opts.tool_choice)
-    req.sampling["structured_outputs"] = StructuredOutputsParams(json=schema)
+    sampling["structured_outputs"] = StructuredOutputsParams(json=schema)

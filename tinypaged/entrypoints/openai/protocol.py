@@ -1,15 +1,17 @@
 """OpenAI request bodies: parsing and validation, free of HTTP and engine code.
 
 Every parser takes the decoded JSON body and either returns a plain description of the request or
-raises `APIError`, whose body is OpenAI's error shape:
+raises `APIError` (errors.py), a 400 whose `param` names the offending field. Chat's tool and
+template fields are parsed in chat_protocol.py, the structured-output and logits fields in
+structured_protocol.py; this module puts them together into one `GenerationRequest`. Sampling
+fields keep their OpenAI names here and are handed to `SamplingParams` under vLLM's names (the
+same, apart from chat's `top_logprobs` -> `logprobs`). The response bodies are built in
+`response_bodies.py`.
 
-    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens",
-               "code": "invalid_value"}}
-
-`param` names the offending field (dotted / indexed for nested ones, e.g. `messages[1].content`),
-so a client can point at it. Sampling fields keep their OpenAI names here and are handed to
-`SamplingParams` under vLLM's names (the same, apart from chat's `top_logprobs` -> `logprobs`).
-The response bodies are built in `response_bodies.py`.
+Parsing checks JSON types and field names only. The valid range of every sampling value is
+SamplingParams' to check, as vLLM's protocol does: each request builds its SamplingParams once
+while it is parsed, so a value out of range is a 400 before any tokenizing, and its ValueError
+becomes a 400 naming the body field that set the value (`GenerationRequest.to_sampling_params`).
 """
 
 from __future__ import annotations
@@ -18,51 +20,18 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from tinypaged.entrypoints.openai.chat_protocol import ChatOptions
+from tinypaged.entrypoints.openai.chat_protocol import (
+    ChatOptions,
+    message_extras,
+    parse_chat_options,
+)
+from tinypaged.entrypoints.openai.errors import bad_request, field_error, show
+from tinypaged.entrypoints.openai.structured_protocol import parse_logits_fields
+from tinypaged.sampling.params import SamplingParams
 
 _MISSING = object()
-
-
-class APIError(Exception):
-    """An error that ends one HTTP request with an OpenAI-style body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(param: str, message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def show(value: Any, limit: int = 100) -> str:
-    """repr(value) cut to `limit` characters: an error message never echoes a huge field."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # A UTF-16 surrogate written as a JSON escape; paired ones are fine, a lone one is not text.
@@ -118,6 +87,12 @@ def _lone_surrogate(body: Any) -> str | None:
 
 # ---------------------------------------------------------------------------------- field checks
 
+# The HTTP API's own ceilings (OpenAI's): a bound on what one request may cost the server, not a
+# sampling rule (offline, LLM takes any n). Every other bound of a sampling value is
+# SamplingParams'.
+MAX_N = 128
+MAX_LOGPROBS = 20  # logprobs, top_logprobs, prompt_logprobs (vLLM's default max_logprobs)
+
 _TYPE_NAMES = {
     "int": "a 64-bit integer",
     "number": "a finite number",
@@ -141,16 +116,10 @@ def _is(value: Any, kind: str) -> bool:
 
 
 def field_value(
-    body: dict,
-    name: str,
-    kind: str,
-    *,
-    lo: float | None = None,
-    hi: float | None = None,
-    lo_open: bool = False,
-    required: bool = False,
+    body: dict, name: str, kind: str, *, at_most: int | None = None, required: bool = False
 ) -> Any:
-    """The value of `body[name]` checked for type and range; None when absent (or null)."""
+    """The value of `body[name]` checked for its JSON type; None when absent (or null).
+    `at_most`: one of the API's own ceilings above."""
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
         if required:
@@ -160,24 +129,21 @@ def field_value(
         raise bad_request(
             name, f"'{name}' must be {_TYPE_NAMES[kind]}, got {show(value)}", code="invalid_type"
         )
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        bound = f"> {lo}" if lo_open else f">= {lo}"
-        raise bad_request(name, f"'{name}' must be {bound}, got {show(value)}")
-    if hi is not None and value > hi:
-        raise bad_request(name, f"'{name}' must be <= {hi}, got {show(value)}")
+    if at_most is not None and value > at_most:
+        raise bad_request(
+            name, f"'{name}' must be <= {at_most} (this API's limit), got {show(value)}"
+        )
     return value
 
 
-def _stop_list(body: dict) -> list[str] | None:
+def _stop_list(body: dict) -> str | list[str] | None:
     stop = body.get("stop")
-    if stop is None:
-        return None
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+    if stop is None or isinstance(stop, str):
+        return stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise bad_request(
             "stop",
-            f"'stop' must be a string or a list of non-empty strings, got {show(stop)}",
+            f"'stop' must be a string or a list of strings, got {show(stop)}",
             code="invalid_type",
         )
     return stop
@@ -221,8 +187,21 @@ class GenerationRequest:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: all
     # that fit the context)
     echo: bool = False  # completions: the prompt's text leads the answer
-    # SamplingParams field -> the body field it came from (structured output, logits fields)
-    logits_fields: dict[str, str] = field(default_factory=dict)
+    # SamplingParams field -> the body field that set it, for errors: chat's top_logprobs sets
+    # logprobs, response_format or guided_json sets structured_outputs, and so on
+    body_fields: dict[str, str] = field(default_factory=dict)
+
+    def to_sampling_params(
+        self, max_tokens: int | None, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
+        """This request's SamplingParams; `defaults` (the model's generation_config) fill the
+        fields the body left out. SamplingParams checks every value; its ValueError is a 400
+        naming the body field that set the value."""
+        kwargs = {**(defaults or {}), **self.sampling, "max_tokens": max_tokens}
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise field_error(str(exc), self.body_fields, fallback="body") from None
 
 
 def _common(body: dict, req: GenerationRequest) -> None:
@@ -234,20 +213,21 @@ def _common(body: dict, req: GenerationRequest) -> None:
         )
     req.model = model
     s = req.sampling
-    s["n"] = req.n = field_value(body, "n", "int", lo=1, hi=128) or 1
-    checks = {
-        "temperature": ("number", 0.0, None, False),
-        "top_p": ("number", 0.0, 1.0, True),
-        "top_k": ("int", -1, None, False),
-        "min_p": ("number", 0.0, 1.0, False),
-        "presence_penalty": ("number", -2.0, 2.0, False),
-        "frequency_penalty": ("number", -2.0, 2.0, False),
-        "repetition_penalty": ("number", 0.0, None, True),
-        "seed": ("int", -(2**63), 2**63 - 1, False),  # int64, as vLLM
-        "min_tokens": ("int", 0, None, False),
+    n = field_value(body, "n", "int", at_most=MAX_N)
+    s["n"] = req.n = 1 if n is None else n
+    kinds = {  # their JSON types; SamplingParams checks their ranges
+        "temperature": "number",
+        "top_p": "number",
+        "top_k": "int",
+        "min_p": "number",
+        "presence_penalty": "number",
+        "frequency_penalty": "number",
+        "repetition_penalty": "number",
+        "seed": "int",
+        "min_tokens": "int",
     }
-    for name, (kind, lo, hi, lo_open) in checks.items():
-        value = field_value(body, name, kind, lo=lo, hi=hi, lo_open=lo_open)
+    for name, kind in kinds.items():
+        value = field_value(body, name, kind)
         if value is not None:
             s[name] = value
     for name in (
@@ -261,8 +241,10 @@ def _common(body: dict, req: GenerationRequest) -> None:
             s[name] = value
     req.return_token_ids = bool(field_value(body, "return_token_ids", "bool"))
     req.return_tokens_as_token_ids = bool(field_value(body, "return_tokens_as_token_ids", "bool"))
-    req.truncate_prompt_tokens = field_value(body, "truncate_prompt_tokens", "int", lo=-1)
-    prompt_logprobs = field_value(body, "prompt_logprobs", "int", lo=0, hi=20)
+    # Not a SamplingParams field here: the server truncates (api_server.py), -1 meaning the
+    # model's context length, which only the server knows.
+    req.truncate_prompt_tokens = field_value(body, "truncate_prompt_tokens", "int")
+    prompt_logprobs = field_value(body, "prompt_logprobs", "int", at_most=MAX_LOGPROBS)
     if prompt_logprobs is not None:
         s["prompt_logprobs"] = prompt_logprobs
     if (stop := _stop_list(body)) is not None:
@@ -289,10 +271,9 @@ def _common(body: dict, req: GenerationRequest) -> None:
                     f"stream_options.{name}", f"'{name}' must be a boolean", code="invalid_type"
                 )
             setattr(req, name, flag)
-    from tinypaged.entrypoints.openai.structured_protocol import parse_logits_fields
-
-    kwargs, req.logits_fields = parse_logits_fields(body)
+    kwargs, fields = parse_logits_fields(body)
     s.update(kwargs)
+    req.body_fields.update(fields)
     for name in UNSUPPORTED:
         if body.get(name):
             hint = UNSUPPORTED.get(name, "")
@@ -320,16 +301,22 @@ UNSUPPORTED = {
 
 def _max_tokens(body: dict, req: GenerationRequest, names: tuple[str, ...]) -> None:
     for name in names:  # the first one given wins (chat: max_completion_tokens over max_tokens)
-        value = field_value(body, name, "int", lo=1)
+        value = field_value(body, name, "int")
         if value is not None:
             req.max_tokens, req.max_tokens_param = value, name
             break
-    if req.max_tokens is not None and req.sampling.get("min_tokens", 0) > req.max_tokens:
-        raise bad_request(
-            "min_tokens",
-            f"'min_tokens' ({req.sampling['min_tokens']}) must not exceed "
-            f"'{req.max_tokens_param}' ({req.max_tokens})",
-        )
+
+
+def _check_sampling(req: GenerationRequest) -> None:
+    """Build the request's SamplingParams once, now: a value out of range is a 400 before its
+    prompts are tokenized. The server builds them again per prompt, with the model's defaults
+    and the max_tokens that fits the context."""
+    req.body_fields = {
+        **{name: name for name in req.sampling},
+        "max_tokens": req.max_tokens_param,
+        **req.body_fields,
+    }
+    req.to_sampling_params(req.max_tokens)
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
@@ -343,17 +330,18 @@ def parse_completion_request(body: Any) -> GenerationRequest:
         raise bad_request("prompt", "'prompt' is a required field", code="missing_field")
     req.prompts = _prompts(prompt)
     req.echo = bool(field_value(body, "echo", "bool"))
-    best_of = field_value(body, "best_of", "int", lo=1)
+    best_of = field_value(body, "best_of", "int")
     if best_of is not None and best_of != req.n:
         raise bad_request(
             "best_of", "'best_of' other than 'n' is not supported", code="unsupported"
         )
-    req.logprobs = field_value(body, "logprobs", "int", lo=0, hi=20)
+    req.logprobs = field_value(body, "logprobs", "int", at_most=MAX_LOGPROBS)
     if req.logprobs is not None:
         req.sampling["logprobs"] = req.logprobs
         if req.echo:  # the echoed prompt gets logprobs too (vLLM)
             wanted = req.sampling.get("prompt_logprobs") or 0
             req.sampling["prompt_logprobs"] = max(wanted, req.logprobs)
+    _check_sampling(req)
     return req
 
 
@@ -383,10 +371,6 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def parse_chat_request(body: Any) -> GenerationRequest:
-    from tinypaged.entrypoints.openai.chat_protocol import (
-        parse_chat_options,  # it builds on this module
-    )
-
     if not isinstance(body, dict):
         raise bad_request("body", "the request body must be a JSON object", code="invalid_type")
     req = GenerationRequest(model=None)
@@ -395,22 +379,20 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     req.messages = parse_messages(body.get("messages", _MISSING))
     req.chat = parse_chat_options(body)
     want = field_value(body, "logprobs", "bool")
-    top = field_value(body, "top_logprobs", "int", lo=0, hi=20)
+    top = field_value(body, "top_logprobs", "int", at_most=MAX_LOGPROBS)
     if top is not None and not want:
         raise bad_request("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
     if want:
-        req.logprobs = top or 0
+        req.logprobs = 0 if top is None else top
         req.sampling["logprobs"] = req.logprobs
+        req.body_fields["logprobs"] = "top_logprobs"
+    _check_sampling(req)
     return req
 
 
 def parse_messages(messages: Any) -> list[dict]:
     """Messages reduced to {"role", "content": str} plus their tool fields (`tool_calls`,
     `tool_call_id`, `name`); list-of-parts content is joined as text."""
-    from tinypaged.entrypoints.openai.chat_protocol import (
-        message_extras,  # it builds on this module
-    )
-
     if messages is _MISSING or messages is None:
         raise bad_request("messages", "'messages' is a required field", code="missing_field")
     if not isinstance(messages, list) or not messages:

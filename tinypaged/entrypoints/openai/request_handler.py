@@ -1,12 +1,14 @@
-"""Running one HTTP request against the engine: submission, disconnects, the answer or the stream.
+"""Running one request against the engine: its SamplingParams, disconnects, the answer or stream.
 
-One HTTP request becomes one engine request per prompt (the `n` samples of a prompt share it);
-`Generation` merges their outputs into one stream of (prompt index, cumulative RequestOutput).
-Before answering, `respond` waits for the first output: a request the engine refuses at
-submission still gets a proper 400, not a broken stream. While it waits, generates or streams, a
-watcher listens for the client's disconnect and aborts the engine requests at once, which frees
-their KV blocks. An exception inside one request ends that request only (the server turns it into
-a 500, or an error event when the stream has already begun).
+The HTTP side (routes, auth, admission, shutdown) is api_server.py; this file takes over once a
+request is parsed and its prompts tokenized. One HTTP request becomes one engine request per
+prompt (the `n` samples of a prompt share it); `Generation` merges their outputs into one stream
+of (prompt index, cumulative RequestOutput). Before answering, `respond` waits for the first
+output: a request the engine refuses at submission still gets a proper 400, not a broken stream.
+While it waits, generates or streams, a watcher listens for the client's disconnect and aborts
+the engine requests at once, which frees their KV blocks. An exception inside one request ends
+that request only (api_server.py turns it into a 500, or an error event when the stream has
+already begun).
 
 A stream is server-sent events: one `data: {json}` line and a blank line per chunk, the last
 one `data: [DONE]`.
@@ -24,15 +26,10 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tinypaged.entrypoints.openai.errors import APIError, bad_request, error_body, field_error
 from tinypaged.entrypoints.openai.metrics import ServerMetrics
-from tinypaged.entrypoints.openai.protocol import (
-    APIError,
-    GenerationRequest,
-    bad_request,
-    error_body,
-)
-from tinypaged.entrypoints.openai.response_bodies import ResponseFormat
-from tinypaged.entrypoints.openai.structured_protocol import param_for
+from tinypaged.entrypoints.openai.protocol import GenerationRequest
+from tinypaged.entrypoints.openai.response_bodies import ResponseBuilder
 
 if TYPE_CHECKING:
     from tinypaged.engine.client import EngineClient
@@ -47,7 +44,7 @@ def sse(data: dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-def sampling_params(
+def build_sampling_params(
     req: GenerationRequest,
     prompt_len: int,
     prompt_param: str,
@@ -56,12 +53,11 @@ def sampling_params(
 ) -> SamplingParams:
     """The SamplingParams of one prompt; a prompt or max_tokens over the context is a 400.
 
-    `defaults` (the model's generation_config sampling) fill the fields the request left out;
-    their max_tokens caps the request's, as in vLLM."""
+    Without max_tokens the answer may fill the rest of the context (completions: 16 tokens, as
+    OpenAI). `defaults` (the model's generation_config sampling) fill the fields the request left
+    out; their max_tokens caps the request's, as in vLLM."""
     defaults = dict(defaults or {})
     cap = defaults.pop("max_tokens", None)
-    from tinypaged.sampling.params import SamplingParams
-
     limit = max_model_len
     if prompt_len >= limit:
         raise bad_request(
@@ -70,7 +66,10 @@ def sampling_params(
             f"is {limit} tokens; shorten the prompt",
             code="context_length_exceeded",
         )
-    max_tokens = req.max_tokens or min(req.default_max_tokens or limit, limit - prompt_len)
+    if req.max_tokens is not None:
+        max_tokens = req.max_tokens
+    else:
+        max_tokens = min(req.default_max_tokens or limit, limit - prompt_len)
     if cap is not None:
         max_tokens = min(max_tokens, cap)
     if prompt_len + max_tokens > limit:
@@ -81,12 +80,7 @@ def sampling_params(
             f"{limit - prompt_len}",
             code="context_length_exceeded",
         )
-    try:
-        return SamplingParams(**{**defaults, **req.sampling}, max_tokens=max_tokens)
-    except (ValueError, TypeError) as exc:
-        text = str(exc)  # SamplingParams' messages start with the field's name
-        first = text.split(maxsplit=1)[0] if text else ""
-        raise bad_request(first if first.isidentifier() else "body", text) from None
+    return req.to_sampling_params(max_tokens, defaults)
 
 
 class _ClientGone(Exception):
@@ -220,7 +214,7 @@ async def respond(
     request: Request,
     gen: Generation,
     req: GenerationRequest,
-    fmt: ResponseFormat,
+    builder: ResponseBuilder,
     prompt_param: str,
 ) -> Response:
     """The JSON answer, or an EventStream once the first output is in; `gen` is always closed
@@ -229,21 +223,20 @@ async def respond(
         first = await until_disconnect(request, gen.next())
         if not req.stream:
             result = await until_disconnect(request, _collect(gen, first))
-            return JSONResponse(fmt.response(result))
+            return JSONResponse(builder.response(result))
     except _ClientGone:
         await gen.close()
         return Response(status_code=499)  # nobody is listening; the status is for the logs
     except ValueError as exc:  # the engine refused the request at submission
         await gen.close()
-        param = param_for(str(exc), req.logits_fields) or prompt_param
-        raise bad_request(param, str(exc)) from None
+        raise field_error(str(exc), req.body_fields, fallback=prompt_param) from None
     except BaseException:
         await gen.close()
         raise
     finally:
         if not req.stream:
             await gen.close()
-    return EventStream(_events(gen, first, fmt, req.include_usage), gen.close)
+    return EventStream(_events(gen, first, builder, req.include_usage), gen.close)
 
 
 async def _collect(gen: Generation, item) -> list:
@@ -255,22 +248,22 @@ async def _collect(gen: Generation, item) -> list:
 
 
 async def _events(
-    gen: Generation, first, fmt: ResponseFormat, include_usage: bool
+    gen: Generation, first, builder: ResponseBuilder, include_usage: bool
 ) -> AsyncIterator[bytes]:
     try:
-        for chunk in fmt.start_chunks():
+        for chunk in builder.start_chunks():
             yield sse(chunk)
         item = first
         while item is not None:
-            for chunk in fmt.delta_chunks(*item):
+            for chunk in builder.delta_chunks(*item):
                 yield sse(chunk)
             item = await gen.next()
         if include_usage:
-            yield sse(fmt.usage_chunk())
+            yield sse(builder.usage_chunk())
     except APIError as exc:  # the server is shutting down
         yield sse(exc.body())
     except Exception as exc:
-        logger.exception("request %s failed while streaming", fmt.request_id)
+        logger.exception("request %s failed while streaming", builder.request_id)
         yield sse(
             error_body(
                 f"internal error while generating: {exc}", "server_error", code="internal_error"

@@ -1,6 +1,6 @@
 """OpenAI response bodies: whole responses, stream chunks and the two logprobs formats.
 
-`ResponseFormat` turns the cumulative `RequestOutput`s of one HTTP request into what the client
+`ResponseBuilder` turns the cumulative `RequestOutput`s of one HTTP request into what the client
 reads. Completions and chat differ in a few names:
 
     completion  {"object": "text_completion", "choices": [{"index", "text", "logprobs",
@@ -125,7 +125,7 @@ def chat_logprobs(
     return {"content": content}
 
 
-class ResponseFormat:
+class ResponseBuilder:
     """Turns a request's cumulative RequestOutputs into OpenAI bodies and stream chunks.
 
     Choice `i * n + j` is sample j of prompt i. For streaming it remembers, per choice, how much

@@ -11,15 +11,15 @@ turned into SamplingParams keyword arguments (vLLM's names).
     allowed_token_ids    [token id, ...];  bad_words  ["word", ...]   (vLLM)
 
 At most one structured-output field may be set. A malformed field is a 400 naming it here; a
-schema, regex or grammar that does not compile is a 400 when the engine takes the request
-(`param_for` maps the engine's message back to the field the client sent).
+schema, regex or grammar that does not compile is a 400 when the engine takes the request,
+naming the field the client sent (`parse_logits_fields` says which: errors.field_error).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tinypaged.entrypoints.openai.protocol import bad_request, show
+from tinypaged.entrypoints.openai.errors import bad_request, show
 from tinypaged.sampling.structured_output import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -147,9 +147,3 @@ def parse_logits_fields(body: dict) -> tuple[dict[str, Any], dict[str, str]]:
         fields["structured_outputs"] = name
     return kwargs, fields
 
-
-def param_for(message: str, fields: dict[str, str]) -> str | None:
-    """The body field to blame for an engine error whose message starts with a SamplingParams
-    field name (e.g. "structured_outputs.json: invalid ..."), if it came from this body."""
-    head = message.split(maxsplit=1)[0].split(".")[0].rstrip(":") if message else ""
-    return fields.get(head)
