@@ -1,13 +1,12 @@
 """The layers' tensor-parallel slicing, checked in one process without torch.distributed.
 
 Each rank's model is built with the TP rank/size set in tinypaged.distributed.parallel_state, loads
-the full
-checkpoint (its weight loaders cut the rank's slices), and the ranks then run together in threads
-whose `all_reduce` sums through a barrier. TP=2 must give transformers' logits: heads split, KV
-heads split or replicated (1 KV head, 2 ranks), vocabulary split (with padding when it does not
+the full checkpoint (its weight loaders cut the rank's slices), and the ranks then run together in
+threads whose `all_reduce` sums through a barrier. TP=2 must give transformers' logits: heads split,
+KV heads split or replicated (1 KV head, 2 ranks), vocabulary split (with padding when it does not
 divide), fused checkpoint tensors (GLM gate_up, chatglm query_key_value) sliced per shard,
-mixture-of-experts blocks (every expert's intermediate dim split, shared experts, one all-reduce).
-A fake packed (AWQ-like) parameter checks the slicing along packed output columns.
+mixture-of-experts blocks (every expert's intermediate dim split, shared experts, one all-reduce). A
+fake packed (AWQ-like) parameter checks the slicing along packed output columns.
 """
 
 from __future__ import annotations

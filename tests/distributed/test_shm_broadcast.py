@@ -1,9 +1,8 @@
 """The shared-memory ring that carries each step to the tensor-parallel workers
 (tinypaged/distributed/shm_broadcast.py): every reader gets every message in order, through many
-wraps of
-the ring; the writer never overwrites a slot a reader has not consumed; a payload larger than a
-slot travels over the pipe; the file can be unlinked once mapped. (Across processes it carries
-every step of tests/test_tp.py.)"""
+wraps of the ring; the writer never overwrites a slot a reader has not consumed; a payload larger
+than a slot travels over the pipe; the file can be unlinked once mapped. (Across processes it
+carries every step of tests/distributed/test_tp.py.)"""
 
 from __future__ import annotations
 

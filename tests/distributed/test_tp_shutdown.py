@@ -11,7 +11,7 @@ seconds and leaves no worker behind.
 - A script that builds the LLM at module level without `if __name__ == "__main__":` runs
   (workers are forked); with spawn forced, it fails at once with one sentence naming the line to
   move; the guarded script runs under spawn and ends within seconds of SIGINT.
-(Garbage collection of an LLM: tests/test_tp.py.)
+(Garbage collection of an LLM: tests/distributed/test_tp.py.)
 """
 
 from __future__ import annotations

@@ -190,8 +190,8 @@ def test_download_and_forwarding(capsys, monkeypatch):
     seen = []
     import tinypaged.quantization.quantize
 
-    monkeypatch.setattr(tinypaged.quantization.quantize, "main", lambda argv: seen.append(argv) or
-    0)
+    quantize = tinypaged.quantization.quantize
+    monkeypatch.setattr(quantize, "main", lambda argv: seen.append(argv) or 0)
     assert main(["quantize", "in", "--out", "x"]) == 0
     assert seen == [["in", "--out", "x"]]
 

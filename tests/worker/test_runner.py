@@ -1,7 +1,6 @@
 """The flat batch (worker/input_batch.py) against a plain per-token oracle, over steps that reuse,
-grow and
-reassign its cached block-table rows; and the `kernels` switch that runs the whole model through
-the Triton kernels (the interpreter, on the CPU)."""
+grow and reassign its cached block-table rows; and the `kernels` switch that runs the whole model
+through the Triton kernels (the interpreter, on the CPU)."""
 
 from __future__ import annotations
 

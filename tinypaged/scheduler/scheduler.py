@@ -32,11 +32,10 @@ The engine's step (every call O(batch)):
     scheduler.abort(request_id)                      # any time between steps
 
 Async scheduling (engine/engine.py) calls `schedule()` for step N+1 before `update()` of step N.
-Then a
-sequence sampled in step N is one placeholder ahead: it is scheduled for one token (the
-placeholder, whose id the runner takes from step N's sampled ids on the device), unless its
-tokens in flight already reach max_tokens or max_model_len (it ends at step N). A preempted
-sequence with a placeholder waits for its token before it is admitted again.
+Then a sequence sampled in step N is one placeholder ahead: it is scheduled for one token (the
+placeholder, whose id the runner takes from step N's sampled ids on the device), unless its tokens
+in flight already reach max_tokens or max_model_len (it ends at step N). A preempted sequence with a
+placeholder waits for its token before it is admitted again.
 
 Submission: `add(seq)` raises ValueError for a sequence that could never run: prompt + max_tokens
 over `max_model_len`, or more KV blocks than the whole cache. The engine must finish a sequence at

@@ -29,9 +29,8 @@ cuda:(i + r) when the engine runs on cuda:i, "gloo" on the CPU.
 
 A step's arrays travel as one byte string (tp_worker.py holds the format and the worker's loop),
 written once into a shared-memory ring that every worker polls (distributed/shm_broadcast.py); the
-pipes
-carry start-up messages and errors. All ranks run the same forward on the same arrays, so their
-collectives line up and their block tables agree; each rank's KV cache holds its own KV heads
+pipes carry start-up messages and errors. All ranks run the same forward on the same arrays, so
+their collectives line up and their block tables agree; each rank's KV cache holds its own KV heads
 only.
 
 Failures. A watchdog thread waits on the worker processes: when one dies (crash, OOM, kill), the
