@@ -3,9 +3,10 @@ follow.
 
 Each package has a rank; a module may import only modules of its own rank or below:
 
-    0  envs, config, gc_freeze, kernels, scheduler  (no model, no engine)
+    0  envs, gc_freeze, kernels, scheduler       (no model, no engine)
     1  distributed                               (process groups, all-reduce)
-    2  models, quantization, tokenizer, sampling (what a forward pass and a sampler need)
+    2  config, models, quantization, tokenizer, sampling  (a forward pass, a sampler, and
+       EngineConfig, which checks names against the registries of quantization formats)
     3  worker                                    (executor, runner, CUDA graphs)
     4  engine, outputs                           (Engine.step, LLM, AsyncLLM, the engine loop)
     5  entrypoints, bench                        (CLI, HTTP server, benchmarks)
@@ -22,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tinypaged"
 RANK = {
-    "envs": 0, "config": 0, "gc_freeze": 0, "kernels": 0, "scheduler": 0,
+    "envs": 0, "gc_freeze": 0, "kernels": 0, "scheduler": 0,
     "distributed": 1,
-    "models": 2, "quantization": 2, "tokenizer": 2, "sampling": 2,
+    "config": 2, "models": 2, "quantization": 2, "tokenizer": 2, "sampling": 2,
     "worker": 3,
     "engine": 4, "outputs": 4,
     "entrypoints": 5, "bench": 5, "__main__": 5, "__init__": 5,

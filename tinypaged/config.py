@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from tinypaged import envs
+from tinypaged.quantization.registry import check_quantization
 
 CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
@@ -33,7 +34,8 @@ class EngineConfig:
     # steps with prompt tokens replay graphs of the pieces between attentions
     # (worker/piecewise_graphs.py)
     cudagraph_mode: str = "FULL_AND_PIECEWISE"  # vLLM's default
-    quantization: str | None = None  # None (auto-detect) | "awq" | "gptq" | "gguf"
+    # None = the checkpoint's own format; else one of quantization/registry.py's names
+    quantization: str | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
     # True = every tensor-parallel all-reduce through NCCL (distributed/custom_all_reduce.py, as in
@@ -88,9 +90,8 @@ class EngineConfig:
             raise ValueError(
                 f"kernels must be auto, triton or torch; got {self.kernels!r}{source}"
             )
-        if self.quantization not in (None, "awq", "gptq", "gguf"):
-            raise ValueError(f"quantization must be None, 'awq', 'gptq' or 'gguf', got "
-                             f"{self.quantization!r}")
+        if self.quantization is not None:
+            check_quantization(self.quantization)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

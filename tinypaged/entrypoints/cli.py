@@ -26,6 +26,7 @@ from tinypaged import envs
 from tinypaged.bench.model_shapes import SHAPES
 from tinypaged.config import CUDAGRAPH_MODES
 from tinypaged.entrypoints.openai.parsers import REASONING_PARSERS, TOOL_PARSERS
+from tinypaged.quantization.registry import QUANTIZATION_FORMATS
 
 logger = logging.getLogger("tinypaged")
 
@@ -62,7 +63,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
              "(vLLM: --compilation-config '{\"cudagraph_mode\": ...}')")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the GPU runs this one (default: on CUDA)")
-    p.add_argument("--quantization", default=None, choices=["awq", "gptq", "gguf"])
+    p.add_argument(
+        "--quantization", default=None, choices=list(QUANTIZATION_FORMATS),
+        help="the checkpoint's format (default: read from it): " + "; ".join(
+            f"{name} = {fmt.description}" for name, fmt in QUANTIZATION_FORMATS.items()),
+    )
     p.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"],
         help="dummy = random weights in the model's shape, its real tokenizer (benchmarks: no "

@@ -19,9 +19,10 @@ values share one stored element along `output_dim` (AWQ packs 8 int4 values per 
 same loaders slice dense `weight [out, in]` (output_dim 0, input_dim 1) and AWQ tensors
 (`qweight [in, out/8]`, `qzeros [in/g, out/8]`, `scales [in/g, out]`: output_dim 1, input_dim 0).
 
-A quantization method plugs in through `quant_config`: `create_weights(layer, input_size,
-output_size_per_partition, params_dtype)` registers its parameters on the layer (with those
-attributes) and `apply(layer, x, bias)` computes the output; the layer adds the weight loaders.
+A quantization format plugs in through `quant_config`, a QuantizationMethod
+(quantization/base.py): `create_weights(layer, input_size, output_size_per_partition,
+params_dtype)` registers its parameters on the layer (with those attributes) and
+`apply(layer, x, bias)` computes the output; the layer adds the weight loaders.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tinypaged.distributed.parallel_state import (
 )
 from tinypaged.kernels import dense_gemv
 from tinypaged.models.attention_metadata import AttentionMetadata
+from tinypaged.quantization.base import QuantizationMethod
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -96,7 +98,8 @@ class RMSNorm(nn.Module):
 class LinearBase(nn.Module):
     """y = x W^T + b for this rank's slice: dense weight or the quant_config's tensors."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, quant_config=None) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool,
+                 quant_config: QuantizationMethod | None = None) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size  # this rank's sizes
         self.quant_config = quant_config

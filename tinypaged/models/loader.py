@@ -5,9 +5,8 @@
 - a local Hugging Face directory: config.json, model.safetensors or model.safetensors.index.json
   (shards), tokenizer files, optionally generation_config.json;
 - a .gguf file: its config and tokenizer converted once into a cached directory (gguf_file.py),
-keyed
-  by path, size and mtime; the weights load from the file itself and stay quantized
-  (gguf_layers.py);
+  keyed by path, size and mtime; the weights load from the file itself and stay quantized
+  (quantization/gguf.py);
 - a hub id (`org/name`): fetched with huggingface_hub when the hub is reachable (or taken from the
   local HF cache when it is not, or when HF_HUB_OFFLINE=1).
 
@@ -38,6 +37,13 @@ from urllib.parse import urlparse
 import torch
 
 from tinypaged.config import EngineConfig
+from tinypaged.quantization.base import QuantizationMethod
+from tinypaged.quantization.registry import (
+    QUANTIZATION_FORMATS,
+    detect_quantization,
+    get_quantization_config,
+    quantization_config_of,
+)
 
 HUB_ALLOW_PATTERNS = [
     "*.json",  # config, generation_config, tokenizer(_config), special_tokens_map, shard index
@@ -271,42 +277,29 @@ def _counting_reads(weights: Iterator[tuple[str, Any]], read: list[int]):
         read[0] += tensor.numel() * tensor.element_size() if nbytes is None else nbytes
 
 
-def _quant_config(config: EngineConfig, hf_config):
-    """The quantization config object for the linear layers, or None for dense weights."""
-    raw = getattr(hf_config, "quantization_config", None)
-    if raw is not None and not isinstance(raw, dict):
-        raw = raw.to_dict()
-    method = (raw or {}).get("quant_method")
+def _quant_config(config: EngineConfig, hf_config) -> QuantizationMethod | None:
+    """The quantization method of the linear layers (None: dense weights): the format the
+    checkpoint declares, which `config.quantization`, when given, must name."""
+    method = detect_quantization(hf_config)
     if config.quantization is None and method is None:
         return None
-    if method == "gguf" and config.quantization in (None, "gguf"):
-        from tinypaged.quantization.gguf import GGUFConfig
-
-        return GGUFConfig.from_config(raw)
-    if method not in ("awq", "gptq") or config.quantization not in (None, method):
+    if method not in QUANTIZATION_FORMATS or config.quantization not in (None, method):
         wanted = config.quantization or "none"
         raise ValueError(
             f"quantization={wanted!r} but the checkpoint's quantization_config.quant_method is "
-            f"{method!r}; tinypaged supports AWQ and GPTQ checkpoints (quant_method 'awq' or "
-            "'gptq'), .gguf files and dense ones"
+            f"{method!r}; tinypaged runs dense checkpoints and those of quant_method "
+            f"{', '.join(map(repr, QUANTIZATION_FORMATS))}"
         )
-    if method == "gptq":
-        from tinypaged.quantization.gptq import GPTQConfig
-
-        return GPTQConfig.from_config(raw)
-    from tinypaged.quantization.awq import AWQConfig
-
-    return AWQConfig.from_config(raw)
+    return get_quantization_config(method).from_config(quantization_config_of(hf_config))
 
 
 def _process_weights_after_loading(model: torch.nn.Module) -> None:
-    """Let a quantization method rewrite its loaded tensors once (GPTQ repacks them)."""
+    """Let the quantization method rewrite each linear's loaded tensors once (GPTQ repacks)."""
     from tinypaged.models.layers import LinearBase
 
     for module in model.modules():
-        method = getattr(module, "quant_config", None)
-        if isinstance(module, LinearBase) and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
+        if isinstance(module, LinearBase) and module.quant_config is not None:
+            module.quant_config.process_weights_after_loading(module)
 
 
 def _init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
@@ -342,7 +335,7 @@ def load_model(config: EngineConfig, device: str | torch.device | None = None,
     try:
         with torch.device(device):
             model = model_cls(hf_config, quant_config=quant_config)
-            if hasattr(quant_config, "prepare_model"):  # GGUF: quantized embedding and LM head
+            if quant_config is not None:  # GGUF: quantized embedding and LM head
                 quant_config.prepare_model(model)
     finally:
         torch.set_default_dtype(previous)

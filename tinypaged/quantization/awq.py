@@ -19,17 +19,20 @@ do dense weights. The forward pass is `awq_gemm`: Triton on CUDA, the torch refe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from tinypaged.kernels.awq import GEMV_MAX_M, SUPPORTED_GROUP_SIZES, awq_gemm, gemv_scales
+from tinypaged.quantization.base import QuantizationMethod
 
 PACK_FACTOR = 8  # int4 values per int32
 
 
 @dataclass(frozen=True)
-class AWQConfig:
+class AWQConfig(QuantizationMethod):
+    name: ClassVar[str] = "awq"
     group_size: int
 
     @classmethod

@@ -29,6 +29,7 @@ Tensor parallelism is not supported for GGUF weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from torch import nn
 
 from tinypaged.kernels.gguf import gguf_dequantize, gguf_linear, to_device_layout
 from tinypaged.kernels.gguf_format import DENSE_TYPES, ggml_type, row_bytes
+from tinypaged.quantization.base import QuantizationMethod
 
 DENSE = -1  # part type of a weight held as a plain float matrix
 
@@ -84,9 +86,10 @@ def _check(loaded, shape: tuple[int, int], what: str) -> GGUFWeight:
 
 
 @dataclass(frozen=True)
-class GGUFConfig:
+class GGUFConfig(QuantizationMethod):
     """The quant_config of a model loaded from a GGUF file (config.json: quant_method gguf)."""
 
+    name: ClassVar[str] = "gguf"
     cpu_dequantize: bool = True
 
     @classmethod

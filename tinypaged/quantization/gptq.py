@@ -26,6 +26,7 @@ GPTQ path has the same restriction).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -40,10 +41,12 @@ from tinypaged.kernels.gptq_format import (
 )
 from tinypaged.kernels.gptq_int8 import gptq_int8_gemm, int8_gemv_scales
 from tinypaged.quantization.awq import AWQConfig
+from tinypaged.quantization.base import QuantizationMethod
 
 
 @dataclass(frozen=True)
-class GPTQConfig:
+class GPTQConfig(QuantizationMethod):
+    name: ClassVar[str] = "gptq"
     bits: int
     group_size: int  # -1: one group spanning all inputs
     desc_act: bool
