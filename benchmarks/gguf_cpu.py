@@ -41,29 +41,31 @@ if mode == "transformers":
         for _ in range(steps):
             out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
             past, tok = out.past_key_values, int(out.logits[0, -1].argmax())
+    decode_s = time.perf_counter() - start
 else:
-    from tinypaged.config import EngineConfig
-    from tinypaged.models import loader
+    from tinypaged import LLM, SamplingParams
     from tinypaged.quantization import gguf as gguf_layers
     if mode == "per-call":
         gguf_layers.GGUFConfig.from_config = classmethod(lambda cls, q: cls(cpu_dequantize=False))
-    model, _, _ = loader.load_model(EngineConfig(), "cpu")
+    llm = LLM(device="cpu", skip_tokenizer_init=True, enable_prefix_caching=False,
+              max_model_len=256, num_kv_blocks=(len(prompt) + steps) // 16 + 2)
     load_s = time.perf_counter() - start
+    model = llm.engine.runner.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():  # the tied head's dense copy appears at its first call
         weights += sum(w.numel() * w.element_size() for _, w in getattr(module, "gguf_parts", []))
-    sys.path.insert(0, "tests")
-    from helpers.models import PagedRunner
-    runner = PagedRunner(model, block_size=16, num_blocks=(len(prompt) + steps) // 16 + 2)
-    seq = runner.add_sequence()
-    with torch.no_grad():
-        tok = int(runner.step({{seq: prompt}})[seq][-1].argmax())
-        if mode != "per-call":
-            weights += sum(w.numel() * w.element_size() for _, w in model.lm_head.gguf_parts)
-        start = time.perf_counter()
-        for _ in range(steps):
-            tok = int(runner.step({{seq: [tok]}})[seq][0].argmax())
-decode = steps / (time.perf_counter() - start)
+
+    def generate(n):  # prefill + n - 1 decode steps; wall seconds
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate([{{"prompt_token_ids": prompt}}], params, use_tqdm=False)
+        return time.perf_counter() - t
+
+    generate(1)  # warm-up
+    if mode != "per-call":
+        weights += sum(w.numel() * w.element_size() for _, w in model.lm_head.gguf_parts)
+    decode_s = generate(steps + 1) - generate(1)  # the prefill cancels out
+decode = steps / decode_s
 print(json.dumps(dict(mode=mode, threads={threads}, load_s=round(load_s, 1),
                       weights_MB=round(weights / 1e6), decode_tok_s=round(decode, 2),
                       peak_rss_MB=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3))))

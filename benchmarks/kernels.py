@@ -20,8 +20,8 @@
    next to ceilings measured in the same run (a 1 GiB device copy, an 8192^3 bf16 matmul) and
    torch peers (the reference, F.rms_norm, SDPA cuDNN / flash, F.linear).
    The quantized and MoE families reuse their own benchmarks' inputs and checks
-   (benchmarks/awq_gemv.py, gguf_gemv.py, gptq.py, moe.py, rotary_kv_cache.py).
-3. A markdown table closes the output; copy it into benchmarks/RESULTS.md. With `--json PATH`
+   (benchmarks/awq_gemv.py, gguf_gemv.py, gptq.py, moe.py).
+3. A markdown table closes the output (benchmarks/RESULTS.md's kernel table). With `--json PATH`
    every row (with its bytes and FLOPs, so a roofline can place it) and the ceilings go to a JSON
    file, which `docs/plots.py` turns into one PNG per kernel family.
 """
@@ -391,14 +391,54 @@ def time_prefill() -> None:
 # ----------------------------------------------------------------------------- fused KV store
 
 
+FUSED_HQ, FUSED_HK, FUSED_D = 32, 8, 128  # Llama-3-8B's heads; block size 16
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def fused_kv_step(num_tokens: int, dtype: torch.dtype, seed: int = 0):
+    """(positions, q, k, v, (k_cache, v_cache), slot_mapping, (q_norm, k_norm)) of one step:
+    q, k, v views of one [T, (32 + 2 * 8) * 128] projection, as the model hands them over."""
+    hq, hk, d, block = FUSED_HQ, FUSED_HK, FUSED_D, 16
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    qkv = torch.randn(num_tokens, (hq + 2 * hk) * d, device=DEV, generator=gen).to(dtype)
+    q, k, v = (t.view(num_tokens, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    num_blocks = num_tokens // block + 8
+    caches = [torch.zeros(num_blocks, block, hk, d, device=DEV, dtype=dtype) for _ in range(2)]
+    slots = torch.randperm(num_blocks * block, device=DEV, generator=gen)[:num_tokens]
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEV, generator=gen)
+    weights = [torch.rand(d, device=DEV, generator=gen).to(dtype) + 0.5 for _ in range(2)]
+    return positions, q, k, v, caches, slots, weights
+
+
 def check_fused_kv() -> None:
     """rotary_store_kv against its reference in bf16 and fp16: neox and gptj pairs, partial
-    rotary, with and without the q/k norm."""
-    import rotary_kv_cache as bench  # benchmarks/rotary_kv_cache.py
+    rotary, with and without the q/k norm, a quarter of the rows padding (slot -1)."""
+    from tinypaged.kernels.rotary_kv_cache import rotary_store_kv_ref, rotary_store_kv_triton
+    from tinypaged.models.rope import RopeSpec
 
     print("correctness: rotary_store_kv (rotary + q/k norm + KV store in one launch)")
-    if not bench.check():
-        FAILURES.append("rotary_store_kv")
+    for dtype in (torch.bfloat16, torch.float16):
+        for interleaved, rotary_dim, with_norm in ((False, 128, True), (False, 128, False),
+                                                   (True, 64, False), (False, 64, True)):
+            positions, q, k, v, (kc, vc), slots, weights = fused_kv_step(96, dtype)
+            slots[::4] = -1
+            table = RopeSpec(500000.0, rotary_dim, 8192, scaling=LLAMA3_ROPE).cos_sin_cache()
+            table = table.to(DEV)
+            norms = weights if with_norm else (None, None)
+            q_ref, kc_ref, vc_ref = q.clone(), kc.clone(), vc.clone()
+            rotary_store_kv_triton(positions, q, k, v, kc, vc, slots, table, rotary_dim,
+                                   interleaved, *norms)
+            rotary_store_kv_ref(positions, q_ref, k, v, kc_ref, vc_ref, slots, table, rotary_dim,
+                                interleaved, *norms)
+            errs = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                    for a, b in ((q, q_ref), (kc, kc_ref), (vc, vc_ref))]
+            good = max(errs) < (2e-2 if dtype == torch.bfloat16 else 5e-3)  # 1-2 ulp
+            if not good and "rotary_store_kv" not in FAILURES:
+                FAILURES.append("rotary_store_kv")
+            print(f"  check {str(dtype):15s} {'gptj' if interleaved else 'neox'} "
+                  f"rotary {rotary_dim:3d} norm {with_norm!s:5s}  max err q/k/v "
+                  f"{errs[0]:.1e}/{errs[1]:.1e}/{errs[2]:.1e}  {'ok' if good else 'MISMATCH'}")
 
 
 def time_fused_kv() -> None:
@@ -410,14 +450,12 @@ def time_fused_kv() -> None:
 
 
 def time_fused_kv_step(t: int, with_norm: bool) -> None:
-    import rotary_kv_cache as bench
-
     from tinypaged.kernels.rotary_kv_cache import rotary_store_kv
     from tinypaged.models.rope import RopeSpec
 
-    hq, hk, d = bench.HQ, bench.HK, bench.D
+    hq, hk, d = FUSED_HQ, FUSED_HK, FUSED_D
     table = RopeSpec(500000.0, d, 8192).cos_sin_cache().to(DEV)
-    positions, q, k, v, (kc, vc), slots, (wq, wk) = bench.make_step(t, torch.bfloat16)
+    positions, q, k, v, (kc, vc), slots, (wq, wk) = fused_kv_step(t, torch.bfloat16)
     norms = (wq, wk) if with_norm else (None, None)
 
     def fused():

@@ -5,10 +5,10 @@
    (5..600 tokens, chunked under max_num_batched_tokens 512, so steps mix prefill chunks and
    decodes) equal with the piecewise graphs on and off (at most one request may differ, a
    near-tie under a differently tiled GEMM); the run must take the piecewise path.
-   --test-kinds adds the tests' tiny checkpoints (gemma2's soft-caps and sandwich norms, phi3,
-   chatglm, ...; prompts up to 232 tokens, their context is 256); --quantized awq gptq4 gptq8
-   gguf the tests' tiny llama quantized (AWQ int4, GPTQ int4 / int8, GGUF Q4_K_M), in float16;
-   --tiny-only stops here.
+   --test-kinds adds gpu_check.py's tiny checkpoints (gemma2's soft-caps and sandwich norms,
+   phi3, chatglm, the MoE kinds, ...; prompts up to 232 tokens, their context is 256);
+   --quantized awq gptq4 gptq8 the tiny llama with dummy integer weights under an AWQ int4,
+   GPTQ int4 or GPTQ int8 config, in float16; --tiny-only stops here.
 2. Llama-3-8B shape, bf16: at every bucket edge (T = b - 1, b, b + 1 up to 512) one mixed step
    (8 decodes over random cached K/V + a prompt chunk) through the eager forward and through the
    graphs: hidden states within bf16 noise (relative 3e-2), the argmax of the sampled rows
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from tinypaged import LLM, SamplingParams
+from tinypaged.bench.model_shapes import AWQ_CONFIG, GPTQ_CONFIG
 from tinypaged.bench.offline import shape_dir
 from tinypaged.scheduler import ScheduledSequence, Sequence
 
@@ -52,7 +53,7 @@ TINY = {
     "glm": dict(architectures=["GlmForCausalLM"], model_type="glm", head_dim=32,
                 partial_rotary_factor=0.5, pad_token_id=0),
 }
-QUANTIZED = ["awq", "gptq4", "gptq8", "gguf"]
+QUANTIZED = {"awq": AWQ_CONFIG, "gptq4": GPTQ_CONFIG, "gptq8": {**GPTQ_CONFIG, "bits": 8}}
 EDGES = [b + d for b in (16, 256, 288, 512) for d in (-1, 0, 1) if b + d <= 512]
 TIMED = [64, 128, 300, 512]
 
@@ -64,8 +65,8 @@ def check_tiny(kind: str) -> str:
 
 
 def check_test_kind(kind: str) -> str:
-    """One of the tests' tiny random checkpoints (tests/model_helpers.tiny_hf_model)."""
-    from helpers.models import save_tiny
+    """One of gpu_check.py's tiny random checkpoints (2 layers, every weight random)."""
+    from gpu_check import save_tiny  # benchmarks/gpu_check.py
 
     path = Path(tempfile.mkdtemp(prefix=f"tinypaged-pw-{kind}-"))
     hf = save_tiny(kind, path)
@@ -74,24 +75,13 @@ def check_test_kind(kind: str) -> str:
 
 
 def check_quantized(kind: str) -> str:
-    """The tests' tiny llama as an AWQ int4, GPTQ int4 / int8 or GGUF Q4_K_M checkpoint, in
-    float16."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_awq_model import quantized_pair
-    from test_gptq_model import gptq_pair
-    from test_loader_gguf import _write_case
-
-    tmp = Path(tempfile.mkdtemp(prefix=f"tinypaged-pw-{kind}-"))
-    if kind == "awq":
-        path = quantized_pair("llama", tmp)[0]
-    elif kind == "gguf":
-        os.environ["TINYPAGED_CACHE"] = str(tmp / "cache")  # its converted checkpoint
-        path = _write_case(tmp, "llama", "llama", "q4_k_m")[0]
-    else:
-        path = gptq_pair(tmp, bits=int(kind.removeprefix("gptq")))[0]
-    return check_model(kind, path, 250, 232, dtype="float16")
+    """The tiny llama as an AWQ int4, GPTQ int4 or GPTQ int8 model with dummy integer weights,
+    in float16 (both runs read the same weights, which is all an on / off comparison needs)."""
+    path = Path(tempfile.mkdtemp(prefix=f"tinypaged-pw-{kind}-"))
+    config = {**BASE, **TINY["llama"], "torch_dtype": "float16",
+              "quantization_config": QUANTIZED[kind]}
+    (path / "config.json").write_text(json.dumps(config))
+    return check_model(kind, path, 4096, 600, dtype="float16", load_format="dummy")
 
 
 def check_model(kind: str, path: Path, vocab: int, max_prompt: int, dtype: str = "float32",
@@ -203,9 +193,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--kinds", nargs="*", default=list(TINY), choices=list(TINY))
     ap.add_argument("--test-kinds", nargs="*", default=[],
-                    help="also these of the tests' tiny checkpoints (gemma2, phi3, chatglm, ...)")
-    ap.add_argument("--quantized", nargs="*", default=[], choices=QUANTIZED,
-                    help="also the tests' tiny llama quantized these ways")
+                    help="also these of gpu_check.py's tiny kinds (gemma2, phi3, chatglm, ...)")
+    ap.add_argument("--quantized", nargs="*", default=[], choices=list(QUANTIZED),
+                    help="also the tiny llama quantized these ways (dummy weights)")
     ap.add_argument("--tiny-only", action="store_true", help="skip the Llama-3-8B shape")
     args = ap.parse_args()
     report = {"tiny": []}

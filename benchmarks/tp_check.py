@@ -1,6 +1,6 @@
 """Tensor-parallel correctness on GPUs: greedy tokens at TP=N against TP=1, run before timings.
 
-1. Tiny random models of every architecture (the tests' `save_tiny`), fp32 and bf16, CUDA graphs
+1. Tiny random models of every architecture (gpu_check.py's `save_tiny`), fp32 and bf16, CUDA graphs
    on (or --eager): per TP size, prompts whose greedy tokens equal TP=1's.
 2. The Llama-3-8B shape in bf16 with random weights from a fixed seed (N(0, 0.02), norms 1),
    written once as a sharded safetensors checkpoint so that every TP size loads the same
@@ -45,6 +45,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -59,7 +60,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-from helpers.models import save_tiny  # noqa: E402
+from gpu_check import save_tiny  # noqa: E402  (benchmarks/gpu_check.py)
 
 from tinypaged import LLM, SamplingParams  # noqa: E402
 from tinypaged.bench.offline import SHAPES  # noqa: E402
@@ -372,10 +373,15 @@ def gc_check(tp: int) -> tuple:
     return ("garbage-collected LLM", "float32", tp, 0, note + f"after {took:.2f} s", 0)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def serve_check(tp: int) -> list[tuple]:
     """`tinypaged serve -tp N`, one completion answered, then SIGINT (Ctrl-C) and SIGTERM."""
     import httpx
-    from helpers.server import free_port
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     path = Path(tempfile.mkdtemp())

@@ -3,12 +3,12 @@ freeze_gc_heap does).
 
 A process that imported torch, transformers and Triton and built a model holds several hundred
 thousand container objects that live as long as the process. Each full (generation 2)
-collection walks all of them. On the 2-core CPU box a tiny-model engine holds 406k objects, and
-one full collection takes 210 ms; while it runs, every stream waits. On the H200, `tinypaged
-serve` at 64 req/s showed two such stalls of 335-367 ms in 10 s, every open stream's gap at the
-same moment (a collection is the likely cause; not yet measured there, TINYPAGED_GC_DEBUG
-below does). `freeze_gc_heap()` collects once, then moves every live object into the permanent
-generation, which later collections skip. Objects made afterwards are collected as usual.
+collection walks all of them, for hundreds of milliseconds, and while it runs every stream
+waits: under load `tinypaged serve` showed stalls of every open stream at the same moment, the
+size of a full collection, and they went away with the heap frozen (benchmarks/RESULTS.md;
+TINYPAGED_GC_DEBUG below times the collections). `freeze_gc_heap()` collects once, then moves
+every live object into the permanent generation, which later collections skip. Objects made
+afterwards are collected as usual.
 
 It is called only where a process lives exactly as long as its engine: the engine process of
 `tinypaged serve`, the API server's process, and tensor-parallel workers. A forked worker

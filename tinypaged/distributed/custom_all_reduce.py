@@ -29,8 +29,8 @@ torch numbers the store exchanges of a rendezvous per process (keys
 CUDASymmetricMemory/<n>/<rank>, n counting up from 0 in each process), so rank 0 of a second
 tensor-parallel engine in one process (n = 2 after the first engine) and that engine's fresh
 workers (n = 0) would each wait for keys the other never writes: a hang of the collective
-timeout, seen as `tp_check.py`'s second TP=2 engine on 2 x H200 and reproduced on one H200 with
-two processes (benchmarks/RESULTS.md). Such a group uses NCCL instead.
+timeout, seen as `tp_check.py`'s second TP=2 engine on two GPUs and reproduced on one GPU with
+two processes (benchmarks/RESULTS-log.md). Such a group uses NCCL instead.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from tinypaged.kernels.all_reduce import custom_all_reduce
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_SIZE = 16 * 2**20  # 2048 x 4096 bf16: still 1.3x faster than NCCL (RESULTS.md)
+DEFAULT_MAX_SIZE = 16 * 2**20  # 2048 x 4096 bf16, every decode step's; measured still ahead of NCCL
 # One-shot below this, two-shot from it on, with more than 2 ranks (at 2 ranks both read the
 # same bytes from the peer, and one-shot waits at one barrier instead of two); vLLM's threshold.
 TWO_SHOT_MIN_SIZE = 512 * 2**10

@@ -25,7 +25,7 @@ every reader whose flag it sees. (Reader: flag, barrier, check seq; writer: seq,
 flag: at least one of them sees the other's store, so no wake-up is lost.) An idle engine's
 workers thus cost no CPU, and a wake-up costs one pipe message only after an idle spell.
 Polling needs a free core per worker (as on a GPU host): where ranks outnumber free cores, a
-blocking read wins (benchmarks/tp_channel.py measures both).
+blocking read wins (benchmarks/RESULTS-log.md names the script that measured both).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ launches step N+1 first and then processes step N while the GPU runs N+1:
 
 The overlap holds only while nothing in a launch makes the host wait for the GPU (an `.item()`,
 a blocking copy, a CUDA tensor indexed with host data): one such wait makes every step wait for
-its own forward, and the host work of both halves runs while the GPU idles. `python
-benchmarks/async_overhead.py` counts them per step, by source line (torch's sync debug mode).
+its own forward, and the host work of both halves runs while the GPU idles. On a GPU,
+`torch.cuda.set_sync_debug_mode("warn")` around a few steps names each such wait.
 
 A sequence that step N ends (eos, stop string, abort) has one wasted row in step N+1, whose
 token is dropped; its blocks are freed when step N is processed (the GPU runs N+1 before any

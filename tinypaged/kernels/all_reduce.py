@@ -2,7 +2,7 @@
 
 With tensor parallelism each rank r holds a partial result x_r [n] of a row-parallel layer and
 needs the sum over the W ranks. NCCL sends it through its own protocol; for the small messages
-of a decode step its fixed cost dominates (~7 us at batch 1 on 2 x H200). When every rank can
+of a decode step its fixed cost (protocol and launch, not bytes) dominates. When every rank can
 load and store the others' GPU memory (P2P over NVLink), the sum is one kernel over buffers
 every rank maps (distributed/custom_all_reduce.py allocates them):
 

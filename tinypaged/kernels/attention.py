@@ -38,20 +38,19 @@ from tinypaged.kernels.kv_cache import check_cache_pair
 
 # The tile configurations (the launchers have no defaults of their own), overridable per call
 # through `config=`. Prefill: 128-row query tiles over 32-key tiles, 4 warps, 3 stages; decode
-# streams K/V in 64-key tiles with 4 warps, 3 stages. Tuned on the H200 (benchmarks/kernels.py
-# --tune, 2026-11-29): B4 L2048 32/8 heads, bf16; the decode tiles checked again against 35
-# variants (block_n 32-128, 2-8 warps, 1-3 stages, next tile prefetched, sums instead of tl.dot,
-# a register cap) in CUDA graphs (benchmarks/decode_sweep.py, 2026-12-01): none was faster on
-# every shape; 128-key tiles win on the offline mix of contexts at B96 16/8 heads (83% of copy
-# bandwidth against 76%) but lose 15% at B64 ctx1024.
+# streams K/V in 64-key tiles with 4 warps, 3 stages. Tuned with `benchmarks/kernels.py --tune`
+# (B4 L2048 32/8 heads, bf16); the decode tiles held against a sweep of variants in CUDA graphs
+# (block_n 32-128, 2-8 warps, 1-3 stages, next tile prefetched, sums instead of tl.dot, a
+# register cap): none was faster on every shape. 128-key tiles take fewer loop trips on the long
+# sequences of a mix of contexts, but lose on uniform ones, and a launch cannot tell the two
+# apart (graphs pass max_model_len). The sweep: benchmarks/RESULTS-log.md.
 VARLEN_CONFIG = {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3}
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 # Prefill on sm_90 (attention_hopper.py), for batches whose query tiles fill 128 rows: 128 x 64
 # tiles on two warpgroups, 2 stages, registers capped at 128 so that two programs share an SM
-# (one's softmax overlaps the other's MMA; a few registers spill, and it still wins). H200,
-# benchmarks/hopper_attention.py --sweep, 2026-12-01: B4 L2048 / B1 L8192 32/8 heads, bf16,
-# 360 / 427 TFLOP/s against 343 / 419 with 3 stages and no cap (one program per SM) and at most
-# 330 / 386 with 128 x 32 tiles under the cap (RESULTS.md).
+# (one's softmax overlaps the other's MMA; a few registers spill, and it still wins over one
+# program per SM with 3 stages and no cap, and over 128 x 32 tiles that fit the cap without
+# spilling but feed smaller MMAs). The sweep: benchmarks/RESULTS-log.md.
 HOPPER_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True,
                  "maxnreg": 128}
 

@@ -20,8 +20,8 @@ fp32: o_part [B, Hq, NUM_SPLITS, D], lse_part [B, Hq, NUM_SPLITS].
 The KV heads are the grid's first axis: the GPU starts programs in index order, so the Hk programs
 of a sequence run side by side and together read whole cache rows ([BLOCK_SIZE, Hk, D] per block,
 contiguous) instead of one head's 256-byte slice of each row, while the other heads' slices come
-much later (H200, B256 ctx1024: 251 us against 259 with the sequences first; the offline mix of
-contexts at B128-256: 3-5% faster; the rest equal within noise; RESULTS.md, 2026-12-01).
+much later. It helps most where contexts are many or uneven (large batches); elsewhere the two
+orders measured the same (benchmarks/RESULTS-log.md).
 
 With a sliding window of W tokens (SLIDING) the splits share only the keys from the tile holding
 position seq_len - W on, so a long context costs what its window costs; the first tile masks
@@ -82,8 +82,8 @@ def _decode_split_kernel(
     for start_n in range(start, end, BLOCK_N):
         # the block ids are loaded in the iteration that uses them, unlike the prefill loops
         # (attention_varlen.tile_blocks): Triton then keeps one K/V tile per program in shared
-        # memory, so more programs fit on an SM, which a memory-bound decode needs more (H200,
-        # B64 ctx2048: 95% of copy bandwidth this way, 77% with the block ids prefetched)
+        # memory, so more programs fit on an SM, which a memory-bound decode needs more than
+        # the prefetch (measured: prefetching the block ids made decode markedly slower)
         block = tile_blocks(block_table, start_n, end, BLOCK_SIZE, BLOCK_N)
         acc, m_i, l_i = attention_tile(
             acc, m_i, l_i, q, K_CACHE, V_CACHE, block, kv_head_offset, stride_cb,
@@ -129,9 +129,9 @@ def _decode_merge_kernel(
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits per sequence so that ~2 programs per SM stream K/V, each over >= 256 keys (H200,
-    CUDA graphs, Llama-3-8B heads: B64 ctx1024 runs at 90-94% of copy bandwidth with 1 split,
-    82% with 2, 75% with 3-4; benchmarks/decode_sweep.py)."""
+    """Splits per sequence so that ~2 programs per SM stream K/V, each over >= 256 keys: once
+    the grid fills the GPU, every extra split only adds partial results to write and merge (at
+    B64 ctx1024 one split is the fastest; benchmarks/RESULTS-log.md)."""
     wanted = cdiv(2 * num_sms, max(num_seqs * num_kv_heads, 1))
     return max(1, min(wanted, max_seq_len // 256, 64))
 

@@ -10,12 +10,13 @@ Four ways to compute y [M, N] (fp32 accumulation, result in x's dtype), picked b
 - Batch-1 GEMV (M = 1: single-stream decode), awq_gemv.py, on CUDA cores.
 - Batched decode (2 <= M <= 16): memory-bound, on tensor cores: the batched GEMV of
   awq_gemv.py (one tl.dot per column of a word, x in the M slot) or awq_mma.py (the weights in
-  the M slot), chosen per shape by DECODE_PATHS, the table measured on the H200.
+  the M slot), chosen per shape by DECODE_PATHS, a measured table.
 - Tiled GEMM (16 < M < 128, wide layers N >= 3K only). Each K tile is dequantized in registers
   and fed to tl.dot.
 - Dense (every other M > 16: prefill, large decode batches). Dequantizing the whole weight once
   (~2.5 bytes per weight of traffic) and calling cuBLAS beats dequantizing per tile of M, as in
-  vLLM: on the H200 a Triton int4 GEMM lost 2-3x to it at M = 512 and 2048 (RESULTS.md).
+  vLLM: at prefill sizes the dequantize is small next to the GEMM, and cuBLAS's GEMM reaches
+  far more of the tensor cores than a Triton int4 GEMM did (benchmarks/RESULTS-log.md).
 """
 from __future__ import annotations
 
@@ -249,8 +250,8 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
 
 # (max M, min N / K, kernel, tile configuration) for 2 <= M <= GEMV_MAX_M, kernel "awq_mma"
 # (awq_mma.py) or "awq_gemv" (awq_gemv.py's batched GEMV): the one place these crossovers live,
-# measured on the H200 (benchmarks/awq_gemv.py --layers, RESULTS.md). Wide layers (gate_up)
-# stream fastest with the weights in the MMA's M slot; the rest with x there.
+# measured with benchmarks/awq_gemv.py --layers. Wide layers (gate_up) stream fastest with the
+# weights in the MMA's M slot; the rest with x there.
 DECODE_PATHS = (
     (8, 3, "awq_mma", dict(block_n=512, scale_w=True, min_block_m=8)),
     (GEMV_MAX_M, 0, "awq_gemv", {}),

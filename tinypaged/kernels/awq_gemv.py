@@ -18,7 +18,7 @@ Both split K so ~2-3 programs per SM stream weights, pipeline tiles through shar
 one launch (split_k.py): split-K partial sums go by atomics to a persistent zeroed fp32
 workspace, and the last program of each column block (an arrival counter) writes y and re-zeroes
 it.
-H200 numbers and the experiments behind these choices: benchmarks/RESULTS.md.
+The figures behind these choices: benchmarks/RESULTS.md (current), RESULTS-log.md (experiments).
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def _awq_gemv1(x, qweight, qzeros, scales, group_size, block_n=256, rows=8, spli
     T, R, words = _gemv1_tile(block_n, 8, num_warps, group_size, rows, "_awq_gemv1")
     n_blocks = cdiv(N, block_n)
     steps = K // (T * R)
-    if split_k is None:  # ~3 programs per SM (swept on the H200: 1-4, see benchmarks/awq_gemv.py)
+    if split_k is None:  # ~3 programs per SM: the best of 1-4 in benchmarks/awq_gemv.py's sweep
         split_k = max(1, min(steps, cdiv(3 * programs_target(x.device) // 4, n_blocks)))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
@@ -320,7 +320,7 @@ def _awq_gemv(x, qweight, qzeros, scales, group_size, block_n=None, block_k=64, 
     block_k = min(block_k, group_size)
     n_blocks = cdiv(N, block_n)
     steps = K // block_k
-    if split_k is None:  # ~2 programs per SM (swept on the H200 at M = 8: 2 or 4)
+    if split_k is None:  # ~2 programs per SM: at M = 8 the sweep found 2 and 4 alike
         split_k = max(1, min(steps, cdiv(programs_target(x.device) // 2, n_blocks)))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)

@@ -14,8 +14,8 @@ the portable conversion under the interpreter; scale_w multiplies the scale into
 (one more paired instruction) so that tl.dot accumulates in place, instead of scaling each
 step's product. K is split so that ~2 programs per SM stream weights; the partial sums finish
 as split_k.py says (atomics into a zeroed workspace, the last program writes y).
-On the H200 this beats awq_gemv.py's batched GEMV on wide layers (N >= 3K) up to 8 rows
-(awq.DECODE_PATHS; benchmarks/RESULTS.md).
+Measured, it beats awq_gemv.py's batched GEMV on wide layers (N >= 3K) up to 8 rows, so
+awq.DECODE_PATHS sends those there (figures: benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ copy bandwidth, from every SM at once:
   memset, no allocation inside a CUDA graph once the workspace exists.
 Memory traffic: N * K * itemsize (W, once) + split_k * M * K (x, from L2) + M * N * (itemsize +
 2 * 4 * [split]) bytes; for Llama-3-8B's layers W is > 99% of it.
-Which shapes take this kernel and which stay with cuBLAS: DENSE_GEMV_PATHS (measured on the
-H200, benchmarks/dense_gemv.py, benchmarks/RESULTS.md); dense_linear applies it.
+Which shapes take this kernel and which stay with cuBLAS: DENSE_GEMV_PATHS (chosen by
+benchmarks/dense_gemv.py; figures in benchmarks/RESULTS.md); dense_linear applies it.
 """
 from __future__ import annotations
 
@@ -158,11 +158,11 @@ _ANY = 1 << 30
 _TENSOR_CORES = dict(block_k=128, num_stages=4, min_block_m=8)  # x^T padded to 8 columns
 # (max M, min K, max K, min N, max N, tile configuration): the decode shapes that take
 # dense_gemv on CUDA, first match wins; every other shape (and M > GEMV_MAX_M) runs F.linear
-# (cuBLAS). Measured on the H200 (benchmarks/dense_gemv.py, RESULTS.md 2026-12-01): at one row
-# the GEMV matched or beat cuBLAS on every Llama-3-8B and Qwen3-0.6B layer (0.97-0.98x of its
-# time on the large ones, 0.34-0.9x on the small ones, where cuBLAS reads at 8-80% of copy
-# bandwidth); at 2..16 rows only the LM heads and the o-sized layers gained, cuBLAS keeps the
-# wide ones (gate_up, qkv, down).
+# (cuBLAS). At one row the GEMV matched or beat cuBLAS on every layer measured: cuBLAS already
+# streams the large layers at about the copy bandwidth, and on small ones (Qwen3-0.6B's, o) it
+# loses the tail to launch and ramp time that split K removes. At 2..16 rows only the LM heads
+# and the o-sized layers gain; cuBLAS keeps the wide ones (gate_up, qkv, down). Figures:
+# benchmarks/RESULTS.md.
 DENSE_GEMV_PATHS: tuple[tuple[int, int, int, int, int, dict], ...] = (
     (1, 0, 1024, 0, _ANY, dict(split_k=1)),  # K <= 1024: too few K steps to split
     (1, 0, _ANY, 0, _ANY, dict(programs_per_sm=2)),

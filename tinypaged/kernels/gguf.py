@@ -34,11 +34,12 @@ __all__ = ["DECODE_PATHS", "GEMV_MAX_M", "decode_path", "dequantize_reference", 
 # Decode-sized x: per GGML type, rows (max M, kernel, its keyword arguments), the first whose
 # max M >= M wins; an M past the last row (prefill) dequantizes and calls cuBLAS. "gemv":
 # gguf_gemv.py (CUDA cores, one FMA a weight and row of x); "mma": gguf_mma.py (tensor cores,
-# a cost that does not grow with M). Measured on the H200 (benchmarks/RESULTS.md, 2026-12-01):
-# Q6_K's GEMV is fastest with prefetch and PTX byte permutes (lm_head 155.7 us vs 227.8 without,
-# bf16 240.8), Q4_K's without; at M = 8 mma runs at 0.41-0.62x of bf16's speed, the GEMV at
-# 0.25-0.43x and dequantize + cuBLAS at 0.16-0.25x; the GEMV's time grows ~linearly with M and
-# crosses mma's between M = 4 and 5 on every Llama-3-8B shape (interpolated from M = 1 and 8).
+# a cost that does not grow with M). Q6_K's GEMV takes prefetch and PTX byte permutes (its
+# decode is instruction-bound, and they cut the instructions a weight; Q4_K's would spill
+# registers); at a few rows the tensor-core kernel beats the GEMV, whose FMAs grow with M, and
+# dequantize + cuBLAS loses to both (it writes and reads a bf16 copy). The crossover (M = 4 to
+# 5) is interpolated from measurements at M = 1 and 8 (benchmarks/gguf_gemv.py; figures in
+# benchmarks/RESULTS.md).
 DECODE_PATHS: dict[int, tuple[tuple[int, str, dict], ...]] = {
     12: ((4, "gemv", {}), (16, "mma", {"xs_dot": True})),
     14: ((1, "gemv", {"prefetch": True, "asm": True}), (4, "gemv", {}),

@@ -134,8 +134,8 @@ def _gguf_mma_kernel(
         tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         # acq_rel: each thread's sums are performed before the barrier lets the arrival count
-        # move (with relaxed adds, 1 of 25 checks on the H200 read a split's sums late: 8 warps,
-        # 2 splits)
+        # move (with relaxed adds a GPU check read a split's sums late, at 8 warps and 2
+        # splits)
         tl.atomic_add(partial_ptr + at, acc, mask=mask, sem="acq_rel")
         # the last split of this row block writes y (split_k.py)
         split_k_finish(y_ptr, partial_ptr, count_ptr, pid_n, split_k, at, mask)

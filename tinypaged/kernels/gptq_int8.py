@@ -282,9 +282,9 @@ def gptq_int8_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
     x = x if x.stride(1) == 1 else x.contiguous()
     if M == 1:
         return _gemv1(x, qweight, qzeros, scales, perm, scales_t)
-    # M >= 2 gathers x once: on the H200 the tiled kernel reading x through perm took 1.5-2.3x
-    # as long as without it at M = 8 (the dependent loads stall its pipeline); the GEMV's rows
-    # hide them (+8%)
+    # M >= 2 gathers x once: a tiled kernel reading x through perm makes every load of x wait
+    # for a load of perm, which stalls its pipeline; the M = 1 GEMV's many rows per program
+    # hide that latency, so it gathers inside
     x = x if perm is None else x.index_select(1, perm)
     if M < DENSE_MIN_M:
         return _gemm(x, qweight, qzeros, scales, scales_t)

@@ -98,7 +98,7 @@ def get_config(num_tokens: int, element_size: int = 2) -> dict[str, int]:
     """The tile config for T = `num_tokens` tokens of `element_size`-byte operands. Each pipeline
     stage holds an A tile and two B tiles in shared memory; the table is sized for 16-bit
     operands, so 4-byte ones (float32) get half the BLOCK_K: the same bytes per stage (at full
-    BLOCK_K the tiles for over 256 tokens need 240 KiB and more, over the H200's 227 KiB)."""
+    BLOCK_K the tiles for over 256 tokens need more shared memory than sm_90 gives a block)."""
     for max_t, bm, bn, bk, warps, stages in _CONFIGS:
         if max_t is None or num_tokens <= max_t:
             return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk * 2 // max(2, element_size),

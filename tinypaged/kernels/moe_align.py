@@ -26,12 +26,11 @@ cumsums, a scatter, a searchsorted). The kernel does it in one program, in chunk
 BLOCK_P pairs: a first pass counts the pairs per expert (one-hot sums), a second places each
 pair at start_e + (pairs of e in earlier chunks) + (pairs of e before it in its chunk). One
 launch instead of twenty matters at decode and for small prefills: inside a CUDA graph each
-small kernel still costs microseconds (the torch ops took ~42 us of GPU time at T=1 on an H200,
-2026-12-01), outside one the host spends ~10 us launching each. One program walks the pairs
-chunk after chunk, so its time grows with T k; past `KERNEL_MAX_PAIRS` (T = 128 at k = 8) the
-torch ops' parallel sort wins on the GPU and their host cost hides behind the large GEMMs that
-follow. Measured on an H200 (2026-12-01, E = 128, k = 8, CUDA graphs), kernel / torch ops:
-T = 16: 10.5 / 43.3 us, T = 128: 54.7 / 76.2 us, T = 192: 78.7 / 78.9 us, T = 512: 200.7 / 83.4 us.
+small kernel still costs a few microseconds of GPU time, outside one the host spends more than
+that launching each. One program walks the pairs chunk after chunk, so its time grows with T k;
+past `KERNEL_MAX_PAIRS` (T = 128 at k = 8, a little before the measured crossover) the torch
+ops' parallel sort wins on the GPU and their host cost hides behind the large GEMMs that follow.
+Figures: benchmarks/RESULTS.md and RESULTS-log.md (moe_align).
 """
 
 from __future__ import annotations

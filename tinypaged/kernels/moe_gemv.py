@@ -100,9 +100,8 @@ def use_gemv(num_tokens: int, top_k: int, num_experts: int) -> bool:
 
 # (BLOCK_N, BLOCK_K, num_warps) of the gate-up and of the down launch: few rows and long K
 # tiles, so that even one token spreads its experts' rows over every SM (T=1: 384 gate-up and
-# 512 down programs for Qwen3-30B-A3B) with every load in flight. Measured on an H200
-# (benchmarks/moe.py --sweep-gemv, 2026-12-01, each launch's tiles changed alone): at T=1
-# 36-37 us against 44 with 16 x 256 tiles, at T=8 138-146 against 151.
+# 512 down programs for Qwen3-30B-A3B) with every load in flight. The fastest of
+# `benchmarks/moe.py --sweep-gemv` (each launch's tiles changed alone) at T=1 and T=8.
 GATE_UP_CONFIG = {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}
 DOWN_CONFIG = {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}
 

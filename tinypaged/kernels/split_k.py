@@ -22,7 +22,7 @@ and atomics different thread mappings:
   moves (the acq_rel ticket then orders them before the last program's read);
 - between the read and the zeroing: the thread that zeroes an element may not be the one that
   read it, so every read must land before any thread zeroes (without this barrier the dense
-  tensor-core GEMV lost ~18% of its sums on the H200).
+  tensor-core GEMV lost part of its sums on an sm_90 GPU).
 """
 
 from __future__ import annotations

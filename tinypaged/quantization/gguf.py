@@ -16,10 +16,11 @@ concatenate the outputs, as vLLM does. Matrices stored as F32/F16/BF16 become de
 the model dtype.
 
 On the CPU the quantized matrices are dequantized once at load into fp32 (`cpu_dequantize`):
-on the default model (benchmarks/gguf_cpu.py, RESULTS.md) dequantizing inside every matmul
-instead keeps 97 MB of weights rather than 568 MB but decodes 4.6x slower (0.37 vs 1.71 tok/s
-on one core), and a CPU has the memory. The embedding table stays in blocks (a lookup decodes
-only its rows); a tied LM head gets its own fp32 copy at its first call.
+dequantizing inside every matmul instead would keep the weights several times smaller but
+redo the dequantize at every step, which makes decode several times slower, and a CPU has the
+memory (benchmarks/gguf_cpu.py; figures in benchmarks/RESULTS.md). The embedding table stays
+in blocks (a lookup decodes only its rows); a tied LM head gets its own fp32 copy at its first
+call.
 
 Embedding and LM head are module swaps (`prepare_model`), made before weights load: a row
 lookup dequantizes only the looked-up rows, and a tied LM head reads the embedding's blocks.

@@ -76,7 +76,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size:
     if w.device.type != "cpu":
         return _gptq_quantize(w, hessian, bits, group_size, sym, act_order, damp, clip)
     # the column loop runs thousands of small ops: on a CPU, syncing threads for each costs more
-    # than it saves (60x slower with 2 threads on a loaded 2-core machine)
+    # than it saves, by far on a loaded machine (the threads spin against each other)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

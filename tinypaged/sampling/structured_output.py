@@ -16,10 +16,10 @@ How one request is constrained:
 
 Preemption keeps a sequence's tokens, and its matcher has already accepted them, so a recompute
 changes nothing here. The grammar engine is xgrammar, chosen over llguidance by mask time per
-token on the default model's 49,152-token vocabulary (benchmarks/grammar_engines.py: median
-~2-3 us against ~20-34 us a fill, CPU; figures in benchmarks/RESULTS.md); it is also vLLM's
-default backend, so `grammar` takes the same EBNF (GBNF) text. It is an optional dependency:
-`pip install "tinypaged[structured]"`.
+token on the default model's 49,152-token vocabulary: it precomputes each grammar position's
+token masks when it compiles a schema, where llguidance computes them lazily at every step
+(figures in benchmarks/RESULTS.md); it is also vLLM's default backend, so `grammar` takes the
+same EBNF (GBNF) text. It is an optional dependency: `pip install "tinypaged[structured]"`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ space, which the prompt context supplies).
 
 A Hugging Face fast tokenizer does the same in Rust: `tokenizers.decoders.DecodeStream`, primed
 with the prompt context, returns each new piece of text (None while a character is incomplete)
-in ~1 us per token against ~10 us for the two Python-level decodes above, which run on the
+incrementally, instead of the two Python-level decodes per token above, which run on the
 engine's step path. As vLLM, that fast path is taken whenever it exists (and the tokenizer does
 not ask for clean_up_tokenization_spaces, which only a whole-text decode applies); the window is
 kept beside it for the final flush, and the slow path takes over if the stream ever fails.

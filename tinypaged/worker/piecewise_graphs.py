@@ -1,7 +1,7 @@
 """Piecewise CUDA graphs for steps that carry prompt tokens (vLLM's PIECEWISE cudagraph mode).
 
 An eager step of a few hundred tokens spends more time launching kernels from Python than the
-GPU spends running them (benchmarks/RESULTS.md, "host cost of an eager mixed step"). Its
+GPU spends running them (benchmarks/RESULTS-log.md, "host time of an eager mixed step"). Its
 attention cannot be captured once and replayed: its grid and tiles follow the batch (how many
 sequences, how long each query, prefill or decode kernel). Everything else is token-wise, so
 the forward is cut at every attention into L + 1 pieces (DecoderModel.piece):
@@ -63,7 +63,7 @@ def weak_view(t: torch.Tensor) -> torch.Tensor:
 
 def piecewise_unsupported(model: torch.nn.Module) -> str | None:
     """Why `model`'s prompt steps must stay eager, or None. Dense and MoE decoders, in float or
-    quantized weights, were checked under capture on an H200 (benchmarks/piecewise_check.py:
+    quantized weights, were checked under capture on a GPU (benchmarks/piecewise_check.py:
     the MoE ones route, sort and run their experts on the device). Under tensor parallelism the
     pieces' all-reduces (up to 512 rows) have not yet been captured on two GPUs;
     TINYPAGED_PIECEWISE_UNCHECKED=1 captures them anyway, for the GPU check that would lift
