@@ -37,7 +37,7 @@ from tinypaged import LLM, SamplingParams
 from tinypaged.distributed import sigint_watch
 from tinypaged.worker.tp_worker import sigint_held_back
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE = dict(skip_tokenizer_init=True, num_kv_blocks=32, block_size=8, max_model_len=64)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8]}

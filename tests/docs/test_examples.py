@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 from helpers.server import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_example(name: str, *args: str) -> str:

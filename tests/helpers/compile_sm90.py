@@ -52,7 +52,7 @@ def compile_for_sm90(launches: str) -> list[str]:
     """Run `launches` (Python calling the launchers) in a child with every launch compiled for
     sm_90 instead of run; returns the sorted names of the kernels that compiled."""
     child = PRELUDE + launches + '\nprint(" ".join(sorted(compiled)))\n'
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", child], cwd=repo, capture_output=True,
                             text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -359,7 +359,7 @@ def generate_cli(model_dir, prompt: str, *flags: str) -> str:
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     cli = subprocess.run(
         [sys.executable, "-m", "tinypaged", "generate", str(model_dir), prompt, "--max-tokens", "5",
          "--num-kv-blocks", "64", "--max-model-len", "128", *flags],

@@ -77,7 +77,7 @@ print("ok")
 
 
 def test_import_and_reference_ops_without_triton():
-    repo = Path(__file__).resolve().parents[1]  # `python -c` imports tinypaged from its cwd
+    repo = Path(__file__).resolve().parents[2]  # `python -c` imports tinypaged from its cwd
     result = subprocess.run([sys.executable, "-c", NO_TRITON], cwd=repo, capture_output=True,
                             text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr

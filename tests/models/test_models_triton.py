@@ -23,7 +23,7 @@ from helpers.models import checkpoint_weights, greedy_reference, tiny_hf_model
 
 pytest.importorskip("triton")
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, for helpers
 
 CHILD = r"""
 import sys, types

@@ -19,7 +19,7 @@ from helpers.server import build_tiny_model, free_port
 from tinypaged import LLM, SamplingParams
 from tinypaged.entrypoints.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE_FLAGS = ["--max-model-len", "256", "--num-kv-blocks", "64", "--dtype", "float32"]
 
 
