@@ -33,10 +33,11 @@ its own forward, and the host work of both halves runs while the GPU idles. On a
 
 A sequence that step N ends (eos, stop string, abort) has one wasted row in step N+1, whose
 token is dropped; its blocks are freed when step N is processed (the GPU runs N+1 before any
-later step can reuse them). A step holding a request that needs the host between its steps
-(logits constraints, penalties, min_tokens, logprobs, prompt_logprobs) is processed at
-once, before the next one is scheduled: such a request never has a step in flight while the
-next is built, so its outputs are those of the synchronous engine.
+later step can reuse them). A step holding a request whose tokens must be read on the host
+before its next step (`reads_tokens_on_host`: logits constraints, penalties, min_tokens,
+logprobs, prompt_logprobs) is processed at once, before the next one is scheduled: such a
+request never has a step in flight while the next is built, so its outputs are those of the
+synchronous engine.
 """
 
 from __future__ import annotations
@@ -120,10 +121,11 @@ class _Request:
         )
 
 
-def needs_host(params: SamplingParams, constraints: LogitsConstraints | None) -> bool:
-    """Whether a request's next sampling reads what the host learns from its previous step
-    (output history, grammar state, logprobs; the logits constraints also refill one host
-    buffer each step, free only once the previous step has run): its steps never overlap."""
+def reads_tokens_on_host(params: SamplingParams, constraints: LogitsConstraints | None) -> bool:
+    """Whether a request's sampled tokens must be read on the host before its next step can be
+    scheduled: its next sampling reads what the host learns from the previous step (output
+    history, grammar state, logprobs; the logits constraints also refill one host buffer each
+    step, free only once the previous step has run), so its steps never overlap."""
     return (
         constraints is not None or params.uses_penalties or params.min_tokens > 0
         or params.logprobs is not None or params.prompt_logprobs is not None
@@ -138,7 +140,7 @@ class _LaunchedStep:
     seqs: list[Sequence]  # the sampled sequences, in the rows of `tokens`
     tokens: SampledTokens | None  # None when nothing was sampled
     logprobs: list[dict[int, float] | None]
-    needs_host: bool
+    reads_tokens_on_host: bool  # processed before the next step is scheduled
 
 
 class Engine:
@@ -198,7 +200,7 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.iteration_stats = IterationStats()
         self._unscheduled: set[str] = set()  # added, never scheduled yet
-        self._host_requests: set[str] = set()  # live requests that need_host
+        self._host_requests: set[str] = set()  # live requests that reads_tokens_on_host()
         self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, unprocessed
         self._errors: list[tuple[str, BaseException]] = []
         info = self.runner.kv_cache_info
@@ -335,7 +337,7 @@ class Engine:
             constraints=constraints,
         )
         self._unscheduled.add(request_id)
-        if needs_host(params, constraints):
+        if reads_tokens_on_host(params, constraints):
             self._host_requests.add(request_id)
 
     def _get_grammar_compiler(self):
@@ -404,7 +406,7 @@ class Engine:
         scheduling these are the outputs of the step launched by the previous call."""
         outputs: list[RequestOutput] = []
         prev, self._in_flight = self._in_flight, None
-        if prev is not None and prev.needs_host:  # its tokens are read by the next schedule
+        if prev is not None and prev.reads_tokens_on_host:  # read by the next schedule
             outputs += self._process(prev, finished_only)
             prev = None
         out = self.scheduler.schedule()
@@ -414,7 +416,7 @@ class Engine:
         if launched is None:
             if prev is None and self.requests and not self.scheduler.has_unfinished():
                 raise RuntimeError("requests are pending but the scheduler holds none")
-        elif self.config.async_scheduling and not launched.needs_host:
+        elif self.config.async_scheduling and not launched.reads_tokens_on_host:
             self._in_flight = launched
         else:
             outputs += self._process(launched, finished_only)
@@ -431,7 +433,7 @@ class Engine:
                     self._unscheduled.discard(it.seq.request_id)
                     self.requests[it.seq.request_id].stats.first_scheduled_time = now
         host = self._host_requests
-        needs = bool(host) and any(it.seq.request_id in host for it in items)
+        on_host = bool(host) and any(it.seq.request_id in host for it in items)
         sampled_items = [it for it in items if it.sample]
         # Only sample 0 of a request with prompt_logprobs (a host request) skips the prefix
         # cache: a cheap test.
@@ -440,7 +442,7 @@ class Engine:
             if it.seq.skip_prefix_cache
             else 0
             for it in items
-        ] if needs else [0]
+        ] if on_host else [0]
         logits = self.executor.execute(  # [rows, vocab], rows in `items` order
             items, [n > 0 for n in prompt_rows] if any(prompt_rows) else None
         )
@@ -453,7 +455,7 @@ class Engine:
         except BaseException:
             self.executor.keep_sampled(None)  # every rank's collectives stay in step
             raise
-        return _LaunchedStep(out, seqs, self.executor.keep_sampled(sampled), logprobs, needs)
+        return _LaunchedStep(out, seqs, self.executor.keep_sampled(sampled), logprobs, on_host)
 
     def _process(self, step: _LaunchedStep, finished_only: bool) -> list[RequestOutput]:
         """Take a launched step's tokens: scheduler update, stop checks, detokenization; returns
