@@ -115,18 +115,20 @@ def test_admission_errors_reach_the_caller(model_dir):
 
     async def main() -> None:
         try:
-            # Found before the hand-over: token ids against the model's vocabulary (256).
+            # Found by the engine loop when it adds the request: token ids against the model's
+            # vocabulary (256); sent back through the request's queue.
             with pytest.raises(ValueError, match="out of range"):
                 await first({"prompt_token_ids": [1, 256]}, greedy, "a")
             stop = SamplingParams(stop_token_ids=[256], min_tokens=1)
             with pytest.raises(ValueError, match="stop_token_ids"):
                 await first({"prompt_token_ids": [1]}, stop, "b")
-            # Found by the engine thread and sent back through the request's queue.
+            # A request id already in use: found by AsyncLLM, which holds the streams.
             hold = engine.generate({"prompt_token_ids": [1]}, greedy, "dup")
             await anext(hold)
             with pytest.raises(ValueError, match="already in use"):
                 await first({"prompt_token_ids": [2]}, greedy, "dup")
             await hold.aclose()
+            # Found by the engine loop (the scheduler): a prompt that can never fit.
             with pytest.raises(ValueError, match="max_model_len=256"):
                 await first({"prompt_token_ids": [1] * 250}, greedy, "big")
             assert (await first({"prompt_token_ids": [1]}, greedy, "fine")).outputs[0].token_ids

@@ -1,4 +1,5 @@
-"""The engine in its own process (engine/core.py): the same outputs as the in-process AsyncLLM,
+"""The engine loop in its own process (AsyncLLM with multiprocess_mode, engine/core_client.py):
+the same outputs as with the loop in a thread,
 refusals and aborts across the pipe, a dead engine process or a shutdown ends every open stream,
 and the server runs on it unchanged. A tiny random Llama on the CPU; each client spawns one
 engine process (a few seconds)."""
@@ -15,7 +16,7 @@ from helpers.server import post, running_server
 
 from tinypaged.bench.model_shapes import write_word_tokenizer
 from tinypaged.engine.async_llm import AsyncLLM
-from tinypaged.engine.core import AsyncMPClient, use_engine_process
+from tinypaged.engine.core import use_engine_process
 from tinypaged.entrypoints.openai.api_server import build_app
 from tinypaged.sampling.params import SamplingParams
 
@@ -39,7 +40,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(model_dir):
-    engine = AsyncMPClient(model_dir, **KWARGS)
+    engine = AsyncLLM(model_dir, multiprocess_mode=True, **KWARGS)
     yield engine
     asyncio.run(engine.shutdown())
 
@@ -118,12 +119,12 @@ def test_the_server_streams_from_the_engine_process(client):
 
 
 def test_a_dead_engine_process_fails_open_streams(model_dir):
-    engine = AsyncMPClient(model_dir, **KWARGS)
+    engine = AsyncLLM(model_dir, multiprocess_mode=True, **KWARGS)
 
     async def run():
         stream = engine.generate([5] * 4, SamplingParams(max_tokens=200, ignore_eos=True), "x")
         await anext(stream)
-        os.kill(engine._proc.pid, signal.SIGKILL)
+        os.kill(engine.core_client.proc.pid, signal.SIGKILL)
         with pytest.raises(RuntimeError, match="engine process exited"):
             async for _ in stream:
                 pass
@@ -136,7 +137,7 @@ def test_a_dead_engine_process_fails_open_streams(model_dir):
 
 
 def test_shutdown_ends_open_streams_and_the_process(model_dir):
-    engine = AsyncMPClient(model_dir, **KWARGS)
+    engine = AsyncLLM(model_dir, multiprocess_mode=True, **KWARGS)
 
     async def run():
         stream = engine.generate([5] * 4, SamplingParams(max_tokens=200, ignore_eos=True), "x")
@@ -147,7 +148,7 @@ def test_shutdown_ends_open_streams_and_the_process(model_dir):
                 pass
 
     asyncio.run(run())
-    assert not engine._proc.is_alive() and engine._proc.exitcode == 0
+    assert not engine.core_client.proc.is_alive() and engine.core_client.proc.exitcode == 0
 
 
 def test_when_serve_uses_an_engine_process(monkeypatch):

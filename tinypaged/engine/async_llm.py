@@ -1,89 +1,109 @@
 """AsyncLLM: the engine behind an asyncio API, for the server and streaming clients.
 
-One background thread owns the engine: only it ever touches the engine's state. The event loop
-and the engine thread talk through queues, so a coroutine never waits for a step to end:
+The engine runs its own loop (EngineCore, engine/core.py), in a thread of this process or in a
+process of its own (`multiprocess_mode`, what `tinypaged serve` picks on CUDA); a client of
+engine/core_client.py carries the typed messages (engine/messages.py) between here and there.
+AsyncLLM itself is the same in both modes. A coroutine never waits for a step to end:
 
-    event loop                                   engine thread
-    generate(): tokenize + validate (a worker    between steps: drain the inbox (add the new
-      thread), then inbox.put(("add", ...))  ->    requests, abort the cancelled ones), step,
-    abort():    inbox.put(("abort", id))     ->    publish a stats snapshot
-    per-request asyncio.Queue               <-   outputs (snapshots, never live lists) and
-                                                   errors, via loop.call_soon_threadsafe
+    event loop                                      engine loop (thread or process)
+    generate(): register the request's queue,
+                send AddRequest                -->  between steps: add (tokenize, validate),
+    abort():    forget the queue, AbortRequest -->    abort; then Engine.step()
+    per-request asyncio.Queue                 <--   one EngineStepOutput per step: outputs
+      (loop.call_soon_threadsafe, one call            (snapshots, never live lists), errors,
+       per step and event loop)                       stats; EngineStopped at the end
 
-    engine = AsyncLLM()  # the default model
+    engine = AsyncLLM()  # the default model, its loop in a thread
     async for out in engine.generate("Hi", SamplingParams(max_tokens=8), "req-1"):
         print(out.outputs[0].text)  # cumulative text so far
 
-What can be checked without the engine's state (tokenizing, token ids and sampling fields against
-the model) is checked before the hand-over and raised to the caller at once; what only the engine
-thread can find (a duplicate request id, a prompt the KV cache can never hold) comes back through
-the request's queue and is raised from the first `anext`. A failure inside one request ends that
-request's stream with the exception; the loop goes on.
+A request the engine refuses (a duplicate request id here; bad params, too long a prompt or a
+grammar that does not compile in the engine loop) raises from the first `anext` of its stream,
+with the same exception in both modes. A failure inside one request ends that request's stream
+with the exception; the loop goes on. When the loop ends (shutdown, or a tensor-parallel rank
+died, or the engine process exited) every open stream fails and `is_running` turns False.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import queue
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from tinypaged.config import EngineConfig
 from tinypaged.engine.client import EngineClient
-from tinypaged.engine.engine import Engine, PromptType
+from tinypaged.engine.core_client import EngineCoreClient, make_client
+from tinypaged.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineCoreOutput,
+    EngineStopped,
+)
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling.params import SamplingParams
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from tinypaged.engine.engine import Engine, PromptType
 
 _Item = RequestOutput | BaseException
 
 
+@dataclass(slots=True)
+class _Stream:
+    """One request's way back to its caller."""
+
+    loop: asyncio.AbstractEventLoop  # the caller's event loop
+    queue: asyncio.Queue  # its outputs and, at the end, maybe an exception
+    prompt: str | None = None  # from the first output: later ones come without (messages.py)
+    prompt_token_ids: list[int] | None = None
+
+
 class AsyncLLM(EngineClient):
-    def __init__(self, model: str | None = None, **kwargs: Any):
-        self._init(Engine(EngineConfig.from_kwargs(model=model, **kwargs)))
+    def __init__(self, model: str | None = None, *, multiprocess_mode: bool = False,
+                 **kwargs: Any):
+        self._attach(make_client(EngineConfig.from_kwargs(model=model, **kwargs),
+                                 multiprocess_mode))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLM:
+    def from_config(cls, config: EngineConfig, multiprocess_mode: bool = False) -> AsyncLLM:
         self = cls.__new__(cls)
-        self._init(Engine(config))
+        self._attach(make_client(config, multiprocess_mode))
         return self
 
-    def _init(self, engine: Engine) -> None:
-        self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", ...) | ("abort", id)
-        self._wake = threading.Event()
+    def _attach(self, client: EngineCoreClient) -> None:
+        self.core_client = client
+        # The event loop adds and forgets streams, the client's thread delivers to them and
+        # removes the finished ones: the lock keeps each of those steps whole.
+        self._lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self._fatal: BaseException | None = None  # why the loop stopped by itself
-        # request id -> (its caller's loop, its queue); read and written by the engine thread only
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stats = engine.get_stats()  # a fresh dict after every step: read without a lock
-        self._thread = threading.Thread(target=self._loop, name="tinypaged-engine", daemon=True)
-        self._thread.start()
+        self._stats = client.ready.stats  # a fresh dict after every step: read without a lock
+        client.start(self._on_output)
 
     # The EngineClient interface (client.py): what the server, CLI and bench read.
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.core_client.tokenizer
 
     @property
     def config(self) -> EngineConfig:
-        return self.engine.config
+        return self.core_client.ready.config
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self.core_client.ready.model_name
 
     @property
     def default_sampling_params(self) -> dict:
         """SamplingParams defaults from the model's generation_config.json."""
-        return self.engine.default_sampling_params
+        return self.core_client.ready.default_sampling_params
 
     @property
     def kv_cache_info(self) -> dict:
-        return self.engine.kv_cache_info
+        return self.core_client.ready.kv_cache_info
 
     def get_stats(self) -> dict:
         """The engine's queue lengths and KV usage as of its last step (never blocks)."""
@@ -91,30 +111,35 @@ class AsyncLLM(EngineClient):
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopped
+        return not self._stopped
+
+    @property
+    def engine(self) -> Engine | None:
+        """The Engine when its loop runs in a thread of this process (for tests and
+        benchmarks that look inside); None in multiprocess mode."""
+        return self.core_client.engine
 
     async def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs of one request as tokens arrive; the last has finished=True.
         A request the engine refuses raises ValueError before the first output."""
-        self._check_running()
-        loop = asyncio.get_running_loop()
-        prompt = await self._prepare(prompt, params)
-        self._check_running()
-        stream: asyncio.Queue = asyncio.Queue()
-        self._send(("add", request_id, prompt, params, loop, stream))
-        # Sent after the engine thread's last look at the inbox: nobody would ever answer.
-        self._check_running()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:  # a stop that comes later fails this stream too
+            self._check_running()
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self.core_client.send(AddRequest(request_id, prompt, params))
         finished = False
         try:
             while True:
-                item = await stream.get()
+                item = await stream.queue.get()
                 # Only the newest output matters: skip intermediate ones that piled up.
                 while not isinstance(item, BaseException) and not item.finished:
-                    if stream.empty():
+                    if stream.queue.empty():
                         break
-                    item = stream.get_nowait()
+                    item = stream.queue.get_nowait()
                 if isinstance(item, BaseException):
                     finished = True  # the engine has already dropped the request
                     raise item
@@ -124,113 +149,78 @@ class AsyncLLM(EngineClient):
                     return
         finally:
             if not finished:
-                self._send(("abort", request_id))
-
-    async def _prepare(self, prompt: PromptType, params: SamplingParams) -> Any:
-        # Tokenizing a long prompt takes a while: a worker thread does it, not the event loop.
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.engine.prepare_prompt, prompt, params)
+                self._abort(request_id, stream)
 
     async def abort(self, request_id: str) -> None:
         """Drop a request (at the engine's next step boundary); unknown ids are a no-op."""
-        self._send(("abort", request_id))
+        self._abort(request_id)
 
     async def shutdown(self) -> None:
-        """Stop the loop and the engine's worker processes; every unfinished stream ends with an
-        error."""
-        self._stopped = True
-        self._wake.set()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self.engine.shutdown()
+        """Stop the engine loop and the engine's worker processes; every unfinished stream ends
+        with an error."""
+        with self._lock:
+            self._stopped = True
+        await asyncio.get_running_loop().run_in_executor(None, self.core_client.shutdown)
 
     def _check_running(self) -> None:
         if not self.is_running:
             why = f": {self._fatal}" if self._fatal is not None else ""
             raise RuntimeError(f"the engine is not running{why}")
 
-    def _send(self, message: tuple) -> None:
-        self._inbox.put(message)
-        self._wake.set()
-
-    # ------------------------------------------------------------------ engine thread
-
-    def _drain_inbox(self) -> None:
-        """Apply what the event loop sent since the last step, in order."""
-        while True:
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if message[0] == "abort":
-                self._streams.pop(message[1], None)
-                self.engine.abort_request(message[1])
-                continue
-            _, request_id, prompt, params, loop, stream = message
-            if request_id in self._streams:
-                error = ValueError(f"request_id {request_id!r} is already in use")
-                self._post(loop, [(None, stream, error)])
-                continue
-            try:
-                self.engine.add_request(request_id, prompt, params)
-            except Exception as exc:  # noqa: BLE001 - the caller gets it (a 400 when ValueError)
-                self._post(loop, [(None, stream, exc)])
-                continue
-            self._streams[request_id] = (loop, stream)
-
-    def _deliver(self, items: list[tuple[str, _Item]]) -> None:
-        """Hand outputs and errors to their streams: one thread-safe call per event loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, item in items:
-            entry = self._streams.get(request_id)
-            if entry is None:
-                continue
-            if isinstance(item, BaseException) or item.finished:
+    def _abort(self, request_id: str, stream: _Stream | None = None) -> None:
+        """Forget the request's stream (only `stream`, when given: the id may be in use by a
+        newer request by now) and tell the engine loop to drop it."""
+        with self._lock:
+            if stream is None or self._streams.get(request_id) is stream:
                 self._streams.pop(request_id, None)
-            by_loop.setdefault(entry[0], []).append((request_id, entry[1], item))
+        self.core_client.send(AbortRequest(request_id))
+
+    # ------------------------------------------------------------------ the client's thread
+
+    def _on_output(self, message: EngineCoreOutput) -> None:
+        """Take one message of the engine loop: hand outputs and errors to their streams."""
+        if message.stats is not None:
+            self._stats = message.stats
+        if isinstance(message, EngineStopped):
+            with self._lock:
+                self._fatal, self._stopped = message.error, True  # before the callers hear
+                streams, self._streams = self._streams, {}
+            error = message.error or RuntimeError("the engine was shut down")
+            self._post([(rid, stream, error) for rid, stream in streams.items()])
+            return
+        items: list[tuple[str, _Stream, _Item]] = []
+        with self._lock:
+            for out in message.outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:  # aborted since: nobody reads it any more
+                    continue
+                if out.prompt_token_ids is None:
+                    out.prompt, out.prompt_token_ids = stream.prompt, stream.prompt_token_ids
+                else:
+                    stream.prompt, stream.prompt_token_ids = out.prompt, out.prompt_token_ids
+                if out.finished:
+                    del self._streams[out.request_id]
+                items.append((out.request_id, stream, out))
+            for request_id, error in message.errors:
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    items.append((request_id, stream, error))
+        self._post(items)
+
+    def _post(self, items: list[tuple[str, _Stream, _Item]]) -> None:
+        """Put each item on its stream's queue: one thread-safe call per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, _Item]]] = {}
+        for _, stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, batch in by_loop.items():
-            self._post(loop, batch)
-
-    def _post(self, loop: asyncio.AbstractEventLoop, batch: list[tuple]) -> None:
-        """Put each (request id or None, queue, item) of `batch` on its queue, inside `loop`."""
-        try:
-            loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            for request_id, _, _ in batch:
-                if request_id is not None:
-                    self._streams.pop(request_id, None)
-                    self._abort_in_engine(request_id)
-
-    def _abort_in_engine(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)  # the engine thread only
-
-    def _loop(self) -> None:
-        while not self._stopped:
-            self._drain_inbox()
-            if not self.engine.has_unfinished_requests():
-                self._stats = self.engine.get_stats()
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a fault in the batch fails its requests, not the loop
-                logger.exception("engine step failed; failing the requests in that step")
-                failed = self.engine.fail_running()
-                if self.engine.is_dead:  # a tensor-parallel rank is gone: stop for good
-                    self._fatal, self._stopped = exc, True  # before the callers hear of it
-                self._deliver([(rid, exc) for rid in failed])
-                continue
-            items: list[tuple[str, _Item]] = [(out.request_id, out) for out in outputs]
-            self._deliver(items + self.engine.pop_request_errors())
-            self._stats = self.engine.get_stats()
-        error = self._fatal or RuntimeError("the engine was shut down")
-        self._drain_inbox()
-        for request_id in list(self._streams):
-            self.engine.abort_request(request_id)
-        self._deliver([(rid, error) for rid in list(self._streams)])
-        self._stats = self.engine.get_stats()
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+                for request_id, stream, _ in items:
+                    if stream.loop is loop:
+                        self._abort(request_id, stream)
 
 
-def _put_all(batch: list[tuple[str | None, asyncio.Queue, _Item]]) -> None:
-    for _, stream, item in batch:
-        stream.put_nowait(item)
+def _put_all(batch: list[tuple[asyncio.Queue, _Item]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)

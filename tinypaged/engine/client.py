@@ -2,7 +2,8 @@
 
 vLLM calls this seam `EngineClient` (vllm/engine/protocol.py): the OpenAI server talks to an
 engine only through it, never to the scheduler, the runner or the requests behind it. Here
-`AsyncLLM` is the one real implementation; tests give the server small fakes of it. Both
+`AsyncLLM` is the one real implementation, whether its engine loop runs in a thread or in a
+process of its own (engine/core_client.py); tests give the server small fakes of it. Both
 subclass this ABC, so a fake that lacks a member cannot even be built (TypeError naming the
 member), and the server refuses anything else at construction:
 

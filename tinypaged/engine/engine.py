@@ -275,14 +275,6 @@ class Engine:
             f"prompt must be a string, token ids or a dict, got {type(prompt).__name__}"
         )
 
-    def prepare_prompt(self, prompt: PromptType, params: SamplingParams) -> dict[str, Any]:
-        """Tokenize and validate a request against the model without touching the engine's
-        state, so any thread may call it: returns {"prompt", "prompt_token_ids"} ready for
-        `add_request`, or raises ValueError saying what is wrong."""
-        text, ids = self._prompt_ids(prompt, params)
-        self._check_request(ids, params)
-        return {"prompt": text, "prompt_token_ids": ids}
-
     def _check_request(self, ids: list[int], params: SamplingParams) -> None:
         """Everything that could raise later inside a batched step is refused here, one request
         at a time: token ids outside the vocabulary, more logprobs than the vocabulary has."""

@@ -266,7 +266,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tinypaged.engine.async_llm import AsyncLLM
-    from tinypaged.engine.core import AsyncMPClient, use_engine_process
+    from tinypaged.engine.core import use_engine_process
     from tinypaged.entrypoints.openai.api_server import GracefulServer, build_app
     from tinypaged.gc_freeze import freeze_gc_heap
 
@@ -288,11 +288,12 @@ def serve(args: argparse.Namespace) -> int:
         model = str(shape_dir(args.model_shape, args.quantization, tokenizer=True))
         args.load_format = "dummy"
         served_model_name = served_model_name or [args.model_shape]
-    try:  # the engine in a process of its own on CUDA (engine/core.py), as vLLM
-        client = AsyncMPClient if use_engine_process(args.device) else AsyncLLM
+    try:  # the engine loop in a process of its own on CUDA (engine/core.py), as vLLM
+        multiprocess_mode = use_engine_process(args.device)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    engine = _load(client, {**_engine_kwargs(args, model), "seed": args.seed})
+    engine = _load(AsyncLLM, {**_engine_kwargs(args, model), "seed": args.seed,
+                              "multiprocess_mode": multiprocess_mode})
     app = build_app(
         engine,
         served_model_name,
