@@ -1,24 +1,38 @@
-"""The engine loop in its own process (AsyncLLM with multiprocess_mode, engine/core_client.py):
-the same outputs as with the loop in a thread,
-refusals and aborts across the pipe, a dead engine process or a shutdown ends every open stream,
-and the server runs on it unchanged. A tiny random Llama on the CPU; each client spawns one
-engine process (a few seconds)."""
+"""The one engine loop (EngineCore, engine/core.py) on its own, and AsyncLLM running it in a
+thread or in a process of its own (multiprocess_mode): the loop's typed messages (one per step,
+the prompt only in a request's first output, EngineStopped last), the same outputs and the same
+refusals in both modes, aborts across the pipe, a dead engine (thread or process) or a shutdown
+ends every open stream, and the server runs on the engine process unchanged. A tiny random Llama
+on the CPU; each multiprocess client spawns one engine process (a few seconds)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import pickle
 import signal
+import threading
+from collections import deque
 
 import pytest
 from helpers.server import post, running_server
 
 from tinypaged.bench.model_shapes import write_word_tokenizer
+from tinypaged.config import EngineConfig
 from tinypaged.engine.async_llm import AsyncLLM
-from tinypaged.engine.core import use_engine_process
+from tinypaged.engine.core import EngineCore, use_engine_process
+from tinypaged.engine.engine import Engine
+from tinypaged.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineStepOutput,
+    EngineStopped,
+    Shutdown,
+)
 from tinypaged.entrypoints.openai.api_server import build_app
 from tinypaged.sampling.params import SamplingParams
+from tinypaged.sampling.structured_output import StructuredOutputsParams
 
 VOCAB = 512
 KWARGS = dict(load_format="dummy", dtype="float32", max_model_len=256, num_kv_blocks=64,
@@ -48,6 +62,62 @@ def client(model_dir):
 async def collect(engine, prompt, params, request_id):
     outs = [out async for out in engine.generate(prompt, params, request_id)]
     return outs[-1]
+
+
+def run_loop(model_dir, replies: list) -> list:
+    """Run EngineCore on a new engine until its inbox, scripted as the replies to successive
+    recv() calls (Shutdown once they run out), ends it; returns every message it sent."""
+    engine = Engine(EngineConfig.from_kwargs(model=model_dir, **KWARGS))
+    replies, sent = deque(replies), []
+    EngineCore(engine, lambda block: replies.popleft() if replies else Shutdown(),
+               sent.append).run()
+    return sent
+
+
+def test_the_engine_loop_sends_one_message_per_step(model_dir):
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    sent = run_loop(model_dir, [AddRequest("a", [5, 6, 7], greedy),
+                                AddRequest("refused", [VOCAB], greedy),
+                                AddRequest("b", "t9 t10", greedy), None, None,
+                                AbortRequest("b"), None])
+    *steps, stopped = sent
+    assert isinstance(stopped, EngineStopped) and stopped.error is None
+    assert stopped.stats["num_free_blocks"] == stopped.stats["num_total_blocks"]
+    assert all(isinstance(m, EngineStepOutput) and m.stats is not None for m in steps)
+    assert len(steps) == 3  # each None ends a round of messages: a step; b aborted before #3
+    errors = [e for m in steps for e in m.errors]
+    assert len(errors) == 1 and errors[0][0] == "refused" and "out of range" in str(errors[0][1])
+    outs: dict[str, list] = {}
+    for m in steps:
+        for out in m.outputs:
+            outs.setdefault(out.request_id, []).append(out)
+    assert [len(outs["a"]), len(outs["b"])] == [3, 2]
+    # The prompt only in a request's first output: the other side keeps it from there.
+    assert (outs["a"][0].prompt, outs["a"][0].prompt_token_ids) == (None, [5, 6, 7])
+    assert outs["b"][0].prompt == "t9 t10" and outs["b"][0].prompt_token_ids
+    assert all(o.prompt is None and o.prompt_token_ids is None
+               for o in outs["a"][1:] + outs["b"][1:])
+    assert outs["a"][-1].finished and not outs["b"][-1].finished
+    # Everything the loop sends crosses a pipe unchanged.
+    for message in sent:
+        assert repr(pickle.loads(pickle.dumps(message))) == repr(message)
+
+
+def test_shutdown_drops_open_requests_and_frees_their_blocks(model_dir):
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    sent = run_loop(model_dir, [AddRequest("long", [5] * 40, long), None, None])
+    assert [type(m) for m in sent] == [EngineStepOutput, EngineStepOutput, EngineStopped]
+    assert sent[1].stats["num_running"] == 1 and sent[-1].error is None
+    assert sent[-1].stats["num_running"] == 0
+    assert sent[-1].stats["num_free_blocks"] == sent[-1].stats["num_total_blocks"]
+
+
+def test_requests_pickle():
+    params = SamplingParams(max_tokens=5, stop=["x"], logit_bias={3: 1.0},
+                            structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    for message in (AddRequest("r", {"prompt_token_ids": [1, 2]}, params), AbortRequest("r"),
+                    Shutdown()):
+        assert pickle.loads(pickle.dumps(message)) == message
 
 
 async def generate_all(engine) -> list:
@@ -85,6 +155,88 @@ def test_refusals_come_back_as_value_errors(client):
         await long.aclose()  # aborts it in the engine process
 
     asyncio.run(run())
+
+
+GREEDY = SamplingParams(max_tokens=2, temperature=0.0)
+REFUSED = [  # what the engine refuses, and a part of why
+    ([VOCAB + 3], GREEDY, "out of range"),
+    ([5], SamplingParams(max_tokens=2, stop_token_ids=[VOCAB]), "stop_token_ids"),
+    ([5] * 255, GREEDY, "max_model_len"),  # the prompt and max_tokens do not fit
+    ("t5 t6", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(
+        regex="a(b")), "structured_outputs.regex"),
+    ("t5", {"max_tokens": 2}, "must be a SamplingParams"),
+]
+
+
+async def refusals(engine) -> tuple[list, list[int]]:
+    async def refused(i: int, prompt, params) -> tuple[str, str]:
+        with pytest.raises(Exception) as info:
+            await collect(engine, prompt, params, f"refused-{i}")
+        return type(info.value).__name__, str(info.value)
+
+    others = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    fine = [asyncio.create_task(collect(engine, [5, 6, 7], others, f"fine-{i}")) for i in range(2)]
+    errors = await asyncio.gather(*(refused(i, p, sp) for i, (p, sp, _) in enumerate(REFUSED)))
+    return errors, [(await task).outputs[0].token_ids for task in fine]
+
+
+def test_refusals_are_the_same_in_a_thread_and_in_a_process(client, model_dir):
+    """Each refused request fails alone, with the same exception in both modes: the engine loop
+    validates it wherever it runs."""
+    local = AsyncLLM(model_dir, **KWARGS)
+    try:
+        want = asyncio.run(refusals(local))
+    finally:
+        asyncio.run(local.shutdown())
+    assert asyncio.run(refusals(client)) == want
+    errors, fine = want
+    for (kind, text), (_, _, why) in zip(errors, REFUSED):
+        assert kind == "ValueError" and why in text, (kind, text)
+    assert [len(ids) for ids in fine] == [4, 4]
+
+
+def test_a_request_that_does_not_pickle_fails_alone(client):
+    """Only the engine process's pipe needs pickling: such a request fails, the next one runs."""
+    async def run():
+        with pytest.raises(TypeError, match="pickle"):
+            await collect(client, {"prompt_token_ids": [5], "lock": threading.Lock()}, GREEDY,
+                          "unpicklable")
+        return await collect(client, [5], GREEDY, "next")
+
+    assert len(asyncio.run(run()).outputs[0].token_ids) == 2
+
+
+def test_a_dead_engine_thread_fails_open_streams(model_dir):
+    """A tensor-parallel rank dies (simulated) under the engine thread: every open stream ends
+    with its error, is_running turns False, later requests are refused at once."""
+    engine = AsyncLLM(model_dir, **KWARGS)
+    inner, step, dead = engine.engine, engine.engine.step, []
+
+    def dying_step(*args, **kwargs):
+        if dead:
+            inner.executor.failure = "tensor-parallel worker rank 1 was killed"
+            raise RuntimeError("tensor-parallel worker rank 1 was killed")
+        return step(*args, **kwargs)
+
+    inner.step = dying_step
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def run():
+        streams = [engine.generate([5] * 4, long, f"x{i}") for i in range(2)]
+        await asyncio.gather(*(anext(s) for s in streams))
+        dead.append(True)
+        for stream in streams:
+            with pytest.raises(RuntimeError, match="rank 1 was killed"):
+                async for _ in stream:
+                    pass
+        assert not engine.is_running
+        with pytest.raises(RuntimeError, match="not running: tensor-parallel worker rank 1"):
+            await collect(engine, [5], SamplingParams(max_tokens=2), "y")
+        await engine.shutdown()
+
+    asyncio.run(run())
+    stats = engine.get_stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
 
 
 def test_an_abort_frees_the_request(client):
