@@ -78,7 +78,13 @@ from tinypaged.distributed.sigint_watch import StepWatch
 from tinypaged.scheduler import ScheduledSequence
 from tinypaged.worker.gpu_memory import free_at_start
 from tinypaged.worker.model_runner import ModelRunner, SampledTokens
-from tinypaged.worker.tp_worker import pack_step, sigint_held_back, start_method, worker_main
+from tinypaged.worker.tp_worker import (
+    WorkerReport,
+    pack_step,
+    sigint_held_back,
+    start_method,
+    worker_main,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -205,8 +211,8 @@ def _describe_death(worker: _Worker) -> str:
     try:
         while worker.conn.poll(0):
             item = worker.conn.recv()
-            if isinstance(item, tuple) and item[0] == "error":
-                message += f"; its error:\n{item[1]}"
+            if isinstance(item, WorkerReport) and item.kind == "error":
+                message += f"; its error:\n{item.value}"
     except (EOFError, OSError):
         pass
     return message
@@ -244,7 +250,7 @@ def _stopping(workers: list[_Worker], timeout_s: float) -> bool:
             message = w.conn.recv()
         except (EOFError, OSError):
             return False
-        if not (isinstance(message, tuple) and message[0] == "stopping"):
+        if not (isinstance(message, WorkerReport) and message.kind == "stopping"):
             return False
     return True
 
@@ -428,7 +434,7 @@ class MultiprocExecutor:
             raise RuntimeError(failure) from cause
 
     def _receive(self, kind: str) -> list:
-        """Each worker's next message, which must be (`kind`, value); returns the values in
+        """Each worker's next message, which must be a WorkerReport of `kind`; returns the values in
         rank order. Raises RuntimeError as soon as a worker fails or dies instead."""
         values: dict[int, object] = {}
         pending = {w.rank: w for w in self.workers}
@@ -448,10 +454,10 @@ class MultiprocExecutor:
                     message = w.conn.recv()
                 except (EOFError, OSError):
                     message = None
-                if not (isinstance(message, tuple) and message[0] == kind):
+                if not (isinstance(message, WorkerReport) and message.kind == kind):
                     self.health.fail(_describe_unexpected(w, message))
                     self._raise_if_failed()
-                values[w.rank] = message[1]
+                values[w.rank] = message.value
                 del pending[w.rank]
         return [values[r] for r in sorted(values)]
 
@@ -461,9 +467,9 @@ class MultiprocExecutor:
 
 
 def _describe_unexpected(worker: _Worker, message) -> str:
-    if isinstance(message, tuple) and message and message[0] == "error":
+    if isinstance(message, WorkerReport) and message.kind == "error":
         return (f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) failed:"
-                f"\n{message[1]}")
+                f"\n{message.value}")
     if message is None:
         return _describe_death(worker)
     return f"tensor-parallel worker rank {worker.rank} sent an unexpected message {message!r}"

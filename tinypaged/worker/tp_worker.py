@@ -12,7 +12,8 @@ over one pipe: start-up messages are pickled tuples. Every step is then one byte
 (int64 arrays first, so every array starts aligned to its element size). A decode step of 256
 sequences is ~10 KiB plus its block tables. The empty byte string means "stop".
 
-    worker (<- -> the pipe, <= shared memory)     rank 0
+    worker (<- -> the pipe, <= shared memory;     rank 0
+            -> (kind, value): a WorkerReport)
     map the shm ring; -> ("hello", pid)           then everyone joins the process group
     load_model (its shard)  -> ("loaded", bytes read)
     <- EngineConfig (max_model_len resolved); ModelRunner (profile, KV min over ranks, graphs)
@@ -44,7 +45,9 @@ import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from typing import Literal
 
 import numpy as np
 import torch
@@ -62,6 +65,16 @@ LEAVE_TIMEOUT_S = 10.0  # how long a stopping worker waits to leave the group wi
 _INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices",
                  "prev_sample_indices")
 _INT32_FIELDS = ("query_start_loc", "seq_lens", "block_tables")
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """What a worker tells rank 0 over its pipe, in this order: "hello" (its pid), "loaded" (the
+    checkpoint bytes it read), "ready" (the KV blocks it can hold), and at the end "stopping"
+    (its pid); "error" (its traceback) may come at any point, and is its last word."""
+
+    kind: Literal["hello", "loaded", "ready", "stopping", "error"]
+    value: int | str
 
 
 def pack_step(step: StepInput) -> bytes:
@@ -203,29 +216,30 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
         else:  # share the cores with the other ranks instead of oversubscribing them
             torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
         channel = ShmBroadcast.attach(channel_path, world_size - 1, rank - 1)
-        conn.send(("hello", os.getpid()))
+        conn.send(WorkerReport("hello", os.getpid()))
         distributed.init_tp(rank, world_size, backend, init_method,
                             custom_all_reduce=not config.disable_custom_all_reduce)
         stats: dict = {}
         start = free_at_start(config, device)
         model, _, _ = load_model(config, device, stats)
-        conn.send(("loaded", stats.get("bytes_read", 0)))
+        conn.send(WorkerReport("loaded", stats.get("bytes_read", 0)))
         config = conn.recv()  # the engine's final config (max_model_len resolved)
         torch.manual_seed(config.seed)
         runner = ModelRunner(config, model, device, next(model.parameters()).dtype, start)
         freeze_gc_heap(collect=False)  # lives as long as its engine; forked (gc_freeze.py)
-        conn.send(("ready", runner.kv_cache_info.num_blocks))
+        conn.send(WorkerReport("ready", runner.kv_cache_info.num_blocks))
         while payload := channel.recv(conn):
             runner.execute(unpack_step(payload))
             if runner.broadcast_sampled:  # the next step's placeholders read rank 0's samples
                 runner.keep_sampled(None)
         runner.release_graphs()  # NCCL cannot leave while a graph holds a collective
-        conn.send(("stopping", os.getpid()))  # rank 0 destroys the group once all have said so
+        # rank 0 destroys the group once all have said so
+        conn.send(WorkerReport("stopping", os.getpid()))
     except EOFError:  # rank 0 closed the pipe (or stopped us during startup): just leave
         os._exit(0)
     except BaseException:  # sent to rank 0, which raises it
         try:
-            conn.send(("error", traceback.format_exc()))
+            conn.send(WorkerReport("error", traceback.format_exc()))
         except OSError:
             pass
         os._exit(1)  # no teardown: a collective with the other ranks could hang
