@@ -23,12 +23,11 @@
    shutdown() (`del llm; gc.collect()`): how long until its workers are gone.
 In one process only the first TP engine gets the custom all-reduce; the later ones all-reduce
 through NCCL (distributed/custom_all_reduce.py says why). So every TP engine of checks 1, 2 and 4
-runs in a
-fresh child process (this script again, one per model, dtype and TP size), where the custom
-all-reduce serves it as it serves `tinypaged serve` and the bench; a child that fails or hangs
-gives a row saying so and leaves its output in $OUT. Every shutdown() is timed, the children's
-too (the largest is printed). The script exits with status 3 at once if an error never comes
-within 120 s or a shutdown takes over 60 s (a hang).
+runs in a fresh child process (this script again, one per model, dtype and TP size), where the
+custom all-reduce serves it as it serves `tinypaged serve` and the bench; a child that fails or
+hangs gives a row saying so and leaves its output in $OUT. Every shutdown() is timed, the children's
+too (the largest is printed). The script exits with status 3 at once if an error never comes within
+120 s or a shutdown takes over 60 s (a hang).
 
     PYTHONPATH=. python benchmarks/tp_check.py --tp 2 4 --kill-check   # 4 GPUs; --tp 2 on two
     PYTHONPATH=. python benchmarks/tp_check.py --one-rank-group        # one GPU

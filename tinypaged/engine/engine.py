@@ -14,8 +14,7 @@ max_tokens -> max_model_len. A finished sequence's blocks are freed at once.
 
 Logits constraints (structured output, allowed_token_ids, bad_words, logit_bias) are prepared per
 request at add_request (sampling/logits_processors.py); each step their masks are built on the CPU
-right
-after the model's launch, so on a GPU they overlap the forward pass.
+right after the model's launch, so on a GPU they overlap the forward pass.
 
 Async scheduling (`async_scheduling`, on by default on CUDA, as vLLM's). A step is launched
 (schedule -> build the batch -> run -> sample, all queued on the GPU) and processed (wait for the
