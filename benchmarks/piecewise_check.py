@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.bench.model_shapes import AWQ_CONFIG, GPTQ_CONFIG
+from tinypaged.bench.model_shapes import DUMMY_QUANT_CONFIGS
 from tinypaged.bench.offline import shape_dir
 from tinypaged.scheduler import ScheduledSequence, Sequence
 
@@ -53,7 +53,8 @@ TINY = {
     "glm": dict(architectures=["GlmForCausalLM"], model_type="glm", head_dim=32,
                 partial_rotary_factor=0.5, pad_token_id=0),
 }
-QUANTIZED = {"awq": AWQ_CONFIG, "gptq4": GPTQ_CONFIG, "gptq8": {**GPTQ_CONFIG, "bits": 8}}
+GPTQ4 = DUMMY_QUANT_CONFIGS["gptq"]
+QUANTIZED = {"awq": DUMMY_QUANT_CONFIGS["awq"], "gptq4": GPTQ4, "gptq8": {**GPTQ4, "bits": 8}}
 EDGES = [b + d for b in (16, 256, 288, 512) for d in (-1, 0, 1) if b + d <= 512]
 TIMED = [64, 128, 300, 512]
 

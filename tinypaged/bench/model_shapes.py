@@ -55,10 +55,14 @@ SHAPES = {
     ),
 }
 
-AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-              "version": "gemm"}
-GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
-               "sym": True, "checkpoint_format": "gptq"}
+# The formats a named shape can declare with dummy integer weights (int4, group size 128): the
+# ones whose linears the loader can fill with random packed values.
+DUMMY_QUANT_CONFIGS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+            "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+             "sym": True, "checkpoint_format": "gptq"},
+}
 
 
 def shape_dir(shape: str, quantization: str | None = None, tokenizer: bool = False) -> Path:
@@ -67,8 +71,8 @@ def shape_dir(shape: str, quantization: str | None = None, tokenizer: bool = Fal
         raise ValueError(f"unknown model shape {shape!r}; choose from {', '.join(SHAPES)}")
     path = Path(tempfile.mkdtemp(prefix=f"tinypaged-{shape}-"))
     config = {**SHAPES[shape], "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
-    if quantization in ("awq", "gptq"):
-        config["quantization_config"] = AWQ_CONFIG if quantization == "awq" else GPTQ_CONFIG
+    if quantization in DUMMY_QUANT_CONFIGS:
+        config["quantization_config"] = DUMMY_QUANT_CONFIGS[quantization]
     (path / "config.json").write_text(json.dumps(config))
     if tokenizer:
         write_word_tokenizer(path, config["vocab_size"], config["max_position_embeddings"])

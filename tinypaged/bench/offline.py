@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tinypaged.bench import serve as bench_serve
-from tinypaged.bench.model_shapes import SHAPES, shape_dir
+from tinypaged.bench.model_shapes import DUMMY_QUANT_CONFIGS, SHAPES, shape_dir
 from tinypaged.config import CUDAGRAPH_MODES
+from tinypaged.quantization.registry import QUANTIZATION_FORMATS
 
 if TYPE_CHECKING:
     from tinypaged.engine.client import EngineClient
@@ -101,7 +102,7 @@ def weight_bytes(cfg: dict, num_tokens: int, quantization: str | None = None,
             return packed
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     linear = cfg["num_hidden_layers"] * (_attn_params(cfg) + _mlp_params(cfg, num_tokens)[1])
-    per_linear = INT4_G128_BYTES if quantization in ("awq", "gptq") else 2
+    per_linear = INT4_G128_BYTES if quantization in DUMMY_QUANT_CONFIGS else 2
     tables = vocab * h * (1 if cfg["tie_word_embeddings"] else 2)
     return linear * per_linear + 2 * tables
 
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
         # vLLM's defaults in the baseline runs: 16384 batched tokens.
         p.add_argument("--max-num-batched-tokens", type=int, default=16384)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        p.add_argument("--quantization", default=None)
+        p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_FORMATS))
         p.add_argument("--enforce-eager", action="store_true")
         p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE",
                        choices=list(CUDAGRAPH_MODES))
