@@ -5,8 +5,9 @@
    (5..600 tokens, chunked under max_num_batched_tokens 512, so steps mix prefill chunks and
    decodes) equal with the piecewise graphs on and off (at most one request may differ, a
    near-tie under a differently tiled GEMM); the run must take the piecewise path.
-   --test-kinds adds gpu_check.py's tiny checkpoints (gemma2's soft-caps and sandwich norms,
-   phi3, chatglm, the MoE kinds, ...; prompts up to 232 tokens, their context is 256);
+   --test-kinds adds the tests' tiny checkpoints of tinypaged/bench/tiny_models.py (gemma2's
+   soft-caps and sandwich norms, phi3, chatglm, the MoE kinds, ...; prompts up to 232 tokens,
+   their context is 256);
    --quantized awq gptq4 gptq8 the tiny llama with dummy integer weights under an AWQ int4,
    GPTQ int4 or GPTQ int8 config, in float16; --tiny-only stops here.
 2. Llama-3-8B shape, bf16: at every bucket edge (T = b - 1, b, b + 1 up to 512) one mixed step
@@ -66,8 +67,8 @@ def check_tiny(kind: str) -> str:
 
 
 def check_test_kind(kind: str) -> str:
-    """One of gpu_check.py's tiny random checkpoints (2 layers, every weight random)."""
-    from gpu_check import save_tiny  # benchmarks/gpu_check.py
+    """One of the tests' tiny random checkpoints (2 layers, every weight random)."""
+    from tinypaged.bench.tiny_models import save_tiny
 
     path = Path(tempfile.mkdtemp(prefix=f"tinypaged-pw-{kind}-"))
     hf = save_tiny(kind, path)
@@ -194,7 +195,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--kinds", nargs="*", default=list(TINY), choices=list(TINY))
     ap.add_argument("--test-kinds", nargs="*", default=[],
-                    help="also these of gpu_check.py's tiny kinds (gemma2, phi3, chatglm, ...)")
+                    help="also these of the tests' tiny kinds (gemma2, phi3, chatglm, ...)")
     ap.add_argument("--quantized", nargs="*", default=[], choices=list(QUANTIZED),
                     help="also the tiny llama quantized these ways (dummy weights)")
     ap.add_argument("--tiny-only", action="store_true", help="skip the Llama-3-8B shape")

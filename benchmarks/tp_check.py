@@ -1,7 +1,7 @@
 """Tensor-parallel correctness on GPUs: greedy tokens at TP=N against TP=1, run before timings.
 
-1. Tiny random models of every architecture (gpu_check.py's `save_tiny`), fp32 and bf16, CUDA graphs
-   on (or --eager): per TP size, prompts whose greedy tokens equal TP=1's.
+1. Tiny random models of every architecture (tinypaged/bench/tiny_models.py), fp32 and bf16,
+   CUDA graphs on (or --eager): per TP size, prompts whose greedy tokens equal TP=1's.
 2. The Llama-3-8B shape in bf16 with random weights from a fixed seed (N(0, 0.02), norms 1),
    written once as a sharded safetensors checkpoint so that every TP size loads the same
    weights through the sharded loader: the first 32 greedy tokens of 4 prompts at TP=N vs TP=1.
@@ -59,10 +59,9 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-from gpu_check import save_tiny  # noqa: E402  (benchmarks/gpu_check.py)
-
 from tinypaged import LLM, SamplingParams  # noqa: E402
 from tinypaged.bench.offline import SHAPES  # noqa: E402
+from tinypaged.bench.tiny_models import save_tiny  # noqa: E402
 
 KINDS = ["llama", "qwen2", "qwen3", "glm", "glm4", "chatglm"]  # all; the default is 3 of them
 

@@ -22,7 +22,7 @@ GROUP = 32
 
 
 @pytest.fixture(autouse=True, scope="module")
-def two_threads(single_thread):  # noqa: F811  (runs after model_helpers' one-thread fixture)
+def two_threads(single_thread):  # noqa: F811  (runs after helpers.models' one-thread fixture)
     torch.set_num_threads(2)  # big matmuls here: use both cores
 
 

@@ -82,6 +82,14 @@ def test_detection_from_a_gguf_file_and_a_model_directory(tmp_path):
     assert registry.detect_quantization(tmp_path) is None
 
 
+@pytest.mark.parametrize("method", [AWQConfig, GPTQConfig])
+def test_a_config_of_another_format_is_refused(method):
+    other = "gptq" if method.name == "awq" else "awq"
+    with pytest.raises(ValueError, match=f"quant_method is '{other}', not '{method.name}'"):
+        method.from_config({"quant_method": other, "bits": 4, "group_size": 128})
+    assert method.from_config({"bits": 4, "group_size": 128}).group_size == 128  # none: its own
+
+
 def test_engine_config_accepts_exactly_the_registered_names():
     for name in registry.QUANTIZATION_FORMATS:
         assert EngineConfig(quantization=name).quantization == name

@@ -38,10 +38,7 @@ class AWQConfig(QuantizationMethod):
     @classmethod
     def from_config(cls, quantization_config: dict) -> AWQConfig:
         """From config.json's `quantization_config`; unsupported variants raise ValueError."""
-        q = dict(quantization_config)
-        if q.get("quant_method", "awq") != "awq":
-            raise ValueError(f"quantization_config.quant_method is {q['quant_method']!r}, not "
-                             "'awq'")
+        q = cls.own_config(quantization_config)
         # AutoAWQ writes "bits"; some exporters "w_bit" / "q_group_size"
         bits = q.get("bits", q.get("w_bit", 4))
         group_size = q.get("group_size", q.get("q_group_size"))

@@ -46,6 +46,16 @@ class QuantizationMethod(ABC):
     def from_config(cls, quantization_config: dict) -> QuantizationMethod:
         """From config.json's `quantization_config`; unsupported variants raise ValueError."""
 
+    @classmethod
+    def own_config(cls, quantization_config: dict) -> dict:
+        """A copy of `quantization_config`, refused (ValueError) when it declares another
+        format's `quant_method`; from_config reads its fields from the copy."""
+        q = dict(quantization_config)
+        if q.get("quant_method", cls.name) != cls.name:
+            raise ValueError(f"quantization_config.quant_method is {q['quant_method']!r}, not "
+                             f"{cls.name!r}")
+        return q
+
     @abstractmethod
     def create_weights(self, layer: nn.Module, input_size: int,
                        output_size_per_partition: int, params_dtype: torch.dtype) -> None:

@@ -55,10 +55,7 @@ class GPTQConfig(QuantizationMethod):
     @classmethod
     def from_config(cls, quantization_config: dict) -> GPTQConfig:
         """From config.json's `quantization_config`; unsupported variants raise ValueError."""
-        q = dict(quantization_config)
-        if q.get("quant_method", "gptq") != "gptq":
-            raise ValueError(f"quantization_config.quant_method is {q['quant_method']!r}, not "
-                             "'gptq'")
+        q = cls.own_config(quantization_config)
         bits, group_size = q.get("bits", 4), q.get("group_size", 128)
         fmt = str(q.get("checkpoint_format", "gptq")).lower()
         if bits not in (4, 8):
