@@ -141,7 +141,7 @@ def launch_source(signature, tensordesc_meta=None, *, global_scratch: bool = Fal
     for name, wanted in (("global_scratch", global_scratch), ("profile_scratch", profile_scratch)):
         if wanted:
             lines.append(f"    {name} = ALLOC_{name.upper()}(grid_x * grid_y * grid_z, stream)")
-        values.append(f"{name}.data_ptr()" if wanted else "0")
+        values.append(_value("*", name) if wanted else "0")
     head = ("def launch(grid_x, grid_y, grid_z, stream, function, kernel_metadata, "
             "launch_metadata, enter_hook, exit_hook")  # fmt: skip
     src = "\n".join([
