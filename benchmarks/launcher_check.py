@@ -54,8 +54,24 @@ with torch.cuda.stream(s):
         axpy[(4,)](x, y, out, 3.0, 4096, 1, 2, 3, 0.0, BLOCK=1024)
 out.zero_(); g.replay(); torch.cuda.synchronize()
 assert torch.allclose(out, 3 * x + y), "graph replay"
+
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+@triton.jit
+def copy_tiles(src, dst, N: tl.constexpr, M: tl.constexpr):
+    row = tl.program_id(0) * N
+    tile = src.load([row, 0])
+    offs = (row + tl.arange(0, N))[:, None] * M + tl.arange(0, M)[None, :]
+    tl.store(dst + offs, tile)
+
+a = torch.randn(128, 64, device="cuda", dtype=torch.float16)
+b = torch.empty_like(a)
+k = copy_tiles[(4,)](TensorDescriptor(a, list(a.shape), list(a.stride()), [32, 64]), b, N=32, M=64)
+torch.cuda.synchronize()
+assert torch.equal(a, b), "tensor descriptor copy"
 print("RESULT", {"launcher": driver.active.launcher, "first_call_s": round(first, 3),
-                 "host_us_per_launch": round(host_us, 2), "graph_replay_ok": True})
+                 "host_us_per_launch": round(host_us, 2), "graph_replay_ok": True,
+                 "tma_copy_ok": True, "tma_lowered": bool(getattr(k.metadata, "tensordesc_meta", None))})
 """
 
 ENGINE = r"""
@@ -110,9 +126,9 @@ def run(kind: str, cache: str, argv: list[str], timeout: float) -> float:
     proc = subprocess.run(argv, env=env, cwd=ROOT, timeout=timeout, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - t0
-    for line in proc.stdout.splitlines():
-        if line.startswith(("RESULT ", "{")) or "passed" in line or "failed" in line:
-            print(json.dumps({"kind": kind, "wall_s": round(wall, 1), "out": line}), flush=True)
+    lines = proc.stdout.splitlines()
+    for line in [ln for ln in lines if ln.startswith(("RESULT ", "{"))] or lines[-3:]:
+        print(json.dumps({"kind": kind, "wall_s": round(wall, 1), "out": line}), flush=True)
     if proc.returncode:
         print(proc.stdout[-4000:], flush=True)
         print(json.dumps({"kind": kind, "argv": argv[-3:], "rc": proc.returncode}), flush=True)
@@ -128,14 +144,17 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["nocc", "gcc"])
     parser.add_argument("--deadline", type=float, default=1e9, help="skip steps after N seconds")
     parser.add_argument("--tests-k", default="", help="pytest -k for the CUDA test files")
+    parser.add_argument("--steps", nargs="+", default=["micro", "qwen3", "llama"])
     args = parser.parse_args()
     anchor = os.path.abspath(args.anchor)
     caches = {k: tempfile.mkdtemp(prefix=f"triton_{k}_") for k in args.kinds}
     py = sys.executable
-    steps = [(k, [py, "-c", MICRO]) for k in args.kinds]
-    steps += [(k, [py, "-c", ENGINE, anchor, "qwen3-0.6b", str(args.n)]) for k in args.kinds]
-    steps += [(k, [py, "-c", ENGINE, anchor, "llama-3-8b", str(args.n), "lat"])
-              for k in args.kinds]
+    micro = os.path.join(tempfile.mkdtemp(), "micro.py")  # @triton.jit needs a source file
+    with open(micro, "w") as f:
+        f.write(MICRO)
+    argvs = {"micro": [py, micro], "qwen3": [py, "-c", ENGINE, anchor, "qwen3-0.6b", str(args.n)],
+             "llama": [py, "-c", ENGINE, anchor, "llama-3-8b", str(args.n), "lat"]}
+    steps = [(k, argvs[s]) for s in args.steps for k in args.kinds]
     if args.tests:
         steps.append(("nocc", [py, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                                "tests/models/test_models_cuda.py", "tests/worker/test_piecewise.py",
