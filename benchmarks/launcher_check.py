@@ -71,7 +71,7 @@ torch.cuda.synchronize()
 assert torch.equal(a, b), "tensor descriptor copy"
 print("RESULT", {"launcher": driver.active.launcher, "first_call_s": round(first, 3),
                  "host_us_per_launch": round(host_us, 2), "graph_replay_ok": True,
-                 "tma_copy_ok": True, "tma_lowered": bool(getattr(k.metadata, "tensordesc_meta", None))})
+                 "tma_copy_ok": True, "tma": bool(getattr(k.metadata, "tensordesc_meta", None))})
 """
 
 ENGINE = r"""
