@@ -107,8 +107,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     ),
     "TINYPAGED_TRITON_LAUNCHER": EnvVar(
         "str", "auto",
-        "how Triton launches CUDA kernels: python (ctypes into the driver, no C compiler), native "
-        "(Triton's C launcher, built with gcc or $CC) or auto (python)",
+        "how Triton launches CUDA kernels: auto or python (ctypes into the CUDA driver, no C "
+        "compiler needed) or native (Triton's own C launcher, built with gcc or $CC)",
         lambda name, text: _one_of(name, text, ("auto", "python", "native")),
     ),
 }

@@ -190,8 +190,10 @@ def test_launcher_choice_follows_the_variable_and_the_machine(monkeypatch, tmp_p
     monkeypatch.setenv("TINYPAGED_TRITON_LAUNCHER", "gcc")
     with pytest.raises(ValueError, match="TINYPAGED_TRITON_LAUNCHER must be one of"):
         install.chosen_launcher()
-    monkeypatch.setenv("CC", "/opt/cc")
+    monkeypatch.setenv("CC", "/opt/cc")  # a compiler: auto still launches from Python
     monkeypatch.setenv("TINYPAGED_TRITON_LAUNCHER", "auto")
+    assert install.compiler_on_path() == "/opt/cc" and install.chosen_launcher() == "python"
+    monkeypatch.setenv("TINYPAGED_TRITON_LAUNCHER", "native")
     assert install.chosen_launcher() == "native"
     monkeypatch.setenv("TINYPAGED_TRITON_LAUNCHER", "python")
     driver = install._driver_class()()  # built, not installed: the CPU tests keep the interpreter
