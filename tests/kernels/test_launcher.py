@@ -229,3 +229,37 @@ def test_a_driver_too_old_for_cuLaunchKernelEx_names_the_fix(monkeypatch):
     monkeypatch.setattr(libcuda.ctypes, "CDLL", OldDriver)
     with pytest.raises(libcuda.DriverError, match=r"CUDA 11\.4.*missing cuLaunchKernelEx.*525"):
         libcuda.LibCuda("libcuda.so.1")
+
+
+def test_tma_descriptor_gets_sizes_innermost_first_and_comes_back_as_128_bytes(monkeypatch):
+    from tinypaged.kernels.launcher.utils import PythonCudaUtils
+
+    seen = {}
+
+    class Encoder:
+        def cuTensorMapEncodeTiled(self, out, dtype, rank, address, dims, strides, box, elem,
+                                   interleave, swizzle, l2, fill):  # fmt: skip
+            assert out % 64 == 0
+            ctypes.memmove(out, bytes(range(128)), 128)
+            seen.update(dtype=dtype, rank=rank, address=address, dims=list(dims[:rank]),
+                        strides=list(strides[:rank - 1]), box=list(box[:rank]), swizzle=swizzle,
+                        fill=fill)  # fmt: skip
+            return 0
+
+    monkeypatch.setattr(libcuda, "_lib", Encoder())
+    # a [num_blocks=10, block_size=64, 8 * 128] bf16 cache, tiles of [1, 64, 128]
+    desc = PythonCudaUtils().fill_tma_descriptor(0x7000, 3, 2, 10, [1, 64, 128], [10, 64, 1024],
+                                                 [65536, 1024, 1], 0)  # fmt: skip
+    assert desc == bytes(range(128))
+    assert seen == {"dtype": 10, "rank": 3, "address": 0x7000, "dims": [1024, 64, 10],
+                    "strides": [2 * 1024, 2 * 65536], "box": [128, 64, 1], "swizzle": 3,
+                    "fill": libcuda.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE}  # fmt: skip
+
+
+def test_a_tma_descriptor_is_passed_by_value_on_a_64_byte_boundary():
+    drv = FakeDriver()
+    PackedLaunch(["i32", "nvTmaDesc", "i8"], num_warps=4, lib=drv).launch(
+        1, 1, 1, 0, 1, None, None, None, None, 9, bytes(range(128)), -1)
+    p = drv.launches[0]["params"]
+    assert p[1] % 64 == 0 and ctypes.string_at(p[1], 128) == bytes(range(128))
+    assert read(p[0], "i32") == 9 and read(p[2], "i8") == -1
