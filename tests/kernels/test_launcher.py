@@ -193,6 +193,11 @@ def test_launcher_choice_follows_the_variable_and_the_machine(monkeypatch, tmp_p
     monkeypatch.setenv("CC", "/opt/cc")  # a compiler: auto still launches from Python
     monkeypatch.setenv("TINYPAGED_TRITON_LAUNCHER", "auto")
     assert install.compiler_on_path() == "/opt/cc" and install.chosen_launcher() == "python"
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.7.0")  # another launcher interface: Triton's
+    assert install.chosen_launcher() == "native"
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setenv("TINYPAGED_TRITON_LAUNCHER", "native")
     assert install.chosen_launcher() == "native"
     monkeypatch.setenv("TINYPAGED_TRITON_LAUNCHER", "python")

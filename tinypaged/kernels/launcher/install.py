@@ -7,6 +7,8 @@ TINYPAGED_TRITON_LAUNCHER:
   workloads ran at the same speed (offline Llama-3-8B shape 8,484 vs 8,464 tok/s, decode batch
   1 / 8 226.1 / 203.2 vs 226.0 / 203.2), and a cold start skips one gcc run per kernel
   signature, so a compiler buys nothing; "native" stays one variable away for A/B runs.
+  The launcher follows Triton 3.6's launcher interface; under another Triton, "auto" keeps
+  Triton's own (TINYPAGED_TRITON_LAUNCHER=python still forces this one).
 
 `install()` replaces Triton's active CUDA driver with a subclass whose `utils` and
 `launcher_cls` follow that choice. Triton creates its driver on first use, and the stock one
@@ -24,6 +26,9 @@ import shutil
 from tinypaged import envs
 
 
+TESTED_TRITON = (3, 6)  # the Triton whose driver.py this package mirrors
+
+
 def compiler_on_path() -> str | None:
     """The C compiler Triton's build would use: $CC, else gcc, else clang (runtime/build.py)."""
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
@@ -34,14 +39,19 @@ def chosen_launcher() -> str:
     import triton
 
     choice = envs.TINYPAGED_TRITON_LAUNCHER
-    can_build = compiler_on_path() is not None or triton.knobs.build.impl is not None
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4: a build hook may stand in for CC
+    build_impl = getattr(getattr(knobs, "build", None), "impl", None)
+    can_build = compiler_on_path() is not None or build_impl is not None
     if choice == "native" and not can_build:
         raise RuntimeError(
             "TINYPAGED_TRITON_LAUNCHER=native needs a C compiler for Triton's launcher, and "
             "there is none ($CC is unset; no gcc or clang on PATH). Unset the variable (or set "
             "it to 'python') to launch kernels without one, or install gcc."
         )
-    return "native" if choice == "native" else "python"
+    if choice == "auto":
+        version = tuple(int(v) for v in triton.__version__.split(".")[:2] if v.isdigit())
+        return "python" if version == TESTED_TRITON else "native"
+    return choice
 
 
 def python_launcher(src, metadata):
@@ -61,11 +71,13 @@ def python_launcher(src, metadata):
         num_warps=metadata.num_warps,
         num_ctas=getattr(metadata, "num_ctas", 1),
         shared=metadata.shared,
-        cooperative=metadata.launch_cooperative_grid,
-        pdl=metadata.launch_pdl,
+        cooperative=getattr(metadata, "launch_cooperative_grid", False),
+        pdl=getattr(metadata, "launch_pdl", False),
         tensordesc_meta=getattr(metadata, "tensordesc_meta", None),
-        global_scratch=(metadata.global_scratch_size, metadata.global_scratch_align),
-        profile_scratch=(metadata.profile_scratch_size, metadata.profile_scratch_align),
+        global_scratch=(getattr(metadata, "global_scratch_size", 0),
+                        getattr(metadata, "global_scratch_align", 1)),
+        profile_scratch=(getattr(metadata, "profile_scratch_size", 0),
+                         getattr(metadata, "profile_scratch_align", 1)),
         lib=libcuda(),
         current_device=torch.cuda.current_device,
         alloc_scratch=alloc_scratch,
@@ -116,5 +128,5 @@ def install() -> None:
 
     if torch.version.hip is not None:  # ROCm: Triton's HIP driver, untouched
         return
-    if type(driver._active).__name__ != "TinypagedCudaDriver":
+    if type(getattr(driver, "_active", None)).__name__ != "TinypagedCudaDriver":
         driver.set_active(_driver_class()())
