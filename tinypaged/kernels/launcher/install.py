@@ -25,7 +25,6 @@ import shutil
 
 from tinypaged import envs
 
-
 TESTED_TRITON = (3, 6)  # the Triton whose driver.py this package mirrors
 
 
