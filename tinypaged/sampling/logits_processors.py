@@ -143,6 +143,14 @@ class LogitsMaskBuilder:
         self.vocab_size = vocab_size
         self.device = device
         self._host = torch.empty((0, num_words(vocab_size)), dtype=torch.int32)
+        self._batch = None  # xgrammar's BatchGrammarMatcher, made at the first grammar row
+
+    def _batch_matcher(self):
+        if self._batch is None:
+            import xgrammar  # present: the request's grammar was compiled with it
+
+            self._batch = xgrammar.BatchGrammarMatcher()
+        return self._batch
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         if self._host.shape[0] < num_rows:
@@ -165,10 +173,14 @@ class LogitsMaskBuilder:
         if masked:
             host = self._buffer(len(masked))
             words = host.numpy().view(np.uint32)  # the same memory, bit ops without sign
-            for i, (_, c, index, output_ids) in enumerate(masked):
-                if c.matchers:
-                    c.matchers[index].fill_next_token_bitmask(host, i)
-                else:
+            grammar_rows = [i for i, r in enumerate(masked) if r[1].matchers]
+            if grammar_rows:  # one call: xgrammar fills the rows on its threads
+                self._batch_matcher().batch_fill_next_token_bitmask(
+                    [masked[i][1].matchers[masked[i][2]] for i in grammar_rows], host,
+                    grammar_rows,
+                )
+            for i, (_, c, _, output_ids) in enumerate(masked):
+                if not c.matchers:
                     words[i] = 0xFFFFFFFF
                 if c.allowed_words is not None:
                     words[i] &= c.allowed_words
