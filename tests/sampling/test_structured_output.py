@@ -265,3 +265,23 @@ def test_async_scheduling_keeps_constrained_steps_in_flight(model_dir):
     validate(want[0])
     validate(want[1])
     assert re.fullmatch(r"[0-9]{3}", want[2])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_token_the_grammar_rejects_fails_only_its_request(model_dir, async_scheduling):
+    """With the masks switched off, greedy sampling picks a token the JSON grammar rejects: that
+    request fails with an error naming it, the plain request beside it finishes."""
+    llm = LLM(str(model_dir), num_kv_blocks=64, block_size=8, async_scheduling=async_scheduling)
+    engine = llm.engine
+    engine.mask_builder.build = lambda rows: None
+    engine.add_request("json", "a", SamplingParams(temperature=0, max_tokens=8,
+                                                   structured_outputs=JSON))
+    engine.add_request("plain", "b", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    errors = dict(engine.pop_request_errors())
+    assert list(errors) == ["json"] and "grammar rejected" in str(errors["json"])
+    assert len(finished["plain"].outputs[0].token_ids) == 8

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from tinypaged.sampling.params import SamplingParams
+from tinypaged.sampling.structured_output import batch_matcher
 
 
 def num_words(vocab_size: int) -> int:
@@ -143,14 +144,6 @@ class LogitsMaskBuilder:
         self.vocab_size = vocab_size
         self.device = device
         self._host = torch.empty((0, num_words(vocab_size)), dtype=torch.int32)
-        self._batch = None  # xgrammar's BatchGrammarMatcher, made at the first grammar row
-
-    def _batch_matcher(self):
-        if self._batch is None:
-            import xgrammar  # present: the request's grammar was compiled with it
-
-            self._batch = xgrammar.BatchGrammarMatcher()
-        return self._batch
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         if self._host.shape[0] < num_rows:
@@ -175,7 +168,7 @@ class LogitsMaskBuilder:
             words = host.numpy().view(np.uint32)  # the same memory, bit ops without sign
             grammar_rows = [i for i, r in enumerate(masked) if r[1].matchers]
             if grammar_rows:  # one call: xgrammar fills the rows on its threads
-                self._batch_matcher().batch_fill_next_token_bitmask(
+                batch_matcher().batch_fill_next_token_bitmask(
                     [masked[i][1].matchers[masked[i][2]] for i in grammar_rows], host,
                     grammar_rows,
                 )
