@@ -39,6 +39,7 @@ import torch
 from tinypaged.config import EngineConfig
 from tinypaged.quantization.base import QuantizationMethod
 from tinypaged.quantization.registry import (
+    ONLINE_QUANTIZATION,
     QUANTIZATION_FORMATS,
     detect_quantization,
     get_quantization_config,
@@ -283,6 +284,8 @@ def _quant_config(config: EngineConfig, hf_config) -> QuantizationMethod | None:
     method = detect_quantization(hf_config)
     if config.quantization is None and method is None:
         return None
+    if method is None and config.quantization in ONLINE_QUANTIZATION:  # quantize at load
+        return get_quantization_config(config.quantization).online()
     if method not in QUANTIZATION_FORMATS or config.quantization not in (None, method):
         wanted = config.quantization or "none"
         raise ValueError(
