@@ -103,6 +103,7 @@ def weight_bytes(cfg: dict, num_tokens: int, quantization: str | None = None,
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     linear = cfg["num_hidden_layers"] * (_attn_params(cfg) + _mlp_params(cfg, num_tokens)[1])
     per_linear = INT4_G128_BYTES if quantization in DUMMY_QUANT_CONFIGS else 2
+    per_linear = 1 if quantization == "fp8" else per_linear  # FP8 weights: one byte each
     tables = vocab * h * (1 if cfg["tie_word_embeddings"] else 2)
     return linear * per_linear + 2 * tables
 

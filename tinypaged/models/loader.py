@@ -312,7 +312,10 @@ def _init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         generator = generators[param.device]
-        if param.dtype.is_floating_point:
+        if param.dtype.is_floating_point and param.element_size() == 1:  # FP8: no uniform_
+            param.data.copy_(torch.empty(param.shape, device=param.device).uniform_(
+                -1.0, 1.0, generator=generator))
+        elif param.dtype.is_floating_point:
             param.data.uniform_(-1e-3, 1e-3, generator=generator)
         else:  # packed int4 (AWQ): any bit pattern is a valid weight
             param.data.random_(generator=generator)
