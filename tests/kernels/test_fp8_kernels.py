@@ -29,9 +29,11 @@ def test_reference_is_the_definition():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("M, K, group, static", [(5, 96, None, False), (3, 2048, None, False),
-                                                  (4, 256, 128, False), (2, 64, None, True)])
-def test_quantize_matches_reference(dtype, M, K, group, static):
+@pytest.mark.parametrize("M, K, group, static, one_pass", [
+    (5, 96, None, False, 16384), (3, 2048, None, False, 512), (4, 256, 128, False, 16384),
+    (2, 64, None, True, 16384), (2, 320, None, True, 128)])
+def test_quantize_matches_reference(monkeypatch, dtype, M, K, group, static, one_pass):
+    monkeypatch.setattr(F, "MAX_ONE_PASS", one_pass)  # < K: the two-pass loop over chunks
     gen = torch.Generator().manual_seed(K)
     x = (torch.randn(M, K, generator=gen) * 3).to(dtype)
     scale = torch.tensor(0.02) if static else None

@@ -32,6 +32,7 @@ from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl, use_triton
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still gets a finite scale
+MAX_ONE_PASS = 16384  # the widest row quantized from registers in one pass
 
 
 # ---------------------------------------------------------------- references (CPU path, tests)
@@ -87,6 +88,7 @@ def _round_e4m3(x):
 @jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm, stride_sm,
                      GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
+                     ONE_PASS: tl.constexpr,
                      FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     # one program: row m, inputs [g * GROUP, (g + 1) * GROUP), in chunks of BLOCK
     m = tl.program_id(0)
@@ -94,22 +96,33 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm, s
     x_row = x_ptr + m * stride_xm + g * GROUP
     q_row = q_ptr + m * stride_qm + g * GROUP
     cols = tl.arange(0, BLOCK)
-    if STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
+    if ONE_PASS:  # the group fits one block: read it once, keep it in registers
+        mask = (cols < GROUP) & (g * GROUP + cols < K)
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, MIN_SCALE)
+            tl.store(s_ptr + m * stride_sm + g, scale)
+        y = tl.minimum(tl.maximum(x * (1.0 / scale), -FP8_MAX), FP8_MAX)
+        tl.store(q_row + cols, _round_e4m3(y).to(q_ptr.dtype.element_ty), mask=mask)
     else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for k0 in range(0, GROUP, BLOCK):
+                mask = (k0 + cols < GROUP) & (g * GROUP + k0 + cols < K)
+                x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+            tl.store(s_ptr + m * stride_sm + g, scale)
+        inv = 1.0 / scale
         for k0 in range(0, GROUP, BLOCK):
             mask = (k0 + cols < GROUP) & (g * GROUP + k0 + cols < K)
             x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
-        tl.store(s_ptr + m * stride_sm + g, scale)
-    inv = 1.0 / scale
-    for k0 in range(0, GROUP, BLOCK):
-        mask = (k0 + cols < GROUP) & (g * GROUP + k0 + cols < K)
-        x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x * inv, -FP8_MAX), FP8_MAX)
-        tl.store(q_row + k0 + cols, _round_e4m3(y).to(q_ptr.dtype.element_ty), mask=mask)
+            y = tl.minimum(tl.maximum(x * inv, -FP8_MAX), FP8_MAX)
+            tl.store(q_row + k0 + cols, _round_e4m3(y).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_fp8(x: torch.Tensor, group: int | None = None,
@@ -131,9 +144,12 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None,
         s = torch.empty(M, K // G, dtype=torch.float32, device=x.device)
         grid = (M, K // G)
     if M:
+        # up to 16K inputs a row (group) is one block, read once; wider ones in two passes
+        block = min(next_power_of_2(G), MAX_ONE_PASS)
         _quantize_kernel[grid](x, q, s, s, K, x.stride(0), q.stride(0), s.stride(0), GROUP=G,
-                               BLOCK=min(next_power_of_2(G), 1024), STATIC=scale is not None,
-                               FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=4)
+                               BLOCK=block, STATIC=scale is not None, ONE_PASS=block >= G,
+                               FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+                               num_warps=max(1, min(16, block // 1024)))
     return q, s
 
 
@@ -183,11 +199,14 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, M, N, K,
 
 
 def gemm_config(M: int, N: int) -> dict:
-    """Tile shapes: 128 x 128 x 128 for prefill; for 1-16 rows (decode) 16-row tiles and 32 or
-    64 columns, so that the N / BLOCK_N programs cover the SMs while they stream the weights."""
-    if M <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=32 if N <= 8192 else 64, BLOCK_K=128, GROUP_M=1,
-                    num_warps=4, num_stages=5)
+    """Tile shapes: 128 x 128 x 128 for prefill; for 1-16 rows (decode) 16-row tiles and 16 or
+    64 columns, so that the N / BLOCK_N programs cover the SMs while they stream the weights
+    (a block-wise weight keeps BLOCK_K at its scale block, 128)."""
+    if M <= 16:  # the fastest of five configs on an H200 (benchmarks/fp8_gpu.py)
+        if N > 8192:
+            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4,
+                        num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, GROUP_M=1, num_warps=2, num_stages=4)
     if M <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
