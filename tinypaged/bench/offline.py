@@ -147,6 +147,7 @@ def _model_args(args) -> tuple[str, dict, dict]:
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
         cudagraph_mode=args.cudagraph_mode, async_scheduling=args.async_scheduling,
         gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         disable_custom_all_reduce=args.disable_custom_all_reduce, **extra,
     )
@@ -293,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--max-num-batched-tokens", type=int, default=16384)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_FORMATS))
+        p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
         p.add_argument("--enforce-eager", action="store_true")
         p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE",
                        choices=list(CUDAGRAPH_MODES))
