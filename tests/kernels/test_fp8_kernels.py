@@ -6,6 +6,8 @@ import torch
 
 from tinypaged.kernels import fp8 as F
 
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+
 
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):

@@ -25,6 +25,7 @@ from tinypaged.models import layers
 from tinypaged.models.loader import load_model
 from tinypaged.quantization.fp8 import CompressedTensorsFp8Config, Fp8Config
 
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], list(range(11, 31))]
 BLOCK_SHAPES = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=4)  # whole blocks
 
