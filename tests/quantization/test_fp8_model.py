@@ -48,15 +48,18 @@ def quantize(w, fmt):
 def fp8_pair(tmp_path, fmt, kind="llama"):
     """(checkpoint dir, transformers model holding its dequantized weights). fmt: "tensor",
     "static" (per tensor, static inputs), "block" (quant_method fp8); "channel", "ct-tensor"
-    (compressed-tensors, the latter with static inputs)."""
-    hf_model = save_tiny(kind, tmp_path, **(BLOCK_SHAPES if fmt == "block" else {}))
+    (static inputs), "ct-block" (compressed-tensors)."""
+    hf_model = save_tiny(kind, tmp_path, **(BLOCK_SHAPES if "block" in fmt else {}))
     tensors = load_file(str(tmp_path / "model.safetensors"))
     state = {}
     for name in list(tensors):
         prefix = name[: -len(".weight")]
         if not any(prefix.endswith(linear) for linear in LINEARS):
             continue
-        stored, state[name] = quantize(tensors.pop(name), "tensor" if fmt == "static" else fmt)
+        stored, state[name] = quantize(tensors.pop(name), {"static": "tensor",
+                                                           "ct-block": "block"}.get(fmt, fmt))
+        if fmt == "ct-block":  # compressed-tensors names the block scales weight_scale
+            stored["weight_scale"] = stored.pop("weight_scale_inv")
         tensors.update({f"{prefix}.{k}": v for k, v in stored.items()})
         if fmt in ("static", "ct-tensor"):  # q/k/v differ: the layer takes the largest
             tensors[f"{prefix}.input_scale"] = torch.tensor(0.02 + 0.01 * ("k_proj" in prefix))
@@ -69,14 +72,16 @@ def fp8_pair(tmp_path, fmt, kind="llama"):
             q["weight_block_size"] = [128, 128]
     else:
         static = fmt == "ct-tensor"
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                   "strategy": "tensor" if static else "channel"}
+        inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
+                  "strategy": "tensor" if static else "token"}
+        if fmt == "ct-block":
+            weights.update(strategy="block", block_structure=[128, 128])
+            inputs.update(strategy="group", group_size=128)
         q = {"quant_method": "compressed-tensors", "format": "float-quantized",
              "ignore": ["lm_head"], "config_groups": {"group_0": {
-                 "targets": ["Linear"],
-                 "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
-                             "strategy": "tensor" if static else "channel"},
-                 "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
-                                       "dynamic": not static,
-                                       "strategy": "tensor" if static else "token"}}}}
+                 "targets": ["Linear"], "weights": weights, "input_activations": inputs}}}
     config["quantization_config"] = q
     (tmp_path / "config.json").write_text(json.dumps(config))
     hf_model.load_state_dict(state, strict=False)
@@ -85,15 +90,17 @@ def fp8_pair(tmp_path, fmt, kind="llama"):
 
 @pytest.mark.parametrize("fmt, kind", [("tensor", "llama"), ("static", "qwen2"),
                                        ("block", "qwen3"), ("channel", "llama"),
-                                       ("ct-tensor", "qwen3")])
+                                       ("ct-tensor", "qwen3"), ("ct-block", "qwen3")])
 def test_checkpoint_matches_dequantized_transformers(tmp_path, fmt, kind):
     out, hf_model = fp8_pair(tmp_path, fmt, kind)
     model, _, _ = load_model(EngineConfig(model=str(out)), "cpu")  # format auto-detected
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn
     method = qkv.quant_config
-    assert isinstance(method, CompressedTensorsFp8Config if fmt in ("channel", "ct-tensor")
-                      else Fp8Config)
+    assert isinstance(method, CompressedTensorsFp8Config if fmt in ("channel", "ct-tensor",
+                                                                    "ct-block") else Fp8Config)
+    N = qkv.weight.shape[0]  # block-wise: one scale per 128 x 128 block (K = 128 here)
+    assert qkv.weight_scale.shape == ((N // 128, 1) if method.block else (N, 1))
     if fmt in ("static", "ct-tensor"):
         assert qkv.input_scale.item() == pytest.approx(0.03)  # the largest of q, k, v
     check_prefill_then_decode(PagedRunner(model, block_size=4, num_blocks=32), hf_model,
