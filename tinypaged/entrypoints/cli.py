@@ -63,6 +63,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
              "(vLLM: --compilation-config '{\"cudagraph_mode\": ...}')")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the GPU runs this one (default: on CUDA)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3): an e4m3 KV cache holding "
+                        "twice the tokens (per-tensor scale 1.0)")
     p.add_argument(
         "--quantization", default=None, choices=list(QUANTIZATION_FORMATS),
         help="the checkpoint's format (default: read from it): " + "; ".join(
@@ -216,6 +219,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "cudagraph_mode": args.cudagraph_mode,
         "async_scheduling": args.async_scheduling,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "disable_custom_all_reduce": args.disable_custom_all_reduce,
         "chat_template": chat_template,
