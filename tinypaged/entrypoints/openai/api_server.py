@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tinypaged.engine.client import EngineClient
+from tinypaged.entrypoints.anthropic.serving import anthropic_routes
 from tinypaged.entrypoints.openai.chat_output import output_for
 from tinypaged.entrypoints.openai.chat_protocol import (
     ChatOptions,
@@ -520,6 +521,7 @@ def build_app(
         Route("/tokenize", e(server.tokenize, auth=True), methods=["POST"]),
         Route("/detokenize", e(server.detokenize, auth=True), methods=["POST"]),
     ]
+    routes += anthropic_routes(server)  # /v1/messages: translated onto the chat path
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
