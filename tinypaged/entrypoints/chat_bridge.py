@@ -100,10 +100,14 @@ class ChatEvent:
 class ChatEvents:
     """Reads the chunks of one chat stream (choice 0, with continuous usage) as ChatEvents.
 
-    `usage` always holds the latest usage seen (prompt tokens from the first chunk on)."""
+    `usage` always holds the latest usage seen (prompt tokens from the first chunk on). Text
+    that is only whitespace so far (Qwen3's "\n\n" between </think> and a tool call) is held
+    back until real text follows, so that it opens no text block of its own (`has_text`)."""
 
     def __init__(self) -> None:
         self.usage: dict = {"prompt_tokens": 0, "completion_tokens": 0}
+        self.held = ""  # whitespace-only text not sent yet
+        self.text_sent = False
 
     def events(self, chunk: dict | str) -> list[ChatEvent]:
         if chunk == "[DONE]":
@@ -118,7 +122,12 @@ class ChatEvents:
             if delta.get("reasoning_content"):
                 out.append(ChatEvent("reasoning", text=delta["reasoning_content"]))
             if delta.get("content"):
-                out.append(ChatEvent("text", text=delta["content"]))
+                text = self.held + delta["content"]
+                if self.text_sent or text.strip():
+                    out.append(ChatEvent("text", text=text))
+                    self.held, self.text_sent = "", True
+                else:
+                    self.held = text
             for call in delta.get("tool_calls") or []:
                 fn = call.get("function") or {}
                 if call.get("id"):
@@ -136,6 +145,11 @@ class ChatEvents:
         if not chunk.get("choices") and chunk.get("usage"):
             out.append(ChatEvent("usage", usage=chunk["usage"]))
         return out
+
+
+def has_text(content: str | None) -> bool:
+    """Whether a whole answer's content makes a text block (see ChatEvents)."""
+    return bool(content and content.strip())
 
 
 def cached_tokens(usage: dict) -> int | None:

@@ -32,6 +32,7 @@ from tinypaged.entrypoints.anthropic.protocol import to_chat_body
 from tinypaged.entrypoints.chat_bridge import (
     ChatEvents,
     cached_tokens,
+    has_text,
     restream,
     run_chat,
 )
@@ -89,7 +90,7 @@ def message_body(chat: dict, msg_id: str) -> dict:
     if message.get("reasoning_content"):
         content.append({"type": "thinking", "thinking": message["reasoning_content"],
                         "signature": ""})
-    if message.get("content"):
+    if has_text(message.get("content")):
         content.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or []:
         fn = call["function"]

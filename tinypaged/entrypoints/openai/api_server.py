@@ -58,6 +58,7 @@ from tinypaged.entrypoints.openai.protocol import (
 )
 from tinypaged.entrypoints.openai.request_handler import Generation, build_sampling_params, respond
 from tinypaged.entrypoints.openai.response_bodies import ResponseBuilder, new_id, now
+from tinypaged.entrypoints.responses.serving import responses_routes
 
 logger = logging.getLogger(__name__)
 
@@ -521,7 +522,7 @@ def build_app(
         Route("/tokenize", e(server.tokenize, auth=True), methods=["POST"]),
         Route("/detokenize", e(server.detokenize, auth=True), methods=["POST"]),
     ]
-    routes += anthropic_routes(server)  # /v1/messages: translated onto the chat path
+    routes += anthropic_routes(server) + responses_routes(server)  # translated onto chat
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
