@@ -12,14 +12,13 @@ steps:
                                            (reasoning / text / tool call start / arguments /
                                            finish / usage / error)
     restream(stream, events)               the same EventStream, re-framed by the translator
-    log_ignored(body, known, api)          vLLM's warning for fields a request sent that the
-                                           server does not use
+
+and the translators log the fields they do not use with protocol.log_ignored, as chat does.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,21 +30,6 @@ from tinypaged.entrypoints.openai.request_handler import EventStream
 
 if TYPE_CHECKING:
     from tinypaged.entrypoints.openai.api_server import OpenAIServer
-
-logger = logging.getLogger(__name__)
-
-
-def log_ignored(body: dict, known: set[str] | frozenset[str], api: str) -> set[str]:
-    """Warn, in vLLM's words, about the fields of `body` this API does not read; returns them."""
-    ignored = set(body) - set(known)
-    if ignored:
-        logger.warning(
-            "The following fields were present in the request but ignored: %s (%s)",
-            ignored,
-            api,
-        )
-    return ignored
-
 
 async def run_chat(
     server: OpenAIServer, request: Request, chat_body: dict

@@ -30,8 +30,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tinypaged.entrypoints.chat_bridge import log_ignored
 from tinypaged.entrypoints.openai.errors import bad_request, show
+from tinypaged.entrypoints.openai.protocol import log_ignored
 
 KNOWN_FIELDS = frozenset({
     "model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature",

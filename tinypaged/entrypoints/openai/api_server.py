@@ -100,6 +100,7 @@ class OpenAIServer:
         enable_auto_tool_choice: bool = False,
         reasoning_parser: str | None = None,
         enable_prompt_tokens_details: bool = False,
+        trust_request_chat_template: bool = False,
     ):
         if not isinstance(engine, EngineClient):
             raise TypeError(
@@ -111,6 +112,7 @@ class OpenAIServer:
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser = _pick(REASONING_PARSERS, reasoning_parser, "reasoning_parser")
         self.prompt_tokens_details = enable_prompt_tokens_details
+        self.trust_request_chat_template = trust_request_chat_template
         names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
         self.model_names = list(names or [engine.model_name])
         self.model_name = self.model_names[0]
@@ -313,7 +315,8 @@ class OpenAIServer:
         if req.truncate_prompt_tokens is None:  # a truncated prompt may be any length
             chars = sum(len(m["content"]) for m in req.messages if isinstance(m["content"], str))
             self.check_prompt_chars(chars, "messages")
-        prompt = self.truncate(req, await self._chat_prompt(req.messages, opts))
+        prompt = await self._chat_prompt(req.messages, opts, opts.add_special_tokens)
+        prompt = self.truncate(req, prompt)
         last = req.messages[-1]
         echo = last["content"] if opts.echo and last["role"] == "assistant" else ""
         builder = ResponseBuilder(
@@ -345,6 +348,9 @@ class OpenAIServer:
     async def _chat_prompt(
         self, messages: list[dict], opts: ChatOptions, add_special_tokens: bool = False
     ) -> list[int]:
+        if opts.chat_template and not self.trust_request_chat_template:  # as vLLM
+            raise bad_request("chat_template", "the request passes a chat_template but the "
+                              "server was not started with --trust-request-chat-template")
         tok = self.engine.tokenizer
         kwargs = opts.template_kwargs()
 

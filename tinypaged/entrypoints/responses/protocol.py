@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tinypaged.entrypoints.chat_bridge import log_ignored
 from tinypaged.entrypoints.openai.errors import bad_request, show
+from tinypaged.entrypoints.openai.protocol import log_ignored
 
 KNOWN_FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens",
