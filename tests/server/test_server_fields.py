@@ -6,8 +6,11 @@ server does not use (a made-up field, `length_penalty`, `vllm_xargs`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
+import httpx
 import pytest
 from helpers.chat_templates import QWEN
 from helpers.server import FakeEngine, ScriptedEngine, assert_error, post, running_server
@@ -36,8 +39,13 @@ def scripted(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fake():
-    with running_server(build_app(FakeEngine())) as url:
+def fake_engine():
+    return FakeEngine(max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def fake(fake_engine):
+    with running_server(build_app(fake_engine)) as url:
         yield url
 
 
@@ -124,3 +132,29 @@ def test_spaces_between_special_tokens(spaces):
     skipped = IncrementalDetokenizer(tok, [2, 4], params)
     skipped.update([5, 3, 2, 4])
     assert skipped.get_next_output_text(finished=True, delta=False) == " world hello"
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "SLOW"}]}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "SLOW"}]}),
+    ("/v1/responses", {"input": "SLOW"}),
+])
+def test_hang_up_mid_answer_aborts_within_a_step(fake_engine, fake, path, body):
+    """vLLM's with_cancellation: a non-streaming request whose client hangs up while the answer
+    is being generated is aborted at once (the fake engine takes 0.5 s per step)."""
+    engine = fake_engine
+    budget = {"max_output_tokens": 50} if path == "/v1/responses" else {"max_tokens": 50}
+
+    async def go() -> float:
+        async with httpx.AsyncClient(timeout=10) as c:
+            task = asyncio.create_task(c.post(fake + path, json={**body, **budget}))
+            await asyncio.sleep(0.8)  # past the first step: the answer is being generated
+            assert len(engine.live) == 1
+            task.cancel()
+            return time.monotonic()
+
+    before = len(engine.aborted)
+    hung_up = asyncio.run(go())
+    while engine.live or len(engine.aborted) == before:
+        assert time.monotonic() - hung_up < 0.4, "still generating for nobody"
+        time.sleep(0.01)
