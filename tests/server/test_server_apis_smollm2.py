@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import anthropic
+import httpx
 import openai
 import pytest
 from helpers.server import running_server
@@ -131,3 +132,30 @@ def test_responses_forced_tool_round_trip(served):
     r = client.responses.create(model="SmolLM2-135M-Instruct", input=items, tools=[tool],
                                 tool_choice="none", max_output_tokens=8)
     assert [o.type for o in r.output] == ["message"] and r.output_text
+
+
+def test_invocations_answers_as_chat_and_completions(served):
+    """vLLM's test_invocations: /invocations answers a chat body exactly as
+    /v1/chat/completions (the SDK's full model, null fields included) and a prompt body as
+    /v1/completions."""
+    _, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    chat = {"model": "SmolLM2-135M-Instruct", "max_completion_tokens": 5, "temperature": 0.0,
+            "logprobs": False, "messages": [{"role": "system", "content": "be helpful"},
+                                            {"role": "user", "content": "what is 1+1?"}]}
+    want = client.chat.completions.create(**chat).model_dump()
+    got = httpx.post(url + "/invocations", json=chat, timeout=60).json()
+    same_shape(want, got)
+    prompt = {"model": "SmolLM2-135M-Instruct", "prompt": "1+1=", "max_tokens": 5,
+              "temperature": 0.0}
+    want = client.completions.create(**prompt).model_dump()
+    got = httpx.post(url + "/invocations", json=prompt, timeout=60).json()
+    same_shape(want, got)
+
+
+def same_shape(want: dict, got: dict) -> None:
+    """`got` (raw JSON) has every key of the SDK's model `want` but the fields newer SDKs
+    declare that vLLM does not send either (e.g. `metadata`), which are then null; the choices
+    are equal, null fields included."""
+    assert set(got) <= set(want) and all(want[k] is None for k in set(want) - set(got))
+    assert want["choices"] == got["choices"]

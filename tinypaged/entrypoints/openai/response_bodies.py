@@ -321,6 +321,9 @@ class ResponseBuilder:
                 self.cached_tokens[i] = out.num_cached_tokens
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         body = {**self._head(obj), "choices": choices, "usage": self._usage(completion_tokens)}
+        body["system_fingerprint"] = None  # vLLM's (and OpenAI's) full shape
+        if self.kind == "chat":
+            body["service_tier"] = None
         if self.return_token_ids and self.kind == "chat":
             body["prompt_token_ids"] = self.prompts[0]
         if self.kind == "chat":
