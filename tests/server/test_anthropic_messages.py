@@ -4,7 +4,7 @@ The engine is `ScriptedEngine` (helpers/server.py): it answers with the reply a 
 would write (thinking, tool calls in hermes' format), a few characters per step, and keeps the
 prompt it got, so each test checks both directions of the translation: what the chat template
 rendered from Anthropic's blocks, and the blocks, stop reasons, usage and stream events read
-back. test_server_apis_smollm2.py runs the same client against the real default model.
+back. test_server_smollm2.py runs the same client against the real default model.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 As in test_anthropic_messages.py the engine is `ScriptedEngine`, answering as a Qwen-family
 model would (thinking, hermes tool calls), so each test checks what the chat template rendered
 from the input items and the output items, events and usage read back.
-test_server_apis_smollm2.py runs the same client against the real default model.
+test_server_smollm2.py runs the same client against the real default model.
 """
 
 from __future__ import annotations

@@ -82,6 +82,19 @@ def usage_body(usage: dict) -> dict:
     return body
 
 
+def tool_input(arguments: str) -> dict:
+    """A call's arguments as tool_use's `input` object; arguments cut short (max_tokens) are not
+    JSON and give {}, with a warning."""
+    try:
+        value = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        logger.warning("tool call arguments are not a JSON object (cut short?): %.200s", arguments)
+        return {}
+    return value
+
+
 def message_body(chat: dict, msg_id: str) -> dict:
     """A chat.completion body as an Anthropic message."""
     choice = chat["choices"][0]
@@ -95,7 +108,7 @@ def message_body(chat: dict, msg_id: str) -> dict:
     for call in message.get("tool_calls") or []:
         fn = call["function"]
         content.append({"type": "tool_use", "id": call["id"], "name": fn["name"],
-                        "input": json.loads(fn["arguments"] or "{}")})
+                        "input": tool_input(fn["arguments"])})
     reason, sequence = stop_reason(
         choice["finish_reason"], choice.get("stop_reason"), bool(message.get("tool_calls"))
     )
