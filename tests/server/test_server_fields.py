@@ -158,3 +158,15 @@ def test_hang_up_mid_answer_aborts_within_a_step(fake_engine, fake, path, body):
     while engine.live or len(engine.aborted) == before:
         assert time.monotonic() - hung_up < 0.4, "still generating for nobody"
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("side,kept", [(None, "ef"), ("left", "ef"), ("right", "ab")])
+def test_truncation_side(fake, side, kept):
+    body = {"prompt": "abcdef", "max_tokens": 1, "truncate_prompt_tokens": 2,
+            "return_token_ids": True}
+    if side is not None:
+        body["truncation_side"] = side
+    choice = post(fake, "/v1/completions", body).json()["choices"][0]
+    assert choice["prompt_token_ids"] == [ord(ch) for ch in kept]  # the fake: id = code point
+    assert_error(post(fake, "/v1/completions", {**body, "truncation_side": "middle"}), 400,
+                 "truncation_side", "'left' or 'right'")

@@ -333,7 +333,8 @@ class OpenAIServer:
         return await self.generate(request, req, [prompt], builder, "messages")
 
     def truncate(self, req: GenerationRequest, prompt: list[int]) -> list[int]:
-        """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: max_model_len)."""
+        """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: max_model_len), or
+        its first k with truncation_side "right"."""
         k, limit = req.truncate_prompt_tokens, self.max_model_len
         if k is None:
             return prompt
@@ -343,7 +344,8 @@ class OpenAIServer:
                 f"'truncate_prompt_tokens' must be -1 (the context length) or in [1, {limit}] "
                 f"(max_model_len), got {k}",
             )
-        return prompt[-(limit if k == -1 else k) :]
+        keep = limit if k == -1 else k
+        return prompt[:keep] if req.truncation_side == "right" else prompt[-keep:]
 
     async def _chat_prompt(
         self, messages: list[dict], opts: ChatOptions, add_special_tokens: bool = False

@@ -188,6 +188,7 @@ class GenerationRequest:
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" (vLLM)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: all
     # that fit the context)
+    truncation_side: str = "left"  # vLLM: "left" keeps the last k tokens, "right" the first k
     echo: bool = False  # completions: the prompt's text leads the answer
     # SamplingParams field -> the body field that set it, for errors: chat's top_logprobs sets
     # logprobs, response_format or guided_json sets structured_outputs, and so on
@@ -246,6 +247,11 @@ def _common(body: dict, req: GenerationRequest) -> None:
     # Not a SamplingParams field here: the server truncates (api_server.py), -1 meaning the
     # model's context length, which only the server knows.
     req.truncate_prompt_tokens = field_value(body, "truncate_prompt_tokens", "int")
+    side = field_value(body, "truncation_side", "str")
+    if side not in (None, "left", "right"):
+        raise bad_request("truncation_side", f"'truncation_side' must be 'left' or 'right', got "
+                          f"{show(side)}")
+    req.truncation_side = side or "left"
     prompt_logprobs = field_value(body, "prompt_logprobs", "int", at_most=MAX_LOGPROBS)
     if prompt_logprobs is not None:
         s["prompt_logprobs"] = prompt_logprobs
@@ -310,7 +316,7 @@ COMMON_FIELDS = frozenset({
     "model", "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "min_tokens", "ignore_eos",
     "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens",
-    "return_token_ids", "return_tokens_as_token_ids", "truncate_prompt_tokens",
+    "return_token_ids", "return_tokens_as_token_ids", "truncate_prompt_tokens", "truncation_side",
     "prompt_logprobs", "stop", "stop_token_ids", "user", "stream", "stream_options",
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "logit_bias", "allowed_token_ids", "bad_words", "max_tokens", "logprobs",
