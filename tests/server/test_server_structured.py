@@ -120,11 +120,15 @@ def test_completions_guided_fields_and_logit_bias(client):
     r = client.completions.create(model=m, prompt="code:", max_tokens=10, temperature=0,
                                   extra_body={"guided_regex": r"[A-Z]{2}-[0-9]{3}"})
     assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", r.choices[0].text)
-    r = client.completions.create(model=m, prompt="x", max_tokens=4, temperature=0,
-                                  logit_bias={"777": 100}, extra_body={"ignore_eos": True})
-    assert r.choices[0].text == client.completions.create(
-        model=m, prompt="x", max_tokens=4, temperature=0, extra_body={
-            "allowed_token_ids": [777], "ignore_eos": True}).choices[0].text
+    ids = {"ignore_eos": True, "return_token_ids": True}
+    biased = client.completions.create(model=m, prompt="x", max_tokens=4, temperature=0,
+                                       logit_bias={"777": 100}, extra_body=ids)
+    allowed = client.completions.create(model=m, prompt="x", max_tokens=4, temperature=0,
+                                        extra_body={"allowed_token_ids": [777], **ids})
+    # both force token 777 at every step
+    assert biased.choices[0].model_extra["token_ids"] == [777] * 4
+    assert allowed.choices[0].model_extra["token_ids"] == [777] * 4
+    assert biased.choices[0].text == allowed.choices[0].text
 
 
 def test_engine_side_errors_name_the_field(server):

@@ -168,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="usage.prompt_tokens_details.cached_tokens: prompt tokens from the prefix cache",
     )
     serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests pass their own 'chat_template' (vLLM: refused by default)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -307,6 +312,7 @@ def serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        trust_request_chat_template=args.trust_request_chat_template,
         cors={
             "allow_origins": args.allowed_origins,
             "allow_methods": args.allowed_methods,

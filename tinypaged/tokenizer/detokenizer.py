@@ -103,6 +103,14 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None  # the stop string that ended the text
         self._streamed = 0  # characters of output_text already handed out as deltas
         self._flushed = False
+        # spaces_between_special_tokens=False (with special tokens in the text): a special token
+        # right after another is written bare, without the space a decoder (WordPiece,
+        # Metaspace) puts before it, as vLLM's fast detokenizer does
+        self._specials: dict[int, str] | None = None
+        self._last_special = False
+        if not params.skip_special_tokens and not params.spaces_between_special_tokens:
+            ids = list(getattr(tokenizer, "all_special_ids", []))
+            self._specials = dict(zip(ids, tokenizer.convert_ids_to_tokens(ids)))
 
     def update(
         self, new_token_ids: int | list[int], skip: bool = False, check_stop: bool = True
@@ -123,9 +131,15 @@ class IncrementalDetokenizer:
         old_len = len(self.output_text)
         for token_id in new_token_ids:
             self._ids.append(token_id)
-            self.output_text += (
+            piece = (
                 self._decode_window(final=False) if self._step is None else self._stream(token_id)
             )
+            if self._specials is not None:
+                special = self._specials.get(token_id)
+                if special is not None and self._last_special and piece:
+                    piece = special
+                self._last_special = special is not None
+            self.output_text += piece
         return self._check_stop(old_len) if check_stop else None
 
     def _stream(self, token_id: int) -> str:

@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tinypaged.engine.client import EngineClient
+from tinypaged.entrypoints.anthropic.serving import anthropic_routes
 from tinypaged.entrypoints.openai.chat_output import output_for
 from tinypaged.entrypoints.openai.chat_protocol import (
     ChatOptions,
@@ -57,6 +58,7 @@ from tinypaged.entrypoints.openai.protocol import (
 )
 from tinypaged.entrypoints.openai.request_handler import Generation, build_sampling_params, respond
 from tinypaged.entrypoints.openai.response_bodies import ResponseBuilder, new_id, now
+from tinypaged.entrypoints.responses.serving import responses_routes
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class OpenAIServer:
         enable_auto_tool_choice: bool = False,
         reasoning_parser: str | None = None,
         enable_prompt_tokens_details: bool = False,
+        trust_request_chat_template: bool = False,
     ):
         if not isinstance(engine, EngineClient):
             raise TypeError(
@@ -109,6 +112,7 @@ class OpenAIServer:
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser = _pick(REASONING_PARSERS, reasoning_parser, "reasoning_parser")
         self.prompt_tokens_details = enable_prompt_tokens_details
+        self.trust_request_chat_template = trust_request_chat_template
         names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
         self.model_names = list(names or [engine.model_name])
         self.model_name = self.model_names[0]
@@ -311,7 +315,8 @@ class OpenAIServer:
         if req.truncate_prompt_tokens is None:  # a truncated prompt may be any length
             chars = sum(len(m["content"]) for m in req.messages if isinstance(m["content"], str))
             self.check_prompt_chars(chars, "messages")
-        prompt = self.truncate(req, await self._chat_prompt(req.messages, opts))
+        prompt = await self._chat_prompt(req.messages, opts, opts.add_special_tokens)
+        prompt = self.truncate(req, prompt)
         last = req.messages[-1]
         echo = last["content"] if opts.echo and last["role"] == "assistant" else ""
         builder = ResponseBuilder(
@@ -328,7 +333,8 @@ class OpenAIServer:
         return await self.generate(request, req, [prompt], builder, "messages")
 
     def truncate(self, req: GenerationRequest, prompt: list[int]) -> list[int]:
-        """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: max_model_len)."""
+        """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: max_model_len), or
+        its first k with truncation_side "right"."""
         k, limit = req.truncate_prompt_tokens, self.max_model_len
         if k is None:
             return prompt
@@ -338,11 +344,15 @@ class OpenAIServer:
                 f"'truncate_prompt_tokens' must be -1 (the context length) or in [1, {limit}] "
                 f"(max_model_len), got {k}",
             )
-        return prompt[-(limit if k == -1 else k) :]
+        keep = limit if k == -1 else k
+        return prompt[:keep] if req.truncation_side == "right" else prompt[-keep:]
 
     async def _chat_prompt(
         self, messages: list[dict], opts: ChatOptions, add_special_tokens: bool = False
     ) -> list[int]:
+        if opts.chat_template and not self.trust_request_chat_template:  # as vLLM
+            raise bad_request("chat_template", "the request passes a chat_template but the "
+                              "server was not started with --trust-request-chat-template")
         tok = self.engine.tokenizer
         kwargs = opts.template_kwargs()
 
@@ -520,6 +530,7 @@ def build_app(
         Route("/tokenize", e(server.tokenize, auth=True), methods=["POST"]),
         Route("/detokenize", e(server.detokenize, auth=True), methods=["POST"]),
     ]
+    routes += anthropic_routes(server) + responses_routes(server)  # translated onto chat
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)

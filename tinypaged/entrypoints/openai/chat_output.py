@@ -52,6 +52,9 @@ class ChatOutput:
             message["reasoning_content"] = reasoning
         if self.tool_parser is not None:
             message["tool_calls"] = [c.as_dict() for c in calls]
+        # vLLM's (and OpenAI's) full message shape: the fields this server never fills are null
+        for name in ("tool_calls", "refusal", "annotations", "audio", "function_call"):
+            message.setdefault(name, None)
         return message
 
     def delta(self, text: str, finished: bool) -> dict[str, Any]:

@@ -38,6 +38,11 @@ class ChatOptions:
     continue_final_message: bool = False
     echo: bool = False
     parallel_tool_calls: bool = True  # False: only the first call is returned (vLLM)
+    chat_template: str | None = None  # this request's Jinja template (--trust-request-chat-
+    # template), in place of the model's
+    add_special_tokens: bool = False  # the tokenizer's own specials (bos) around the rendered
+    # prompt too; the template usually writes them itself (vLLM's default: false)
+    documents: list[dict] | None = None  # RAG documents, for templates that render them
 
     @property
     def named_tool(self) -> str | None:
@@ -50,6 +55,8 @@ class ChatOptions:
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
             "tools": self.tools,
+            **({"documents": self.documents} if self.documents is not None else {}),
+            **({"chat_template": self.chat_template} if self.chat_template else {}),
         }
 
 
@@ -128,6 +135,19 @@ def parse_chat_options(body: dict) -> ChatOptions:
     opts.continue_final_message = _bool(body, "continue_final_message", False)
     opts.echo = _bool(body, "echo", False)
     opts.parallel_tool_calls = _bool(body, "parallel_tool_calls", True)
+    opts.add_special_tokens = _bool(body, "add_special_tokens", False)
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise bad_request("chat_template", "'chat_template' must be a string (a Jinja template)",
+                          code="invalid_type")
+    opts.chat_template = template
+    documents = body.get("documents")
+    if documents is not None and not (
+        isinstance(documents, list) and all(isinstance(d, dict) for d in documents)
+    ):
+        raise bad_request("documents", "'documents' must be a list of objects (e.g. {'title', "
+                          "'text'})", code="invalid_type")
+    opts.documents = documents
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request(

@@ -17,6 +17,7 @@ becomes a 400 naming the body field that set the value (`GenerationRequest.to_sa
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from tinypaged.entrypoints.openai.structured_protocol import parse_logits_fields
 from tinypaged.sampling.params import SamplingParams
 
 _MISSING = object()
+logger = logging.getLogger(__name__)
 
 
 # A UTF-16 surrogate written as a JSON escape; paired ones are fine, a lone one is not text.
@@ -186,6 +188,7 @@ class GenerationRequest:
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" (vLLM)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: all
     # that fit the context)
+    truncation_side: str = "left"  # vLLM: "left" keeps the last k tokens, "right" the first k
     echo: bool = False  # completions: the prompt's text leads the answer
     # SamplingParams field -> the body field that set it, for errors: chat's top_logprobs sets
     # logprobs, response_format or guided_json sets structured_outputs, and so on
@@ -244,6 +247,11 @@ def _common(body: dict, req: GenerationRequest) -> None:
     # Not a SamplingParams field here: the server truncates (api_server.py), -1 meaning the
     # model's context length, which only the server knows.
     req.truncate_prompt_tokens = field_value(body, "truncate_prompt_tokens", "int")
+    side = field_value(body, "truncation_side", "str")
+    if side not in (None, "left", "right"):
+        raise bad_request("truncation_side", f"'truncation_side' must be 'left' or 'right', got "
+                          f"{show(side)}")
+    req.truncation_side = side or "left"
     prompt_logprobs = field_value(body, "prompt_logprobs", "int", at_most=MAX_LOGPROBS)
     if prompt_logprobs is not None:
         s["prompt_logprobs"] = prompt_logprobs
@@ -296,7 +304,42 @@ UNSUPPORTED = {
     "mm_processor_kwargs": " (text-only models)",
     "priority": " (the scheduler serves requests first come, first served)",
     "kv_transfer_params": "",
+    "cache_salt": " (the prefix cache is shared by all requests; it takes no salt)",
+    "logits_processors": " (no custom logits processors are loaded)",
 }
+
+# The fields each endpoint reads (UNSUPPORTED's included: a falsy one is harmless). Any other
+# field is logged and ignored, as vLLM does: "The following fields were present in the request
+# but ignored". vLLM's length_penalty (beam search only) and vllm_xargs (arguments of custom
+# logits processors, of which there are none) are among those.
+COMMON_FIELDS = frozenset({
+    "model", "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "seed", "min_tokens", "ignore_eos",
+    "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens",
+    "return_token_ids", "return_tokens_as_token_ids", "truncate_prompt_tokens", "truncation_side",
+    "prompt_logprobs", "stop", "stop_token_ids", "user", "stream", "stream_options",
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "logit_bias", "allowed_token_ids", "bad_words", "max_tokens", "logprobs",
+    *UNSUPPORTED,
+})  # fmt: skip
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "echo",
+    "parallel_tool_calls", "modalities", "add_special_tokens", "chat_template", "documents",
+}  # fmt: skip
+
+
+def log_ignored(body: dict, known: set[str] | frozenset[str], api: str = "") -> set[str]:
+    """Warn, in vLLM's words, about the fields of `body` not in `known`; returns them."""
+    ignored = set(body) - set(known)
+    if ignored:
+        logger.warning(
+            "The following fields were present in the request but ignored: %s%s",
+            ignored,
+            f" ({api})" if api else "",
+        )
+    return ignored
 
 
 def _max_tokens(body: dict, req: GenerationRequest, names: tuple[str, ...]) -> None:
@@ -323,6 +366,7 @@ def parse_completion_request(body: Any) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("body", "the request body must be a JSON object", code="invalid_type")
     req = GenerationRequest(model=None, default_max_tokens=16)
+    log_ignored(body, COMPLETION_FIELDS)
     _common(body, req)
     _max_tokens(body, req, ("max_tokens",))
     prompt = body.get("prompt", _MISSING)
@@ -374,6 +418,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("body", "the request body must be a JSON object", code="invalid_type")
     req = GenerationRequest(model=None)
+    log_ignored(body, CHAT_FIELDS)
     _common(body, req)
     _max_tokens(body, req, ("max_completion_tokens", "max_tokens"))
     req.messages = parse_messages(body.get("messages", _MISSING))
@@ -386,6 +431,9 @@ def parse_chat_request(body: Any) -> GenerationRequest:
         req.logprobs = 0 if top is None else top
         req.sampling["logprobs"] = req.logprobs
         req.body_fields["logprobs"] = "top_logprobs"
+    if req.stream and req.sampling.get("prompt_logprobs"):  # as vLLM: no chunk carries them
+        raise bad_request("prompt_logprobs", "`prompt_logprobs` are not available when "
+                          "`stream=True`; send the request without streaming to get them")
     _check_sampling(req)
     return req
 

@@ -271,8 +271,7 @@ class ResponseBuilder:
                 echo = self.echo_prompts[prompt_index] if self.echo_prompts and k0 == 0 else ""
                 choice["text"] = echo + text
             choice.update(logprobs=logprobs, finish_reason=finish_reason)
-            if self.kind == "completion":
-                choice["stop_reason"] = c.stop_reason
+            choice["stop_reason"] = c.stop_reason  # vLLM: chat choices carry it too
             if self.return_token_ids:
                 if self.kind == "completion" and k0 == 0:
                     choice["prompt_token_ids"] = self.prompts[prompt_index]
@@ -312,8 +311,7 @@ class ResponseBuilder:
                     choice["text"] = echo + c.text
                     self._prompt_fields(choice, i, out)
                 choice.update(logprobs=self._logprobs(c, 0, 0, i), finish_reason=finish_reason)
-                if self.kind == "completion":
-                    choice["stop_reason"] = c.stop_reason
+                choice["stop_reason"] = c.stop_reason  # vLLM: chat choices carry it too
                 if self.return_token_ids:
                     if self.kind == "completion":
                         choice["prompt_token_ids"] = self.prompts[i]
@@ -323,6 +321,9 @@ class ResponseBuilder:
                 self.cached_tokens[i] = out.num_cached_tokens
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         body = {**self._head(obj), "choices": choices, "usage": self._usage(completion_tokens)}
+        body["system_fingerprint"] = None  # vLLM's (and OpenAI's) full shape
+        if self.kind == "chat":
+            body["service_tier"] = None
         if self.return_token_ids and self.kind == "chat":
             body["prompt_token_ids"] = self.prompts[0]
         if self.kind == "chat":
