@@ -14,8 +14,7 @@ import torch
 from helpers.models import save_byte_tokenizer, single_thread, tiny_hf_model  # noqa: F401
 from helpers.pooling import reference_embedding, write_embedding_checkpoint
 
-from tinypaged import LLM
-from tinypaged.pooling.params import PoolingParams
+from tinypaged import LLM, PoolingParams
 from tinypaged.pooling.prompts import qwen3_rerank_text
 
 ENGINE = {"max_model_len": 128, "num_kv_blocks": 64, "dtype": "float32",
@@ -79,7 +78,7 @@ def test_qwen3_reranker_scores_are_the_yes_no_formula(tmp_path):
     hf.save_pretrained(path)
     save_yes_no_tokenizer(path)
     llm = LLM(str(path), **{**ENGINE, "max_model_len": 512, "max_num_batched_tokens": 1024})
-    assert llm.engine.config.pooler_config["yes_no_token_ids"] == [258, 257]
+    assert llm.engine.config.pooler_config["yes_no_token_ids"] == [258, 257]  # no, yes
     docs = ["paris is the capital", "bananas are yellow", "no"]
     outs = llm.score("capital of france?", docs, use_tqdm=False)
     for doc, out in zip(docs, outs):
@@ -103,6 +102,7 @@ def test_sequence_classification_head(tmp_path):
     hf.save_pretrained(tmp_path)
     save_byte_tokenizer(tmp_path)
     llm = LLM(str(tmp_path), **ENGINE)
+    assert llm.engine.config.pooler_config["labels"] == ["LABEL_0", "LABEL_1", "LABEL_2"]
     outs = llm.classify(PROMPTS, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         ids = llm.tokenizer.encode(prompt)

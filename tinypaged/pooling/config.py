@@ -8,7 +8,8 @@
     normalize     L2-normalize embeddings
     head          "none" (the hidden state itself), "classifier" (score.weight, num_labels
                   logits), "yes_no" (Qwen3-Reranker: logit("yes") - logit("no") from lm_head)
-    num_labels, yes_no_token_ids, rerank_format ("qwen3": its prompt around query and document)
+    num_labels, labels (id2label), yes_no_token_ids, rerank_format ("qwen3": its prompt around
+    query and document)
 
 runner="auto" picks pooling for: a sentence-transformers checkpoint (modules.json or
 1_Pooling/config.json: pooling mode and Normalize read from there), a *ForSequenceClassification
@@ -83,7 +84,8 @@ def detect_pooler(model_dir: Path, hf_config, runner: str, tokenizer_dir: Path) 
     if any(a.endswith("ForSequenceClassification") for a in archs) and not from_tokens:
         labels = getattr(hf_config, "id2label", None) or {}
         num_labels = int(getattr(hf_config, "num_labels", 0) or len(labels) or 1)
-        pooler.update(task="classify", head="classifier", num_labels=num_labels)
+        pooler.update(task="classify", head="classifier", num_labels=num_labels,
+                      labels=[str(labels.get(i, i)) for i in range(num_labels)])
     elif from_tokens or reranker_name:
         words = list(from_tokens or ["no", "yes"])
         if len(words) != 2:

@@ -3,6 +3,7 @@
     POST /v1/embeddings   OpenAI's: input = a string, strings, token ids or lists of token ids;
                           encoding_format float | base64; dimensions; usage
     POST /pooling         vLLM's: the same input, each result's raw pooled `data`
+    POST /classify        vLLM's: the same input -> each input's label and class probabilities
     POST /score           vLLM's: text_1 (one or N) and text_2 (N) -> one score per pair
     POST /rerank, /v1/rerank, /v2/rerank
                           Jina's / Cohere's: query, documents (strings or {"text": ...}),
@@ -44,6 +45,7 @@ def pooling_routes(server: OpenAIServer) -> list[Route]:
     return [
         Route("/v1/embeddings", e(api.embeddings, auth=True), methods=["POST"]),
         Route("/pooling", e(api.pooling, auth=True), methods=["POST"]),
+        Route("/classify", e(api.classify, auth=True), methods=["POST"]),
         Route("/score", e(api.score, auth=True), methods=["POST"]),
         Route("/v1/score", e(api.score, auth=True), methods=["POST"]),
         Route("/rerank", rerank, methods=["POST"]),
@@ -168,6 +170,18 @@ class PoolingAPI:
         data = [{"object": "pooling", "index": i, "data": _encode(o.outputs.data, encoding)}
                 for i, o in enumerate(outs)]
         return JSONResponse({"id": new_id("pool"), "object": "list", "created": now(),
+                             "model": model, "data": data, "usage": usage})
+
+    async def classify(self, request: Request) -> Response:
+        model, outs, _, usage = await self._pool(request, "classify")
+        labels = self.pooler.get("labels") or []
+        data = []
+        for i, o in enumerate(outs):
+            probs = o.outputs.data.tolist()
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append({"index": i, "label": labels[best] if best < len(labels) else str(best),
+                         "probs": probs, "num_classes": len(probs)})
+        return JSONResponse({"id": new_id("classify"), "object": "list", "created": now(),
                              "model": model, "data": data, "usage": usage})
 
     async def _scores(self, body: dict, queries: list[str], documents: list[str],
