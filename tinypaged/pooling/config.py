@@ -13,8 +13,8 @@
 
 runner="auto" picks pooling for: a sentence-transformers checkpoint (modules.json or
 1_Pooling/config.json: pooling mode and Normalize read from there), a *ForSequenceClassification
-or bare *Model architecture, and a Qwen3 checkpoint named *Reranker*. A user's
-`pooler_config` (pooling_type, normalize) overrides what was read.
+or bare *Model architecture (not a generative one such as ChatGLMModel), and a Qwen3 checkpoint
+named *Reranker*. A user's `pooler_config` (pooling_type, normalize) overrides what was read.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from tinypaged.models.registry import supported_architectures
 
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -73,14 +75,18 @@ def _token_id(tokenizer, word: str) -> int:
     return ids[0]
 
 
-def detect_pooler(model_dir: Path, hf_config, runner: str, tokenizer_dir: Path) -> dict | None:
-    """The pooler of this checkpoint, or None when runner "auto" finds a generative model."""
+def detect_pooler(model_dir: Path, hf_config, runner: str, tokenizer_dir: Path,
+                  name: str = "") -> dict | None:
+    """The pooler of this checkpoint, or None when runner "auto" finds a generative model.
+    `name`: how the user named the model (a hub id's folder is a commit hash)."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     model_type = getattr(hf_config, "model_type", "") or ""
     st = _sentence_transformers(model_dir)
+    generative = set(supported_architectures())  # ChatGLMModel generates
     pooler = {"task": "embed", "pooling_type": "LAST", "normalize": True, "head": "none"}
     from_tokens = getattr(hf_config, "classifier_from_token", None)  # vLLM's hf_overrides
-    reranker_name = "reranker" in model_dir.name.lower() and model_type == "qwen3"
+    names = f"{Path(name).name} {model_dir.name}".lower()
+    reranker_name = "reranker" in names and model_type == "qwen3"
     if any(a.endswith("ForSequenceClassification") for a in archs) and not from_tokens:
         labels = getattr(hf_config, "id2label", None) or {}
         num_labels = int(getattr(hf_config, "num_labels", 0) or len(labels) or 1)
@@ -100,7 +106,8 @@ def detect_pooler(model_dir: Path, hf_config, runner: str, tokenizer_dir: Path) 
                       rerank_format="qwen3" if qwen3 else None)
     elif st is not None:
         pooler.update(st)
-    elif runner == "auto" and not any(a.endswith("Model") for a in archs):
+    elif runner == "auto" and not any(a.endswith("Model") and a not in generative
+                                      for a in archs):  # a bare Qwen2Model: its hidden states
         return None
     return pooler
 
@@ -122,7 +129,7 @@ def resolve_runner(config) -> None:
         raise ValueError(f"pooler_config: unknown key(s) {unknown}; known: {list(_USER_KEYS)}")
     hf_config = load_hf_config(model_dir)
     pooler = detect_pooler(model_dir, hf_config, config.runner,
-                           Path(tokenizer_path(config.tokenizer, model_dir)))
+                           Path(tokenizer_path(config.tokenizer, model_dir)), str(config.model))
     if pooler is None:
         if user:
             raise ValueError("pooler_config is given but the model is generative; pass "
