@@ -3,8 +3,8 @@
 Qwen3-Embedding-0.6B shape (Qwen3-0.6B's layers, vocab 151,669) with dummy bf16 weights,
 last-token pooling + L2 normalization (what both engines pick for this checkpoint with
 runner="pooling"), 16,384 batched tokens per step, max_model_len 1,024. Warm-up: 64 inputs of
-their own (seed 1), so no timed input is prefix-cached. Before timing, each engine's
-embeddings are checked to be unit vectors of the hidden size.
+their own (seed 1), so no timed input is prefix-cached. Each engine's embeddings are checked
+(hidden size, finite) and their mean norm printed (1.0: normalized).
 
     PYTHONPATH=. python benchmarks/embed_throughput.py tinypaged
     PYTHONPATH=.:/tmp/vsite python benchmarks/embed_throughput.py vllm   # the anchor kit's vLLM
@@ -50,11 +50,16 @@ def model_dir() -> str:
     return str(path)
 
 
-def check(embeddings: list[list[float]]) -> None:
+def check(embeddings: list[list[float]]) -> float:
+    """Each embedding has the hidden size and finite entries; returns the mean L2 norm (1.0 when
+    the engine normalized, as both should here)."""
+    norms = []
     for e in embeddings:
         norm = math.sqrt(sum(x * x for x in e))
-        if len(e) != CONFIG["hidden_size"] or abs(norm - 1) > 1e-2:
-            raise SystemExit(f"bad embedding: {len(e)} dims, norm {norm:.4f}")
+        if len(e) != CONFIG["hidden_size"] or not math.isfinite(norm):
+            raise SystemExit(f"bad embedding: {len(e)} dims, norm {norm}")
+        norms.append(norm)
+    return sum(norms) / len(norms)
 
 
 def main(engine: str) -> None:
@@ -74,8 +79,8 @@ def main(engine: str) -> None:
     start = time.perf_counter()
     outs = llm.embed(timed, use_tqdm=False)
     seconds = time.perf_counter() - start
-    check([o.outputs.embedding for o in outs])
-    print(json.dumps({"engine": name, "inputs": N, "input_len": LENGTH,
+    norm = check([o.outputs.embedding for o in outs])
+    print(json.dumps({"engine": name, "inputs": N, "input_len": LENGTH, "mean_norm": norm,
                       "batched_tokens": BATCHED_TOKENS, "seconds": round(seconds, 3),
                       "inputs_s": round(N / seconds, 1),
                       "prompt_tok_s": round(N * LENGTH / seconds)}), flush=True)
