@@ -8,6 +8,11 @@ their own (seed 1), so no timed input is prefix-cached. Each engine's embeddings
 
     PYTHONPATH=. python benchmarks/embed_throughput.py tinypaged
     PYTHONPATH=.:/tmp/vsite python benchmarks/embed_throughput.py vllm   # the anchor kit's vLLM
+    PYTHONPATH=. python benchmarks/embed_throughput.py check   # GPU correctness, ~1 min
+
+`check` compares tinypaged's embeddings on the GPU (Triton kernels, CUDA graphs, chunked
+prefill) with transformers' on tiny random Qwen3 checkpoints, last-token and mean pooling:
+cosine > 1 - 1e-4 in float32, > 0.99 in bfloat16.
 
 Each prints one JSON line: inputs/s and prompt tok/s. BENCH_N, BENCH_LEN and
 BENCH_BATCHED_TOKENS change the workload (the same for both engines).
@@ -86,7 +91,47 @@ def main(engine: str) -> None:
                       "prompt_tok_s": round(N * LENGTH / seconds)}), flush=True)
 
 
+def gpu_check() -> None:
+    import torch
+
+    from tinypaged import LLM
+    from tinypaged.bench.tiny_models import tiny_hf_model
+
+    device = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu": check the check itself
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (1, 7, 64, 200, 250, 17)]
+    for mode, st_mode in (("LAST", "pooling_mode_lasttoken"), ("MEAN", "pooling_mode_mean_tokens")):
+        hf = tiny_hf_model("qwen3", seed=5).model.to(device)
+        path = Path(tempfile.mkdtemp(prefix="embed-check-"))
+        hf.save_pretrained(path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config,
+                                                      "architectures": ["Qwen3ForCausalLM"]}))
+        (path / "1_Pooling").mkdir()
+        (path / "1_Pooling" / "config.json").write_text(json.dumps({st_mode: True}))
+        with torch.no_grad():
+            refs = []
+            for p in prompts:
+                hidden = hf(torch.tensor([p], device=device)).last_hidden_state[0].float()
+                refs.append(hidden[-1] if mode == "LAST" else hidden.mean(0))
+        dtypes = (("float32", 1 - 1e-4), ("bfloat16", 0.99))
+        for dtype, floor in dtypes[: 2 if device == "cuda" else 1]:
+            llm = LLM(str(path), runner="pooling", dtype=dtype, max_model_len=256,
+                      max_num_batched_tokens=256, skip_tokenizer_init=True, device=device)
+            outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+            cos = [torch.nn.functional.cosine_similarity(
+                torch.tensor(o.outputs.embedding, device=device), r, dim=0).item()
+                for o, r in zip(outs, refs)]
+            print(f"{mode} {dtype}: min cosine {min(cos):.6f}", flush=True)
+            if min(cos) < floor:
+                raise SystemExit(f"FAIL: {mode} {dtype} cosine {min(cos)} < {floor}")
+            del llm
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    print("embedding check: OK")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in ("tinypaged", "vllm"):
-        raise SystemExit("usage: embed_throughput.py tinypaged|vllm")
-    main(sys.argv[1])
+    if len(sys.argv) != 2 or sys.argv[1] not in ("tinypaged", "vllm", "check"):
+        raise SystemExit("usage: embed_throughput.py tinypaged|vllm|check")
+    gpu_check() if sys.argv[1] == "check" else main(sys.argv[1])

@@ -125,11 +125,14 @@ class PoolingAPI:
             stream = server.engine.generate({"prompt_token_ids": ids}, params, f"{base}-{i}")
             return [out async for out in stream][-1]  # one output: the request ends at once
 
+        tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(prompts)]
         try:
-            return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+            return await asyncio.gather(*tasks)
         except ValueError as exc:
             raise bad_request(param, str(exc)) from None
         finally:
+            for task in tasks:  # one input refused (or the handler cancelled): drop the others
+                task.cancel()
             server.in_flight -= len(prompts)
 
     def _params(self, body: dict, task: str) -> PoolingParams:
