@@ -113,3 +113,27 @@ def test_sequence_classification_head(tmp_path):
         torch.testing.assert_close(torch.tensor(out.outputs.probs), ref, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="not embeddings"):
         llm.embed("hi", use_tqdm=False)
+
+
+def test_detection_reads_the_checkpoint(tmp_path):
+    """Which runner and pooler each kind of checkpoint gets (no model is built)."""
+    from types import SimpleNamespace
+
+    from tinypaged.pooling.config import detect_pooler
+
+    causal = SimpleNamespace(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    assert detect_pooler(tmp_path, causal, "auto", tmp_path) is None  # plain: generative
+    assert detect_pooler(tmp_path, causal, "pooling", tmp_path)["pooling_type"] == "LAST"
+    chatglm = SimpleNamespace(architectures=["ChatGLMModel"], model_type="chatglm")
+    assert detect_pooler(tmp_path, chatglm, "auto", tmp_path) is None
+    bare = SimpleNamespace(architectures=["Qwen2Model"], model_type="qwen2")
+    assert detect_pooler(tmp_path, bare, "auto", tmp_path)["task"] == "embed"
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true}')
+    pooler = detect_pooler(tmp_path, causal, "auto", tmp_path)
+    assert (pooler["pooling_type"], pooler["normalize"]) == ("CLS", False)
+    (tmp_path / "modules.json").write_text(
+        '[{"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},'
+        ' {"path": "2_Dense", "type": "sentence_transformers.models.Dense"}]')
+    with pytest.raises(ValueError, match="'Dense' module"):
+        detect_pooler(tmp_path, causal, "auto", tmp_path)
