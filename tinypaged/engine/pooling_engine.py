@@ -56,6 +56,7 @@ class _PooledStep:
     host: list[torch.Tensor]  # their results, on their way to the host
     event: torch.cuda.Event | None
     reads_tokens_on_host: bool = False  # Engine.step: may overlap the next step
+    pending: None = None  # Engine.step: nothing left to sample after the launch
 
 
 class PoolingEngine(Engine):
