@@ -23,6 +23,7 @@ _LAZY = {
     "RequestOutput": "tinypaged.outputs",
     "CompletionOutput": "tinypaged.outputs",
     "StructuredOutputsParams": "tinypaged.sampling.structured_output",
+    "PoolingParams": "tinypaged.pooling.params",
 }
 
 __all__ = sorted(_LAZY)
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from tinypaged.engine.async_llm import AsyncLLM  # noqa: F401
     from tinypaged.engine.llm import LLM  # noqa: F401
     from tinypaged.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from tinypaged.pooling.params import PoolingParams  # noqa: F401
     from tinypaged.sampling.params import SamplingParams  # noqa: F401
     from tinypaged.sampling.structured_output import StructuredOutputsParams  # noqa: F401
 

@@ -54,6 +54,9 @@ class EngineConfig:
     # Who runs the ops: "auto" = Triton on CUDA, torch references on the CPU; "triton" = Triton
     # everywhere (the interpreter on the CPU: slow, for learners); "torch" = the references.
     kernels: str = field(default_factory=lambda: envs.TINYPAGED_KERNELS)
+    # "auto" = from the checkpoint; "pooling" = embeddings / scores, no decode (tinypaged/pooling)
+    runner: str = "auto"
+    pooler_config: dict | None = None  # pooling_type ("LAST"|"MEAN"|"CLS"), normalize
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

@@ -180,10 +180,10 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection)
     """The engine process's main (AsyncMPClient spawns it): build the engine, send EngineReady
     (or EngineStopped with the reason it could not start), then run the loop on the pipes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when this process ends
-    from tinypaged.engine.engine import Engine
+    from tinypaged.engine.pooling_engine import create_engine
 
     try:
-        engine = Engine(config)
+        engine = create_engine(config)
     except BaseException as exc:  # noqa: BLE001 - the server reports it and exits
         outbox.send(EngineStopped(_portable(exc)))
         return

@@ -74,9 +74,9 @@ def make_client(config: EngineConfig, multiprocess_mode: bool) -> EngineCoreClie
     """The engine loop in a spawned process (`multiprocess_mode`) or in a thread of this one."""
     if multiprocess_mode:
         return AsyncMPClient(config)
-    from tinypaged.engine.engine import Engine
+    from tinypaged.engine.pooling_engine import create_engine
 
-    return InprocClient(Engine(config))
+    return InprocClient(create_engine(config))
 
 
 class InprocClient(EngineCoreClient):

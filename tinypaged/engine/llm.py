@@ -16,16 +16,18 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tinypaged.config import EngineConfig
-from tinypaged.engine.engine import Engine, PromptType
+from tinypaged.engine.engine import PromptType
+from tinypaged.engine.pooling_engine import create_engine
+from tinypaged.engine.pooling_llm import PoolingLLMMixin
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling.params import SamplingParams
 
 Message = dict[str, Any]
 
 
-class LLM:
+class LLM(PoolingLLMMixin):  # embed / classify / score / encode: engine/pooling_llm.py
     def __init__(self, model: str | None = None, **kwargs: Any):
-        self.engine = Engine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self.engine = create_engine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
 
     @property

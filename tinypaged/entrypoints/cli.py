@@ -77,6 +77,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "weights to download)",
     )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="pooling = embeddings / scores (default: read from the checkpoint)")
     p.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="all tensor-parallel all-reduces through NCCL")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template")
@@ -231,6 +233,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "generation_config": args.generation_config,
         "kernels": args.kernels,
         "load_format": args.load_format,
+        "runner": args.runner,
     }
 
 

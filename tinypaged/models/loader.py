@@ -333,6 +333,10 @@ def load_model(config: EngineConfig, device: str | torch.device | None = None,
     model_dir = resolve_model(config.model)
     hf_config = load_hf_config(model_dir)
     model_cls = get_model_class(hf_config)
+    if getattr(config, "runner", "generate") == "pooling":  # resolved by pooling/config.py
+        from tinypaged.pooling.model import as_pooling_model
+
+        model_cls = as_pooling_model(model_cls, config.pooler_config)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     quant_config = _quant_config(config, hf_config)
 

@@ -47,6 +47,7 @@ from tinypaged.entrypoints.openai.chat_protocol import (
 from tinypaged.entrypoints.openai.errors import APIError, bad_request, error_body, show
 from tinypaged.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from tinypaged.entrypoints.openai.parsers import REASONING_PARSERS, TOOL_PARSERS
+from tinypaged.entrypoints.openai.pooling_routes import pooling_routes
 from tinypaged.entrypoints.openai.protocol import (
     GenerationRequest,
     field_value,
@@ -531,6 +532,7 @@ def build_app(
         Route("/detokenize", e(server.detokenize, auth=True), methods=["POST"]),
     ]
     routes += anthropic_routes(server) + responses_routes(server)  # translated onto chat
+    routes += pooling_routes(server)  # /v1/embeddings, /pooling, /score, /rerank
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
