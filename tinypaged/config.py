@@ -41,6 +41,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine processes behind one router (dp/)
+    data_parallel_routing: str = "cache_aware"  # cache_aware | least_loaded | round_robin
     # True = every tensor-parallel all-reduce through NCCL (distributed/custom_all_reduce.py, as in
     # vLLM)
     disable_custom_all_reduce: bool = False
@@ -68,6 +70,10 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 positive(name)
+        positive("data_parallel_size")
+        if self.data_parallel_routing not in ("cache_aware", "least_loaded", "round_robin"):
+            raise ValueError("data_parallel_routing must be cache_aware, least_loaded or "
+                             f"round_robin; got {self.data_parallel_routing!r}")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(
                 f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}; got "

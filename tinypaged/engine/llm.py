@@ -25,7 +25,13 @@ Message = dict[str, Any]
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
-        self.engine = Engine(EngineConfig.from_kwargs(model=model, **kwargs))
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        if config.data_parallel_size > 1:  # N engine processes behind a router (dp/)
+            from tinypaged.dp.offline import DataParallelEngine
+
+            self.engine = DataParallelEngine(config)
+        else:
+            self.engine = Engine(config)
         self._ids = itertools.count()
 
     @property
