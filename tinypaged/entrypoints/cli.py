@@ -83,6 +83,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="engine processes behind one router, each on its GPUs or sharing them")
     p.add_argument("--data-parallel-routing", default="cache_aware",
                    choices=["cache_aware", "least_loaded", "round_robin"])
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="tensor-parallel ranks as processes (mp, default) or Ray actors (ray: "
+                   "one node or several; pip install 'tinypaged[ray]')")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template")
     p.add_argument(
         "--generation-config",
@@ -228,6 +231,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "disable_custom_all_reduce": args.disable_custom_all_reduce,
         "data_parallel_size": args.data_parallel_size,
         "data_parallel_routing": args.data_parallel_routing,
+        "distributed_executor_backend": args.distributed_executor_backend,
         "chat_template": chat_template,
         "generation_config": args.generation_config,
         "kernels": args.kernels,
