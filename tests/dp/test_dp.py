@@ -137,7 +137,7 @@ def test_metrics_label_each_engine(dp):
         assert r.status_code == 200, r.text
         text = httpx.get(url + "/metrics", timeout=10).text
     for i in (0, 1):
-        assert re.search(rf'^tinypaged:num_requests_running{{model_name="[^"]+",engine="{i}"}} ',
+        assert re.search(rf'^tinypaged:num_requests_running{{engine="{i}",model_name="[^"]+"}} ',
                          text, re.M), text
 
 

@@ -61,6 +61,8 @@ def start_engines(config: EngineConfig) -> list[AsyncMPClient]:
             if not errors:
                 start(i, {})
     else:
+        if not config.skip_tokenizer_init:  # each client loads a tokenizer, in its thread:
+            from transformers import AutoTokenizer  # noqa: F401 - lazy imports are not thread-safe
         threads = [threading.Thread(target=start, args=(i, env)) for i, env in enumerate(envs)]
         for t in threads:
             t.start()

@@ -73,6 +73,9 @@ class EngineCoreClient(ABC):
 
 def make_client(config: EngineConfig, multiprocess_mode: bool) -> EngineCoreClient:
     """The engine loop in a spawned process (`multiprocess_mode`) or in a thread of this one."""
+    if config.data_parallel_size > 1:
+        raise ValueError("AsyncLLM runs one engine: for data_parallel_size > 1 use "
+                         "tinypaged.dp.client.DPAsyncLLM (what `serve -dp N` does)")
     if multiprocess_mode:
         return AsyncMPClient(config)
     from tinypaged.engine.engine import Engine
