@@ -125,9 +125,17 @@ def test_abort_reaches_the_engine_that_has_the_request(dp):
             assert time.monotonic() < deadline, "the abort did not reach the engine"
             await asyncio.sleep(0.05)
         await stream.aclose()
+        # A stream closed early (a client that went away) is dropped by its engine too.
+        stream = dp.generate({"prompt_token_ids": [9, 8, 6]}, long, "closed")
+        await anext(stream)
+        i = dp._owner["closed"]
+        await stream.aclose()
+        while dp.get_stats()["per_engine"][i]["num_running"]:
+            assert time.monotonic() < deadline + 10, "closing the stream did not abort it"
+            await asyncio.sleep(0.05)
 
     asyncio.run(run())
-    assert dp.router.load == [0, 0]
+    assert dp.router.load == [0, 0] and not dp._owner
 
 
 def test_metrics_label_each_engine(dp):

@@ -123,8 +123,9 @@ class DPAsyncLLM(EngineClient):
         i = self.router.choose(prompt)
         self._owner[request_id] = i
         engine = self.engines[i]
+        stream = engine.generate(prompt, params, request_id)
         try:
-            async for out in engine.generate(prompt, params, request_id):
+            async for out in stream:
                 yield out
         except RuntimeError as exc:
             if engine.is_running:
@@ -134,6 +135,7 @@ class DPAsyncLLM(EngineClient):
         finally:
             self._owner.pop(request_id, None)
             self.router.finished(i)
+            await stream.aclose()  # closed early (a disconnect): the engine drops it now
 
     async def abort(self, request_id: str) -> None:
         i = self._owner.get(request_id)
