@@ -15,6 +15,11 @@ of 8 GPUs or across nodes of a Ray cluster. Every rank joins one torch.distribut
               its own shard  <-- all-reduces -->     (async scheduling: rank 0's samples)
     collect: the step's actor calls answered
 
+Not yet: rank 0's GPU is not reserved in the placement group (Ray does not know the engine's
+process uses it), so on a node whose GPUs Ray hands out, start that node's Ray with one GPU fewer
+(`ray start --head --num-gpus 7` on 8) or Ray may give an actor the engine's GPU. Only the CPU
+path (gloo, a local multi-node cluster) is tested so far.
+
 A step's arrays travel as the byte string of tp_worker.pack_step in one actor call per rank
 (Ray's object store across nodes). A dead actor (killed, its node lost) resolves the call in
 flight with an error: a watchdog thread waits on those calls, aborts the group so that rank 0 is
