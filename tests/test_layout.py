@@ -8,7 +8,8 @@ Each package has a rank; a module may import only modules of its own rank or bel
     2  config, models, quantization, tokenizer, sampling  (a forward pass, a sampler, and
        EngineConfig, which checks names against the registries of quantization formats)
     3  worker                                    (executor, runner, CUDA graphs)
-    4  engine, outputs                           (Engine.step, LLM, AsyncLLM, the engine loop)
+    4  engine, outputs, dp                       (Engine.step, LLM, AsyncLLM, the engine loop,
+                                                 data-parallel engines behind a router)
     5  entrypoints, bench                        (CLI, HTTP server, benchmarks)
 
 Imports inside `if TYPE_CHECKING:` are for type hints only and do not count. Every other import
@@ -27,7 +28,7 @@ RANK = {
     "distributed": 1,
     "config": 2, "models": 2, "pooling": 2, "quantization": 2, "tokenizer": 2, "sampling": 2,
     "worker": 3,
-    "engine": 4, "outputs": 4,
+    "engine": 4, "outputs": 4, "dp": 4,
     "entrypoints": 5, "bench": 5, "__main__": 5, "__init__": 5,
 }  # fmt: skip
 MAX_TOP_LEVEL_MODULES = 12

@@ -41,6 +41,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine processes behind one router (dp/)
+    data_parallel_routing: str = "cache_aware"  # cache_aware | least_loaded | round_robin
+    distributed_executor_backend: str | None = None  # None/"mp": processes; "ray": Ray actors
     # True = every tensor-parallel all-reduce through NCCL (distributed/custom_all_reduce.py, as in
     # vLLM)
     disable_custom_all_reduce: bool = False
@@ -71,6 +74,13 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 positive(name)
+        positive("data_parallel_size")
+        if self.data_parallel_routing not in ("cache_aware", "least_loaded", "round_robin"):
+            raise ValueError("data_parallel_routing must be cache_aware, least_loaded or "
+                             f"round_robin; got {self.data_parallel_routing!r}")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'ray'; got "
+                             f"{self.distributed_executor_backend!r}")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(
                 f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}; got "

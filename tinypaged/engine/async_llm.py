@@ -72,6 +72,13 @@ class AsyncLLM(EngineClient):
         self._attach(make_client(config, multiprocess_mode))
         return self
 
+    @classmethod
+    def from_client(cls, client: EngineCoreClient) -> AsyncLLM:
+        """Around an engine client already built (dp/ starts several at once)."""
+        self = cls.__new__(cls)
+        self._attach(client)
+        return self
+
     def _attach(self, client: EngineCoreClient) -> None:
         self.core_client = client
         # The event loop adds and forgets streams, the client's thread delivers to them and

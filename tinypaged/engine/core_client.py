@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 from abc import ABC, abstractmethod
@@ -72,6 +73,9 @@ class EngineCoreClient(ABC):
 
 def make_client(config: EngineConfig, multiprocess_mode: bool) -> EngineCoreClient:
     """The engine loop in a spawned process (`multiprocess_mode`) or in a thread of this one."""
+    if config.data_parallel_size > 1:
+        raise ValueError("AsyncLLM runs one engine: for data_parallel_size > 1 use "
+                         "tinypaged.dp.client.DPAsyncLLM (what `serve -dp N` does)")
     if multiprocess_mode:
         return AsyncMPClient(config)
     from tinypaged.engine.pooling_engine import create_engine
@@ -112,11 +116,14 @@ class InprocClient(EngineCoreClient):
 class AsyncMPClient(EngineCoreClient):
     """The engine loop in a spawned process; returns once the engine there is built."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, env: dict[str, str] | None = None):
+        """`env`: variables set in the engine process before anything else (dp/ gives each
+        engine its CUDA_VISIBLE_DEVICES)."""
         ctx = mp.get_context("spawn")  # no CUDA, threads or locks inherited
         core_inbox, self._to_core = ctx.Pipe(duplex=False)
         self._from_core, core_outbox = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=run_engine_core, args=(config, core_inbox, core_outbox),
+        self.proc = ctx.Process(target=_run_engine_core_in, args=(env or {}, config, core_inbox,
+                                                                  core_outbox),
                                 name="tinypaged-engine-core", daemon=True)
         self.proc.start()
         core_inbox.close()
@@ -211,3 +218,9 @@ class AsyncMPClient(EngineCoreClient):
             logger.exception("reading the engine process's outputs failed")
             error = exc
         on_output(EngineStopped(error))
+
+
+def _run_engine_core_in(env: dict[str, str], config: EngineConfig, inbox, outbox) -> None:
+    """run_engine_core with `env` set first (before CUDA reads CUDA_VISIBLE_DEVICES)."""
+    os.environ.update(env)
+    run_engine_core(config, inbox, outbox)

@@ -27,7 +27,13 @@ Message = dict[str, Any]
 
 class LLM(PoolingLLMMixin):  # embed / classify / score / encode: engine/pooling_llm.py
     def __init__(self, model: str | None = None, **kwargs: Any):
-        self.engine = create_engine(EngineConfig.from_kwargs(model=model, **kwargs))
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        if config.data_parallel_size > 1:  # N engine processes behind a router (dp/)
+            from tinypaged.dp.offline import DataParallelEngine
+
+            self.engine = DataParallelEngine(config)
+        else:
+            self.engine = create_engine(config)
         self._ids = itertools.count()
 
     @property

@@ -81,6 +81,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="pooling = embeddings / scores (default: read from the checkpoint)")
     p.add_argument("--disable-custom-all-reduce", action="store_true",
                    help="all tensor-parallel all-reduces through NCCL")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine processes behind one router, each on its GPUs or sharing them")
+    p.add_argument("--data-parallel-routing", default="cache_aware",
+                   choices=["cache_aware", "least_loaded", "round_robin"])
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="tensor-parallel ranks as processes (mp, default) or Ray actors (ray: "
+                   "one node or several; pip install 'tinypaged[ray]')")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template")
     p.add_argument(
         "--generation-config",
@@ -229,6 +236,9 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "disable_custom_all_reduce": args.disable_custom_all_reduce,
+        "data_parallel_size": args.data_parallel_size,
+        "data_parallel_routing": args.data_parallel_routing,
+        "distributed_executor_backend": args.distributed_executor_backend,
         "chat_template": chat_template,
         "generation_config": args.generation_config,
         "kernels": args.kernels,
@@ -304,6 +314,8 @@ def serve(args: argparse.Namespace) -> int:
         multiprocess_mode = use_engine_process(args.device)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    if args.data_parallel_size > 1:  # N engine processes behind a router (dp/)
+        from tinypaged.dp.client import DPAsyncLLM as AsyncLLM  # noqa: N814
     engine = _load(AsyncLLM, {**_engine_kwargs(args, model), "seed": args.seed,
                               "multiprocess_mode": multiprocess_mode})
     app = build_app(
@@ -385,6 +397,8 @@ def generate(args: argparse.Namespace) -> int:
 def chat(args: argparse.Namespace) -> int:
     from tinypaged.engine.async_llm import AsyncLLM
 
+    if args.data_parallel_size > 1:
+        from tinypaged.dp.client import DPAsyncLLM as AsyncLLM  # noqa: N814
     params = _sampling(args)
     engine = _load(AsyncLLM, _engine_kwargs(args, args.model))
     print(f"chatting with {engine.model_name}; /exit or Ctrl-D to quit", file=sys.stderr)

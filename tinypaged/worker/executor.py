@@ -97,6 +97,11 @@ def create_executor(config: EngineConfig, device: torch.device):
     """UniprocExecutor for tensor_parallel_size 1, else MultiprocExecutor."""
     if config.tensor_parallel_size == 1:
         return UniprocExecutor(config, device)
+    if config.distributed_executor_backend == "ray":  # ranks as Ray actors (ray_executor.py)
+        from tinypaged.worker.ray_executor import RayExecutor
+
+        check_shardable(config, config.tensor_parallel_size)
+        return RayExecutor(config, device)
     return MultiprocExecutor(config, device)
 
 

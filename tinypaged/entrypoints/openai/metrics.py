@@ -151,13 +151,19 @@ class _EngineGauges:
         steps = stats.get("iteration_stats")
         if steps is not None:
             yield from self._iterations(steps)
+        # Data parallelism (dp/): one series per engine, labelled `engine` as vLLM's.
+        per_engine = stats.get("per_engine")
+        rows = ([([self.model_name], stats)] if per_engine is None else
+                [([self.model_name, str(i)], s) for i, s in enumerate(per_engine)])
+        names = ["model_name"] if per_engine is None else ["model_name", "engine"]
         for name, key, doc in (
             ("num_requests_running", "num_running", "Requests in the running batch."),
             ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
             ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0-1)."),
         ):
-            gauge = GaugeMetricFamily(f"tinypaged:{name}", doc, labels=["model_name"])
-            gauge.add_metric([self.model_name], float(stats.get(key, 0)))
+            gauge = GaugeMetricFamily(f"tinypaged:{name}", doc, labels=names)
+            for values, row in rows:
+                gauge.add_metric(values, float(row.get(key, 0)))
             yield gauge
 
     def _iterations(self, steps: IterationStats):
