@@ -51,6 +51,8 @@ class EngineConfig:
     # Who runs the ops: "auto" = Triton on CUDA, torch references on the CPU; "triton" = Triton
     # everywhere (the interpreter on the CPU: slow, for learners); "torch" = the references.
     kernels: str = field(default_factory=lambda: envs.TINYPAGED_KERNELS)
+    # torch's intra-op threads; None = $OMP_NUM_THREADS, else the usable cores - 1 (host/threads.py)
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -62,7 +64,7 @@ class EngineConfig:
             "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"
         ):
             positive(name)
-        for name in ("max_model_len", "num_kv_blocks"):
+        for name in ("max_model_len", "num_kv_blocks", "cpu_threads"):
             if getattr(self, name) is not None:
                 positive(name)
         if self.cudagraph_mode not in CUDAGRAPH_MODES:

@@ -58,6 +58,7 @@ from tinypaged.engine.request_state import (
     samples_from_host_state,
 )
 from tinypaged.engine.stats import IterationStats
+from tinypaged.host.threads import apply_cpu_threads
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling.generation_config import default_sampling_params
 from tinypaged.sampling.logits_processors import LogitsConstraints, LogitsMaskBuilder
@@ -100,6 +101,7 @@ class Engine:
             self.device = torch.device("cuda", index)
         if config.async_scheduling is None:  # decided before any rank reads the config
             config.async_scheduling = self.device.type == "cuda"
+        apply_cpu_threads(config.cpu_threads, self.device.type)  # torch's intra-op pool
         # The model on every tensor-parallel rank (worker processes when tensor_parallel_size > 1).
         self.executor = create_executor(config, self.device)
         try:

@@ -83,6 +83,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         metavar="auto|vllm|DIR",
         help="sampling defaults: the model's generation_config.json (auto), none (vllm), or DIR's",
     )
+    p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="torch's CPU threads (default: $OMP_NUM_THREADS, else the usable cores "
+                   "minus one)")
     p.add_argument(
         "--kernels", default=envs.TINYPAGED_KERNELS,
         choices=["auto", "triton", "torch"],
@@ -222,6 +225,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "generation_config": args.generation_config,
         "kernels": args.kernels,
         "load_format": args.load_format,
+        "cpu_threads": args.cpu_threads,
     }
 
 
@@ -316,13 +320,7 @@ def serve(args: argparse.Namespace) -> int:
     logger.info(
         "device: %s, dtype: %s, max_model_len: %d", kv["device"], kv["dtype"], server.max_model_len
     )
-    logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %.3f GB",
-        kv["num_blocks"],
-        kv["block_size"],
-        kv["num_tokens"],
-        kv["bytes"] / 1e9,
-    )
+    # the KV cache's size: logged once, by the engine as it starts
     if api_key:
         logger.info("API key required (Authorization: Bearer ...)")
     config = uvicorn.Config(
