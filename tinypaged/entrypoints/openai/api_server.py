@@ -57,6 +57,7 @@ from tinypaged.entrypoints.openai.protocol import (
 )
 from tinypaged.entrypoints.openai.request_handler import Generation, build_sampling_params, respond
 from tinypaged.entrypoints.openai.response_bodies import ResponseBuilder, new_id, now
+from tinypaged.entrypoints.openai.template_tools import check_template_renders_tools
 from tinypaged.host.packages import MissingPackageError, missing_optional
 
 logger = logging.getLogger(__name__)
@@ -308,6 +309,7 @@ class OpenAIServer:
         opts = req.chat
         auto_ready = self.enable_auto_tool_choice and bool(self.tool_parser)
         check_tool_choice(req.chat, req.sampling, auto_ready)
+        check_template_renders_tools(self.engine.tokenizer, req.chat, model)  # drops tools?
         tok = self.engine.tokenizer
         if req.truncate_prompt_tokens is None:  # a truncated prompt may be any length
             chars = sum(len(m["content"]) for m in req.messages if isinstance(m["content"], str))
