@@ -151,8 +151,8 @@ class Engine:
         self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, unprocessed
         self._errors: list[tuple[str, BaseException]] = []
         info = self.runner.kv_cache_info
-        logger.info(
-            "model %s on %s (%s); KV cache %d blocks x %d tokens = %d tokens, %.2f GiB",
+        logger.debug(  # serve logs the KV cache once, in GiB too
+            "model %s on %s (%s); KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB",
             self.model_name, self.device, str(self.dtype).removeprefix("torch."),
             info.num_blocks, info.block_size, info.num_tokens, info.bytes / 2**30,
         )

@@ -320,7 +320,10 @@ def serve(args: argparse.Namespace) -> int:
     logger.info(
         "device: %s, dtype: %s, max_model_len: %d", kv["device"], kv["dtype"], server.max_model_len
     )
-    # the KV cache's size: logged once, by the engine as it starts
+    logger.info(  # once: the engine's own line is at debug level (its process may log nowhere)
+        "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB",
+        kv["num_blocks"], kv["block_size"], kv["num_tokens"], kv["bytes"] / 2**30,
+    )
     if api_key:
         logger.info("API key required (Authorization: Bearer ...)")
     config = uvicorn.Config(
