@@ -41,6 +41,7 @@ def main() -> None:
             outs = llm.generate(PROMPTS, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
             rates[n].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+            print(f"threads {n}: {rates[n][-1]:.1f} tok/s", flush=True)
     print(f"usable cores {len(os.sched_getaffinity(0))}, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     for n, r in rates.items():
