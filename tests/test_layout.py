@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tinypaged"
 RANK = {
     "envs": 0, "gc_freeze": 0, "kernels": 0, "scheduler": 0,
+    "host": 0,
     "distributed": 1,
     "config": 2, "models": 2, "pooling": 2, "quantization": 2, "tokenizer": 2, "sampling": 2,
     "worker": 3,

@@ -60,6 +60,8 @@ class EngineConfig:
     # "auto" = from the checkpoint; "pooling" = embeddings / scores, no decode (tinypaged/pooling)
     runner: str = "auto"
     pooler_config: dict | None = None  # pooling_type ("LAST"|"MEAN"|"CLS"), normalize
+    # torch's intra-op threads; None = $OMP_NUM_THREADS, else the usable cores - 1 (host/threads.py)
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -71,7 +73,7 @@ class EngineConfig:
             "block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"
         ):
             positive(name)
-        for name in ("max_model_len", "num_kv_blocks"):
+        for name in ("max_model_len", "num_kv_blocks", "cpu_threads"):
             if getattr(self, name) is not None:
                 positive(name)
         positive("data_parallel_size")

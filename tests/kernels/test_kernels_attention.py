@@ -157,8 +157,13 @@ def test_sliding_window_prefill_and_chunks(window):
     check_kernel([1, 20, 40, 9], [37, 20, 40, 45], combo, sliding_window=window)
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("num_splits", [1, 3])
+# Every window once, each split count with the windows that meet a tile edge (1: one key; 16:
+# one tile; 40: the longest context) and the others alternating, not the full cross product:
+# how the window skips tiles inside a split is test_tiles_outside_the_window_are_not_read's.
+WINDOW_SPLITS = [(1, 1), (1, 3), (5, 3), (16, 1), (16, 3), (23, 1), (40, 3), (1000, 1)]
+
+
+@pytest.mark.parametrize("window, num_splits", WINDOW_SPLITS)
 def test_sliding_window_decode(window, num_splits):
     combo = COMBOS[WINDOWS.index(window) % len(COMBOS)]
     check_kernel([1, 1, 1, 1], [1, 16, 40, 70], combo, num_splits=num_splits,

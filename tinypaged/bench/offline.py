@@ -149,7 +149,8 @@ def _model_args(args) -> tuple[str, dict, dict]:
         gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-        disable_custom_all_reduce=args.disable_custom_all_reduce, **extra,
+        disable_custom_all_reduce=args.disable_custom_all_reduce, cpu_threads=args.cpu_threads,
+        **extra,
     )
     return path, cfg, engine
 
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
         p.add_argument("--disable-custom-all-reduce", action="store_true")
         p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+        p.add_argument("--cpu-threads", type=int, default=None, help="torch's CPU threads")
         p.add_argument("--json", help="also write the result to this file")
     tp = sub.choices["throughput"]
     tp.add_argument("--num-prompts", type=int, default=256)

@@ -58,6 +58,7 @@ from tinypaged.engine.request_state import (
     samples_from_host_state,
 )
 from tinypaged.engine.stats import IterationStats
+from tinypaged.host.threads import apply_cpu_threads
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling.generation_config import default_sampling_params
 from tinypaged.sampling.logits_processors import LogitsConstraints, LogitsMaskBuilder
@@ -100,6 +101,7 @@ class Engine:
             self.device = torch.device("cuda", index)
         if config.async_scheduling is None:  # decided before any rank reads the config
             config.async_scheduling = self.device.type == "cuda"
+        apply_cpu_threads(config.cpu_threads, self.device.type)  # torch's intra-op pool
         # The model on every tensor-parallel rank (worker processes when tensor_parallel_size > 1).
         self.executor = create_executor(config, self.device)
         try:
@@ -149,8 +151,8 @@ class Engine:
         self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, unprocessed
         self._errors: list[tuple[str, BaseException]] = []
         info = self.runner.kv_cache_info
-        logger.info(
-            "model %s on %s (%s); KV cache %d blocks x %d tokens = %d tokens, %.2f GiB",
+        logger.debug(  # serve logs the KV cache once, in GiB too
+            "model %s on %s (%s); KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB",
             self.model_name, self.device, str(self.dtype).removeprefix("torch."),
             info.num_blocks, info.block_size, info.num_tokens, info.bytes / 2**30,
         )

@@ -95,6 +95,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         metavar="auto|vllm|DIR",
         help="sampling defaults: the model's generation_config.json (auto), none (vllm), or DIR's",
     )
+    p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="torch's CPU threads (default: $OMP_NUM_THREADS, else the usable cores "
+                   "minus one)")
     p.add_argument(
         "--kernels", default=envs.TINYPAGED_KERNELS,
         choices=["auto", "triton", "torch"],
@@ -244,6 +247,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "kernels": args.kernels,
         "load_format": args.load_format,
         "runner": args.runner,
+        "cpu_threads": args.cpu_threads,
     }
 
 
@@ -341,12 +345,9 @@ def serve(args: argparse.Namespace) -> int:
     logger.info(
         "device: %s, dtype: %s, max_model_len: %d", kv["device"], kv["dtype"], server.max_model_len
     )
-    logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %.3f GB",
-        kv["num_blocks"],
-        kv["block_size"],
-        kv["num_tokens"],
-        kv["bytes"] / 1e9,
+    logger.info(  # once: the engine's own line is at debug level (its process may log nowhere)
+        "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB",
+        kv["num_blocks"], kv["block_size"], kv["num_tokens"], kv["bytes"] / 2**30,
     )
     if api_key:
         logger.info("API key required (Authorization: Bearer ...)")

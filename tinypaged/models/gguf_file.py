@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tinypaged.host.packages import require
+
 # GGUF `general.architecture` -> (HF architecture, HF model_type, Q/K rows permuted by llama.cpp)
 SUPPORTED_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
@@ -403,13 +405,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     with `move_file`, else its absolute path. No weight is converted: they load from the file.
     If `out_dir` already exists (another process finished first) it is returned untouched.
     """
-    try:
-        from gguf import GGUFReader
-    except ImportError as error:
-        raise ImportError(
-            "reading GGUF files needs the 'gguf' package: pip install gguf "
-            "(or pip install 'tinypaged[gguf]')"
-        ) from error
+    GGUFReader = require("gguf").GGUFReader  # MissingPackageError names the install command
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file {str(gguf_path)!r} does not exist")

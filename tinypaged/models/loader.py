@@ -150,7 +150,7 @@ def _download_from_hub(repo_id: str) -> Path:
         raise ConnectionError(
             f"cannot load model {repo_id!r}: {why} and it is not in the local Hugging Face cache. "
             "Pass a local path instead: a directory with config.json, *.safetensors and the "
-            f"tokenizer files (e.g. from `huggingface-cli download {repo_id} --local-dir DIR` on "
+            f"tokenizer files (e.g. from `hf download {repo_id} --local-dir DIR` on "
             "a machine with access), or a .gguf file; with no model the built-in "
             "SmolLM2-135M-Instruct is used"
         ) from error

@@ -32,6 +32,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from tinypaged.host.packages import require
+
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -95,14 +97,7 @@ class StructuredOutputsParams:
 
 
 def _import_xgrammar():
-    try:
-        import xgrammar
-    except ImportError:
-        raise ImportError(
-            "structured output (structured_outputs, response_format, guided_*) needs the "
-            "xgrammar package: pip install 'tinypaged[structured]' (or pip install xgrammar)"
-        ) from None
-    return xgrammar
+    return require("xgrammar")  # MissingPackageError (a 400 on the server) names the install
 
 
 def _choice_grammar(choices: list[str]) -> str:

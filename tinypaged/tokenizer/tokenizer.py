@@ -31,7 +31,7 @@ def tokenizer_path(tokenizer: str | None, model_dir: str | Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(
             f"tokenizer {tokenizer!r} is not a local directory or .gguf file; download it first "
-            "(e.g. `huggingface-cli download ID --include 'tokenizer*'`) and pass that directory"
+            "(e.g. `hf download ID --include 'tokenizer*'`) and pass that directory"
         )
     return path
 

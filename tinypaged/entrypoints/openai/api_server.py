@@ -59,7 +59,9 @@ from tinypaged.entrypoints.openai.protocol import (
 )
 from tinypaged.entrypoints.openai.request_handler import Generation, build_sampling_params, respond
 from tinypaged.entrypoints.openai.response_bodies import ResponseBuilder, new_id, now
+from tinypaged.entrypoints.openai.template_tools import check_template_renders_tools
 from tinypaged.entrypoints.responses.serving import responses_routes
+from tinypaged.host.packages import MissingPackageError, missing_optional
 
 logger = logging.getLogger(__name__)
 
@@ -312,6 +314,7 @@ class OpenAIServer:
         opts = req.chat
         auto_ready = self.enable_auto_tool_choice and bool(self.tool_parser)
         check_tool_choice(req.chat, req.sampling, auto_ready)
+        check_template_renders_tools(self.engine.tokenizer, req.chat, model)  # drops tools?
         tok = self.engine.tokenizer
         if req.truncate_prompt_tokens is None:  # a truncated prompt may be any length
             chars = sum(len(m["content"]) for m in req.messages if isinstance(m["content"], str))
@@ -460,6 +463,9 @@ class OpenAIServer:
                 return await fn(request)
             except APIError as exc:
                 return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            except MissingPackageError as exc:  # an optional package is missing: not a 500
+                return JSONResponse(error_body(str(exc), "invalid_request_error",
+                                               code="missing_package"), status_code=400)
             except ClientDisconnect:  # gone before its body was read: nothing to answer or log
                 return Response(status_code=499)
             except Exception as exc:  # a bug or engine fault: this request fails, the server lives
@@ -491,8 +497,8 @@ class OpenAIServer:
             await asyncio.sleep(0.02)
         if not self.active:
             return
-        logger.warning("shutdown timeout of %gs reached: ending %d requests still in flight",
-                       timeout, len(self.active))
+        logger.warning("shutdown timeout of %gs reached: ending %d request%s still in flight",
+                       timeout, len(self.active), "" if len(self.active) == 1 else "s")
         error = APIError(
             503,
             f"the server shut down before this request finished (--shutdown-timeout {timeout:g}s)",
@@ -548,6 +554,8 @@ def build_app(
         yield
         await server.shutdown()
 
+    for line in missing_optional():  # such requests get a 400 naming the install command
+        logger.warning("%s", line)
     cors = {**CORS_DEFAULTS, **(cors or {})}
     app = Starlette(
         routes=routes,
