@@ -1,0 +1,103 @@
+"""LoRA expand, Punica-style: each token's low-rank activations times the B matrix of its own
+adapter, added into the base layer's output.
+
+    y[t, o0 + j] += h[t, s*R : (s+1)*R] @ lora_b[slot(t), o0 + j, :]    for j < size_s
+
+y [T, O] is the base output of this rank (a fused layer's shards side by side), h [T, S*R] the
+shrink's float32 output (lora_shrink.py), lora_b [L, O, R] the slots' B matrices with each
+adapter's scaling (lora_alpha / r, or / sqrt(r) for rsLoRA) already folded in, and shard s owns
+output columns o0 = offsets[s] .. offsets[s+1] - 1 and activations s*R .. (s+1)*R - 1.
+Ranks below R are zero-padded, so every adapter runs the same tile shapes.
+
+Tokens are grouped by slot as for the shrink (`sorted_token_ids`, `seg_start`, `seg_len`); a token
+of no adapter is in no segment and its row of y is left untouched. One launch per shard; the grid
+is (M tiles, columns / BLOCK_N, L). A program gathers BLOCK_M rows of its slot's segment, makes
+their [BLOCK_M, BLOCK_N] delta with one tl.dot over the whole rank (R <= 256), and adds it into
+y in place. The activations are cast to B's dtype before the product, as the reference does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tinypaged.kernels._triton import cdiv, dot_precision, jit, next_power_of_2, tl, use_triton
+
+
+@jit
+def _lora_expand_kernel(
+    H, B, SORTED, SEG_START, SEG_LEN, Y,  # h [T, S*R] fp32; lora_b [L, O, R]; y [T, O]
+    out_offset, out_size, h_offset, rank, stride_hm, stride_bl, stride_bo, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seg_len = tl.load(SEG_LEN + slot)
+    if pid_m * BLOCK_M >= seg_len:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < seg_len
+    tok = tl.load(SORTED + tl.load(SEG_START + slot) + rows, mask=row_mask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < out_size
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < rank
+    h = tl.load(H + tok[:, None] * stride_hm + h_offset + r[None, :],
+                mask=row_mask[:, None] & r_mask[None, :], other=0.0)  # [BM, BR] fp32
+    b = tl.load(B + slot.to(tl.int64) * stride_bl + (out_offset + cols)[None, :] * stride_bo
+                + r[:, None], mask=r_mask[:, None] & col_mask[None, :], other=0.0)  # [BR, BN]
+    delta = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)  # [BM, BN] fp32
+    ptrs = Y + tok[:, None] * stride_ym + out_offset + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, (y + delta).to(Y.dtype.element_ty), mask=mask)
+
+
+def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
+                       sorted_token_ids: torch.Tensor, seg_start: torch.Tensor,
+                       seg_len: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
+    """The Triton launcher: one launch per shard."""
+    num_tokens = y.shape[0]
+    num_slots, _, rank = lora_b.shape
+    if num_tokens == 0:
+        return y
+    block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
+    block_r = max(16, next_power_of_2(rank))
+    block_n = 64 if block_r <= 64 else 32
+    for s in range(len(offsets) - 1):
+        size = offsets[s + 1] - offsets[s]
+        grid = (cdiv(num_tokens, block_m), cdiv(size, block_n), num_slots)
+        _lora_expand_kernel[grid](
+            h, lora_b, sorted_token_ids, seg_start, seg_len, y,
+            offsets[s], size, s * rank, rank, h.stride(0), lora_b.stride(0), lora_b.stride(1),
+            y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+            PRECISION=dot_precision(lora_b.dtype), num_warps=4,
+        )
+    return y
+
+
+def lora_expand_ref(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
+                    sorted_token_ids: torch.Tensor, seg_start: torch.Tensor,
+                    seg_len: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
+    """The torch reference: per slot and shard, y[tok, cols] += h(cast to B's dtype) @ B^T."""
+    rank = lora_b.shape[2]
+    for slot, (start, length) in enumerate(zip(seg_start.tolist(), seg_len.tolist())):
+        if not length:
+            continue
+        tok = sorted_token_ids[start : start + length].long()
+        for s in range(len(offsets) - 1):
+            lo, hi = offsets[s], offsets[s + 1]
+            hs = h[tok, s * rank : (s + 1) * rank].to(lora_b.dtype).float()
+            delta = hs @ lora_b[slot, lo:hi].float().T
+            y[tok, lo:hi] = (y[tok, lo:hi].float() + delta).to(y.dtype)
+    return y
+
+
+def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
+                sorted_token_ids: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
+                offsets: Sequence[int]) -> torch.Tensor:
+    """y[t, shard s] += h[t, shard s] @ lora_b[slot(t), shard s]^T in place (module docstring);
+    `offsets` [S + 1]: where each shard's output columns start in y. Returns y."""
+    impl = lora_expand_triton if use_triton(y) else lora_expand_ref
+    return impl(y, h, lora_b, sorted_token_ids, seg_start, seg_len, offsets)
