@@ -50,10 +50,14 @@ class LoRABatch:
         if len(token_slots) > len(self.sorted_token_ids):  # only the profiling pass is this wide
             self.sorted_token_ids = torch.zeros(len(token_slots), dtype=torch.int32,
                                                 device=self.device)
-        sorted_ids, start, length = lora_segments(torch.from_numpy(token_slots), self.num_slots)
-        self.sorted_token_ids[: len(sorted_ids)].copy_(sorted_ids, non_blocking=True)
-        self.seg_start.copy_(start, non_blocking=True)
-        self.seg_len.copy_(length, non_blocking=True)
+        meta = torch.cat(lora_segments(torch.from_numpy(token_slots), self.num_slots))
+        if self.device.type == "cuda":  # a pageable source would make the host wait for the GPU
+            meta = meta.pin_memory()
+        meta = meta.to(self.device, non_blocking=True)  # one copy: [T] | [L] | [L]
+        num_tokens, num_slots = len(token_slots), self.num_slots
+        self.sorted_token_ids[:num_tokens].copy_(meta[:num_tokens])
+        self.seg_start.copy_(meta[num_tokens : num_tokens + num_slots])
+        self.seg_len.copy_(meta[num_tokens + num_slots :])
 
 
 class LoRALinear:
