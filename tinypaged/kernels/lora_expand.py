@@ -10,10 +10,13 @@ output columns o0 = offsets[s] .. offsets[s+1] - 1 and activations s*R .. (s+1)*
 Ranks below R are zero-padded, so every adapter runs the same tile shapes.
 
 Tokens are grouped by slot as for the shrink (`sorted_token_ids`, `seg_start`, `seg_len`); a token
-of no adapter is in no segment and its row of y is left untouched. One launch per shard; the grid
-is (M tiles, columns / BLOCK_N, L). A program gathers BLOCK_M rows of its slot's segment, makes
-their [BLOCK_M, BLOCK_N] delta with one tl.dot over the whole rank (R <= 256), and adds it into
-y in place. The activations are cast to B's dtype before the product, as the reference does.
+of no adapter is in no segment and its row of y is left untouched. One launch for all (up to 3)
+shards: the grid is (M tiles, column tiles of shard 0 + of shard 1 + ..., L), so no tile straddles
+two shards, and a program finds its shard from its column-tile index. It gathers BLOCK_M rows of
+its slot's segment, makes their [BLOCK_M, BLOCK_N] delta with one tl.dot over the whole rank
+(R <= 256), and adds it into y in place (at decode, one launch instead of three saves a few us
+per layer, which is most of LoRA's cost there). The activations are cast to B's dtype before the
+product, as the reference does.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from tinypaged.kernels._triton import cdiv, dot_precision, jit, next_power_of_2,
 @jit
 def _lora_expand_kernel(
     H, B, SORTED, SEG_START, SEG_LEN, Y,  # h [T, S*R] fp32; lora_b [L, O, R]; y [T, O]
-    out_offset, out_size, h_offset, rank, stride_hm, stride_bl, stride_bo, stride_ym,
+    off1, off2, off3,  # shard s owns columns off_s .. off_{s+1} - 1 (off0 = 0)
+    tile1, tile2,  # the first column tile of shards 1 and 2 (past the grid: no such shard)
+    rank, stride_hm, stride_bl, stride_bo, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -36,6 +41,12 @@ def _lora_expand_kernel(
     seg_len = tl.load(SEG_LEN + slot)
     if pid_m * BLOCK_M >= seg_len:
         return
+    shard = (pid_n >= tile1).to(tl.int32) + (pid_n >= tile2).to(tl.int32)
+    first_tile = tl.where(shard == 0, 0, tl.where(shard == 1, tile1, tile2))
+    out_offset = tl.where(shard == 0, 0, tl.where(shard == 1, off1, off2))
+    out_size = tl.where(shard == 0, off1, tl.where(shard == 1, off2, off3)) - out_offset
+    h_offset = shard * rank
+    pid_n = pid_n - first_tile
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < seg_len
     tok = tl.load(SORTED + tl.load(SEG_START + slot) + rows, mask=row_mask, other=0).to(tl.int64)
@@ -57,23 +68,28 @@ def _lora_expand_kernel(
 def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
                        sorted_token_ids: torch.Tensor, seg_start: torch.Tensor,
                        seg_len: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
-    """The Triton launcher: one launch per shard."""
+    """The Triton launcher: one launch for every shard (at most 3)."""
     num_tokens = y.shape[0]
     num_slots, _, rank = lora_b.shape
     if num_tokens == 0:
         return y
+    if not 2 <= len(offsets) <= 4 or offsets[0] != 0:
+        raise ValueError(f"offsets must be [0, ...] for 1 to 3 shards, got {list(offsets)}")
     block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
     block_r = max(16, next_power_of_2(rank))
     block_n = 64 if block_r <= 64 else 32
-    for s in range(len(offsets) - 1):
-        size = offsets[s + 1] - offsets[s]
-        grid = (cdiv(num_tokens, block_m), cdiv(size, block_n), num_slots)
-        _lora_expand_kernel[grid](
-            h, lora_b, sorted_token_ids, seg_start, seg_len, y,
-            offsets[s], size, s * rank, rank, h.stride(0), lora_b.stride(0), lora_b.stride(1),
-            y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-            PRECISION=dot_precision(lora_b.dtype), num_warps=4,
-        )
+    ends = list(offsets[1:]) + [offsets[-1]] * (4 - len(offsets))  # off1, off2, off3
+    tiles = [cdiv(offsets[s + 1] - offsets[s], block_n) for s in range(len(offsets) - 1)]
+    starts = [sum(tiles[:s]) for s in range(1, 3)]
+    num_tiles = sum(tiles)
+    starts = [start if s < len(tiles) else num_tiles for s, start in enumerate(starts, 1)]
+    grid = (cdiv(num_tokens, block_m), num_tiles, num_slots)
+    _lora_expand_kernel[grid](
+        h, lora_b, sorted_token_ids, seg_start, seg_len, y, *ends, *starts,
+        rank, h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        PRECISION=dot_precision(lora_b.dtype), num_warps=4,
+    )
     return y
 
 
