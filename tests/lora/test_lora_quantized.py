@@ -36,3 +36,21 @@ def test_bench_adapters_load_in_peft(tmp_path):
     got = model.base_model.model.model.layers[1].mlp.down_proj.lora_B["default"].weight
     want = saved["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"]
     assert torch.equal(got.to(want.dtype), want)
+
+
+def test_fused_qkv_and_gate_up_adapter(tmp_path):
+    """Phi-3 stores qkv_proj and gate_up_proj fused, and so do its adapters: one A, B over the
+    fused output, cut into the shards here."""
+    from tinypaged.bench.tiny_models import save_tiny
+
+    hf = save_tiny("phi3", tmp_path / "base")
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    merged = save_peft_adapter(hf, tmp_path / "a", 8, 8, targets=targets, seed=5)
+    llm = LLM(str(tmp_path / "base"), skip_tokenizer_init=True, num_kv_blocks=32,
+              enable_lora=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    p = prompts(1, seed=6, hi=12)[0]
+    out = llm.generate({"prompt_token_ids": p}, greedy, use_tqdm=False,
+                       lora_request=LoRARequest("a", 1, str(tmp_path / "a")))
+    assert out[0].outputs[0].token_ids == greedy_reference(merged, p, 5)[0]
+    assert out[0].outputs[0].token_ids != greedy_reference(hf, p, 5)[0]

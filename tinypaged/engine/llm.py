@@ -90,6 +90,7 @@ class LLM(PoolingLLMMixin):  # embed / classify / score / encode: engine/pooling
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
@@ -108,7 +109,7 @@ class LLM(PoolingLLMMixin):  # embed / classify / score / encode: engine/pooling
             {"prompt_token_ids": self.tokenizer.apply_chat_template(conv, **kwargs)}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(
         self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
