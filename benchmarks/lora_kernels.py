@@ -12,7 +12,12 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels.lora_expand import lora_expand_ref, lora_expand_triton
-from tinypaged.kernels.lora_shrink import lora_segments, lora_shrink_ref, lora_shrink_triton
+from tinypaged.kernels.lora_shrink import (
+    lora_segments,
+    lora_shrink_ref,
+    lora_shrink_triton,
+    shrink_splits,
+)
 
 SLOTS, RANK = 4, 16
 TOKENS = (1, 8, 64, 512, 4096)
@@ -41,10 +46,10 @@ def check() -> bool:
     for t in (1, 37, 512):
         for layer in LAYERS:
             x, a, b, y, meta, offsets = case(t, layer)
-            h = torch.empty(t, a.shape[1], device="cuda")
+            h = torch.zeros(shrink_splits(t, x.shape[1]), t, a.shape[1], device="cuda")
             got = lora_shrink_triton(x, a, *meta, h.clone())
             want = lora_shrink_ref(x, a, *meta, h.clone())
-            ok &= torch.allclose(got, want, atol=3e-2, rtol=2e-2)
+            ok &= torch.allclose(got.sum(0), want.sum(0), atol=3e-2, rtol=2e-2)
             got = lora_expand_triton(y.clone(), want, b, *meta, offsets)
             ok &= torch.allclose(got.float(), lora_expand_ref(y.clone(), want, b, *meta,
                                                              offsets).float(), atol=5e-2,
@@ -64,13 +69,13 @@ def time_all(record) -> None:
             x, a, b, y, meta, offsets = case(t, layer)
             k, n = x.shape[1], a.shape[1]
             out = offsets[-1]
-            h = torch.empty(t, n, device="cuda")
+            h = torch.empty(shrink_splits(t, k), t, n, device="cuda")
             shape = f"T{t} {layer} {SLOTS}x r{RANK}"
             record("lora_shrink", shape, "triton graph",
                    [lambda x=x, a=a, meta=meta, h=h: lora_shrink_triton(x, a, *meta, h)],
-                   bytes_moved=hit * n * k * 2 + t * k * 2 + t * n * 4, flops=2 * t * n * k)
+                   bytes_moved=hit * n * k * 2 + t * k * 2 + h.numel() * 4, flops=2 * t * n * k)
             record("lora_expand", shape, "triton graph",
                    [lambda y=y, h=h, b=b, meta=meta, o=offsets:
                     lora_expand_triton(y, h, b, *meta, o)],
-                   bytes_moved=hit * out * RANK * 2 + 2 * t * out * 2 + t * n * 4,
+                   bytes_moved=hit * out * RANK * 2 + 2 * t * out * 2 + h.numel() * 4,
                    flops=2 * t * out * RANK)

@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from tinypaged.kernels.lora_expand import lora_expand_ref, lora_expand_triton
-from tinypaged.kernels.lora_shrink import lora_segments, lora_shrink_ref, lora_shrink_triton
+from tinypaged.kernels.lora_shrink import (
+    lora_segments,
+    lora_shrink_ref,
+    lora_shrink_triton,
+    shrink_splits,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
@@ -37,32 +42,33 @@ def test_segments_group_tokens_by_slot():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens,k,n,split_k", [(5, 64, 48, 1), (40, 96, 16, 3),
-                                                    (70, 48, 32, None)])
+                                                    (70, 300, 32, None)])
 def test_lora_shrink(dtype, num_tokens, k, n, split_k):
     num_slots = 3
     x, a = randn(num_tokens, k, dtype=dtype), randn(num_slots, n, k, dtype=dtype, seed=1)
     slots = random_slots(num_tokens, num_slots, seed=num_tokens)
     meta = lora_segments(slots, num_slots)
+    split_k = split_k or shrink_splits(num_tokens, k)
     untouched = -7.0
-    got = lora_shrink_triton(x, a, *meta, torch.full((num_tokens, n), untouched),
-                             split_k=split_k)
-    want = lora_shrink_ref(x, a, *meta, torch.full((num_tokens, n), untouched))
+    got = lora_shrink_triton(x, a, *meta, torch.full((split_k, num_tokens, n), untouched))
+    want = lora_shrink_ref(x, a, *meta, torch.full((split_k, num_tokens, n), untouched))
     for t, s in enumerate(slots.tolist()):  # independent: token by token
-        expect = x[t].double() @ a[s].double().T if s >= 0 else torch.full((n,), untouched)
-        torch.testing.assert_close(want[t].double(), expect.double(), **tol(torch.float32))
+        if s >= 0:
+            expect = x[t].double() @ a[s].double().T
+            torch.testing.assert_close(want[:, t].sum(0).double(), expect, **tol(torch.float32))
     mine = slots >= 0
-    torch.testing.assert_close(got[mine], want[mine], **tol(dtype))
-    if split_k == 1:  # a plain store leaves rows of no adapter as they were
-        assert (got[~mine] == untouched).all()
+    torch.testing.assert_close(got[:, mine].sum(0), want[:, mine].sum(0), **tol(dtype))
+    assert (got[:, ~mine] == untouched).all() and (want[:, ~mine] == untouched).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,rank,offsets", [(6, 16, (0, 64, 96, 128)),
-                                                     (37, 8, (0, 80)), (20, 40, (0, 24, 48))])
-def test_lora_expand(dtype, num_tokens, rank, offsets):
+@pytest.mark.parametrize("num_tokens,rank,offsets,splits", [(6, 16, (0, 64, 96, 128), 3),
+                                                            (37, 8, (0, 80), 1),
+                                                            (20, 40, (0, 24, 48), 2)])
+def test_lora_expand(dtype, num_tokens, rank, offsets, splits):
     num_slots, shards = 4, len(offsets) - 1
     y0 = randn(num_tokens, offsets[-1], dtype=dtype, seed=2)
-    h = randn(num_tokens, shards * rank, seed=3)
+    h = randn(splits, num_tokens, shards * rank, seed=3)  # partial sums of the shrink
     b = randn(num_slots, offsets[-1], rank, dtype=dtype, seed=4, scale=0.5)
     slots = random_slots(num_tokens, num_slots, seed=rank)
     meta = lora_segments(slots, num_slots)
@@ -73,7 +79,7 @@ def test_lora_expand(dtype, num_tokens, rank, offsets):
         if slot >= 0:
             for s in range(shards):
                 lo, hi = offsets[s], offsets[s + 1]
-                hs = h[t, s * rank : (s + 1) * rank].to(dtype).double()
+                hs = h[:, t, s * rank : (s + 1) * rank].sum(0).to(dtype).double()
                 expect[lo:hi] += b[slot, lo:hi].double() @ hs
         torch.testing.assert_close(want[t].double(), expect, **tol(dtype))
     torch.testing.assert_close(got, want, **tol(dtype))

@@ -4,7 +4,8 @@ adapter, added into the base layer's output.
     y[t, o0 + j] += h[t, s*R : (s+1)*R] @ lora_b[slot(t), o0 + j, :]    for j < size_s
 
 y [T, O] is the base output of this rank (a fused layer's shards side by side), h [T, S*R] the
-shrink's float32 output (lora_shrink.py), lora_b [L, O, R] the slots' B matrices with each
+shrink's float32 output (lora_shrink.py; given as its SPLIT_K partial sums [SPLIT_K, T, S*R],
+added up here as they are loaded), lora_b [L, O, R] the slots' B matrices with each
 adapter's scaling (lora_alpha / r, or / sqrt(r) for rsLoRA) already folded in, and shard s owns
 output columns o0 = offsets[s] .. offsets[s+1] - 1 and activations s*R .. (s+1)*R - 1.
 Ranks below R are zero-padded, so every adapter runs the same tile shapes.
@@ -30,10 +31,10 @@ from tinypaged.kernels._triton import cdiv, dot_precision, jit, next_power_of_2,
 
 @jit
 def _lora_expand_kernel(
-    H, B, SORTED, SEG_START, SEG_LEN, Y,  # h [T, S*R] fp32; lora_b [L, O, R]; y [T, O]
+    H, B, SORTED, SEG_START, SEG_LEN, Y,  # h [SPLIT_K, T, S*R] fp32; lora_b [L, O, R]; y [T, O]
     off1, off2, off3,  # shard s owns columns off_s .. off_{s+1} - 1 (off0 = 0)
     tile1, tile2,  # the first column tile of shards 1 and 2 (past the grid: no such shard)
-    rank, stride_hm, stride_bl, stride_bo, stride_ym,
+    rank, split_k, stride_hs, stride_hm, stride_bl, stride_bo, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -54,8 +55,11 @@ def _lora_expand_kernel(
     col_mask = cols < out_size
     r = tl.arange(0, BLOCK_R)
     r_mask = r < rank
-    h = tl.load(H + tok[:, None] * stride_hm + h_offset + r[None, :],
-                mask=row_mask[:, None] & r_mask[None, :], other=0.0)  # [BM, BR] fp32
+    h_ptrs = H + tok[:, None] * stride_hm + h_offset + r[None, :]
+    h_mask = row_mask[:, None] & r_mask[None, :]
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for s in range(split_k):  # the shrink's partial sums
+        h += tl.load(h_ptrs + s * stride_hs, mask=h_mask, other=0.0)  # [BM, BR] fp32
     b = tl.load(B + slot.to(tl.int64) * stride_bl + (out_offset + cols)[None, :] * stride_bo
                 + r[:, None], mask=r_mask[:, None] & col_mask[None, :], other=0.0)  # [BR, BN]
     delta = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)  # [BM, BN] fp32
@@ -86,7 +90,8 @@ def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
     grid = (cdiv(num_tokens, block_m), num_tiles, num_slots)
     _lora_expand_kernel[grid](
         h, lora_b, sorted_token_ids, seg_start, seg_len, y, *ends, *starts,
-        rank, h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        rank, h.shape[0], h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1),
+        y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         PRECISION=dot_precision(lora_b.dtype), num_warps=4,
     )
@@ -104,7 +109,7 @@ def lora_expand_ref(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
         tok = sorted_token_ids[start : start + length].long()
         for s in range(len(offsets) - 1):
             lo, hi = offsets[s], offsets[s + 1]
-            hs = h[tok, s * rank : (s + 1) * rank].to(lora_b.dtype).float()
+            hs = h[:, tok, s * rank : (s + 1) * rank].sum(0).to(lora_b.dtype).float()
             delta = hs @ lora_b[slot, lo:hi].float().T
             y[tok, lo:hi] = (y[tok, lo:hi].float() + delta).to(y.dtype)
     return y
@@ -113,7 +118,8 @@ def lora_expand_ref(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
 def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
                 sorted_token_ids: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
                 offsets: Sequence[int]) -> torch.Tensor:
-    """y[t, shard s] += h[t, shard s] @ lora_b[slot(t), shard s]^T in place (module docstring);
-    `offsets` [S + 1]: where each shard's output columns start in y. Returns y."""
+    """y[t, shard s] += h[t, shard s] @ lora_b[slot(t), shard s]^T in place (module docstring),
+    h = the planes' sum of h [SPLIT_K, T, S*R]; `offsets` [S + 1]: where each shard's output
+    columns start in y. Returns y."""
     impl = lora_expand_triton if use_triton(y) else lora_expand_ref
     return impl(y, h, lora_b, sorted_token_ids, seg_start, seg_len, offsets)

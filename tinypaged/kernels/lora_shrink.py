@@ -4,8 +4,11 @@ A batch mixes tokens of several adapters (and tokens of none). The adapters' A m
 `max_loras` GPU slots, stacked; a fused layer (qkv, gate-up) stacks its shards' A matrices along
 the rank axis, so one launch makes every shard's low-rank activations:
 
-    out[t, :] = x[t, :] @ lora_a[slot(t)]^T          x [T, K], lora_a [L, N, K], out [T, N] fp32
+    h[t, :] = x[t, :] @ lora_a[slot(t)]^T            x [T, K], lora_a [L, N, K], h [T, N] fp32
                                                       N = num_shards * max_lora_rank
+
+written as SPLIT_K partial sums, out [SPLIT_K, T, N] with h = out.sum(0), which the expand adds
+up as it loads them (lora_expand.py).
 
 Tokens are grouped by slot (`lora_segments`): `sorted_token_ids` lists the batch's rows slot by
 slot, and slot l owns entries seg_start[l] .. seg_start[l] + seg_len[l] - 1 (tokens of no adapter,
@@ -15,7 +18,8 @@ once past the segment's end), gathers them from x and multiplies them by that sl
 tl.dot, so each A tile is read once per BLOCK_M tokens of its adapter, never once per token. The
 grid depends only on T and L, never on how the tokens split, so a CUDA graph replays it with new
 segments. At decode T is small and K large (4096), so the K loop is split over SPLIT_K programs
-that add their partial products into `out` (zeroed first) with atomics.
+(`shrink_splits`), each storing its partial sum in its own plane of `out`: no atomics, and no
+zeroing launch before the shrink (at decode, launches are most of LoRA's cost).
 """
 
 from __future__ import annotations
@@ -35,10 +39,16 @@ def lora_segments(token_slots: torch.Tensor, num_slots: int):
     return sorted_ids, seg_start.to(torch.int32), seg_len.to(torch.int32)
 
 
+def shrink_splits(num_tokens: int, k: int) -> int:
+    """How many programs share the K loop (the planes of the shrink's output): small batches
+    have too few tiles to keep the GPU busy, so their K loop is spread over up to 32."""
+    return max(1, min(32, cdiv(k, 256))) if num_tokens <= 64 else 1
+
+
 @jit(do_not_specialize=("K",))
 def _lora_shrink_kernel(
-    X, A, SORTED, SEG_START, SEG_LEN, OUT,  # x [T, K]; lora_a [L, N, K]; out [T, N] fp32
-    K, N, stride_xm, stride_al, stride_an, stride_om,
+    X, A, SORTED, SEG_START, SEG_LEN, OUT,  # x [T, K]; lora_a [L, N, K]; out [SPLIT_K, T, N] fp32
+    K, N, stride_xm, stride_al, stride_an, stride_os, stride_om,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -62,18 +72,14 @@ def _lora_shrink_kernel(
         a = tl.load(a_base + cols[None, :] * stride_an + ks[:, None],
                     mask=k_mask[:, None] & col_mask[None, :], other=0.0)  # [BK, BN]
         acc += tl.dot(x, a, input_precision=PRECISION)
-    ptrs = OUT + tok[:, None] * stride_om + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(ptrs, acc, mask=mask)
-    else:
-        tl.atomic_add(ptrs, acc, mask=mask)
+    ptrs = OUT + pid_k * stride_os + tok[:, None] * stride_om + cols[None, :]
+    tl.store(ptrs, acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
 def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: torch.Tensor,
-                       seg_start: torch.Tensor, seg_len: torch.Tensor, out: torch.Tensor, *,
-                       split_k: int | None = None) -> torch.Tensor:
-    """The Triton launcher; `split_k` overrides the number of programs sharing the K loop."""
+                       seg_start: torch.Tensor, seg_len: torch.Tensor,
+                       out: torch.Tensor) -> torch.Tensor:
+    """The Triton launcher; out.shape[0] programs share each K loop."""
     num_tokens, k = x.shape
     num_slots, n, _ = lora_a.shape
     if num_tokens == 0:
@@ -81,14 +87,11 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: 
     block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
     block_n = min(64, max(16, next_power_of_2(n)))
     block_k = 64 if k >= 64 else max(16, next_power_of_2(k))
-    if split_k is None:  # small batches: spread the K loop over more programs
-        split_k = max(1, min(32, cdiv(k, 4 * block_k))) if num_tokens <= 64 else 1
-    if split_k > 1:
-        out.zero_()
+    split_k = out.shape[0]
     grid = (cdiv(num_tokens, block_m) * split_k, cdiv(n, block_n), num_slots)
     _lora_shrink_kernel[grid](
         x, lora_a, sorted_token_ids, seg_start, seg_len, out,
-        k, n, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+        k, n, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0), out.stride(1),
         SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=dot_precision(x.dtype), num_warps=4,
     )
@@ -98,17 +101,20 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: 
 def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: torch.Tensor,
                     seg_start: torch.Tensor, seg_len: torch.Tensor,
                     out: torch.Tensor) -> torch.Tensor:
-    """The torch reference: one matmul per slot over its segment (fp32 products)."""
+    """The torch reference: one matmul per slot over its segment (fp32 products), the whole
+    sum in plane 0 of out and zeros in the others."""
     for slot, (start, length) in enumerate(zip(seg_start.tolist(), seg_len.tolist())):
         if length:
             tok = sorted_token_ids[start : start + length].long()
-            out[tok] = x[tok].float() @ lora_a[slot].float().T
+            out[:, tok] = 0.0
+            out[0, tok] = x[tok].float() @ lora_a[slot].float().T
     return out
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: torch.Tensor,
                 seg_start: torch.Tensor, seg_len: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out[t] = x[t] @ lora_a[slot(t)]^T for every token of an adapter (module docstring);
-    x [T, K] (rows contiguous), lora_a [L, N, K], out [T, N] float32; returns out."""
+    """out.sum(0)[t] = x[t] @ lora_a[slot(t)]^T for every token of an adapter (module
+    docstring); x [T, K] (rows contiguous), lora_a [L, N, K], out [SPLIT_K, T, N] float32 with
+    SPLIT_K = shrink_splits(T, K) (any count works); returns out."""
     impl = lora_shrink_triton if use_triton(x) else lora_shrink_ref
     return impl(x, lora_a, sorted_token_ids, seg_start, seg_len, out)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tinypaged.kernels.lora_expand import lora_expand
-from tinypaged.kernels.lora_shrink import lora_segments, lora_shrink
+from tinypaged.kernels.lora_shrink import lora_segments, lora_shrink, shrink_splits
 from tinypaged.lora.adapter import LoRAAdapter
 from tinypaged.models.layers import MergedColumnParallelLinear, RowParallelLinear
 
@@ -136,7 +136,9 @@ class LoRALinear:
             x2 = x2.contiguous()
         num_tokens = x2.shape[0]
         sorted_ids = batch.sorted_token_ids[:num_tokens]
-        h = torch.empty(num_tokens, self.lora_a.shape[1], dtype=torch.float32, device=x.device)
+        splits = shrink_splits(num_tokens, x2.shape[1])  # planes of partial sums: no zeroing
+        h = torch.empty(splits, num_tokens, self.lora_a.shape[1], dtype=torch.float32,
+                        device=x.device)
         lora_shrink(x2, self.lora_a, sorted_ids, batch.seg_start, batch.seg_len, h)
         lora_expand(y.view(num_tokens, -1), h, self.lora_b, sorted_ids, batch.seg_start,
                     batch.seg_len, self.offsets)
