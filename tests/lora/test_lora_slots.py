@@ -141,3 +141,18 @@ def test_scaling_is_folded_into_b(setup):
     b = raw["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
     got = rs.weights[("model.layers.0.self_attn.qkv_proj", "q")][1]
     assert got.allclose(b * 32 / 16**0.5)  # rsLoRA: alpha / sqrt(r)
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+def test_triton_kernels_in_the_engine(setup):
+    """The engine's LoRA path through the Triton kernels (the interpreter on the CPU): a decode
+    batch of two adapters and the base equals PEFT's merged models."""
+    root, requests, refs = setup
+    llm = LLM(str(root / "base"), skip_tokenizer_init=True, num_kv_blocks=16, enable_lora=True,
+              max_loras=2, kernels="triton", dtype="float32")
+    batch = prompts(3, seed=9, lo=3, hi=6)
+    steps = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], steps, use_tqdm=False,
+                        lora_request=[requests[1], None, requests[2]])
+    for out, p, ref in zip(outs, batch, (refs[1], refs[0], refs[2])):
+        assert out.outputs[0].token_ids == greedy_reference(ref, p, 3)[0]
