@@ -6,7 +6,8 @@ give the overhead. The workload is the vLLM anchor's (/work/shared/vllm-anchor/v
     latency      batch 1 and 8, 512-token prompts: decode tok/s per sequence from
                  (t(256 out) - t(1 out)) / 255 (batch 1 runs adapter 0, batch 8 all four)
 
-    PYTHONPATH=. python benchmarks/lora_bench.py [--adapters DIR] [--no-base] [--check]
+    PYTHONPATH=. python benchmarks/lora_bench.py [--adapters DIR] [--no-base | --base-only]
+                                                 [--check]
 
 `--check` first runs a GPU correctness check of the kernels (Triton vs reference on random
 segments, bf16) and of one engine step with CUDA graphs on vs off. The adapters are written
@@ -160,6 +161,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--adapters", default="/tmp/tinypaged-lora-bench")
     p.add_argument("--no-base", action="store_true", help="skip the runs without LoRA")
+    p.add_argument("--base-only", action="store_true", help="only the runs without LoRA")
     p.add_argument("--check", action="store_true", help="GPU correctness checks first")
     args = p.parse_args()
     dirs = adapter_dirs(Path(args.adapters))
@@ -167,7 +169,7 @@ def main() -> None:
     if args.check:
         check_kernels()
         check_graphs(dirs)
-    for lora in (True,) if args.no_base else (True, False):
+    for lora in (False,) if args.base_only else (True,) if args.no_base else (True, False):
         llm = make_llm(lora)
         results += run(llm, dirs if lora else None)
         del llm

@@ -285,6 +285,8 @@ def _sampling(args: argparse.Namespace):
 def _lora_modules(args: argparse.Namespace) -> dict[str, str]:
     from tinypaged.entrypoints.openai.lora_routes import parse_lora_modules
 
+    if args.lora_modules and not args.enable_lora:
+        raise UserError("--lora-modules needs --enable-lora")
     try:
         return parse_lora_modules(args.lora_modules or [])
     except ValueError as exc:
@@ -333,7 +335,8 @@ def serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         trust_request_chat_template=args.trust_request_chat_template,
-        **({"lora_modules": _lora_modules(args)} if args.enable_lora else {}),
+        **({"lora_modules": _lora_modules(args)} if args.enable_lora or args.lora_modules
+           else {}),
         cors={
             "allow_origins": args.allowed_origins,
             "allow_methods": args.allowed_methods,
