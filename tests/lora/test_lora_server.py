@@ -13,7 +13,7 @@ from helpers.models import single_thread  # noqa: F401 (autouse)
 from helpers.server import build_tiny_model, metric, running_server
 
 from tinypaged import LLM, AsyncLLM, LoRARequest, SamplingParams
-from tinypaged.entrypoints.cli import _engine_kwargs, _lora_modules, build_parser
+from tinypaged.entrypoints.cli import UserError, _engine_kwargs, _lora_modules, build_parser
 from tinypaged.entrypoints.openai.api_server import build_app
 
 ENGINE = {"max_model_len": 128, "num_kv_blocks": 64, "dtype": "float32", "enable_lora": True,
@@ -86,3 +86,5 @@ def test_cli_flags():
             kwargs["max_cpu_loras"]) == (True, 4, 64, 8)
     assert _lora_modules(args) == {"x": "/a", "y": "/b"}
     assert "enable_lora" not in _engine_kwargs(build_parser().parse_args(["serve"]), None)
+    with pytest.raises(UserError, match="needs --enable-lora"):
+        _lora_modules(build_parser().parse_args(["serve", "--lora-modules", "x=/a"]))
