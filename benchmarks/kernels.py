@@ -63,8 +63,10 @@ FAMILY = {  # op -> the docs page (docs/kernels/<family>.md) whose plot shows it
     "moe_align": "moe",
     "gguf_gemv": "gguf", "gptq_int8_gemm": "gptq_int8",
     "fp8 linear": "fp8", "fp8_gemm": "fp8", "torch._scaled_mm": "fp8", "quantize_fp8": "fp8",
+    "lora_shrink": "lora", "lora_expand": "lora",
 }
-GROUPS = ["core", "awq", "gguf", "gptq", "moe", "fp8"]  # what --only / --all pick (own plots)
+GROUPS = ["core", "awq", "gguf", "gptq", "moe", "fp8",  # what --only / --all pick (own plots)
+          "lora"]
 REPEATS = {"warmup": 25, "rep": 100}  # do_bench's milliseconds; --quick lowers them
 
 
@@ -765,6 +767,20 @@ def time_moe_tokens(t: int, dense: list[torch.Tensor]) -> None:
                bytes_moved=t * k * 4 + padded * 4 + padded // block_m * 4 + 4)
 
 
+def check_lora() -> None:
+    import lora_kernels  # benchmarks/lora_kernels.py: Llama-3-8B linears, 4 adapters, rank 16
+
+    if not lora_kernels.check():
+        FAILURES.append("lora")
+
+
+def time_lora() -> None:
+    import lora_kernels
+
+    print("timings: LoRA shrink / expand (bf16, Llama-3-8B linears)")
+    lora_kernels.time_all(record)
+
+
 # ----------------------------------------------------------------------------- tuning (--tune)
 
 
@@ -852,7 +868,8 @@ def main() -> None:
     parser.add_argument("--gguf", action="store_true", help="also the GGUF block-format GEMVs")
     parser.add_argument("--gptq", action="store_true", help="also the GPTQ int8 kernels")
     parser.add_argument("--fp8", action="store_true", help="also the FP8 quantize and GEMM")
-    parser.add_argument("--all", action="store_true", help="--awq --moe --gguf --gptq --fp8")
+    parser.add_argument("--lora", action="store_true", help="also the LoRA shrink / expand")
+    parser.add_argument("--all", action="store_true", help="--awq --moe --gguf --gptq --fp8 --lora")
     parser.add_argument("--only", nargs="+", choices=GROUPS, metavar="GROUP",
                         help=f"only these groups of families, of {', '.join(GROUPS)}")
     parser.add_argument("--quick", action="store_true",
@@ -889,6 +906,7 @@ def main() -> None:
         ("gptq", check_gptq, [time_gptq], "gptq" in on),
         ("moe", check_moe, [time_moe], "moe" in on),
         ("fp8", check_fp8, [time_fp8], "fp8" in on),
+        ("lora", check_lora, [time_lora], "lora" in on),
         ("tuning", lambda: None, [tune_prefill, tune_decode], args.tune),
     ]
     measure_ceilings()

@@ -31,6 +31,7 @@ TITLES = {
     "gptq_int8": "GPTQ int8 GEMV / split-K GEMM vs the bf16 linear",
     "moe": "Fused MoE (Qwen3-30B-A3B layer): experts, routing, sort by expert",
     "fp8": "FP8 W8A8: quantize + GEMM vs torch._scaled_mm and the bf16 linear",
+    "lora": "Multi-LoRA shrink / expand (Llama-3-8B linears, 4 adapters of rank 16)",
 }
 
 

@@ -28,6 +28,7 @@ RANK = {
     "host": 0,
     "distributed": 1,
     "config": 2, "models": 2, "pooling": 2, "quantization": 2, "tokenizer": 2, "sampling": 2,
+    "lora": 2,
     "worker": 3,
     "engine": 4, "outputs": 4, "dp": 4,
     "entrypoints": 5, "bench": 5, "__main__": 5, "__init__": 5,

@@ -20,6 +20,7 @@ _LAZY = {
     "AsyncLLM": "tinypaged.engine.async_llm",
     "SamplingParams": "tinypaged.sampling.params",
     "EngineConfig": "tinypaged.config",
+    "LoRARequest": "tinypaged.lora.request",
     "RequestOutput": "tinypaged.outputs",
     "CompletionOutput": "tinypaged.outputs",
     "StructuredOutputsParams": "tinypaged.sampling.structured_output",
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from tinypaged.config import EngineConfig  # noqa: F401
     from tinypaged.engine.async_llm import AsyncLLM  # noqa: F401
     from tinypaged.engine.llm import LLM  # noqa: F401
+    from tinypaged.lora.request import LoRARequest  # noqa: F401
     from tinypaged.outputs import CompletionOutput, RequestOutput  # noqa: F401
     from tinypaged.pooling.params import PoolingParams  # noqa: F401
     from tinypaged.sampling.params import SamplingParams  # noqa: F401

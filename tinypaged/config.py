@@ -62,6 +62,11 @@ class EngineConfig:
     pooler_config: dict | None = None  # pooling_type ("LAST"|"MEAN"|"CLS"), normalize
     # torch's intra-op threads; None = $OMP_NUM_THREADS, else the usable cores - 1 (host/threads.py)
     cpu_threads: int | None = None
+    # Multi-LoRA (lora/, as vLLM's): GPU slots, largest rank, CPU cache (None = max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -113,6 +118,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError("kv_cache_dtype must be one of auto, fp8, fp8_e4m3; got "
                              f"{self.kv_cache_dtype!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            positive(name)
+        if self.max_lora_rank > 256 or (self.max_cpu_loras or self.max_loras) < self.max_loras:
+            raise ValueError(f"need max_lora_rank <= 256 (got {self.max_lora_rank}) and "
+                             f"max_cpu_loras >= max_loras (got {self.max_cpu_loras})")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -111,6 +111,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "compiler needed) or native (Triton's own C launcher, built with gcc or $CC)",
         lambda name, text: _one_of(name, text, ("auto", "python", "native")),
     ),
+    "TINYPAGED_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(
+        "bool", False,
+        "1 lets `serve --enable-lora` load and unload adapters over HTTP (as "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING, also read)",
+        _is_one,
+    ),
 }
 
 

@@ -127,7 +127,8 @@ class AsyncLLM(EngineClient):
         return self.core_client.engine
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str
+        self, prompt: PromptType, params: SamplingParams, request_id: str,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs of one request as tokens arrive; the last has finished=True.
         A request the engine refuses raises ValueError before the first output."""
@@ -137,7 +138,7 @@ class AsyncLLM(EngineClient):
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self.core_client.send(AddRequest(request_id, prompt, params))
+        self.core_client.send(AddRequest(request_id, prompt, params, lora_request))
         finished = False
         try:
             while True:

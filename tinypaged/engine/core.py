@@ -151,7 +151,8 @@ class EngineCore:
                 self.engine.abort_request(message.request_id)
                 continue
             try:
-                self.engine.add_request(message.request_id, message.prompt, message.params)
+                self.engine.add_request(message.request_id, message.prompt, message.params,
+                                        message.lora_request)
             except Exception as exc:  # noqa: BLE001 - the caller gets it (a 400 when ValueError)
                 errors.append((message.request_id, exc))
         return True

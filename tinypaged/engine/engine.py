@@ -59,6 +59,7 @@ from tinypaged.engine.request_state import (
 )
 from tinypaged.engine.stats import IterationStats
 from tinypaged.host.threads import apply_cpu_threads
+from tinypaged.lora.slots import bind_lora
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling.generation_config import default_sampling_params
 from tinypaged.sampling.logits_processors import LogitsConstraints, LogitsMaskBuilder
@@ -245,8 +246,10 @@ class Engine:
                 f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}"
             )
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        """Queue a request; raises ValueError now if it could never run."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    lora_request=None) -> None:
+        """Queue a request (with a LoRARequest: run by that adapter); raises ValueError now if it
+        could never run."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt, params)
@@ -255,6 +258,8 @@ class Engine:
             params, self.vocab_size, self.tokenizer, self._get_grammar_compiler
         )
         seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
+        if lora_request is not None:
+            bind_lora(self.runner.lora, lora_request, seqs)
         # Prompt logprobs need the logits of every prompt position: no cached prefix.
         seqs[0].skip_prefix_cache = params.prompt_logprobs is not None
         for seq in seqs:

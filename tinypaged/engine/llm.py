@@ -19,6 +19,7 @@ from tinypaged.config import EngineConfig
 from tinypaged.engine.engine import PromptType
 from tinypaged.engine.pooling_engine import create_engine
 from tinypaged.engine.pooling_llm import PoolingLLMMixin
+from tinypaged.lora.request import LoRARequest
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling.params import SamplingParams
 
@@ -58,8 +59,10 @@ class LLM(PoolingLLMMixin):  # embed / classify / score / encode: engine/pooling
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list of them; returns one RequestOutput per prompt."""
+        """Generate for one prompt or a list of them; returns one RequestOutput per prompt.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (enable_lora)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -76,7 +79,12 @@ class LLM(PoolingLLMMixin):  # embed / classify / score / encode: engine/pooling
                     f"sampling_params has {len(params)} entries but there are {len(prompts)} "
                     "prompts; pass one SamplingParams or one per prompt"
                 )
-        return self._run(prompts, params, use_tqdm)
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(
+            prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries but there are "
+                             f"{len(prompts)} prompts; pass one LoRARequest or one per prompt")
+        return self._run(prompts, params, use_tqdm, loras)
 
     def chat(
         self,
@@ -88,6 +96,7 @@ class LLM(PoolingLLMMixin):  # embed / classify / score / encode: engine/pooling
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
@@ -106,16 +115,17 @@ class LLM(PoolingLLMMixin):  # embed / classify / score / encode: engine/pooling
             {"prompt_token_ids": self.tokenizer.apply_chat_template(conv, **kwargs)}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         order: dict[str, int] = {}
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
             request_id = str(next(self._ids))
             try:
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, lora)
             except Exception:
                 for rid in order:  # leave the engine clean for the next call
                     self.engine.abort_request(rid)

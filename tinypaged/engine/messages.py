@@ -35,6 +35,7 @@ class AddRequest:
     request_id: str
     prompt: PromptType
     params: SamplingParams
+    lora_request: Any = None  # a LoRARequest: run by that adapter
 
 
 @dataclass

@@ -105,6 +105,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "Triton everywhere (the Triton interpreter on the CPU: slow, shows kernel edits); "
         "torch = the references (default: $TINYPAGED_KERNELS or auto)",
     )
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (lora/)")
+    p.add_argument("--max-loras", type=int, default=1, help="LoRA adapters per batch (GPU slots)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank (<= 256)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept on CPU")
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -140,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", nargs="+", default=None)
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters served by name (with --enable-lora)")
     serve.add_argument("--api-key", default=None, help="also read from $TINYPAGED_API_KEY")
     serve.add_argument(
         "--max-queue",
@@ -248,6 +254,8 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "load_format": args.load_format,
         "runner": args.runner,
         "cpu_threads": args.cpu_threads,
+        **({"enable_lora": True, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
+            "max_cpu_loras": args.max_cpu_loras} if args.enable_lora else {}),
     }
 
 
@@ -286,6 +294,17 @@ def _sampling(args: argparse.Namespace):
 
 
 # ---------------------------------------------------------------------------------- commands
+
+
+def _lora_modules(args: argparse.Namespace) -> dict[str, str]:
+    from tinypaged.entrypoints.openai.lora_routes import parse_lora_modules
+
+    if args.lora_modules and not args.enable_lora:
+        raise UserError("--lora-modules needs --enable-lora")
+    try:
+        return parse_lora_modules(args.lora_modules or [])
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -332,6 +351,8 @@ def serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         trust_request_chat_template=args.trust_request_chat_template,
+        **({"lora_modules": _lora_modules(args)} if args.enable_lora or args.lora_modules
+           else {}),
         cors={
             "allow_origins": args.allowed_origins,
             "allow_methods": args.allowed_methods,

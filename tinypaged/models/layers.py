@@ -96,7 +96,10 @@ class RMSNorm(nn.Module):
 
 
 class LinearBase(nn.Module):
-    """y = x W^T + b for this rank's slice: dense weight or the quant_config's tensors."""
+    """y = x W^T + b for this rank's slice: dense weight or the quant_config's tensors.
+    With LoRA (lora/layers.py) `lora` adds each token's adapter delta after the base matmul."""
+
+    lora = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool,
                  quant_config: QuantizationMethod | None = None) -> None:
@@ -120,8 +123,10 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_config is None:
             # F.linear, or at decode batch sizes on CUDA the split-K GEMV where it beats cuBLAS
-            return dense_gemv.dense_linear(x, self.weight, bias)
-        return self.quant_config.apply(self, x, bias)
+            y = dense_gemv.dense_linear(x, self.weight, bias)
+        else:
+            y = self.quant_config.apply(self, x, bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

@@ -83,6 +83,8 @@ class BlockManager:
         bs = self.block_size
         hashes = seq.block_hashes
         parent = hashes[-1] if hashes else None
+        if parent is None and seq.lora_int_id:  # an adapter's blocks: a chain of their own
+            parent = hash_block(None, [-seq.lora_int_id])
         for i in range(len(hashes), num_full_blocks):
             parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
             hashes.append(parent)

@@ -94,6 +94,7 @@ class Scheduler:
         self.running: dict[int, Sequence] = {}  # seq_id -> seq, in admission order
         self.requests: dict[str, list[Sequence]] = {}  # request_id -> its unfinished sequences
         self._arrival = itertools.count()
+        self.max_loras = config.max_loras if getattr(config, "enable_lora", False) else 0
 
     # ---- stats ---------------------------------------------------------------------------
     @property
@@ -231,7 +232,8 @@ class Scheduler:
             and not out.preempted
         ):
             seq = self.waiting[0]
-            if seq.num_output_placeholders or self._sibling_prefilling(seq):
+            if (seq.num_output_placeholders or self._sibling_prefilling(seq)
+                    or (seq.lora_int_id and not self._lora_fits(seq))):
                 deferred.append(self.waiting.popleft())
                 continue
             hits = bm.find_cached_prefix(seq)
@@ -247,6 +249,11 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether admitting seq keeps the running adapters within the max_loras GPU slots."""
+        running = {s.lora_int_id for s in self.running.values() if s.lora_int_id}
+        return seq.lora_int_id in running or len(running) < self.max_loras
 
     def _newest_unscheduled(self, scheduled_ids: set[int]) -> Sequence:
         for seq in reversed(self.running.values()):

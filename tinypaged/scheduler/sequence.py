@@ -40,6 +40,9 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One sample of one request. `sampling_params` is opaque here; only `.max_tokens` is read."""
 
+    lora_int_id = 0  # its LoRA adapter (lora/), 0 = none; keys its prefix-cache blocks
+    lora_request = None
+
     def __init__(
         self,
         request_id: str,

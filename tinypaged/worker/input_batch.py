@@ -36,6 +36,7 @@ import operator
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,6 +58,7 @@ class StepInput:
     max_query_len: int
     max_seq_len: int
     prev_sample_indices: np.ndarray | None = None  # int64 [T], -1 = the id is in input_ids
+    lora: Any = None  # lora.slots.LoRAStep: each token's adapter slot (None: no adapter)
 
 
 def build_step(

@@ -37,6 +37,7 @@ from tinypaged.config import EngineConfig
 from tinypaged.distributed import parallel_state as distributed
 from tinypaged.kernels._triton import kernel_choice
 from tinypaged.kernels.kv_cache import kv_cache_torch_dtype
+from tinypaged.lora.slots import lora_runtime
 from tinypaged.models.attention_metadata import AttentionMetadata
 from tinypaged.models.layers import Attention
 from tinypaged.scheduler import ScheduledSequence, Sequence
@@ -116,6 +117,7 @@ class ModelRunner:
         self.host_ids = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.pin)
                          for _ in range(2 if self.pin else 0)]
         self.num_kept = 0
+        self.lora = lora_runtime(config, model, dtype, device)  # None without enable_lora
         self.graphs = None  # eager while profiling; captured after the cache exists
         self.piecewise = None  # piecewise graphs of steps with prompt tokens (optional)
         self.kv_cache_info = self._allocate_kv_cache()
@@ -232,6 +234,9 @@ class ModelRunner:
         """The flat batch of one scheduled step as host arrays (input_batch.build_step)."""
         step = build_step(scheduled, self.block_size, self.block_tables, prompt_logits,
                           self.prev_sample_rows)
+        if self.lora is not None:
+            step.lora = self.lora.plan([it.seq.lora_request for it in scheduled],
+                                       [it.num_new_tokens for it in scheduled])
         if self.async_scheduling:  # where the next step finds each sequence's sampled id
             self.prev_sample_rows = sample_rows(scheduled)
         return step
@@ -288,6 +293,8 @@ class ModelRunner:
         `step.logits_indices` (on every tensor-parallel rank the same arrays, so the
         collectives line up)."""
         with self.kernels:
+            if self.lora is not None:
+                self.lora.prepare(step.lora)
             num_seqs = len(step.seq_lens)
             if self.graphs is not None and step.max_query_len == 1 and self.graphs.fits(num_seqs):
                 logits = self.graphs.run(step)  # [B, vocab]: all B rows ran

@@ -39,6 +39,7 @@ import ast
 import ctypes
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -87,7 +88,8 @@ def pack_step(step: StepInput) -> bytes:
     parts = [header] + [getattr(step, f).astype(np.int64, copy=False) for f in _INT64_FIELDS[:-1]]
     parts.append(prev)
     parts += [getattr(step, f).astype(np.int32, copy=False) for f in _INT32_FIELDS]
-    return b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+    lora = b"" if step.lora is None else pickle.dumps(step.lora)  # after the arrays
+    return b"".join(np.ascontiguousarray(p).tobytes() for p in parts) + lora
 
 
 def unpack_step(payload: bytes) -> StepInput:
@@ -107,7 +109,8 @@ def unpack_step(payload: bytes) -> StepInput:
     arrays["block_tables"] = arrays["block_tables"].reshape(num_seqs, width)
     if not num_prev:
         arrays["prev_sample_indices"] = None
-    return StepInput(**arrays, max_query_len=max_query_len, max_seq_len=max_seq_len)
+    lora = pickle.loads(bytes(buf[offset:])) if offset < len(buf) else None
+    return StepInput(**arrays, max_query_len=max_query_len, max_seq_len=max_seq_len, lora=lora)
 
 
 def start_method() -> str:

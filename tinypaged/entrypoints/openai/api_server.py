@@ -45,6 +45,7 @@ from tinypaged.entrypoints.openai.chat_protocol import (
     parse_chat_options,
 )
 from tinypaged.entrypoints.openai.errors import APIError, bad_request, error_body, show
+from tinypaged.entrypoints.openai.lora_routes import lora_routes
 from tinypaged.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from tinypaged.entrypoints.openai.parsers import REASONING_PARSERS, TOOL_PARSERS
 from tinypaged.entrypoints.openai.pooling_routes import pooling_routes
@@ -128,6 +129,7 @@ class OpenAIServer:
         self.created = now()
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's loop, set at startup
         self.draining = False  # shutting down: admit nothing new
+        self.lora = None  # lora_routes.LoRAServing with --enable-lora
 
     # ------------------------------------------------------------------------------ plumbing
 
@@ -214,7 +216,7 @@ class OpenAIServer:
 
     def check_model(self, model: str | None) -> str:
         """The served name to answer with; absent or "" means the default model (vLLM)."""
-        if not model or model in self.model_names:
+        if not model or model in self.model_names or (self.lora and model in self.lora.adapters):
             return model or self.model_name
         raise APIError(
             404,
@@ -274,8 +276,9 @@ class OpenAIServer:
             build_sampling_params(req, len(ids), prompt_param, limit, defaults) for ids in prompts
         ]
         self.admit(len(prompts))
+        lora = self.lora and self.lora.request_for(builder.model, len(prompts))
         gen = Generation(
-            self.engine, self.metrics, builder.request_id, prompts, params, self.release
+            self.engine, self.metrics, builder.request_id, prompts, params, self.release, lora
         )
         self.active.add(gen)
         self.in_flight += len(prompts)
@@ -433,7 +436,7 @@ class OpenAIServer:
                 "max_model_len": self.max_model_len,
             }
             for name in self.model_names
-        ]
+        ] + (self.lora.models_data() if self.lora else [])
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
@@ -524,6 +527,7 @@ def build_app(
     reasoning_parser (see OpenAIServer). `cors`: Starlette CORSMiddleware arguments
     (allow_origins, allow_methods, allow_headers, allow_credentials); by default any origin, as
     vLLM's defaults."""
+    lora_modules = options.pop("lora_modules", None)  # with --enable-lora: lora_routes.py
     server = OpenAIServer(engine, served_model_name, api_key, max_queue, max_body_bytes, **options)
     e = server.endpoint
     routes = [
@@ -539,6 +543,7 @@ def build_app(
     ]
     routes += anthropic_routes(server) + responses_routes(server)  # translated onto chat
     routes += pooling_routes(server)  # /v1/embeddings, /pooling, /score, /rerank
+    routes += [] if lora_modules is None else lora_routes(server, lora_modules)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)

@@ -124,8 +124,10 @@ class Generation:
         prompts: list[list[int]],
         params: list,
         on_close: Callable[[Generation], None],
+        lora_request: Any = None,
     ):
         self.engine = engine
+        self.lora_request = lora_request
         self.on_close = on_close
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.finished = [False] * len(prompts)
@@ -139,8 +141,9 @@ class Generation:
 
     async def _pump(self, i: int, prompt_ids: list[int], params) -> None:
         try:
+            lora = {} if self.lora_request is None else {"lora_request": self.lora_request}
             stream = self.engine.generate(
-                {"prompt_token_ids": prompt_ids}, params, self.engine_ids[i]
+                {"prompt_token_ids": prompt_ids}, params, self.engine_ids[i], **lora
             )
             async for out in stream:
                 self.trackers[i].observe(out)

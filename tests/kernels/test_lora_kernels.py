@@ -1,0 +1,86 @@
+"""LoRA shrink and expand under the Triton interpreter: kernels vs the torch references, and the
+references vs a per-token loop that reads each token's own adapter (no segments)."""
+
+import pytest
+import torch
+
+from tinypaged.kernels.lora_expand import lora_expand_ref, lora_expand_triton
+from tinypaged.kernels.lora_shrink import (
+    lora_segments,
+    lora_shrink_ref,
+    lora_shrink_triton,
+    shrink_splits,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+
+DTYPES = [torch.float32, torch.float16]
+
+
+def tol(dtype):
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-3, "rtol": 3e-3}
+
+
+def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype)
+
+
+def random_slots(num_tokens, num_slots, seed):
+    """Slots in [-1, num_slots): every slot and 'no adapter' drawn, in shuffled order."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-1, num_slots, (num_tokens,), generator=g, dtype=torch.int32)
+
+
+def test_segments_group_tokens_by_slot():
+    slots = torch.tensor([2, -1, 0, 2, 0, -1, 2], dtype=torch.int32)
+    sorted_ids, start, length = lora_segments(slots, 3)
+    assert length.tolist() == [2, 0, 3]
+    assert start.tolist() == [0, 2, 2]
+    assert sorted_ids[:5].tolist() == [2, 4, 0, 3, 6]  # stable within a slot
+    assert sorted(sorted_ids[5:].tolist()) == [1, 5]  # no adapter: after every segment
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,k,n,split_k", [(5, 64, 48, 1), (40, 96, 16, 3),
+                                                    (70, 300, 32, None)])
+def test_lora_shrink(dtype, num_tokens, k, n, split_k):
+    num_slots = 3
+    x, a = randn(num_tokens, k, dtype=dtype), randn(num_slots, n, k, dtype=dtype, seed=1)
+    slots = random_slots(num_tokens, num_slots, seed=num_tokens)
+    meta = lora_segments(slots, num_slots)
+    split_k = split_k or shrink_splits(num_tokens, k)
+    untouched = -7.0
+    got = lora_shrink_triton(x, a, *meta, torch.full((split_k, num_tokens, n), untouched))
+    want = lora_shrink_ref(x, a, *meta, torch.full((split_k, num_tokens, n), untouched))
+    for t, s in enumerate(slots.tolist()):  # independent: token by token
+        if s >= 0:
+            expect = x[t].double() @ a[s].double().T
+            torch.testing.assert_close(want[:, t].sum(0).double(), expect, **tol(torch.float32))
+    mine = slots >= 0
+    torch.testing.assert_close(got[:, mine].sum(0), want[:, mine].sum(0), **tol(dtype))
+    assert (got[:, ~mine] == untouched).all() and (want[:, ~mine] == untouched).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,rank,offsets,splits", [(6, 16, (0, 64, 96, 128), 3),
+                                                            (37, 8, (0, 80), 1),
+                                                            (20, 40, (0, 24, 48), 2)])
+def test_lora_expand(dtype, num_tokens, rank, offsets, splits):
+    num_slots, shards = 4, len(offsets) - 1
+    y0 = randn(num_tokens, offsets[-1], dtype=dtype, seed=2)
+    h = randn(splits, num_tokens, shards * rank, seed=3)  # partial sums of the shrink
+    b = randn(num_slots, offsets[-1], rank, dtype=dtype, seed=4, scale=0.5)
+    slots = random_slots(num_tokens, num_slots, seed=rank)
+    meta = lora_segments(slots, num_slots)
+    got = lora_expand_triton(y0.clone(), h, b, *meta, offsets)
+    want = lora_expand_ref(y0.clone(), h, b, *meta, offsets)
+    for t, slot in enumerate(slots.tolist()):
+        expect = y0[t].double().clone()
+        if slot >= 0:
+            for s in range(shards):
+                lo, hi = offsets[s], offsets[s + 1]
+                hs = h[:, t, s * rank : (s + 1) * rank].sum(0).to(dtype).double()
+                expect[lo:hi] += b[slot, lo:hi].double() @ hs
+        torch.testing.assert_close(want[t].double(), expect, **tol(dtype))
+    torch.testing.assert_close(got, want, **tol(dtype))
+    assert torch.equal(got[slots < 0], y0[slots < 0])  # tokens of no adapter: untouched

@@ -1,0 +1,125 @@
+"""LoRA expand, Punica-style: each token's low-rank activations times the B matrix of its own
+adapter, added into the base layer's output.
+
+    y[t, o0 + j] += h[t, s*R : (s+1)*R] @ lora_b[slot(t), o0 + j, :]    for j < size_s
+
+y [T, O] is the base output of this rank (a fused layer's shards side by side), h [T, S*R] the
+shrink's float32 output (lora_shrink.py; given as its SPLIT_K partial sums [SPLIT_K, T, S*R],
+added up here as they are loaded), lora_b [L, O, R] the slots' B matrices with each
+adapter's scaling (lora_alpha / r, or / sqrt(r) for rsLoRA) already folded in, and shard s owns
+output columns o0 = offsets[s] .. offsets[s+1] - 1 and activations s*R .. (s+1)*R - 1.
+Ranks below R are zero-padded, so every adapter runs the same tile shapes.
+
+Tokens are grouped by slot as for the shrink (`sorted_token_ids`, `seg_start`, `seg_len`); a token
+of no adapter is in no segment and its row of y is left untouched. One launch for all (up to 3)
+shards: the grid is (M tiles, column tiles of shard 0 + of shard 1 + ..., L), so no tile straddles
+two shards, and a program finds its shard from its column-tile index. It gathers BLOCK_M rows of
+its slot's segment, makes their [BLOCK_M, BLOCK_N] delta with one tl.dot over the whole rank
+(R <= 256), and adds it into y in place (at decode, one launch instead of three saves a few us
+per layer, which is most of LoRA's cost there). The activations are cast to B's dtype before the
+product, as the reference does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tinypaged.kernels._triton import cdiv, dot_precision, jit, next_power_of_2, tl, use_triton
+
+
+@jit
+def _lora_expand_kernel(
+    H, B, SORTED, SEG_START, SEG_LEN, Y,  # h [SPLIT_K, T, S*R] fp32; lora_b [L, O, R]; y [T, O]
+    off1, off2, off3,  # shard s owns columns off_s .. off_{s+1} - 1 (off0 = 0)
+    tile1, tile2,  # the first column tile of shards 1 and 2 (past the grid: no such shard)
+    rank, split_k, stride_hs, stride_hm, stride_bl, stride_bo, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seg_len = tl.load(SEG_LEN + slot)
+    if pid_m * BLOCK_M >= seg_len:
+        return
+    shard = (pid_n >= tile1).to(tl.int32) + (pid_n >= tile2).to(tl.int32)
+    first_tile = tl.where(shard == 0, 0, tl.where(shard == 1, tile1, tile2))
+    out_offset = tl.where(shard == 0, 0, tl.where(shard == 1, off1, off2))
+    out_size = tl.where(shard == 0, off1, tl.where(shard == 1, off2, off3)) - out_offset
+    h_offset = shard * rank
+    pid_n = pid_n - first_tile
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < seg_len
+    tok = tl.load(SORTED + tl.load(SEG_START + slot) + rows, mask=row_mask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < out_size
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < rank
+    h_ptrs = H + tok[:, None] * stride_hm + h_offset + r[None, :]
+    h_mask = row_mask[:, None] & r_mask[None, :]
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for s in range(split_k):  # the shrink's partial sums
+        h += tl.load(h_ptrs + s * stride_hs, mask=h_mask, other=0.0)  # [BM, BR] fp32
+    b = tl.load(B + slot.to(tl.int64) * stride_bl + (out_offset + cols)[None, :] * stride_bo
+                + r[:, None], mask=r_mask[:, None] & col_mask[None, :], other=0.0)  # [BR, BN]
+    delta = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)  # [BM, BN] fp32
+    ptrs = Y + tok[:, None] * stride_ym + out_offset + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, (y + delta).to(Y.dtype.element_ty), mask=mask)
+
+
+def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
+                       sorted_token_ids: torch.Tensor, seg_start: torch.Tensor,
+                       seg_len: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
+    """The Triton launcher: one launch for every shard (at most 3)."""
+    num_tokens = y.shape[0]
+    num_slots, _, rank = lora_b.shape
+    if num_tokens == 0:
+        return y
+    if not 2 <= len(offsets) <= 4 or offsets[0] != 0:
+        raise ValueError(f"offsets must be [0, ...] for 1 to 3 shards, got {list(offsets)}")
+    block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
+    block_r = max(16, next_power_of_2(rank))
+    block_n = 64 if block_r <= 64 else 32
+    ends = list(offsets[1:]) + [offsets[-1]] * (4 - len(offsets))  # off1, off2, off3
+    tiles = [cdiv(offsets[s + 1] - offsets[s], block_n) for s in range(len(offsets) - 1)]
+    starts = [sum(tiles[:s]) for s in range(1, 3)]
+    num_tiles = sum(tiles)
+    starts = [start if s < len(tiles) else num_tiles for s, start in enumerate(starts, 1)]
+    grid = (cdiv(num_tokens, block_m), num_tiles, num_slots)
+    _lora_expand_kernel[grid](
+        h, lora_b, sorted_token_ids, seg_start, seg_len, y, *ends, *starts,
+        rank, h.shape[0], h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1),
+        y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        PRECISION=dot_precision(lora_b.dtype), num_warps=4,
+    )
+    return y
+
+
+def lora_expand_ref(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
+                    sorted_token_ids: torch.Tensor, seg_start: torch.Tensor,
+                    seg_len: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
+    """The torch reference: per slot and shard, y[tok, cols] += h(cast to B's dtype) @ B^T."""
+    rank = lora_b.shape[2]
+    for slot, (start, length) in enumerate(zip(seg_start.tolist(), seg_len.tolist())):
+        if not length:
+            continue
+        tok = sorted_token_ids[start : start + length].long()
+        for s in range(len(offsets) - 1):
+            lo, hi = offsets[s], offsets[s + 1]
+            hs = h[:, tok, s * rank : (s + 1) * rank].sum(0).to(lora_b.dtype).float()
+            delta = hs @ lora_b[slot, lo:hi].float().T
+            y[tok, lo:hi] = (y[tok, lo:hi].float() + delta).to(y.dtype)
+    return y
+
+
+def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
+                sorted_token_ids: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
+                offsets: Sequence[int]) -> torch.Tensor:
+    """y[t, shard s] += h[t, shard s] @ lora_b[slot(t), shard s]^T in place (module docstring),
+    h = the planes' sum of h [SPLIT_K, T, S*R]; `offsets` [S + 1]: where each shard's output
+    columns start in y. Returns y."""
+    impl = lora_expand_triton if use_triton(y) else lora_expand_ref
+    return impl(y, h, lora_b, sorted_token_ids, seg_start, seg_len, offsets)

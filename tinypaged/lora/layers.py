@@ -1,0 +1,159 @@
+"""The LoRA side of the linear layers: each adapted linear holds its slots' stacked A and B
+matrices, and all of them read one per-step token -> slot index.
+
+    LoRABatch   sorted_token_ids [max_tokens], seg_start [L], seg_len [L]: the step's tokens
+                grouped by slot (kernels/lora_shrink.py `lora_segments`). Static device buffers:
+                a CUDA graph (decode or piecewise) captured once reads each replay's segments.
+    LoRALinear  lora_a [L, S * R, in] and lora_b [L, out, R] for this rank's slice of one linear
+                with S shards (qkv: 3, gate-up: 2, o / down: 1); `apply(x, y)` adds every token's
+                adapter delta into the base output y = x W^T (dense or quantized: the delta is
+                added after the base matmul, so AWQ/GPTQ/GGUF models take bf16 adapters).
+
+Tensor parallelism slices A and B as the base weight is sliced. Column-parallel (qkv, gate-up):
+rank r computes y[:, its columns], so it holds all of A and its rows of B (each shard cut as the
+base layer cuts it, `shard_layout`). Row-parallel (o, down): rank r gets x's r-th slice of the
+input features and adds its partial y before the all-reduce, so it holds A's r-th slice of
+columns and all of B: sum_r (x_r A_r^T) B^T = (x A^T) B^T, no extra communication.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from tinypaged.kernels.lora_expand import lora_expand
+from tinypaged.kernels.lora_shrink import lora_segments, lora_shrink, shrink_splits
+from tinypaged.lora.adapter import LoRAAdapter
+from tinypaged.models.layers import MergedColumnParallelLinear, RowParallelLinear
+
+ADAPTED = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
+
+
+class LoRABatch:
+    """The step's token -> slot index in static buffers (see the module docstring)."""
+
+    def __init__(self, num_slots: int, max_tokens: int, device: torch.device) -> None:
+        self.num_slots, self.device = num_slots, device
+        self.sorted_token_ids = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.seg_start = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.seg_len = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.any_adapter = False
+
+    def prepare(self, token_slots: np.ndarray | None) -> None:
+        """Fill the buffers for a step whose token t runs the adapter in slot token_slots[t]
+        (-1: none; None: no token has one)."""
+        self.any_adapter = token_slots is not None and bool((token_slots >= 0).any())
+        if not self.any_adapter:
+            self.seg_len.zero_()
+            return
+        if len(token_slots) > len(self.sorted_token_ids):  # only the profiling pass is this wide
+            self.sorted_token_ids = torch.zeros(len(token_slots), dtype=torch.int32,
+                                                device=self.device)
+        meta = torch.cat(lora_segments(torch.from_numpy(token_slots), self.num_slots))
+        if self.device.type == "cuda":  # a pageable source would make the host wait for the GPU
+            meta = meta.pin_memory()
+        meta = meta.to(self.device, non_blocking=True)  # one copy: [T] | [L] | [L]
+        num_tokens, num_slots = len(token_slots), self.num_slots
+        self.sorted_token_ids[:num_tokens].copy_(meta[:num_tokens])
+        self.seg_start.copy_(meta[num_tokens : num_tokens + num_slots])
+        self.seg_len.copy_(meta[num_tokens + num_slots :])
+
+
+class LoRALinear:
+    """One adapted linear's slots (see the module docstring); `layer.lora` points here."""
+
+    def __init__(self, layer: nn.Module, batch: LoRABatch, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.layer, self.batch, self.max_rank = layer, batch, max_rank
+        self.row_parallel = isinstance(layer, RowParallelLinear)
+        if isinstance(layer, MergedColumnParallelLinear):
+            self.shards = list(layer.shard_ids())
+            starts = [layer.shard_layout(s)[0] for s in self.shards]
+        else:
+            self.shards, starts = [None], [0]
+        self.offsets = (*starts, layer.output_size)  # each shard's columns of this rank's y
+        num_slots = batch.num_slots
+        self.lora_a = torch.zeros(num_slots, len(self.shards) * max_rank, layer.input_size,
+                                  dtype=dtype, device=device)  # [L, S * R, in]
+        self.lora_b = torch.zeros(num_slots, layer.output_size, max_rank, dtype=dtype,
+                                  device=device)  # [L, out, R]
+
+    def shard_pieces(self, weights: dict, name: str) -> list[tuple[int, torch.Tensor,
+                                                                  torch.Tensor]]:
+        """(shard index, A, B) of this rank for each shard the adapter adapts, full-size tensors
+        from the checkpoint cut to this rank's slice."""
+        layer, pieces = self.layer, []
+        fused = weights.get((name, None))
+        if fused is not None and len(self.shards) > 1:  # one A for the fused layer: split B
+            a, b = fused
+            sizes = list(layer.output_sizes)
+            if b.shape[0] != sum(sizes):
+                raise ValueError(f"LoRA {name}: lora_B has {b.shape[0]} rows, the layer "
+                                 f"{sum(sizes)}")
+            by_shard = dict(zip(self.shards, b.split(sizes)))
+            weights = {**weights, **{(name, s): (a, by_shard[s]) for s in self.shards}}
+        for i, shard in enumerate(self.shards):
+            if (name, shard) not in weights:
+                continue
+            a, b = weights[(name, shard)]  # [r, in_full], [out_full, r]
+            if self.row_parallel and layer.tp_size > 1:
+                a = a.narrow(1, layer.tp_rank * layer.input_size, layer.input_size)
+            elif shard is not None:
+                _, size, full, index = layer.shard_layout(shard)
+                if b.shape[0] != full:
+                    raise ValueError(f"LoRA {name} shard {shard}: lora_B has {b.shape[0]} rows, "
+                                     f"the layer {full}")
+                b = b.narrow(0, index * size, size)
+            elif layer.tp_size > 1 and not self.row_parallel:
+                b = b.narrow(0, layer.tp_rank * layer.output_size, layer.output_size)
+            if a.shape[1] != layer.input_size:
+                raise ValueError(f"LoRA {name}: lora_A has {a.shape[1]} input features, the "
+                                 f"layer {layer.input_size} on this rank")
+            pieces.append((i, a, b))
+        return pieces
+
+    def set_slot(self, slot: int, adapter: LoRAAdapter | None, name: str) -> None:
+        """Put `adapter`'s matrices for this layer into `slot` (zeros where it adapts nothing)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if adapter is None:
+            return
+        rank = self.max_rank
+        for i, a, b in self.shard_pieces(adapter.weights, name):
+            r = a.shape[0]
+            self.lora_a[slot, i * rank : i * rank + r].copy_(a)
+            lo, hi = self.offsets[i], self.offsets[i + 1]
+            self.lora_b[slot, lo:hi, :r].copy_(b)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y += each token's adapter delta, in place; x [T, in], y [T, out] (this rank's)."""
+        batch = self.batch
+        if not batch.any_adapter and x.device.type == "cpu":  # no graphs on the CPU: skip
+            return y
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        num_tokens = x2.shape[0]
+        sorted_ids = batch.sorted_token_ids[:num_tokens]
+        splits = shrink_splits(num_tokens, x2.shape[1])  # planes of partial sums: no zeroing
+        h = torch.empty(splits, num_tokens, self.lora_a.shape[1], dtype=torch.float32,
+                        device=x.device)
+        lora_shrink(x2, self.lora_a, sorted_ids, batch.seg_start, batch.seg_len, h)
+        lora_expand(y.view(num_tokens, -1), h, self.lora_b, sorted_ids, batch.seg_start,
+                    batch.seg_len, self.offsets)
+        return y
+
+
+def attach_lora(model: nn.Module, batch: LoRABatch, max_rank: int, dtype: torch.dtype,
+                device: torch.device) -> dict[str, LoRALinear]:
+    """Give every adaptable linear of `model` its LoRALinear (`layer.lora`); returns them by
+    module name."""
+    layers = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ADAPTED and hasattr(module, "input_size"):
+            module.lora = layers[name] = LoRALinear(module, batch, max_rank, dtype, device)
+    if not layers:
+        raise ValueError(f"enable_lora: {type(model).__name__} has no {'/'.join(ADAPTED)} "
+                         "layers to adapt; LoRA serves the decoder models (models/decoder.py)")
+    return layers
