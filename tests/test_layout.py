@@ -27,7 +27,7 @@ RANK = {
     "distributed": 1,
     "config": 2, "models": 2, "quantization": 2, "tokenizer": 2, "sampling": 2,
     "worker": 3,
-    "engine": 4, "outputs": 4,
+    "engine": 4, "outputs": 4, "spec_decode": 4,
     "entrypoints": 5, "bench": 5, "__main__": 5, "__init__": 5,
 }  # fmt: skip
 MAX_TOP_LEVEL_MODULES = 12

@@ -51,6 +51,9 @@ class EngineConfig:
     # Who runs the ops: "auto" = Triton on CUDA, torch references on the CPU; "triton" = Triton
     # everywhere (the interpreter on the CPU: slow, for learners); "torch" = the references.
     kernels: str = field(default_factory=lambda: envs.TINYPAGED_KERNELS)
+    # vLLM's speculative_config dict ({"method": "ngram", "num_speculative_tokens": 4, ...}),
+    # validated by spec_decode/config.py; None = no speculative decoding
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -92,6 +95,13 @@ class EngineConfig:
             )
         if self.quantization is not None:
             check_quantization(self.quantization)
+        if self.speculative_config is not None:  # verification steps run synchronously
+            if self.async_scheduling:
+                raise ValueError(
+                    "speculative_config cannot be combined with async_scheduling=True in "
+                    "tinypaged yet; leave async_scheduling unset (or False)"
+                )
+            self.async_scheduling = False
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -155,6 +155,9 @@ class Engine:
             self.device = torch.device("cuda", index)
         if config.async_scheduling is None:  # decided before any rank reads the config
             config.async_scheduling = self.device.type == "cuda"
+        if config.speculative_config is not None:  # a bad dict fails before the model loads
+            from tinypaged.spec_decode.config import SpeculativeConfig
+            SpeculativeConfig.from_dict(config.speculative_config)
         # The model on every tensor-parallel rank (worker processes when tensor_parallel_size > 1).
         self.executor = create_executor(config, self.device)
         try:
@@ -194,6 +197,10 @@ class Engine:
         self.runner = ex.init_runner()
         self.scheduler = Scheduler(config, self.runner.kv_cache_info.num_blocks)
         self.sampler = Sampler(config.seed)
+        self.spec = None  # speculative decoding (spec_decode/decoder.py)
+        if config.speculative_config is not None:
+            from tinypaged.spec_decode.decoder import SpecDecoder
+            self.spec = SpecDecoder(self, config.speculative_config)
         self.mask_builder = LogitsMaskBuilder(self.vocab_size, self.device)
         self._grammar_compiler = None  # built at the first structured-output request
         self.requests: dict[str, _Request] = {}
@@ -306,6 +313,8 @@ class Engine:
         constraints = LogitsConstraints.build(
             params, self.vocab_size, self.tokenizer, self._get_grammar_compiler
         )
+        if self.spec is not None:
+            self.spec.check_request(params)
         seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
         # Prompt logprobs need the logits of every prompt position: no cached prefix.
         seqs[0].skip_prefix_cache = params.prompt_logprobs is not None
@@ -370,6 +379,7 @@ class Engine:
             "num_free_blocks": s.num_free_blocks,
             "num_total_blocks": s.num_total_blocks,
             "iteration_stats": self.iteration_stats,
+            "spec_decode": None if self.spec is None else self.spec.get_stats(),
         }
 
     def fail_running(self) -> list[str]:
@@ -400,6 +410,8 @@ class Engine:
         if prev is not None and prev.reads_tokens_on_host:  # read by the next schedule
             outputs += self._process(prev, finished_only)
             prev = None
+        if self.spec is not None:
+            self.spec.propose()
         out = self.scheduler.schedule()
         launched = None if out.is_empty else self._launch(out)
         if prev is not None:  # while the GPU runs `launched`
@@ -423,6 +435,8 @@ class Engine:
                 if it.seq.request_id in self._unscheduled:
                     self._unscheduled.discard(it.seq.request_id)
                     self.requests[it.seq.request_id].stats.first_scheduled_time = now
+        if self.spec is not None:  # verifies the proposed tokens; processed at once
+            return _LaunchedStep(out, *self.spec.launch(items), True)
         host = self._host_requests
         on_host = bool(host) and any(it.seq.request_id in host for it in items)
         sampled_items = [it for it in items if it.sample]
@@ -469,7 +483,8 @@ class Engine:
                 req.stats.first_token_time = now
             req.stats.last_token_time = now
             try:
-                self._after_token(req, seq, lp_by_seq.get(seq.seq_id))
+                after = self._after_token if self.spec is None else self.spec.after_tokens
+                after(req, seq, lp_by_seq.get(seq.seq_id))
             except Exception as exc:  # a fault in one request (e.g. detokenizing) ends only it
                 logger.exception("request %s failed", req.request_id)
                 self._errors.append((req.request_id, exc))
