@@ -1,0 +1,132 @@
+"""Speculative decoding end to end on tiny random models: greedy output token for token equal to
+decoding without speculation for every proposer (n-gram, the oracles), k = 1..5 and batches whose
+sequences speculate different k; composing with chunked prefill, preemption, prefix caching,
+penalties, logprobs, stop strings and seeds; every KV block free afterwards; bad configs refused."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.models import count_preemptions, prompts, save_byte_tokenizer, save_tiny
+
+from tinypaged import LLM, SamplingParams
+
+ENGINE = dict(num_kv_blocks=96, block_size=4, max_model_len=128)
+
+
+def greedy(max_tokens: int = 20, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run(llm: LLM, batch, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_all_free(llm: LLM) -> None:
+    stats = llm.engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    llm.engine.scheduler.check_invariants()
+
+
+def ngram(k: int, lo: int = 1, hi: int = 3) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo,
+            "prompt_lookup_max": hi}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    save_tiny("llama", path)
+    save_byte_tokenizer(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "glm4_moe"])
+def test_greedy_equals_no_speculation(kind, tmp_path):
+    save_tiny(kind, tmp_path)
+    batch = prompts(5, seed=2)
+    # Different max_tokens per prompt: sequences near their limit speculate fewer tokens.
+    params = [greedy(14 + 3 * i) for i in range(len(batch))]
+    base = run(LLM(str(tmp_path), skip_tokenizer_init=True, **ENGINE), batch, params)
+    table = [[p, b] for p, b in zip(batch, base)]
+    configs = [ngram(1), ngram(3, 2, 4), ngram(5),
+               {"method": "oracle", "num_speculative_tokens": 4, "oracle_token_ids": table},
+               {"method": "oracle_miss", "num_speculative_tokens": 2, "oracle_token_ids": table}]
+    for config in configs:
+        llm = LLM(str(tmp_path), skip_tokenizer_init=True, speculative_config=config, **ENGINE)
+        assert run(llm, batch, params) == base, config
+        spec = llm.engine.get_stats()["spec_decode"]
+        assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_drafts"]
+        if config["method"] == "oracle":
+            assert spec["num_accepted_tokens"] == spec["num_draft_tokens"]
+        if config["method"] == "oracle_miss":
+            assert spec["num_accepted_tokens"] == 0
+        assert_all_free(llm)
+
+
+def test_chunked_prefill_preemption_prefix_cache(llama):
+    batch = prompts(6, seed=4, lo=20, hi=40)
+    params = greedy(24)
+    base = run(LLM(llama, skip_tokenizer_init=True, **ENGINE), batch, params)
+    # 24 blocks of 4 tokens for 6 sequences of up to 64 tokens, 8 tokens a step: chunked
+    # prefills, preemptions (with drafts in flight), and recomputes through the prefix cache.
+    llm = LLM(llama, skip_tokenizer_init=True, num_kv_blocks=24, block_size=4,
+              max_model_len=128, max_num_batched_tokens=8, speculative_config=ngram(4))
+    preempted = count_preemptions(llm.engine.scheduler)
+    assert run(llm, batch, params) == base
+    assert preempted[0] > 0
+    assert_all_free(llm)
+    # Prefix-cache hits after many rejections give the same tokens.
+    again = llm.generate([{"prompt_token_ids": p} for p in batch[:2]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == base[:2]
+    assert all(o.num_cached_tokens > 0 for o in again)
+    assert_all_free(llm)
+
+
+def test_penalties_logprobs_stops_and_seeds(llama):
+    plain = LLM(llama, **ENGINE)
+    spec = LLM(llama, speculative_config=ngram(3), **ENGINE)
+    batch = prompts(3, seed=5)
+    cases = [
+        greedy(16, repetition_penalty=1.3, frequency_penalty=0.2),
+        greedy(12, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=20, min_tokens=4),
+    ]
+    for params in cases:
+        a = plain.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        b = spec.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        for x, y in zip(a, b):
+            assert x.outputs[0].token_ids == y.outputs[0].token_ids, params
+            if params.logprobs:
+                for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+                    assert lx.keys() == ly.keys()
+                    assert all(abs(lx[t] - ly[t]) < 1e-4 for t in lx)
+    # A stop string / stop token met in the middle of accepted drafts ends the text there.
+    ref = plain.generate({"prompt_token_ids": batch[0]}, greedy(20), use_tqdm=False)[0]
+    stop_id = ref.outputs[0].token_ids[6]
+    stop_text = ref.outputs[0].text[3:5]
+    for params in (greedy(20, stop_token_ids=[stop_id]), greedy(20, stop=[stop_text])):
+        x = plain.generate({"prompt_token_ids": batch[0]}, params, use_tqdm=False)[0].outputs[0]
+        y = spec.generate({"prompt_token_ids": batch[0]}, params, use_tqdm=False)[0].outputs[0]
+        assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+        assert len(y.token_ids) < 20
+    # Seeded sampling through verification repeats itself.
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=11, ignore_eos=True)
+    first, second = (run(spec, batch, seeded) for _ in range(2))
+    assert first == second
+    assert_all_free(spec)
+
+
+def test_bad_configs_are_refused(llama):
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(llama, speculative_config=ngram(2), async_scheduling=True, **ENGINE)
+    with pytest.raises(ValueError, match="not implemented"):
+        LLM(llama, speculative_config={"method": "eagle3", "model": "x",
+                                       "num_speculative_tokens": 2}, **ENGINE)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(llama, speculative_config={"method": "ngram"}, **ENGINE)
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(llama, speculative_config={**ngram(2), "bogus": 1}, **ENGINE)
+    llm = LLM(llama, speculative_config=ngram(2), **ENGINE)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate("hello", SamplingParams(prompt_logprobs=1), use_tqdm=False)
