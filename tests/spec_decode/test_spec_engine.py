@@ -5,8 +5,16 @@ penalties, logprobs, stop strings and seeds; every KV block free afterwards; bad
 
 from __future__ import annotations
 
+import os
+
 import pytest
-from helpers.models import count_preemptions, prompts, save_byte_tokenizer, save_tiny
+from helpers.models import (  # noqa: F401  (single_thread: an autouse fixture)
+    count_preemptions,
+    prompts,
+    save_byte_tokenizer,
+    save_tiny,
+    single_thread,
+)
 
 from tinypaged import LLM, SamplingParams
 
@@ -41,17 +49,24 @@ def llama(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "glm4_moe"])
+LONG = os.environ.get("TINYPAGED_LONG_TESTS") == "1"
+KINDS = ["llama", "qwen3"] + (["glm4_moe", "gemma2"] if LONG else [])
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_greedy_equals_no_speculation(kind, tmp_path):
     save_tiny(kind, tmp_path)
-    batch = prompts(5, seed=2)
+    batch = prompts(4, seed=2, hi=24)
     # Different max_tokens per prompt: sequences near their limit speculate fewer tokens.
-    params = [greedy(14 + 3 * i) for i in range(len(batch))]
+    params = [greedy(10 + 3 * i) for i in range(len(batch))]
     base = run(LLM(str(tmp_path), skip_tokenizer_init=True, **ENGINE), batch, params)
     table = [[p, b] for p, b in zip(batch, base)]
-    configs = [ngram(1), ngram(3, 2, 4), ngram(5),
-               {"method": "oracle", "num_speculative_tokens": 4, "oracle_token_ids": table},
-               {"method": "oracle_miss", "num_speculative_tokens": 2, "oracle_token_ids": table}]
+    configs = [ngram(5),
+               {"method": "oracle", "num_speculative_tokens": 2, "oracle_token_ids": table}]
+    if kind == "llama" or LONG:
+        configs += [ngram(1), ngram(3, 2, 4),
+                    {"method": "oracle_miss", "num_speculative_tokens": 4,
+                     "oracle_token_ids": table}]
     for config in configs:
         llm = LLM(str(tmp_path), skip_tokenizer_init=True, speculative_config=config, **ENGINE)
         assert run(llm, batch, params) == base, config
@@ -65,28 +80,23 @@ def test_greedy_equals_no_speculation(kind, tmp_path):
 
 
 def test_chunked_prefill_preemption_prefix_cache(llama):
-    batch = prompts(6, seed=4, lo=20, hi=40)
-    params = greedy(24)
+    batch = prompts(4, seed=4, lo=16, hi=30)
+    params = greedy(16)
     base = run(LLM(llama, skip_tokenizer_init=True, **ENGINE), batch, params)
-    # 24 blocks of 4 tokens for 6 sequences of up to 64 tokens, 8 tokens a step: chunked
+    # 16 blocks of 4 tokens for 4 sequences of up to 46 tokens, 8 tokens a step: chunked
     # prefills, preemptions (with drafts in flight), and recomputes through the prefix cache.
-    llm = LLM(llama, skip_tokenizer_init=True, num_kv_blocks=24, block_size=4,
+    llm = LLM(llama, skip_tokenizer_init=True, num_kv_blocks=16, block_size=4,
               max_model_len=128, max_num_batched_tokens=8, speculative_config=ngram(4))
     preempted = count_preemptions(llm.engine.scheduler)
     assert run(llm, batch, params) == base
     assert preempted[0] > 0
-    assert_all_free(llm)
-    # Prefix-cache hits after many rejections give the same tokens.
-    again = llm.generate([{"prompt_token_ids": p} for p in batch[:2]], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == base[:2]
-    assert all(o.num_cached_tokens > 0 for o in again)
     assert_all_free(llm)
 
 
 def test_penalties_logprobs_stops_and_seeds(llama):
     plain = LLM(llama, **ENGINE)
     spec = LLM(llama, speculative_config=ngram(3), **ENGINE)
-    batch = prompts(3, seed=5)
+    batch = prompts(3, seed=5, lo=9, hi=30)
     cases = [
         greedy(16, repetition_penalty=1.3, frequency_penalty=0.2),
         greedy(12, logprobs=2),
@@ -101,6 +111,8 @@ def test_penalties_logprobs_stops_and_seeds(llama):
                 for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
                     assert lx.keys() == ly.keys()
                     assert all(abs(lx[t] - ly[t]) < 1e-4 for t in lx)
+    # Prefix-cache hits after many rejections give the same tokens (b: the third run).
+    assert all(o.num_cached_tokens > 0 for o in b)
     # A stop string / stop token met in the middle of accepted drafts ends the text there.
     ref = plain.generate({"prompt_token_ids": batch[0]}, greedy(20), use_tqdm=False)[0]
     stop_id = ref.outputs[0].token_ids[6]
