@@ -142,3 +142,31 @@ def test_bad_configs_are_refused(llama):
     llm = LLM(llama, speculative_config=ngram(2), **ENGINE)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate("hello", SamplingParams(prompt_logprobs=1), use_tqdm=False)
+
+
+def test_metrics_and_cli(llama):
+    import json
+
+    from tinypaged.spec_decode.metrics import Counter, Vector
+
+    llm = LLM(llama, speculative_config=ngram(3), **ENGINE)
+    run(llm, prompts(2, seed=6), greedy(16))
+    metrics = {m.name: m for m in llm.get_metrics()}
+    spec = llm.engine.get_stats()["spec_decode"]
+    drafts = metrics["tinypaged:spec_decode_num_drafts"]
+    assert isinstance(drafts, Counter) and drafts.value == spec["num_drafts"] > 0
+    assert (metrics["tinypaged:spec_decode_num_accepted_tokens"].value
+            == spec["num_accepted_tokens"])
+    per_pos = metrics["tinypaged:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_pos, Vector) and len(per_pos.values) == 3
+    assert per_pos.values[0] >= per_pos.values[1] >= per_pos.values[2]
+    assert LLM(llama, **ENGINE).get_metrics() == []
+    from tinypaged.entrypoints.cli import _engine_kwargs, build_parser
+    from tinypaged.spec_decode.metrics import log_line
+
+    assert "acceptance rate" in log_line(spec)
+    args = build_parser().parse_args(
+        ["generate", llama, "hi", "--speculative-config", json.dumps(ngram(2))])
+    assert _engine_kwargs(args, llama)["speculative_config"] == ngram(2)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--speculative-config", "[1]"])
