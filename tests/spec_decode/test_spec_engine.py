@@ -170,3 +170,25 @@ def test_metrics_and_cli(llama):
     assert _engine_kwargs(args, llama)["speculative_config"] == ngram(2)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "hi", "--speculative-config", "[1]"])
+
+
+def test_draft_model_greedy_equals_no_speculation(llama, tmp_path):
+    from tinypaged.bench.tiny_models import tiny_hf_model
+
+    # A draft with other weights and one layer, and the target as its own draft (every draft
+    # accepted): both leave the greedy tokens unchanged.
+    tiny_hf_model("llama", seed=9, num_hidden_layers=1).save_pretrained(tmp_path)
+    batch = prompts(3, seed=7, hi=24)
+    params = [greedy(12 + 3 * i) for i in range(len(batch))]
+    base = run(LLM(llama, skip_tokenizer_init=True, **ENGINE), batch, params)
+    for draft, k in ((str(tmp_path), 3), (llama, 4)):
+        llm = LLM(llama, skip_tokenizer_init=True, **ENGINE,
+                  speculative_config={"model": draft, "num_speculative_tokens": k})
+        assert run(llm, batch, params) == base
+        spec = llm.engine.get_stats()["spec_decode"]
+        assert spec["num_drafts"] > 0
+        if draft == llama:
+            assert spec["num_accepted_tokens"] == spec["num_draft_tokens"]
+        assert_all_free(llm)
+        proposer = llm.engine.spec.proposer
+        assert not proposer.twins and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks

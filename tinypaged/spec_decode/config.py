@@ -6,14 +6,16 @@
 
 Keys and defaults are vLLM's: `method`, `num_speculative_tokens`, `prompt_lookup_min` /
 `prompt_lookup_max` (n-gram; one given sets both, neither gives 5 and 5), `model` ("ngram" as
-the model is vLLM's older spelling of the method). Methods implemented here: "ngram", and two
+the model is vLLM's older spelling of the method; a `model` path alone, or method "draft_model"
+with it, is a draft model: spec_decode/draft_model.py). Methods implemented here: "ngram",
+"draft_model", and two
 benchmarking oracles of tinypaged's own, which need the target's greedy continuation of each
 prompt (`oracle_token_ids`: a list of [prompt_ids, continuation_ids]):
 
     "oracle"       proposes the continuation itself: every draft is accepted (greedy)
     "oracle_miss"  proposes the continuation + 1 (mod vocab): every draft is rejected
 
-The other vLLM methods ("draft_model", "eagle", "eagle3", "mtp", "suffix", ...) and keys are
+The other vLLM methods ("eagle", "eagle3", "mtp", "suffix", ...) and keys are
 refused with a ValueError naming them, never ignored.
 """
 
@@ -22,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("ngram", "oracle", "oracle_miss")
-_LATER = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
+METHODS = ("ngram", "draft_model", "oracle", "oracle_miss")
+_LATER = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
          "oracle_token_ids")
 
@@ -35,6 +37,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     oracle_token_ids: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    model: str | None = None  # the draft model (method "draft_model")
 
     @classmethod
     def from_dict(cls, raw: Any) -> SpeculativeConfig:
@@ -49,11 +52,15 @@ class SpeculativeConfig:
         method, model = raw.get("method"), raw.get("model")
         if method is None and model in ("ngram", "[ngram]"):
             method = "ngram"
-        if method in _LATER or (method is None and model is not None):
+        elif method is None and model is not None:  # vLLM: a model alone is a draft model
+            method = "draft_model"
+        if method in _LATER:
             raise ValueError(
-                f"speculative_config: method {method or 'draft_model'!r} (a draft model or "
-                f"head) is not implemented in tinypaged yet; use one of {', '.join(METHODS)}"
+                f"speculative_config: method {method!r} (a draft head) is not implemented in "
+                f"tinypaged yet; use one of {', '.join(METHODS)}"
             )
+        if method == "draft_model" and not isinstance(model, str):
+            raise ValueError("speculative_config: method 'draft_model' needs 'model': a path")
         if method not in METHODS:
             raise ValueError(
                 f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}"
@@ -82,4 +89,4 @@ class SpeculativeConfig:
                     "records them)"
                 )
             table = {tuple(p): list(c) for p, c in pairs}
-        return cls(method, k, lo, hi, table)
+        return cls(method, k, lo, hi, table, model if method == "draft_model" else None)

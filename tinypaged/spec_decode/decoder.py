@@ -80,7 +80,7 @@ class SpecDecoder:
         self.engine = engine
         self.config = SpeculativeConfig.from_dict(raw_config)
         self.k = self.config.num_speculative_tokens
-        self.proposer = build_proposer(self.config, engine.vocab_size)
+        self.proposer = build_proposer(self.config, engine)
         self.sampler = RejectionSampler(engine.config.seed)
         self.stats = SpecDecodeStats(self.k)
         logger.info("speculative decoding: %s, k=%d", self.config.method, self.k)
@@ -169,6 +169,7 @@ class SpecDecoder:
             seq.token_ids.append(token)
             self.engine._after_token(req, seq, lp)
             if seq.finish_reason is not None:
+                self.proposer.finish(seq)
                 break  # the tokens after a stop are dropped
 
     def get_stats(self) -> dict[str, Any]:

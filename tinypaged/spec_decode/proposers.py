@@ -9,6 +9,7 @@ without speculation). Proposers here run on the host, from the tokens alone.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -20,6 +21,9 @@ from tinypaged.spec_decode.config import SpeculativeConfig
 class Proposer:
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
         raise NotImplementedError
+
+    def finish(self, seq: Sequence) -> None:
+        """`seq` ended (stop, length): drop what the proposer keeps for it."""
 
 
 class NgramProposer(Proposer):
@@ -68,7 +72,12 @@ class OracleProposer(Proposer):
         return out
 
 
-def build_proposer(config: SpeculativeConfig, vocab_size: int) -> Proposer:
+def build_proposer(config: SpeculativeConfig, engine: Any) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    return OracleProposer(config.oracle_token_ids, vocab_size, config.method == "oracle_miss")
+    if config.method == "draft_model":
+        from tinypaged.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config.model, engine)
+    return OracleProposer(config.oracle_token_ids, engine.vocab_size,
+                          config.method == "oracle_miss")
