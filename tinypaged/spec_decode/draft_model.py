@@ -11,7 +11,8 @@ then the bonus token and the last draft) and every step adds the argmax as the n
 
 Greedy drafts are a point mass q = onehot(x), so the rejection sampler's rule keeps the target's
 distribution for sampled requests as well (rejection_sampler.py). A twin is freed once its
-sequence finishes (aborted ones at the next step); when the draft cache is full a sequence proposes nothing that step.
+sequence finishes (an aborted one's at the next step); when the draft cache is full a sequence
+proposes nothing that step.
 """
 
 from __future__ import annotations
