@@ -192,3 +192,20 @@ def test_draft_model_greedy_equals_no_speculation(llama, tmp_path):
         assert_all_free(llm)
         proposer = llm.engine.spec.proposer
         assert not proposer.twins and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_structured_output_checks_every_proposed_position(llama):
+    from tinypaged.sampling.structured_output import StructuredOutputsParams
+
+    plain = LLM(llama, **ENGINE)
+    spec = LLM(llama, speculative_config=ngram(4, 1, 3), **ENGINE)
+    prompt = "abcabcabcabc"
+    cases = [StructuredOutputsParams(regex="(abc|abd){2,8}"),
+             StructuredOutputsParams(choice=["abcabcabcabc", "abcabd", "xyz"])]
+    for so in cases:
+        params = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=so)
+        x = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        y = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert (x.token_ids, x.text) == (y.token_ids, y.text)
+    assert spec.engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
+    assert_all_free(spec)
