@@ -33,9 +33,20 @@ from tinypaged.sampling.rejection_sampler import RejectionSampler
 from tinypaged.sampling.sampler import SamplingBatch
 from tinypaged.scheduler import ScheduledSequence, Sequence
 from tinypaged.spec_decode.config import SpeculativeConfig
-from tinypaged.spec_decode.proposers import build_proposer
+from tinypaged.spec_decode.proposers import NgramProposer, OracleProposer, Proposer
 
 logger = logging.getLogger(__name__)
+
+
+def build_proposer(config: SpeculativeConfig, engine: Any) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        from tinypaged.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config.model, engine)
+    return OracleProposer(config.oracle_token_ids, engine.vocab_size,
+                          config.method == "oracle_miss")
 
 
 class SpecDecodeStats:

@@ -9,13 +9,11 @@ without speculation). Proposers here run on the host, from the tokens alone.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from tinypaged.scheduler import Sequence
-from tinypaged.spec_decode.config import SpeculativeConfig
 
 
 class Proposer:
@@ -70,14 +68,3 @@ class OracleProposer(Proposer):
             guess = cont[done : done + k]
             out.append([(t + 1) % self.vocab_size for t in guess] if self.miss else guess)
         return out
-
-
-def build_proposer(config: SpeculativeConfig, engine: Any) -> Proposer:
-    if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.method == "draft_model":
-        from tinypaged.spec_decode.draft_model import DraftModelProposer
-
-        return DraftModelProposer(config.model, engine)
-    return OracleProposer(config.oracle_token_ids, engine.vocab_size,
-                          config.method == "oracle_miss")
