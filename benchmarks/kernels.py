@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/kernels.py --awq      # also the AWQ int4 GEMM / GEMV
     PYTHONPATH=. python benchmarks/kernels.py --tune     # also sweep attention tiles (~2 min)
     PYTHONPATH=. python benchmarks/kernels.py --moe --gguf --gptq   # MoE, GGUF, GPTQ int8
+    PYTHONPATH=. python benchmarks/kernels.py --only fp8 --json docs/kernels/h200.json --update
     PYTHONPATH=. python benchmarks/kernels.py --all --json docs/kernels/h200.json   # for the plots
     PYTHONPATH=. python benchmarks/kernels.py --all --quick    # fewer checks and repeats
     PYTHONPATH=. python benchmarks/kernels.py --only moe --json docs/kernels/h200.json --update
@@ -61,8 +62,9 @@ FAMILY = {  # op -> the docs page (docs/kernels/<family>.md) whose plot shows it
     "fused_experts": "moe", "moe dense bf16": "moe", "select_experts": "moe",
     "moe_align": "moe",
     "gguf_gemv": "gguf", "gptq_int8_gemm": "gptq_int8",
+    "fp8 linear": "fp8", "fp8_gemm": "fp8", "torch._scaled_mm": "fp8", "quantize_fp8": "fp8",
 }
-GROUPS = ["core", "awq", "gguf", "gptq", "moe"]  # what --only / --all pick, each its own plots
+GROUPS = ["core", "awq", "gguf", "gptq", "moe", "fp8"]  # what --only / --all pick (own plots)
 REPEATS = {"warmup": 25, "rep": 100}  # do_bench's milliseconds; --quick lowers them
 
 
@@ -627,6 +629,78 @@ def time_gptq() -> None:
     bf16_linear_rows(K, N, (1, 8), "gptq_int8")
 
 
+# ----------------------------------------------------------------------------- FP8 (--fp8)
+
+
+def fp8_weight(N: int, K: int, block: bool):
+    """A random [N, K] weight as kernels/fp8.py stores it: (e4m3 weight, fp32 scales)."""
+    from tinypaged.kernels.fp8 import FP8_MAX
+
+    w = torch.randn(N, K, device=DEV)
+    if block:
+        s = w.reshape(N // 128, 128, K // 128, 128).abs().amax((1, 3)) / FP8_MAX
+        w = (w.reshape(N // 128, 128, K // 128, 128) / s[:, None, :, None]).reshape(N, K)
+        return w.to(torch.float8_e4m3fn), s
+    s = w.abs().amax(1, keepdim=True) / FP8_MAX
+    return (w / s).to(torch.float8_e4m3fn), s
+
+
+def check_fp8() -> None:
+    from tinypaged.kernels import fp8
+
+    print("correctness: FP8 quantize and GEMM (per token x per channel, block-wise 128)")
+    for M in (1, 8, 300):
+        for block in (False, True):
+            K, N = LINEAR
+            w, ws = fp8_weight(N, K, block)
+            x = randn(M, K)
+            q, s = fp8.quantize_fp8(x, 128 if block else None)
+            q_ref, s_ref = fp8.quantize_fp8_reference(x, 128 if block else None)
+            b = (128, 128) if block else None
+            name = f"fp8 {'block' if block else 'channel'} M{M} {K}x{N}"
+            if not (torch.equal(q.float(), q_ref.float()) and torch.allclose(s, s_ref)):
+                FAILURES.append(f"{name}: quantize_fp8 differs from its reference")
+            compare(name, fp8.fp8_gemm(q, s, w, ws, torch.bfloat16, b),
+                    fp8.fp8_gemm_reference(q, s, w, ws, torch.float32, b), torch.bfloat16)
+
+
+def time_fp8() -> None:
+    """FP8 W8A8: the decode rows (quantize + GEMM, 1 byte a weight) beside bf16, and the prefill
+    GEMM beside torch._scaled_mm (cuBLASLt's FP8: the FP8 tensor-core peak) and bf16 cuBLAS."""
+    from tinypaged.kernels import fp8
+
+    print("timings: FP8 (e4m3 weights, per-channel scales; activations per token)")
+    K, N = LINEAR
+    nbytes = K * N + 4 * N
+    weights = [fp8_weight(N, K, False) for _ in range(weight_copies(nbytes))]
+
+    def linear(x, w):
+        q, s = fp8.quantize_fp8(x)
+        return fp8.fp8_gemm(q, s, w[0], w[1], x.dtype)
+
+    decode_rows("fp8 linear", "fp8 channel", linear, weights, nbytes)
+    del weights
+    bf16_linear_rows(K, N, (1, 8, 8192), "fp8")
+    M = 8192
+    x = randn(M, K)
+    record("quantize_fp8", f"M{M} K{K} per token", "triton", lambda: fp8.quantize_fp8(x),
+           bytes_moved=3 * M * K + 4 * M)
+    for block in (False, True):
+        w, ws = fp8_weight(N, K, block)
+        q, s = fp8.quantize_fp8(x, 128 if block else None)
+        b = (128, 128) if block else None
+        record("fp8_gemm", f"M{M} {K}x{N} {'block 128' if block else 'token x channel'}",
+               "triton", lambda q=q, s=s, w=w, ws=ws, b=b: fp8.fp8_gemm(q, s, w, ws,
+                                                                      torch.bfloat16, b),
+               bytes_moved=M * K + K * N + 2 * M * N, flops=2 * M * K * N, compute_bound=True)
+    w, ws = fp8_weight(N, K, False)
+    q, s = fp8.quantize_fp8(x)
+    wt, wst = w.t(), ws.t().contiguous()
+    record("torch._scaled_mm", f"M{M} {K}x{N} token x channel", "cuBLASLt",
+           lambda: torch._scaled_mm(q, wt, scale_a=s, scale_b=wst, out_dtype=torch.bfloat16),
+           bytes_moved=M * K + K * N + 2 * M * N, flops=2 * M * K * N, compute_bound=True)
+
+
 # ----------------------------------------------------------------------------- MoE (--moe)
 
 MOE_TOKENS = (1, 8, 512)
@@ -777,7 +851,8 @@ def main() -> None:
     parser.add_argument("--moe", action="store_true", help="also the fused MoE kernels")
     parser.add_argument("--gguf", action="store_true", help="also the GGUF block-format GEMVs")
     parser.add_argument("--gptq", action="store_true", help="also the GPTQ int8 kernels")
-    parser.add_argument("--all", action="store_true", help="--awq --moe --gguf --gptq")
+    parser.add_argument("--fp8", action="store_true", help="also the FP8 quantize and GEMM")
+    parser.add_argument("--all", action="store_true", help="--awq --moe --gguf --gptq --fp8")
     parser.add_argument("--only", nargs="+", choices=GROUPS, metavar="GROUP",
                         help=f"only these groups of families, of {', '.join(GROUPS)}")
     parser.add_argument("--quick", action="store_true",
@@ -813,6 +888,7 @@ def main() -> None:
         ("gguf", check_gguf, [time_gguf], "gguf" in on),
         ("gptq", check_gptq, [time_gptq], "gptq" in on),
         ("moe", check_moe, [time_moe], "moe" in on),
+        ("fp8", check_fp8, [time_fp8], "fp8" in on),
         ("tuning", lambda: None, [tune_prefill, tune_decode], args.tune),
     ]
     measure_ceilings()

@@ -30,6 +30,7 @@ TITLES = {
     "gguf": "GGUF block formats (Q4_K, Q6_K, Q8_0) GEMV vs the bf16 linear",
     "gptq_int8": "GPTQ int8 GEMV / split-K GEMM vs the bf16 linear",
     "moe": "Fused MoE (Qwen3-30B-A3B layer): experts, routing, sort by expert",
+    "fp8": "FP8 W8A8: quantize + GEMM vs torch._scaled_mm and the bf16 linear",
 }
 
 

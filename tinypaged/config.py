@@ -36,6 +36,9 @@ class EngineConfig:
     cudagraph_mode: str = "FULL_AND_PIECEWISE"  # vLLM's default
     # None = the checkpoint's own format; else one of quantization/registry.py's names
     quantization: str | None = None
+    # "auto" = the model's dtype; "fp8" / "fp8_e4m3" = an e4m3 KV cache, twice the tokens (vLLM's
+    # --kv-cache-dtype; per-tensor scale 1.0, vLLM's default without checkpoint scales)
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
     # True = every tensor-parallel all-reduce through NCCL (distributed/custom_all_reduce.py, as in
@@ -102,6 +105,9 @@ class EngineConfig:
                     "tinypaged yet; leave async_scheduling unset (or False)"
                 )
             self.async_scheduling = False
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError("kv_cache_dtype must be one of auto, fp8, fp8_e4m3; got "
+                             f"{self.kv_cache_dtype!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -55,6 +55,12 @@ def _fork_or_spawn(name: str, text: str) -> str | None:
     return text or None
 
 
+def _one_of(name: str, text: str, choices: tuple[str, ...]) -> str:
+    if text not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {text!r}")
+    return text
+
+
 ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "TINYPAGED_KERNELS": EnvVar(
         "str", "auto",
@@ -98,6 +104,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "bool", False,
         "1 captures piecewise CUDA graphs under tensor parallelism (not yet checked on GPUs)",
         _is_one,
+    ),
+    "TINYPAGED_TRITON_LAUNCHER": EnvVar(
+        "str", "auto",
+        "how Triton launches CUDA kernels: auto or python (ctypes into the CUDA driver, no C "
+        "compiler needed) or native (Triton's own C launcher, built with gcc or $CC)",
+        lambda name, text: _one_of(name, text, ("auto", "python", "native")),
     ),
 }
 

@@ -4,11 +4,11 @@ The async path runs on the CPU too (the model runs when launched, so nothing ove
 steps are scheduled with placeholders and the input ids gathered from the previous step's
 sampled tensor exactly as on a GPU). For a mix of greedy, seeded and n=2 requests ending by
 max_tokens, stop token ids, stop strings and max_model_len, some aborted mid-run, and some that
-need the host between steps (penalties, min_tokens, logprobs: the per-step fallback), every
-request's stream of outputs (tokens, text, finish and stop reasons, in order) is the same in
-both modes, under prefix caching, chunked prefill, preemption under a tiny KV cache and one
-sequence at a time; and over 2 ranks on gloo. Each test also checks that placeholders were
-really used, and that no KV block leaked.
+read the host between steps (penalties and min_tokens, which sample late; logprobs, which run
+step by step), every request's stream of outputs (tokens, text, finish and stop reasons, in
+order) is the same in both modes, under prefix caching, chunked prefill, preemption under a tiny
+KV cache and one sequence at a time; and over 2 ranks on gloo. Each test also checks that
+placeholders were really used, and that no KV block leaked.
 """
 
 from __future__ import annotations
@@ -164,15 +164,20 @@ def test_async_outputs_equal_sync(model_dir, engine_kwargs):
         assert preempted[0] > 0 and async_preempted[0] > 0
 
 
-def test_requests_that_need_the_host_never_overlap(model_dir):
-    """Alone in the engine, a request with penalties runs every step synchronously: no step of
-    it is built before the previous one's token is on the host."""
-    llm = make(model_dir, True)
-    placeholders = count_placeholders(llm)
-    params = SamplingParams(temperature=0.0, max_tokens=8, presence_penalty=1.0)
-    got = stream(llm, [("p", [5, 6, 7], params)])
-    assert placeholders[0] == 0
-    assert got == stream(make(model_dir, False), [("p", [5, 6, 7], params)])
+def test_logprobs_requests_never_overlap(model_dir):
+    """Alone in the engine, a request with logprobs runs every step synchronously: no step of
+    it is built before the previous one's token is on the host. One with penalties overlaps,
+    sampling late (after the previous step's token joined its history), with the same
+    tokens."""
+    for params, overlaps in [
+        (SamplingParams(temperature=0.0, max_tokens=8, logprobs=1), False),
+        (SamplingParams(temperature=0.0, max_tokens=8, presence_penalty=1.0), True),
+    ]:
+        llm = make(model_dir, True)
+        placeholders = count_placeholders(llm)
+        got = stream(llm, [("p", [5, 6, 7], params)])
+        assert (placeholders[0] > 0) == overlaps
+        assert got == stream(make(model_dir, False), [("p", [5, 6, 7], params)])
 
 
 def test_offline_steps_overlap_prompt_chunks_included(model_dir):

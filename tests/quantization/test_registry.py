@@ -36,7 +36,8 @@ GPTQ = {"quant_method": "gptq", "bits": 8, "group_size": 64, "desc_act": True, "
 
 
 def test_every_name_resolves_to_a_concrete_quantization_method():
-    assert set(registry.QUANTIZATION_FORMATS) == {"awq", "gptq", "gguf"}
+    assert set(registry.QUANTIZATION_FORMATS) == {"awq", "gptq", "gguf", "fp8",
+                                                  "compressed-tensors"}
     for name in registry.QUANTIZATION_FORMATS:
         cls = registry.get_quantization_config(name)
         assert issubclass(cls, QuantizationMethod) and not inspect.isabstract(cls), name
@@ -94,8 +95,8 @@ def test_engine_config_accepts_exactly_the_registered_names():
     for name in registry.QUANTIZATION_FORMATS:
         assert EngineConfig(quantization=name).quantization == name
     assert EngineConfig().quantization is None
-    with pytest.raises(ValueError, match="awq, gptq, gguf.*got 'fp8'"):
-        EngineConfig(quantization="fp8")
+    with pytest.raises(ValueError, match="awq, gptq, gguf, fp8.*got 'int3'"):
+        EngineConfig(quantization="int3")
 
 
 def test_cli_accepts_exactly_the_registered_names():
@@ -119,7 +120,7 @@ def test_config_and_registry_import_no_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['awq', 'gptq', 'gguf']"
+    assert out.stdout.strip() == "['awq', 'gptq', 'gguf', 'fp8', 'compressed-tensors']"
 
 
 class TransposedWeights(QuantizationMethod):

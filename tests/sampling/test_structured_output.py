@@ -232,3 +232,56 @@ def test_missing_xgrammar_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar -> ImportError
     with pytest.raises(ImportError, match=r"tinypaged\[structured\]"):
         GrammarCompiler(None, VOCAB, [2])
+
+
+def test_async_scheduling_keeps_constrained_steps_in_flight(model_dir):
+    """With async scheduling a step holding constrained requests samples late (its forward
+    runs while the previous step is processed, then the masks are built from the matchers that
+    just accepted that step's tokens): the steps stay in flight and every request's text,
+    sampled or greedy, is the synchronous engine's."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=60, structured_outputs=JSON),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_outputs=JSON),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=8,
+                       structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}")),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True),
+    ]
+    prompts = ["a", "bc d", "num", "x y", "hello there"]
+    sync = LLM(str(model_dir), num_kv_blocks=64, block_size=8, async_scheduling=False)
+    want = [o.outputs[0].text for o in gen(sync, prompts, params)]
+    llm = LLM(str(model_dir), num_kv_blocks=64, block_size=8, async_scheduling=True)
+    engine, in_flight = llm.engine, []
+    step = engine.step
+
+    def counting_step(*args, **kwargs):
+        outputs = step(*args, **kwargs)
+        in_flight.append(engine._in_flight is not None)
+        return outputs
+
+    engine.step = counting_step
+    assert [o.outputs[0].text for o in gen(llm, prompts, params)] == want
+    assert sum(in_flight) > len(in_flight) // 2  # the steps overlapped
+    validate(want[0])
+    validate(want[1])
+    assert re.fullmatch(r"[0-9]{3}", want[2])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_token_the_grammar_rejects_fails_only_its_request(model_dir, async_scheduling):
+    """With the masks switched off, greedy sampling picks a token the JSON grammar rejects: that
+    request fails with an error naming it, the plain request beside it finishes."""
+    llm = LLM(str(model_dir), num_kv_blocks=64, block_size=8, async_scheduling=async_scheduling)
+    engine = llm.engine
+    engine.mask_builder.build = lambda rows: None
+    engine.add_request("json", "a", SamplingParams(temperature=0, max_tokens=8,
+                                                   structured_outputs=JSON))
+    engine.add_request("plain", "b", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    errors = dict(engine.pop_request_errors())
+    assert list(errors) == ["json"] and "grammar rejected" in str(errors["json"])
+    assert len(finished["plain"].outputs[0].token_ids) == 8

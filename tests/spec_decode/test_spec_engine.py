@@ -194,7 +194,7 @@ def test_draft_model_greedy_equals_no_speculation(llama, tmp_path):
         assert not proposer.twins and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
 
 
-def test_structured_output_checks_every_proposed_position(llama):
+def test_structured_output_requests_decode_beside_speculating_ones(llama):
     from tinypaged.sampling.structured_output import StructuredOutputsParams
 
     plain = LLM(llama, **ENGINE)
@@ -207,5 +207,11 @@ def test_structured_output_checks_every_proposed_position(llama):
         x = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         y = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         assert (x.token_ids, x.text) == (y.token_ids, y.text)
-    assert spec.engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
+        # ... in one batch with a speculating request, which keeps its own tokens too.
+        free = greedy(16)
+        outs = spec.generate([prompt, prompt], [params, free], use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == x.token_ids
+        assert outs[1].outputs[0].token_ids == plain.generate(
+            prompt, free, use_tqdm=False)[0].outputs[0].token_ids
+    assert spec.engine.get_stats()["spec_decode"]["num_drafts"] > 0
     assert_all_free(spec)

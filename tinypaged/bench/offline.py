@@ -103,6 +103,7 @@ def weight_bytes(cfg: dict, num_tokens: int, quantization: str | None = None,
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     linear = cfg["num_hidden_layers"] * (_attn_params(cfg) + _mlp_params(cfg, num_tokens)[1])
     per_linear = INT4_G128_BYTES if quantization in DUMMY_QUANT_CONFIGS else 2
+    per_linear = 1 if quantization == "fp8" else per_linear  # FP8 weights: one byte each
     tables = vocab * h * (1 if cfg["tie_word_embeddings"] else 2)
     return linear * per_linear + 2 * tables
 
@@ -146,6 +147,7 @@ def _model_args(args) -> tuple[str, dict, dict]:
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
         cudagraph_mode=args.cudagraph_mode, async_scheduling=args.async_scheduling,
         gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         disable_custom_all_reduce=args.disable_custom_all_reduce, **extra,
     )
@@ -346,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--max-num-batched-tokens", type=int, default=16384)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_FORMATS))
+        p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
         p.add_argument("--enforce-eager", action="store_true")
         p.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE",
                        choices=list(CUDAGRAPH_MODES))

@@ -32,31 +32,39 @@ its own forward, and the host work of both halves runs while the GPU idles. On a
 
 A sequence that step N ends (eos, stop string, abort) has one wasted row in step N+1, whose
 token is dropped; its blocks are freed when step N is processed (the GPU runs N+1 before any
-later step can reuse them). A step holding a request whose tokens must be read on the host
-before its next step (`reads_tokens_on_host`: logits constraints, penalties, min_tokens,
-logprobs, prompt_logprobs) is processed at once, before the next one is scheduled: such a
-request never has a step in flight while the next is built, so its outputs are those of the
-synchronous engine.
+later step can reuse them). A request whose next sampling reads what the host learns from its
+previous token (`samples_from_host_state`: grammar state, output history for penalties and
+min_tokens) keeps the overlap by sampling late: step N+1's forward is launched, step N is
+processed while it runs (the matchers accept N's tokens), and only then are N+1's masks built and
+its sampling queued. A step holding a request whose logprobs are read on the host
+(`reads_tokens_on_host`) is processed at once, before the next one is scheduled. Either way each
+request's outputs are those of the synchronous engine.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tinypaged.config import EngineConfig
-from tinypaged.engine.stats import IterationStats, RequestStateStats
-from tinypaged.outputs import CompletionOutput, RequestOutput
+from tinypaged.engine.request_state import (
+    RequestState,
+    reads_tokens_on_host,
+    samples_from_host_state,
+)
+from tinypaged.engine.stats import IterationStats
+from tinypaged.outputs import RequestOutput
 from tinypaged.sampling.generation_config import default_sampling_params
 from tinypaged.sampling.logits_processors import LogitsConstraints, LogitsMaskBuilder
 from tinypaged.sampling.params import SamplingParams
 from tinypaged.sampling.prompt_logprobs import prompt_rows_wanted, take_prompt_logprobs
 from tinypaged.sampling.sampler import Sampler, SamplingBatch, new_generator
+from tinypaged.sampling.structured_output import batch_matcher, grammar_only_allows_stop
 from tinypaged.scheduler import Scheduler, SchedulerOutput, Sequence
 from tinypaged.worker.executor import create_executor
 from tinypaged.worker.model_runner import SampledTokens
@@ -64,71 +72,6 @@ from tinypaged.worker.model_runner import SampledTokens
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detoks: list[Any]  # one IncrementalDetokenizer per sample (None without a tokenizer)
-    generators: list[torch.Generator | None]
-    logprobs: list[list[dict[int, float]] | None]
-    cumulative_logprob: list[float]
-    stop_reasons: list[int | str | None] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # grows during the prefill
-    stats: RequestStateStats = field(default_factory=RequestStateStats)
-    constraints: LogitsConstraints | None = None
-
-    @property
-    def finished(self) -> bool:
-        seqs = self.seqs
-        if len(seqs) == 1:  # the common case, once per step: no generator
-            return seqs[0].finish_reason is not None
-        return all(s.finish_reason is not None for s in seqs)
-
-    def output(self) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=i,
-                text=d.get_next_output_text(s.finish_reason is not None, delta=False)
-                if d is not None
-                else "",
-                token_ids=list(s.output_token_ids),
-                cumulative_logprob=(
-                    self.cumulative_logprob[i] if self.logprobs[i] is not None else None
-                ),
-                # Copies, never the live lists: the engine thread keeps appending to them
-                # while the API side formats this output.
-                logprobs=None if self.logprobs[i] is None else list(self.logprobs[i]),
-                finish_reason=s.finish_reason,
-                stop_reason=self.stop_reasons[i],
-            )
-            for i, (s, d) in enumerate(zip(self.seqs, self.detoks))
-        ]
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=outputs,
-            finished=self.finished,
-            num_cached_tokens=self.seqs[0].num_cached_tokens,
-            prompt_logprobs=self.prompt_logprobs,
-            metrics=self.stats,
-        )
-
-
-def reads_tokens_on_host(params: SamplingParams, constraints: LogitsConstraints | None) -> bool:
-    """Whether a request's sampled tokens must be read on the host before its next step can be
-    scheduled: its next sampling reads what the host learns from the previous step (output
-    history, grammar state, logprobs; the logits constraints also refill one host buffer each
-    step, free only once the previous step has run), so its steps never overlap."""
-    return (
-        constraints is not None or params.uses_penalties or params.min_tokens > 0
-        or params.logprobs is not None or params.prompt_logprobs is not None
-    )
 
 
 @dataclass
@@ -140,6 +83,8 @@ class _LaunchedStep:
     tokens: SampledTokens | None  # None when nothing was sampled
     logprobs: list[dict[int, float] | None]
     reads_tokens_on_host: bool  # processed before the next step is scheduled
+    # (logits [rows, V], prompt rows per item, the items' requests) until sampled
+    pending: tuple[torch.Tensor, list[int], list[RequestState]] | None = None
 
 
 class Engine:
@@ -203,10 +148,11 @@ class Engine:
             self.spec = SpecDecoder(self, config.speculative_config)
         self.mask_builder = LogitsMaskBuilder(self.vocab_size, self.device)
         self._grammar_compiler = None  # built at the first structured-output request
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self.iteration_stats = IterationStats()
         self._unscheduled: set[str] = set()  # added, never scheduled yet
         self._host_requests: set[str] = set()  # live requests that reads_tokens_on_host()
+        self._late_requests: set[str] = set()  # live requests that samples_from_host_state()
         self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, unprocessed
         self._errors: list[tuple[str, BaseException]] = []
         info = self.runner.kv_cache_info
@@ -330,15 +276,17 @@ class Engine:
             for i in range(params.n)
         ]
         want_lp = params.logprobs is not None
-        self.requests[request_id] = _Request(
+        self.requests[request_id] = RequestState(
             request_id, text, ids, params, seqs, detoks, generators,
             [[] if want_lp else None for _ in seqs], [0.0] * params.n, [None] * params.n,
             [None] if params.prompt_logprobs is not None else None,
             constraints=constraints,
         )
         self._unscheduled.add(request_id)
-        if reads_tokens_on_host(params, constraints):
+        if reads_tokens_on_host(params):
             self._host_requests.add(request_id)
+        if samples_from_host_state(params, constraints):
+            self._late_requests.add(request_id)
 
     def _get_grammar_compiler(self):
         if self._grammar_compiler is None:
@@ -366,6 +314,7 @@ class Engine:
         self.requests.pop(request_id, None)
         self._unscheduled.discard(request_id)
         self._host_requests.discard(request_id)
+        self._late_requests.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -416,6 +365,8 @@ class Engine:
         launched = None if out.is_empty else self._launch(out)
         if prev is not None:  # while the GPU runs `launched`
             outputs += self._process(prev, finished_only)
+        if launched is not None and launched.pending is not None:
+            self._sample_launched(launched)  # reads the host state `prev` left
         if launched is None:
             if prev is None and self.requests and not self.scheduler.has_unfinished():
                 raise RuntimeError("requests are pending but the scheduler holds none")
@@ -451,21 +402,36 @@ class Engine:
         logits = self.executor.execute(  # [rows, vocab], rows in `items` order
             items, [n > 0 for n in prompt_rows] if any(prompt_rows) else None
         )
-        seqs = [it.seq for it in sampled_items]
+        reqs = [self.requests[it.seq.request_id] for it in items]
+        step = _LaunchedStep(out, [it.seq for it in sampled_items], None, [], on_host,
+                             (logits, prompt_rows, reqs))
+        late = self._late_requests
+        if not (self.config.async_scheduling and late
+                and any(it.seq.request_id in late for it in sampled_items)):
+            self._sample_launched(step)
+        return step
+
+    def _sample_launched(self, step: _LaunchedStep) -> None:
+        """Sample a launched step's logits, reading the host state as it is now; the tokens
+        stay on the device."""
+        (logits, prompt_rows, reqs), step.pending = step.pending, None
+        items = step.out.scheduled
         try:
             if any(prompt_rows):
-                reqs = [self.requests[it.seq.request_id] for it in items]
                 logits = take_prompt_logprobs(items, reqs, prompt_rows, logits)
-            sampled, logprobs = self._sample(seqs, logits) if seqs else (None, [])
+            sampled_reqs = [r for r, it in zip(reqs, items) if it.sample]
+            sampled, step.logprobs = (
+                self._sample(step.seqs, sampled_reqs, logits) if step.seqs else (None, [])
+            )
         except BaseException:
             self.executor.keep_sampled(None)  # every rank's collectives stay in step
             raise
-        return _LaunchedStep(out, seqs, self.executor.keep_sampled(sampled), logprobs, on_host)
+        step.tokens = self.executor.keep_sampled(sampled)
 
     def _process(self, step: _LaunchedStep, finished_only: bool) -> list[RequestOutput]:
         """Take a launched step's tokens: scheduler update, stop checks, detokenization; returns
         the outputs of the requests that moved (see `step`)."""
-        touched: dict[str, _Request] = {}
+        touched: dict[str, RequestState] = {}
         tokens: dict[int, int] = {}
         lp_by_seq: dict[int, dict[int, float] | None] = {}
         if step.tokens is not None:
@@ -474,7 +440,9 @@ class Engine:
             if any(lp is not None for lp in step.logprobs):
                 lp_by_seq = {seq.seq_id: lp for seq, lp in zip(step.seqs, step.logprobs)}
         now = time.monotonic()
-        for seq in self.scheduler.update(step.out, tokens):
+        grown = self.scheduler.update(step.out, tokens)
+        rejected = self._advance_grammars(grown) if self._late_requests and not self.spec else set()
+        for seq in grown:
             req = self.requests.get(seq.request_id)
             if req is None:  # a sibling sample failed this request earlier in the loop
                 continue
@@ -483,8 +451,10 @@ class Engine:
                 req.stats.first_token_time = now
             req.stats.last_token_time = now
             try:
-                after = self._after_token if self.spec is None else self.spec.after_tokens
-                after(req, seq, lp_by_seq.get(seq.seq_id))
+                if self.spec is not None:  # several tokens: grammar and stop checks per token
+                    self.spec.after_tokens(req, seq, lp_by_seq.get(seq.seq_id))
+                else:
+                    self._after_token(req, seq, lp_by_seq.get(seq.seq_id), seq.seq_id in rejected)
             except Exception as exc:  # a fault in one request (e.g. detokenizing) ends only it
                 logger.exception("request %s failed", req.request_id)
                 self._errors.append((req.request_id, exc))
@@ -498,23 +468,39 @@ class Engine:
             if finished:
                 self.requests.pop(req.request_id, None)
                 self._host_requests.discard(req.request_id)
+                self._late_requests.discard(req.request_id)
         return outputs
 
-    def _grammar_done(self, matcher) -> bool:
-        from tinypaged.sampling.structured_output import grammar_only_allows_stop
+    def _advance_grammars(self, seqs: list[Sequence]) -> set[int]:
+        """Every grammar-constrained sequence's matcher accepts its new token, all in one call;
+        returns the seq_ids whose token its grammar rejected."""
+        pairs = [
+            (r.constraints.matchers[s.index], s) for s in seqs
+            if (r := self.requests.get(s.request_id)) is not None
+            and r.constraints is not None and r.constraints.matchers
+        ]
+        if not pairs:
+            return set()
+        accepted = batch_matcher().batch_accept_token(
+            [m for m, _ in pairs], [s.last_token_id for _, s in pairs]
+        )
+        return {s.seq_id for (_, s), ok in zip(pairs, accepted) if not ok}
 
+    def _grammar_done(self, matcher) -> bool:
         return grammar_only_allows_stop(matcher, self.vocab_size, sorted(self.eos_token_ids))
 
-    def _sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
-        reqs = [self.requests[s.request_id] for s in seqs]
-        # On a GPU the forward pass is still running: build the grammar masks meanwhile.
+    def _sampling_batch(
+        self, seqs: list[Sequence], reqs: list[RequestState], device: torch.device
+    ) -> SamplingBatch:
+        # On a GPU the forward pass is still running: build the grammar masks meanwhile (not for
+        # a row whose sequence the previous step ended: its token is dropped).
         masks = self.mask_builder.build([
             (row, r.constraints, s.index, s.output_token_ids)
-            for row, (r, s) in enumerate(zip(reqs, seqs)) if r.constraints is not None
+            for row, (r, s) in enumerate(zip(reqs, seqs))
+            if r.constraints is not None and s.finish_reason is None
         ])
-        # Token histories are read only by penalties and min_tokens (host requests): skip the
-        # copies.
-        if self._host_requests:
+        # Token histories are read only by penalties and min_tokens: skip the copies.
+        if self._late_requests:
             needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0
                      for r in reqs}
             hist = [needs[id(r.params)] for r in reqs]
@@ -531,7 +517,9 @@ class Engine:
         batch.logits_masks = masks
         return batch
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, list]:
+    def _sample(
+        self, seqs: list[Sequence], reqs: list[RequestState], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, list]:
         """(sampled ids [N] on the device, logprobs or None per row) of `logits` [N, V].
 
         Admission validates every field, so the batched path should not raise; if it does, the
@@ -539,17 +527,17 @@ class Engine:
         holds 0, dropped as the request is gone; the others' tokens come from the retry, which
         may draw fresh randomness for unseeded rows)."""
         try:
-            result = self.sampler(logits, self._sampling_batch(seqs, logits.device))
+            result = self.sampler(logits, self._sampling_batch(seqs, reqs, logits.device))
             return result.sampled, result.logprobs
         except Exception:
             logger.exception("sampling a batch of %d rows failed; retrying row by row", len(seqs))
         rows: list[torch.Tensor] = []
         logprobs: list[dict[int, float] | None] = []
-        for i, seq in enumerate(seqs):
+        for i, (seq, req) in enumerate(zip(seqs, reqs)):
             token, lp = torch.zeros(1, dtype=torch.int64, device=logits.device), None
             if seq.request_id in self.requests:  # a sibling sample may have failed it already
                 try:
-                    batch = self._sampling_batch([seq], logits.device)
+                    batch = self._sampling_batch([seq], [req], logits.device)
                     row = self.sampler(logits[i : i + 1], batch)
                     token, lp = row.sampled, row.logprobs[0]
                 except Exception as exc:  # this request alone fails; the step goes on
@@ -560,7 +548,10 @@ class Engine:
             logprobs.append(lp)
         return torch.cat(rows), logprobs
 
-    def _after_token(self, req: _Request, seq: Sequence, logprobs: dict[int, float] | None) -> None:
+    def _after_token(
+        self, req: RequestState, seq: Sequence, logprobs: dict[int, float] | None,
+        grammar_rejected: bool = False,
+    ) -> None:
         token = seq.last_token_id
         params = req.params
         if logprobs is not None and req.logprobs[seq.index] is not None:
@@ -581,8 +572,8 @@ class Engine:
             if reason is None and stop_str is not None:
                 reason, stop_reason = "stop", stop_str
         if req.constraints is not None and req.constraints.matchers:
-            matcher = req.constraints.matchers[seq.index]
-            if not matcher.accept_token(token):
+            matcher = req.constraints.matchers[seq.index]  # it took `token` (_advance_grammars)
+            if grammar_rejected:
                 raise RuntimeError(f"the grammar rejected sampled token {token}")
             if reason is None and (matcher.is_terminated() or self._grammar_done(matcher)):
                 reason = "stop"

@@ -66,6 +66,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (docs/speculative.md)')
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3): an e4m3 KV cache holding "
+                        "twice the tokens (per-tensor scale 1.0)")
     p.add_argument(
         "--quantization", default=None, choices=list(QUANTIZATION_FORMATS),
         help="the checkpoint's format (default: read from it): " + "; ".join(
@@ -230,6 +233,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "async_scheduling": args.async_scheduling,
         "speculative_config": args.speculative_config,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "disable_custom_all_reduce": args.disable_custom_all_reduce,
         "chat_template": chat_template,

@@ -65,6 +65,10 @@ def _import_triton():
 try:
     triton, tl = _import_triton()
     HAS_TRITON = True
+    if _has_gpu():  # before any kernel compiles: CUDA launches need no C compiler (launcher/)
+        from tinypaged.kernels.launcher.install import install
+
+        install()
 except ImportError:  # no triton wheel for this platform: references only
     triton = None
     HAS_TRITON = False

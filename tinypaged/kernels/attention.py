@@ -14,7 +14,9 @@ j <= p, or with a sliding window of w tokens (Mistral, Gemma's local layers) p -
 as transformers masks it: the kernels skip the KV tiles wholly outside it. With logit
 soft-capping (Gemma 2) the scores are s_ij = cap * tanh(s_ij / cap) before the softmax.
 
-Shapes: q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D]; block_tables
+Shapes: q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D] in q's dtype or FP8
+(float8_e4m3fn, scale 1.0: kv_cache.py; the kernels widen each K/V tile to q's dtype as it
+loads); block_tables
 [B, max_blocks] int32; seq_lens [B] int32; query_start_loc [B + 1] int32; out [T, Hq, D] in q's
 dtype. A prefill is q_len = seq_len; a chunked prefill q_len < seq_len; a decode q_len = 1.
 
@@ -115,7 +117,8 @@ def paged_attention_triton(
                                        **_override(DECODE_CONFIG, config))
     group = q.shape[1] // k_cache.shape[2]
     if (max_query_len * group > 64 and q.is_cuda and is_hopper(q.device.index or 0)
-            and hopper_supports(q, sliding_window, softcap)):
+            and hopper_supports(q, sliding_window, softcap)
+            and k_cache.dtype == q.dtype):  # an FP8 cache: the portable kernel widens its tiles
         return hopper_attention_triton(*args, **_override(HOPPER_CONFIG, config))
     return varlen_attention_triton(*args, **window,
                                    **_override(_varlen_config(max_query_len, group), config))
@@ -183,9 +186,11 @@ def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ou
             f"got {q.dtype} of shape {tuple(q.shape)}"
         )
     num_q_heads, head_dim = q.shape[1], q.shape[2]
-    if k_cache.dim() != 4 or k_cache.shape[3] != head_dim or k_cache.dtype != q.dtype:
+    if k_cache.dim() != 4 or k_cache.shape[3] != head_dim or \
+            k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
         raise ValueError(
-            f"k_cache must be [num_blocks, block_size, Hk, D={head_dim}] in q's dtype {q.dtype}; "
+            f"k_cache must be [num_blocks, block_size, Hk, D={head_dim}] in q's dtype {q.dtype} "
+            "or float8_e4m3fn (kv_cache_dtype='fp8'); "
             f"got {k_cache.dtype} of shape {tuple(k_cache.shape)}"
         )
     check_cache_pair(k_cache, v_cache)

@@ -64,7 +64,7 @@ def attention_tile(
         kv_mask = d_mask[None, :]
     row = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head_offset  # [BLOCK_N]
     kv_offsets = row[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
-    k = tl.load(K_CACHE + kv_offsets, mask=kv_mask, other=0.0)
+    k = tl.load(K_CACHE + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # FP8 caches widen
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if SOFTCAP:  # cap * tanh(s / cap), in base 2: the cap is scaled by log2(e) like s
         qk = softcap * tanh(qk / softcap)
@@ -74,7 +74,7 @@ def attention_tile(
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
     p, alpha, m_new, l_i = online_softmax_update(m_i, l_i, qk)  # p [BLOCK_M, BLOCK_N]
-    v = tl.load(V_CACHE + kv_offsets, mask=kv_mask, other=0.0)
+    v = tl.load(V_CACHE + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 

@@ -10,6 +10,11 @@ CUDA-graph batch, or tokens whose K/V are already cached).
 Shapes: k, v [T, Hk, D] (views into the fused QKV output are fine: only the last dim must be
 contiguous), slot_mapping [T] int32/int64. Values are cast to the cache dtype. One program copies
 one token's Hk * D keys and values.
+
+An FP8 cache (`kv_cache_dtype="fp8"`, float8_e4m3fn) stores each value saturated to +-448 and
+rounded to nearest e4m3 (`to_cache` / `to_cache_ref`), with a per-tensor scale of 1.0: vLLM's
+default when a checkpoint brings no k_scale / v_scale. The attention kernels widen what they
+load to q's dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +22,33 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import jit, next_power_of_2, tl, use_triton
+from tinypaged.kernels.fp8 import FP8_DTYPE, FP8_MAX, _round_e4m3
+
+# EngineConfig's kv_cache_dtype (vLLM's names) -> the cache's torch dtype; "auto": the model's
+KV_CACHE_DTYPES = {"auto": None, "fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache is allocated in."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got "
+                         f"{kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+@jit
+def to_cache(x, CACHE):
+    """x as the cache `CACHE` (a pointer) stores it: cast, saturated and rounded for FP8."""
+    if CACHE.dtype.element_ty == tl.float8e4nv:
+        x = _round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0))  # FP8_MAX
+    return x.to(CACHE.dtype.element_ty)
+
+
+def to_cache_ref(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The reference of `to_cache` (torch's cast to e4m3 gives NaN past 448: saturate first)."""
+    if dtype == FP8_DTYPE:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
 
 
 @jit
@@ -38,8 +70,8 @@ def _store_kv_kernel(
     dst += heads * stride_ch + dims
     k = tl.load(K + t * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(V + t * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(K_CACHE + dst, k.to(K_CACHE.dtype.element_ty), mask=mask)
-    tl.store(V_CACHE + dst, v.to(V_CACHE.dtype.element_ty), mask=mask)
+    tl.store(K_CACHE + dst, to_cache(k, K_CACHE), mask=mask)
+    tl.store(V_CACHE + dst, to_cache(v, V_CACHE), mask=mask)
 
 
 def store_kv_triton(
@@ -75,8 +107,8 @@ def store_kv_ref(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
-    k_cache[slots // block_size, slots % block_size] = k[keep].to(k_cache.dtype)
-    v_cache[slots // block_size, slots % block_size] = v[keep].to(v_cache.dtype)
+    k_cache[slots // block_size, slots % block_size] = to_cache_ref(k[keep], k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = to_cache_ref(v[keep], v_cache.dtype)
 
 
 def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

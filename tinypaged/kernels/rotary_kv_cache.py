@@ -35,7 +35,7 @@ import torch
 
 from tinypaged.kernels._triton import jit, next_power_of_2, tl, use_triton
 from tinypaged.kernels.kv_cache import _check_args as _check_store_args
-from tinypaged.kernels.kv_cache import store_kv_ref
+from tinypaged.kernels.kv_cache import store_kv_ref, to_cache
 from tinypaged.kernels.norm import rms_norm_ref
 from tinypaged.kernels.rotary import _check_args as _check_rotary_args
 from tinypaged.kernels.rotary import rotary_embedding_ref
@@ -106,9 +106,10 @@ def _rotary_store_kv_kernel(
             mask = (heads < num_kv_heads) & (d < HEAD_DIM)
             dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
             dst += heads * stride_ch + d
-            tl.store(K_CACHE + dst, out.to(K_CACHE.dtype.element_ty), mask=mask)
+            # rounded to k's dtype first, as the reference's rotated k (exact for FP8 caches)
+            tl.store(K_CACHE + dst, to_cache(out.to(K.dtype.element_ty), K_CACHE), mask=mask)
             v = tl.load(V + t * stride_vt + heads * stride_vh + d, mask=mask)
-            tl.store(V_CACHE + dst, v.to(V_CACHE.dtype.element_ty), mask=mask)
+            tl.store(V_CACHE + dst, to_cache(v, V_CACHE), mask=mask)
 
 
 def rotary_store_kv_triton(

@@ -39,6 +39,7 @@ import torch
 from tinypaged.config import EngineConfig
 from tinypaged.quantization.base import QuantizationMethod
 from tinypaged.quantization.registry import (
+    ONLINE_QUANTIZATION,
     QUANTIZATION_FORMATS,
     detect_quantization,
     get_quantization_config,
@@ -283,6 +284,8 @@ def _quant_config(config: EngineConfig, hf_config) -> QuantizationMethod | None:
     method = detect_quantization(hf_config)
     if config.quantization is None and method is None:
         return None
+    if method is None and config.quantization in ONLINE_QUANTIZATION:  # quantize at load
+        return get_quantization_config(config.quantization).online()
     if method not in QUANTIZATION_FORMATS or config.quantization not in (None, method):
         wanted = config.quantization or "none"
         raise ValueError(
@@ -309,7 +312,10 @@ def _init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         generator = generators[param.device]
-        if param.dtype.is_floating_point:
+        if param.dtype.is_floating_point and param.element_size() == 1:  # FP8: no uniform_
+            param.data.copy_(torch.empty(param.shape, device=param.device).uniform_(
+                -1.0, 1.0, generator=generator))
+        elif param.dtype.is_floating_point:
             param.data.uniform_(-1e-3, 1e-3, generator=generator)
         else:  # packed int4 (AWQ): any bit pattern is a valid weight
             param.data.random_(generator=generator)

@@ -126,8 +126,9 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         if quant_config is not None:
             raise ValueError(
-                "quantized mixture-of-experts checkpoints are not supported yet; use the "
-                "bf16 / fp16 checkpoint of this model"
+                "quantized mixture-of-experts checkpoints are not supported yet "
+                f"(quantization {getattr(quant_config, 'name', '?')!r}); use the bf16 / fp16 "
+                "checkpoint of this model without --quantization"
             )
         self.spec = spec
         self.gate = Router(hidden_size, spec)

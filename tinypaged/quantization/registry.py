@@ -33,7 +33,16 @@ QUANTIZATION_FORMATS: dict[str, QuantizationFormat] = {
                                "AutoGPTQ / GPTQModel int4 and int8 checkpoints"),
     "gguf": QuantizationFormat("tinypaged.quantization.gguf:GGUFConfig",
                                "llama.cpp .gguf files (weights stay in their blocks)"),
+    "fp8": QuantizationFormat("tinypaged.quantization.fp8:Fp8Config",
+                              "FP8 e4m3 checkpoints (per-tensor or block-wise scales); on a "
+                              "bf16/fp16 checkpoint, quantize the weights at load"),
+    "compressed-tensors": QuantizationFormat(
+        "tinypaged.quantization.fp8:CompressedTensorsFp8Config",
+        "llm-compressor FP8 / FP8_DYNAMIC checkpoints (float-quantized)"),
 }
+# formats that can also quantize a dense checkpoint's weights as they load (vLLM's online FP8):
+# their class has an `online()` constructor
+ONLINE_QUANTIZATION = ("fp8",)
 
 
 def check_quantization(name: str) -> None:

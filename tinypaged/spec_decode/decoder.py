@@ -14,11 +14,9 @@ Each step, around the engine's own:
                        of the rejected drafts (Scheduler.update); the engine's stop checks then
                        run token by token, and a stop drops the tokens after it
 
-Sequences that do not speculate this step (prefills, a sequence one token from its limit) take
-the same path with no drafts: their one row is sampled by the same pipeline, so a batch mixes
-any k. Structured output: a draft is cut at the first token the grammar refuses, and the mask of
-each verified row j comes from the grammar advanced over draft[:j] (then rolled back); the
-accepted tokens then enter the matcher one by one through the engine's stop checks.
+Sequences that do not speculate this step (prefills, requests with logits constraints such as
+structured output, a sequence one token from its limit) take the same path with no drafts:
+their one row is sampled by the same pipeline, so a batch mixes any k.
 Speculation runs with synchronous scheduling only (EngineConfig refuses async_scheduling=True).
 """
 
@@ -114,19 +112,15 @@ class SpecDecoder:
             if seq.num_uncomputed_tokens != 1 or seq.num_output_placeholders:
                 continue  # a prefill (or a recompute after preemption)
             req = eng.requests.get(seq.request_id)
-            if req is None:
-                continue
+            if req is None or req.constraints is not None:
+                continue  # logits constraints: one token at a time (the batched grammar fill)
             k = min(self.k, seq.max_length - len(seq) - 1)
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
         if seqs:
             for seq, k, draft in zip(seqs, ks, self.proposer.propose(seqs, ks)):
-                draft = [int(t) for t in draft[:k]]
-                constraints = eng.requests[seq.request_id].constraints
-                if draft and constraints is not None and constraints.matchers:
-                    draft = _grammar_prefix(constraints.matchers[seq.index], draft)
-                seq.spec_token_ids = draft
+                seq.spec_token_ids = [int(t) for t in draft[:k]]
 
     # ------------------------------------------------------------------ verify
     def launch(self, items: list[ScheduledSequence]):
@@ -170,22 +164,11 @@ class SpecDecoder:
                 outputs.append(out + draft[:j] if history else ())
                 row_gens.append(gen)
         batch = SamplingBatch.build(params, prompts, outputs, row_gens, eng.eos_token_ids, device)
-        rows, advanced = [], []
-        for start, req, seq, draft in zip(starts, reqs, seqs, drafts):
-            c = req.constraints
-            if c is None:
-                continue
-            out = seq.output_token_ids
-            count = [0]
-            advanced.append((c, seq.index, count))
-            for j in range(len(draft) + 1):  # row j: the grammar after draft[:j]
-                token = draft[j] if j < len(draft) else None
-                rows.append((start + j, _DraftRow(c, seq.index, token, count), seq.index,
-                             out + draft[:j]))
-        batch.logits_masks = eng.mask_builder.build(rows)
-        for c, index, count in advanced:  # the matchers back where the host's tokens left them
-            if count[0]:
-                c.matchers[index].rollback(count[0])
+        # Constrained requests propose nothing (propose()): one row each, the grammar as is.
+        batch.logits_masks = eng.mask_builder.build([
+            (start, req.constraints, seq.index, seq.output_token_ids)
+            for start, req, seq in zip(starts, reqs, seqs) if req.constraints is not None
+        ])
         return batch, starts, gens
 
     # ------------------------------------------------------------------ stop checks
@@ -194,50 +177,18 @@ class SpecDecoder:
         count = len(logprobs) if logprobs else 1
         new = seq.token_ids[-count:]
         del seq.token_ids[-count:]
+        c = req.constraints
+        matcher = c.matchers[seq.index] if c is not None and c.matchers else None
         for token, lp in zip(new, logprobs or [None]):
             seq.token_ids.append(token)
-            self.engine._after_token(req, seq, lp)
+            rejected = matcher is not None and not matcher.accept_token(token)
+            self.engine._after_token(req, seq, lp, rejected)
             if seq.finish_reason is not None:
                 self.proposer.finish(seq)
                 break  # the tokens after a stop are dropped
 
     def get_stats(self) -> dict[str, Any]:
         return {**self.stats.as_dict(), "acceptance_rate": self.stats.acceptance_rate}
-
-
-def _grammar_prefix(matcher: Any, draft: list[int]) -> list[int]:
-    """The longest prefix of `draft` the grammar accepts (the matcher is left unchanged): a
-    draft token the grammar forbids has no target probability, so nothing after it could be
-    accepted, and the masks of the rows after it would have no grammar state to come from."""
-    n = 0
-    for token in draft:
-        if not matcher.accept_token(token):
-            break
-        n += 1
-    if n:
-        matcher.rollback(n)
-    return draft[:n]
-
-
-class _DraftRow:
-    """A request's logits constraints as row j of a verified sequence sees them: the mask
-    builder fills row j from the grammar matcher, which then accepts draft[j] so that row j + 1
-    gets the grammar's state after it (`count` says how far to roll back afterwards)."""
-
-    def __init__(self, constraints: Any, index: int, token: int | None, count: list[int]):
-        self._c, self._index, self._token, self._count = constraints, index, token, count
-        self.matchers = {index: self} if constraints.matchers else constraints.matchers
-
-    def fill_next_token_bitmask(self, host: torch.Tensor, i: int) -> None:
-        matcher = self._c.matchers[self._index]
-        matcher.fill_next_token_bitmask(host, i)
-        if self._token is not None:
-            if not matcher.accept_token(self._token):  # checked by _grammar_prefix
-                raise RuntimeError(f"the grammar rejected draft token {self._token} (bug)")
-            self._count[0] += 1
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._c, name)
 
 
 def _logprobs_row(raw: torch.Tensor, token: int, k: int) -> dict[int, float]:

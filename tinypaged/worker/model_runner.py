@@ -36,6 +36,7 @@ import torch
 from tinypaged.config import EngineConfig
 from tinypaged.distributed import parallel_state as distributed
 from tinypaged.kernels._triton import kernel_choice
+from tinypaged.kernels.kv_cache import kv_cache_torch_dtype
 from tinypaged.models.attention_metadata import AttentionMetadata
 from tinypaged.models.layers import Attention
 from tinypaged.scheduler import ScheduledSequence, Sequence
@@ -94,6 +95,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)  # FP8: half the bytes
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -174,7 +176,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
 
     def _block_bytes(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         per_token = 2 * len(self.attn_layers) * self.model.num_kv_heads * self.model.head_dim * elem
         return per_token * self.block_size
 
@@ -227,15 +229,15 @@ class ModelRunner:
     def _set_caches(self, num_blocks: int) -> int:
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         for layer in self.attn_layers:
-            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         return num_blocks * self._block_bytes()
 
     def _allocate_kv_cache(self) -> KVCacheInfo:
         # Tensor-parallel ranks share the block tables: every rank takes the smallest cache.
         num_blocks = distributed.min_over_ranks(self._num_blocks())
         nbytes = self._set_caches(num_blocks)
-        return KVCacheInfo(num_blocks, self.block_size, nbytes, self.dtype, self.device)
+        return KVCacheInfo(num_blocks, self.block_size, nbytes, self.kv_dtype, self.device)
 
     # ------------------------------------------------------------------ batch building
 
