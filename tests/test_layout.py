@@ -30,7 +30,7 @@ RANK = {
     "config": 2, "models": 2, "pooling": 2, "quantization": 2, "tokenizer": 2, "sampling": 2,
     "lora": 2,
     "worker": 3,
-    "engine": 4, "outputs": 4, "dp": 4,
+    "engine": 4, "outputs": 4, "dp": 4, "spec_decode": 4,
     "entrypoints": 5, "bench": 5, "__main__": 5, "__init__": 5,
 }  # fmt: skip
 MAX_TOP_LEVEL_MODULES = 12

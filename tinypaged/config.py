@@ -67,6 +67,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's speculative_config dict ({"method": "ngram", "num_speculative_tokens": 4, ...}),
+    # validated by spec_decode/config.py; None = no speculative decoding
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -115,6 +118,13 @@ class EngineConfig:
             )
         if self.quantization is not None:
             check_quantization(self.quantization)
+        if self.speculative_config is not None:  # verification steps run synchronously
+            if self.async_scheduling:
+                raise ValueError(
+                    "speculative_config cannot be combined with async_scheduling=True in "
+                    "tinypaged yet; leave async_scheduling unset (or False)"
+                )
+            self.async_scheduling = False
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError("kv_cache_dtype must be one of auto, fp8, fp8_e4m3; got "
                              f"{self.kv_cache_dtype!r}")

@@ -230,11 +230,65 @@ def latency(args) -> dict:
     if args.output_len < 2:
         raise ValueError(f"--output-len must be >= 2 to time decode steps, got {args.output_len}")
     path, cfg, engine_args = _model_args(args)
+    spec = getattr(args, "speculative_config", None)
+    if spec is not None:
+        return _spec_latency(args, path, cfg, engine_args, json.loads(spec))
     engine = AsyncLLM(path, **engine_args)
     try:
         return asyncio.run(_latency(engine, cfg, args, path))
     finally:
         asyncio.run(engine.shutdown())  # tensor-parallel workers free their GPUs now
+
+
+def _spec_latency(args, path: str, cfg: dict, engine_args: dict, spec: dict) -> dict:
+    """`latency --speculative-config JSON`: the engine without speculation first (its greedy
+    continuations become the table of the "oracle" / "oracle_miss" proposers), then with it;
+    prints the speed-up per batch size."""
+    from tinypaged import AsyncLLM
+
+    engine = AsyncLLM(path, **engine_args)
+    try:
+        base = asyncio.run(_latency(engine, cfg, args, path))
+        if spec.get("method", "").startswith("oracle"):
+            prompts = [p for b in args.batch_sizes
+                       for p in sample_requests(b, args.input_len, args.input_len,
+                                                cfg["vocab_size"], seed=1)]
+            spans = asyncio.run(_record(engine, prompts, args.output_len))
+            spec = {**spec, "oracle_token_ids": [[p, c] for p, c in zip(prompts, spans)]}
+    finally:
+        asyncio.run(engine.shutdown())
+        del engine
+    engine = AsyncLLM(path, **{**engine_args, "async_scheduling": None,
+                               "speculative_config": spec})
+    try:
+        print(f"speculative decoding: {spec.get('method')}, k={spec['num_speculative_tokens']}")
+        ours = asyncio.run(_latency(engine, cfg, args, path))
+        stats = engine.get_stats().get("spec_decode") or {}
+    finally:
+        asyncio.run(engine.shutdown())
+    result = {"baseline": base, "speculative": ours, "spec_decode": stats}
+    for b in args.batch_sizes:
+        ratio = ours[b]["tok_s_per_seq"] / base[b]["tok_s_per_seq"]
+        print(f"batch {b}: {ratio:.2f}x the tok/s of no speculation")
+        result[f"speedup_batch_{b}"] = ratio
+    rate = stats.get("num_accepted_tokens", 0) / max(stats.get("num_draft_tokens", 0), 1)
+    print(f"acceptance rate {100 * rate:.1f}% over {stats.get('num_draft_tokens', 0)} drafts")
+    return result
+
+
+async def _record(engine: EngineClient, prompts: list[list[int]], output_len: int):
+    """The greedy continuation (output_len tokens, EOS ignored) of each prompt."""
+    from tinypaged import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        last = None
+        async for out in engine.generate({"prompt_token_ids": prompt}, params, f"rec-{i}"):
+            last = out
+        return list(last.outputs[0].token_ids)
+
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
 async def _latency(engine: EngineClient, cfg: dict, args, path: str) -> dict:
@@ -313,6 +367,9 @@ def main(argv: list[str] | None = None) -> dict:
     lat = sub.choices["latency"]
     lat.add_argument("--input-len", type=int, default=512)
     lat.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    lat.add_argument("--speculative-config", default=None, metavar="JSON",
+                     help="also run with speculative decoding and print the speed-up; methods "
+                          "oracle / oracle_miss take the first run's greedy output as drafts")
     bench_serve.add_arguments(sub.add_parser("serve", help=bench_serve.__doc__.split("\n")[0]))
     args = parser.parse_args(argv)
     if args.mode == "serve":

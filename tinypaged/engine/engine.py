@@ -103,6 +103,9 @@ class Engine:
         if config.async_scheduling is None:  # decided before any rank reads the config
             config.async_scheduling = self.device.type == "cuda"
         apply_cpu_threads(config.cpu_threads, self.device.type)  # torch's intra-op pool
+        if config.speculative_config is not None:  # a bad dict fails before the model loads
+            from tinypaged.spec_decode.config import SpeculativeConfig
+            SpeculativeConfig.from_dict(config.speculative_config)
         # The model on every tensor-parallel rank (worker processes when tensor_parallel_size > 1).
         self.executor = create_executor(config, self.device)
         try:
@@ -142,6 +145,10 @@ class Engine:
         self.runner = ex.init_runner()
         self.scheduler = Scheduler(config, self.runner.kv_cache_info.num_blocks)
         self.sampler = Sampler(config.seed)
+        self.spec = None  # speculative decoding (spec_decode/decoder.py)
+        if config.speculative_config is not None:
+            from tinypaged.spec_decode.decoder import SpecDecoder
+            self.spec = SpecDecoder(self, config.speculative_config)
         self.mask_builder = LogitsMaskBuilder(self.vocab_size, self.device)
         self._grammar_compiler = None  # built at the first structured-output request
         self.requests: dict[str, RequestState] = {}
@@ -257,6 +264,8 @@ class Engine:
         constraints = LogitsConstraints.build(
             params, self.vocab_size, self.tokenizer, self._get_grammar_compiler
         )
+        if self.spec is not None:
+            self.spec.check_request(params)
         seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
         if lora_request is not None:
             bind_lora(self.runner.lora, lora_request, seqs)
@@ -326,6 +335,7 @@ class Engine:
             "num_free_blocks": s.num_free_blocks,
             "num_total_blocks": s.num_total_blocks,
             "iteration_stats": self.iteration_stats,
+            "spec_decode": None if self.spec is None else self.spec.get_stats(),
         }
 
     def fail_running(self) -> list[str]:
@@ -356,6 +366,8 @@ class Engine:
         if prev is not None and prev.reads_tokens_on_host:  # read by the next schedule
             outputs += self._process(prev, finished_only)
             prev = None
+        if self.spec is not None:
+            self.spec.propose()
         out = self.scheduler.schedule()
         launched = None if out.is_empty else self._launch(out)
         if prev is not None:  # while the GPU runs `launched`
@@ -381,6 +393,8 @@ class Engine:
                 if it.seq.request_id in self._unscheduled:
                     self._unscheduled.discard(it.seq.request_id)
                     self.requests[it.seq.request_id].stats.first_scheduled_time = now
+        if self.spec is not None:  # verifies the proposed tokens; processed at once
+            return _LaunchedStep(out, *self.spec.launch(items), True)
         host = self._host_requests
         on_host = bool(host) and any(it.seq.request_id in host for it in items)
         sampled_items = [it for it in items if it.sample]
@@ -434,7 +448,7 @@ class Engine:
                 lp_by_seq = {seq.seq_id: lp for seq, lp in zip(step.seqs, step.logprobs)}
         now = time.monotonic()
         grown = self.scheduler.update(step.out, tokens)
-        rejected = self._advance_grammars(grown) if self._late_requests else set()
+        rejected = self._advance_grammars(grown) if self._late_requests and not self.spec else set()
         for seq in grown:
             req = self.requests.get(seq.request_id)
             if req is None:  # a sibling sample failed this request earlier in the loop
@@ -444,7 +458,10 @@ class Engine:
                 req.stats.first_token_time = now
             req.stats.last_token_time = now
             try:
-                self._after_token(req, seq, lp_by_seq.get(seq.seq_id), seq.seq_id in rejected)
+                if self.spec is not None:  # several tokens: grammar and stop checks per token
+                    self.spec.after_tokens(req, seq, lp_by_seq.get(seq.seq_id))
+                else:
+                    self._after_token(req, seq, lp_by_seq.get(seq.seq_id), seq.seq_id in rejected)
             except Exception as exc:  # a fault in one request (e.g. detokenizing) ends only it
                 logger.exception("request %s failed", req.request_id)
                 self._errors.append((req.request_id, exc))

@@ -45,6 +45,14 @@ class LLM(PoolingLLMMixin):  # embed / classify / score / encode: engine/pooling
         """Stop the tensor-parallel worker processes, if any (also done at garbage collection)."""
         self.engine.shutdown()
 
+    def get_metrics(self) -> list:
+        """vLLM's LLM.get_metrics(): Counter / Vector objects (spec_decode/metrics.py); today
+        the speculative-decoding counters, empty without speculative_config."""
+        from tinypaged.spec_decode.metrics import reader_metrics
+
+        stats = self.engine.get_stats().get("spec_decode")
+        return reader_metrics(stats, {"model_name": self.engine.model_name})
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

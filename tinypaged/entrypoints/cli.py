@@ -63,6 +63,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
              "(vLLM: --compilation-config '{\"cudagraph_mode\": ...}')")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the GPU runs this one (default: on CUDA)")
+    p.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (docs/speculative.md)')
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8 (= fp8_e4m3): an e4m3 KV cache holding "
                         "twice the tokens (per-tensor scale 1.0)")
@@ -117,6 +120,16 @@ def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible text")
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _json_list(text: str) -> list[str]:
@@ -241,6 +254,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "enforce_eager": args.enforce_eager,
         "cudagraph_mode": args.cudagraph_mode,
         "async_scheduling": args.async_scheduling,
+        "speculative_config": args.speculative_config,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -413,6 +427,10 @@ def generate(args: argparse.Namespace) -> int:
     else:
         out = llm.generate(prompt, params, use_tqdm=False)
     print(out[0].outputs[0].text)
+    from tinypaged.spec_decode.metrics import log_line
+
+    if line := log_line(llm.engine.get_stats().get("spec_decode")):
+        print(f"tinypaged: {line}", file=sys.stderr)
     return 0
 
 

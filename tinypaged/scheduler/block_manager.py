@@ -198,6 +198,16 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget seq's last `num_tokens` computed tokens (speculative drafts the target
+        rejected): num_computed_tokens drops, so their slots are written again by the next step.
+        The blocks stay with the sequence (as in vLLM) as room for its next drafts; they were
+        never registered, since registration follows the accepted count, and they are freed
+        with the sequence. (Keeping them also keeps every block-table row append-only, which
+        the runner's HostBlockTables relies on.)"""
+        if num_tokens > 0:
+            seq.num_computed_tokens -= num_tokens
+
     # ---- testing aid ---------------------------------------------------------------------
     def check_invariants(self, live_seqs: Iterable[Sequence]) -> None:
         """Raise AssertionError unless the allocator state is consistent with live_seqs (all the

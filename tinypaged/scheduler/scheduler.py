@@ -60,6 +60,9 @@ class ScheduledSequence:
     num_new_tokens: int
     num_computed_tokens: int  # tokens already in the cache: the new ones start at this position
     sample: bool  # this step reaches the last token, so its logits give a sampled token
+    # Speculative decoding: proposed tokens scheduled after the last one (num_new_tokens counts
+    # them); the step verifies them and update() rolls back the slots of the rejected ones.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -183,8 +186,9 @@ class Scheduler:
         def take(seq: Sequence, n: int) -> None:
             nonlocal budget
             computed = seq.num_computed_tokens
-            sample = computed + n == len(seq.token_ids) + seq.num_output_placeholders
-            out.scheduled.append(ScheduledSequence(seq, n, computed, sample))
+            spec = seq.spec_token_ids[: max(0, n - seq.num_uncomputed_tokens)]
+            sample = computed + n - len(spec) == len(seq.token_ids) + seq.num_output_placeholders
+            out.scheduled.append(ScheduledSequence(seq, n, computed, sample, spec))
             seq.num_computed_tokens = computed + n
             seq.num_output_placeholders += sample
             scheduled_ids.add(seq.seq_id)
@@ -202,7 +206,7 @@ class Scheduler:
             placeholders = seq.num_output_placeholders
             if placeholders and len(seq.token_ids) + placeholders >= seq.max_length:
                 continue  # the step in flight gives its last token
-            want = min(seq.num_uncomputed_tokens, budget)
+            want = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
             if want == 1 and len(seq.block_table) * self.block_size > seq.num_computed_tokens:
                 # The common decode: its slot is in its last block, nothing to allocate.
                 take(seq, 1)
@@ -292,6 +296,10 @@ class Scheduler:
             seq = item.seq
             if seq.status is SequenceStatus.FINISHED:
                 continue
+            if item.sample and isinstance(sampled_tokens[seq.seq_id], list):
+                self._update_verified(item, sampled_tokens[seq.seq_id])
+                grown.append(seq)
+                continue
             if seq.status is running:  # this step's tokens only: a later step may be in flight
                 end = item.num_computed_tokens + item.num_new_tokens
                 self.block_manager.mark_computed(seq, end)
@@ -300,6 +308,17 @@ class Scheduler:
                 seq.append_token(sampled_tokens[seq.seq_id])
                 grown.append(seq)
         return grown
+
+    def _update_verified(self, item: ScheduledSequence, tokens: list[int]) -> None:
+        """Speculative decoding: `tokens` are the accepted drafts plus one token of the target's;
+        the slots of the rejected drafts are rolled back before the filled blocks are
+        registered (so every registered hash names tokens whose K/V is in the block)."""
+        seq = item.seq
+        seq.num_output_placeholders -= 1
+        seq.token_ids.extend(tokens)
+        if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.rollback(seq, len(item.spec_token_ids) + 1 - len(tokens))
+            self.block_manager.mark_computed(seq)
 
     # ---- ending --------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str = "stop") -> None:

@@ -79,6 +79,9 @@ class Sequence:
         # offered to the prefix cache.
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
+        # Speculative decoding: the tokens a proposer guessed for the next step (spec_decode/);
+        # scheduled as extra new tokens after the last one, never part of token_ids.
+        self.spec_token_ids: list[int] = []
 
     # ---- tokens --------------------------------------------------------------------------
     def __len__(self) -> int:

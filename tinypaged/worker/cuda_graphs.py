@@ -47,20 +47,22 @@ class _Fields:
     """One bucket's layout (bs rows, mb blocks per row) as views of an ids64 / ids32 pair: torch
     tensors on the device, numpy arrays over the pinned host buffers."""
 
-    def __init__(self, ids64, ids32, bs: int, mb: int) -> None:
-        self.ids64, self.ids32 = ids64[: 4 * bs], ids32[: bs * (1 + mb)]
-        rows = self.ids64.reshape(4, bs)
+    def __init__(self, ids64, ids32, bs: int, mb: int, q: int = 1) -> None:
+        self.q = q  # tokens per sequence (k + 1 for speculative verification)
+        self.ids64, self.ids32 = ids64[: 4 * bs * q], ids32[: bs * (1 + mb)]
+        rows = self.ids64.reshape(4, bs * q)
         self.input_ids, self.positions, self.slot_mapping, self.prev_sample_indices = rows
         self.seq_lens = self.ids32[:bs]
         self.block_tables = self.ids32[bs:].reshape(bs, mb)
 
     def fill(self, step: StepInput, b: int) -> None:
         """Rows 0..b-1 take a step's arrays; rows b.. become padding."""
-        self.input_ids[:b] = step.input_ids
-        self.positions[:b] = step.positions
-        self.slot_mapping[:b] = step.slot_mapping
+        t = b * self.q
+        self.input_ids[:t] = step.input_ids
+        self.positions[:t] = step.positions
+        self.slot_mapping[:t] = step.slot_mapping
         prev = step.prev_sample_indices
-        self.prev_sample_indices[:b] = -1 if prev is None else prev
+        self.prev_sample_indices[:t] = -1 if prev is None else prev
         self.seq_lens[:b] = step.seq_lens
         width = step.block_tables.shape[1]
         self.block_tables[:b, :width] = step.block_tables
@@ -68,27 +70,34 @@ class _Fields:
         self.pad(b)
 
     def pad(self, start: int) -> None:
-        """Rows start.. store nothing (slot -1), attend to one ignored key, read no sample."""
-        self.input_ids[start:] = 0
-        self.positions[start:] = 0
-        self.slot_mapping[start:] = -1
-        self.prev_sample_indices[start:] = -1
-        self.seq_lens[start:] = 1
+        """Rows start.. store nothing (slot -1), attend to q ignored keys, read no sample."""
+        t = start * self.q
+        self.input_ids[t:] = 0
+        self.positions[t:] = 0
+        self.slot_mapping[t:] = -1
+        self.prev_sample_indices[t:] = -1
+        self.seq_lens[start:] = self.q
         self.block_tables[start:] = 0
 
 
 class DecodeGraphs:
-    def __init__(self, runner):
+    """`q` > 1: graphs of speculative verification steps, every sequence with q = k + 1 new
+    tokens (rows b*q .. b*q + q - 1 of the flat arrays), for batches up to `max_batch_size`;
+    `run` then returns the logits of all B*q rows."""
+
+    def __init__(self, runner, q: int = 1, max_batch_size: int | None = None):
         self.runner = runner
-        self.buckets = batch_size_buckets(runner.config.max_num_seqs)
+        self.q = q
+        self.buckets = batch_size_buckets(min(runner.config.max_num_seqs,
+                                              max_batch_size or runner.config.max_num_seqs))
         max_bs, mb = self.buckets[-1], runner.max_blocks_per_seq
         self.mb = mb
         dev = runner.device
-        self.ids64 = torch.zeros(4 * max_bs, dtype=torch.int64, device=dev)
+        self.ids64 = torch.zeros(4 * max_bs * q, dtype=torch.int64, device=dev)
         self.ids32 = torch.zeros(max_bs * (1 + mb), dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=dev) * q
         self.staging = [
-            (torch.zeros(4 * max_bs, dtype=torch.int64).pin_memory(),
+            (torch.zeros(4 * max_bs * q, dtype=torch.int64).pin_memory(),
              torch.zeros(max_bs * (1 + mb), dtype=torch.int32).pin_memory())
             for _ in range(2)
         ]
@@ -106,11 +115,11 @@ class DecodeGraphs:
         model = self.runner.model
         pool = None
         for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
-            f = _Fields(self.ids64, self.ids32, bs, self.mb)
+            f = _Fields(self.ids64, self.ids32, bs, self.mb, self.q)
             f.pad(0)
             md = AttentionMetadata(
                 slot_mapping=f.slot_mapping, query_start_loc=self.query_start_loc[: bs + 1],
-                seq_lens=f.seq_lens, block_tables=f.block_tables, max_query_len=1,
+                seq_lens=f.seq_lens, block_tables=f.block_tables, max_query_len=self.q,
                 max_seq_len=self.runner.max_model_len,
             )
             for _ in range(2):  # warm up: compile kernels, settle the allocator
@@ -125,7 +134,8 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.buckets)
+        logger.info("captured CUDA graphs for decode batch sizes %s%s", self.buckets,
+                    f" ({self.q} tokens per sequence)" if self.q > 1 else "")
 
     def run(self, step: StepInput) -> torch.Tensor:
         """Replay the bucket that fits a decode step of B sequences; returns logits [B, vocab]
@@ -141,10 +151,11 @@ class DecodeGraphs:
         host64, host32 = self.staging[which]
         stage = self.host_fields.get((which, bs))
         if stage is None:
-            stage = _Fields(host64.numpy(), host32.numpy(), bs, self.mb)
+            stage = _Fields(host64.numpy(), host32.numpy(), bs, self.mb, self.q)
             self.host_fields[which, bs] = stage
         stage.fill(step, b)
-        self.ids64[: 4 * bs].copy_(host64[: 4 * bs], non_blocking=True)
+        n64 = 4 * bs * self.q
+        self.ids64[:n64].copy_(host64[:n64], non_blocking=True)
         self.ids32[: len(stage.ids32)].copy_(host32[: len(stage.ids32)], non_blocking=True)
         self.graphs[bs].replay()
-        return self.logits[bs][:b]
+        return self.logits[bs][: b * self.q]

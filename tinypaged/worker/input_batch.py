@@ -88,8 +88,8 @@ def build_step(
         seq_idx = np.repeat(np.arange(num_seqs), q_lens)
         positions = np.arange(total) - cu[seq_idx] + starts[seq_idx]
         new_tokens = itertools.chain.from_iterable(
-            s.token_ids[c:c + n] if c < len(s.token_ids) else _PLACEHOLDER
-            for s, c, n in zip(seqs, starts.tolist(), q_lens.tolist())
+            (s.token_ids[c:c + n] + it.spec_token_ids) if c < len(s.token_ids) else _PLACEHOLDER
+            for it, s, c, n in zip(scheduled, seqs, starts.tolist(), q_lens.tolist())
         )
         input_ids = np.fromiter(new_tokens, np.int64, total)
     prev_sample_indices = None

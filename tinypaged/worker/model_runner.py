@@ -120,6 +120,7 @@ class ModelRunner:
         self.lora = lora_runtime(config, model, dtype, device)  # None without enable_lora
         self.graphs = None  # eager while profiling; captured after the cache exists
         self.piecewise = None  # piecewise graphs of steps with prompt tokens (optional)
+        self.spec_graphs = None  # full graphs of k+1-token verification steps (optional)
         self.kv_cache_info = self._allocate_kv_cache()
         if device.type == "cuda":
             self._warm_up()
@@ -131,6 +132,20 @@ class ModelRunner:
             with self.kernels:
                 self.graphs = DecodeGraphs(self)
                 self.piecewise = self._piecewise_graphs()
+                self.spec_graphs = self._spec_graphs(DecodeGraphs)
+
+    def _spec_graphs(self, graphs_class):
+        """Full graphs of speculative verification steps (k + 1 tokens for every sequence), for
+        batches up to 32; None without speculation, or when the capture fails (such steps then
+        replay the piecewise graphs, or run eagerly)."""
+        spec = self.config.speculative_config
+        if not spec or not isinstance(spec.get("num_speculative_tokens"), int):
+            return None
+        try:
+            return graphs_class(self, spec["num_speculative_tokens"] + 1, max_batch_size=32)
+        except Exception:
+            logger.exception("speculative decoding: capturing k+1-token CUDA graphs failed")
+            return None
 
     def _piecewise_graphs(self):
         from tinypaged.worker.piecewise_graphs import (
@@ -155,7 +170,7 @@ class ModelRunner:
         graph holds (a captured all-reduce), and waits forever (seen on 2 x H200, torch 2.11)."""
         if self.graphs is None:
             return
-        self.graphs = self.piecewise = None
+        self.graphs = self.piecewise = self.spec_graphs = None
         gc.unfreeze()  # a serving process froze its heap, the graphs with it (gc_freeze.py)
         gc.collect()  # DecodeGraphs and the runner reference each other
         torch.cuda.synchronize(self.device)
@@ -303,6 +318,10 @@ class ModelRunner:
                 # Never index with the numpy array itself: torch would copy it to the device
                 # from pageable memory and wait for the GPU to finish the step.
                 return logits[self._to_device(step.logits_indices)]
+            spec = self.spec_graphs
+            if (spec is not None and step.max_query_len == spec.q and spec.fits(num_seqs)
+                    and len(step.input_ids) == len(step.logits_indices) == num_seqs * spec.q):
+                return spec.run(step)  # every sequence verifies k drafts: all its rows' logits
             input_ids, positions, md, logits_indices = self._device_inputs(step)
             if self.piecewise is not None and self.piecewise.fits(len(step.input_ids)):
                 hidden = self.piecewise.run(input_ids, positions, md)  # [T, hidden]

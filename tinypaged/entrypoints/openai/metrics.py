@@ -151,6 +151,8 @@ class _EngineGauges:
         steps = stats.get("iteration_stats")
         if steps is not None:
             yield from self._iterations(steps)
+        if stats.get("spec_decode"):
+            yield from self._spec_decode(stats["spec_decode"])
         # Data parallelism (dp/): one series per engine, labelled `engine` as vLLM's.
         per_engine = stats.get("per_engine")
         rows = ([([self.model_name], stats)] if per_engine is None else
@@ -180,6 +182,19 @@ class _EngineGauges:
         buckets = [(str(float(b)), c) for b, c in zip(ITERATION_TOKEN_BUCKETS, cumulative)]
         hist.add_metric(labels, buckets + [("+Inf", steps.num_steps)], steps.num_tokens)
         yield hist
+
+    def _spec_decode(self, spec: dict):
+        from tinypaged.spec_decode.metrics import COUNTERS, PER_POS, PREFIX
+
+        for key, doc in COUNTERS:
+            counter = CounterMetricFamily(PREFIX + key, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], spec[key])
+            yield counter
+        per_pos = CounterMetricFamily(PREFIX + PER_POS[0], PER_POS[1],
+                                      labels=["model_name", "position"])
+        for j, n in enumerate(spec[PER_POS[0]]):
+            per_pos.add_metric([self.model_name, str(j)], n)
+        yield per_pos
 
     def _config_info(self):
         info = self.engine.kv_cache_info

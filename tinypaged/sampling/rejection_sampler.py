@@ -1,0 +1,140 @@
+"""The rejection sampler of speculative decoding: verify proposed tokens against the target.
+
+A verified sequence i proposed n_i tokens; the target's logits come as n_i + 1 consecutive rows
+(row_start[i] ..): row j scores the token after draft x_0..x_{j-1}. Every row goes through the
+sampler's pipeline (sampler.py, steps 0-5: bitmask, logit bias, min_tokens, penalties with the
+row's own history, temperature, min-p, top-k, top-p) to the target distribution p_j, exactly as
+the row would be sampled without speculation. Then (kernels/rejection.py walks the result):
+
+- greedy rows accept the longest prefix of drafts equal to argmax p_j and add the argmax at the
+  first mismatch (or the bonus argmax after all n): token for token what greedy decoding makes;
+- random rows accept x_j with probability min(1, p_j(x_j) / q_j(x_j)) and, at the first
+  rejection, draw from the residual norm(max(p_j - q_j, 0)); after n acceptances the bonus comes
+  from p_n. For any q this emits tokens distributed exactly as sampling p one token at a time
+  (q = onehot(x_j) for proposers without probabilities, e.g. n-gram: the residual is p_j with
+  x_j removed).
+
+Draws use the exponential race of sampler.py (argmax(w / e), e ~ Exp(1), picks t with
+probability w_t / sum w, no normalisation needed). A seeded request draws its uniforms and races
+from its own generator, so its tokens depend on its seed and logits alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tinypaged.kernels.logits import apply_logit_bias_, apply_token_bitmask_
+from tinypaged.kernels.rejection import rejection_sample
+from tinypaged.sampling.sampler import SamplingBatch, apply_penalties, apply_top_k_top_p
+
+
+def target_probs(
+    logits: torch.Tensor, batch: SamplingBatch
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(argmax [R], probs [R, V] float32 or None when every row is greedy, raw logprobs [R, V]
+    or None when no row asks) of the sampler's pipeline applied to `logits` [R, V]."""
+    masks = batch.logits_masks
+    if masks is not None and masks.bitmask is not None:
+        apply_token_bitmask_(logits, masks.bitmask, masks.bitmask_rows)
+    raw = torch.log_softmax(logits.float(), dim=-1) if batch.max_num_logprobs >= 0 else None
+    if batch.argmax_only:
+        return logits.argmax(dim=-1), None, raw
+    logits = logits.float()
+    if masks is not None and masks.bias_rows is not None:
+        apply_logit_bias_(logits, masks.bias_rows, masks.bias_ids, masks.bias_values)
+    if batch.banned_rows is not None:
+        logits[batch.banned_rows, batch.banned_ids] = -math.inf
+    if batch.penalty_rows is not None:
+        logits[batch.penalty_rows] = apply_penalties(
+            logits[batch.penalty_rows], batch.prompt_ids, batch.output_ids, batch.penalties
+        )
+    argmax = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return argmax, None, raw
+    logits.div_(batch.temperature)
+    if batch.min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        logits.masked_fill_(probs < batch.min_p * probs.amax(dim=-1, keepdim=True), -math.inf)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.max_top_k, batch.top_p)
+    return argmax, torch.softmax(logits, dim=-1), raw
+
+
+class RejectionSampler:
+    """`sampler(logits, batch, drafts, generators)` -> (emitted [N, K + 1] int64, -1 padded;
+    raw logprobs [R, V] or None). `batch` describes the R = sum(len(d) + 1) rows; `generators[i]`
+    is sequence i's own generator (seeded requests) or None (the shared one)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _shared(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    @torch.inference_mode()
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
+        generators: list[torch.Generator | None], draft_probs: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        device = logits.device
+        counts = [len(d) for d in drafts]
+        starts = [0] * len(drafts)
+        for i in range(1, len(drafts)):
+            starts[i] = starts[i - 1] + counts[i - 1] + 1
+        num_rows = sum(counts) + len(drafts)
+        if logits.shape[0] != num_rows or batch.num_rows != num_rows:
+            raise ValueError(
+                f"{len(drafts)} sequences with {sum(counts)} drafts need {num_rows} rows; got "
+                f"{logits.shape[0]} logits rows and a batch of {batch.num_rows}"
+            )
+        k = max(counts, default=0)
+        draft = torch.zeros(len(drafts), k, dtype=torch.int64)
+        for i, d in enumerate(drafts):
+            draft[i, : len(d)] = torch.as_tensor(d, dtype=torch.int64)
+        draft_rows = [s + j for s, d in zip(starts, drafts) for j in range(len(d))]
+        draft_ids = [t for d in drafts for t in d]
+        draft = draft.to(device, non_blocking=True)
+        row_start = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
+        num_draft = torch.tensor(counts, dtype=torch.int32).to(device, non_blocking=True)
+
+        argmax, probs, raw = target_probs(logits, batch)
+        if probs is None:  # every row greedy
+            greedy = torch.ones(len(drafts), dtype=torch.bool, device=device)
+            uniform = torch.zeros(num_rows, dtype=torch.float32, device=device)
+            out = rejection_sample(draft, num_draft, row_start, greedy, None, None, uniform,
+                                   argmax)
+            return out, raw
+        # One uniform per row and one exponential per (row, token): shared draws, then the
+        # seeded sequences' rows redrawn from their own generators.
+        uniform = torch.empty(num_rows, dtype=torch.float32, device=device)
+        race = torch.empty_like(probs)
+        shared = self._shared(device)
+        uniform.uniform_(generator=shared)
+        race.exponential_(generator=shared)
+        for s, n, g in zip(starts, counts, generators):
+            if g is not None:
+                uniform[s : s + n + 1].uniform_(generator=g)
+                race[s : s + n + 1].exponential_(generator=g)
+        residual = probs.clone()
+        if draft_rows:
+            rows = torch.tensor(draft_rows, dtype=torch.int64).to(device, non_blocking=True)
+            if draft_probs is None:  # q = onehot(x): p without x
+                ids = torch.tensor(draft_ids, dtype=torch.int64).to(device, non_blocking=True)
+                residual[rows, ids] = 0.0
+            else:
+                residual[rows] = (residual[rows] - draft_probs[rows]).clamp_(min=0.0)
+        recovered = residual.div_(race.clamp_(min=1e-30)).argmax(dim=-1)
+        greedy_rows = batch.greedy if batch.greedy is not None else None
+        if greedy_rows is not None:
+            recovered = torch.where(greedy_rows, argmax, recovered)
+            greedy = greedy_rows[row_start]
+        else:
+            greedy = torch.zeros(len(drafts), dtype=torch.bool, device=device)
+        out = rejection_sample(draft, num_draft, row_start, greedy, probs, draft_probs, uniform,
+                               recovered)
+        return out, raw

@@ -1,0 +1,200 @@
+"""SpecDecoder: the engine's seam to speculative decoding (one per Engine with a
+`speculative_config`).
+
+Each step, around the engine's own:
+
+    propose()          before schedule(): every running sequence about to decode gets up to k
+                       proposed tokens in seq.spec_token_ids; the scheduler schedules them as
+                       k more new tokens of that sequence (k + 1 in all) when budget and blocks
+                       allow, fewer otherwise
+    launch(items)      runs the target on the step, with the logits of every position of the
+                       speculating sequences (the runner's per-row logits, as for prompt
+                       logprobs), and verifies: rejection_sampler.py -> accepted drafts + one
+    after_tokens(...)  the scheduler has appended a sequence's tokens and rolled back the slots
+                       of the rejected drafts (Scheduler.update); the engine's stop checks then
+                       run token by token, and a stop drops the tokens after it
+
+Sequences that do not speculate this step (prefills, requests with logits constraints such as
+structured output, a sequence one token from its limit) take the same path with no drafts:
+their one row is sampled by the same pipeline, so a batch mixes any k.
+Speculation runs with synchronous scheduling only (EngineConfig refuses async_scheduling=True).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from tinypaged.sampling.rejection_sampler import RejectionSampler
+from tinypaged.sampling.sampler import SamplingBatch
+from tinypaged.scheduler import ScheduledSequence, Sequence
+from tinypaged.spec_decode.config import SpeculativeConfig
+from tinypaged.spec_decode.proposers import NgramProposer, OracleProposer, Proposer
+
+logger = logging.getLogger(__name__)
+
+
+def build_proposer(config: SpeculativeConfig, engine: Any) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        from tinypaged.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config.model, engine)
+    return OracleProposer(config.oracle_token_ids, engine.vocab_size,
+                          config.method == "oracle_miss")
+
+
+class SpecDecodeStats:
+    """vLLM's spec-decode counters, cumulative since the engine started."""
+
+    def __init__(self, k: int) -> None:
+        self.num_drafts = 0  # verified sequence-steps with at least one draft
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * k
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.num_accepted_tokens_per_pos[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+        }
+
+
+class _HostTokens:
+    """A verified step's tokens, already on the host: one list per sampled sequence."""
+
+    def __init__(self, tokens: list[list[int]]) -> None:
+        self.tokens = tokens
+
+    def tolist(self) -> list[list[int]]:
+        return self.tokens
+
+
+class SpecDecoder:
+    def __init__(self, engine: Any, raw_config: dict) -> None:
+        self.engine = engine
+        self.config = SpeculativeConfig.from_dict(raw_config)
+        self.k = self.config.num_speculative_tokens
+        self.proposer = build_proposer(self.config, engine)
+        self.sampler = RejectionSampler(engine.config.seed)
+        self.stats = SpecDecodeStats(self.k)
+        logger.info("speculative decoding: %s, k=%d", self.config.method, self.k)
+
+    def check_request(self, params: Any) -> None:
+        if params.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt_logprobs cannot be combined with speculative decoding in tinypaged yet; "
+                "start the engine without speculative_config to get them"
+            )
+
+    # ------------------------------------------------------------------ propose
+    def propose(self) -> None:
+        eng = self.engine
+        seqs, ks = [], []
+        for seq in eng.scheduler.running.values():
+            seq.spec_token_ids = []
+            if seq.num_uncomputed_tokens != 1 or seq.num_output_placeholders:
+                continue  # a prefill (or a recompute after preemption)
+            req = eng.requests.get(seq.request_id)
+            if req is None or req.constraints is not None:
+                continue  # logits constraints: one token at a time (the batched grammar fill)
+            k = min(self.k, seq.max_length - len(seq) - 1)
+            if k > 0:
+                seqs.append(seq)
+                ks.append(k)
+        if seqs:
+            for seq, k, draft in zip(seqs, ks, self.proposer.propose(seqs, ks)):
+                seq.spec_token_ids = [int(t) for t in draft[:k]]
+
+    # ------------------------------------------------------------------ verify
+    def launch(self, items: list[ScheduledSequence]):
+        """(sampled sequences, their tokens, per sequence a list of logprobs entries)."""
+        eng = self.engine
+        every = [bool(it.spec_token_ids) for it in items]
+        logits = eng.executor.execute(items, every if any(every) else None)
+        sampled = [it for it in items if it.sample]
+        if not sampled:
+            return [], None, []
+        seqs = [it.seq for it in sampled]
+        drafts = [it.spec_token_ids for it in sampled]
+        reqs = [eng.requests[s.request_id] for s in seqs]
+        batch, starts, gens = self._batch(seqs, reqs, drafts, logits.device)
+        out, raw = self.sampler(logits, batch, drafts, gens)
+        tokens = [[t for t in row if t >= 0] for row in out.tolist()]
+        for draft, toks in zip(drafts, tokens):
+            if draft:
+                self.stats.observe(len(draft), len(toks) - 1)
+        logprobs = []
+        for req, start, toks in zip(reqs, starts, tokens):
+            k = req.params.logprobs
+            logprobs.append([None] * len(toks) if k is None or raw is None else [
+                _logprobs_row(raw[start + j], t, k) for j, t in enumerate(toks)
+            ])
+        return seqs, _HostTokens(tokens), logprobs
+
+    def _batch(self, seqs: list[Sequence], reqs: list, drafts: list[list[int]], device):
+        eng = self.engine
+        params, prompts, outputs, row_gens, starts, gens = [], [], [], [], [], []
+        for seq, req, draft in zip(seqs, reqs, drafts):
+            starts.append(len(params))
+            p = req.params
+            gen = req.generators[seq.index]
+            gens.append(gen if gen is not None and not p.is_greedy else None)
+            history = p.uses_penalties or p.min_tokens > 0  # row j sees output + draft[:j]
+            out = seq.output_token_ids if history else []
+            for j in range(len(draft) + 1):
+                params.append(p)
+                prompts.append(seq.prompt_token_ids if history else ())
+                outputs.append(out + draft[:j] if history else ())
+                row_gens.append(gen)
+        batch = SamplingBatch.build(params, prompts, outputs, row_gens, eng.eos_token_ids, device)
+        # Constrained requests propose nothing (propose()): one row each, the grammar as is.
+        batch.logits_masks = eng.mask_builder.build([
+            (start, req.constraints, seq.index, seq.output_token_ids)
+            for start, req, seq in zip(starts, reqs, seqs) if req.constraints is not None
+        ])
+        return batch, starts, gens
+
+    # ------------------------------------------------------------------ stop checks
+    def after_tokens(self, req: Any, seq: Sequence, logprobs: list | None) -> None:
+        """The engine's per-token stop checks over the tokens this step gave `seq`."""
+        count = len(logprobs) if logprobs else 1
+        new = seq.token_ids[-count:]
+        del seq.token_ids[-count:]
+        c = req.constraints
+        matcher = c.matchers[seq.index] if c is not None and c.matchers else None
+        for token, lp in zip(new, logprobs or [None]):
+            seq.token_ids.append(token)
+            rejected = matcher is not None and not matcher.accept_token(token)
+            self.engine._after_token(req, seq, lp, rejected)
+            if seq.finish_reason is not None:
+                self.proposer.finish(seq)
+                break  # the tokens after a stop are dropped
+
+    def get_stats(self) -> dict[str, Any]:
+        return {**self.stats.as_dict(), "acceptance_rate": self.stats.acceptance_rate}
+
+
+def _logprobs_row(raw: torch.Tensor, token: int, k: int) -> dict[int, float]:
+    """The sampled token's logprob first, then the top k (the Sampler's format)."""
+    row = {token: float(raw[token])}
+    if k > 0:
+        values, ids = raw.topk(k)
+        row.update(zip(ids.tolist(), values.tolist()))
+    return row
