@@ -41,11 +41,13 @@ from tinypaged.quantization.base import QuantizationMethod
 
 SUPPORTED_BLOCKS = ((128, 128),)
 # layers a checkpoint may leave unquantized that are not quantized linears here anyway
-_UNQUANTIZED_OK = ("lm_head",)
+_UNQUANTIZED_OK = ("lm_head", "gate")  # "gate": MoE routers (and shared_expert_gate)
 
 
 def _check_ignored(ignored, what: str) -> None:
-    names = [n for n in (ignored or []) if not str(n).split(".")[-1].endswith(_UNQUANTIZED_OK)]
+    names = [n for n in (ignored or [])  # names, or compressed-tensors' "re:.*mlp.gate$"
+             if not str(n).removeprefix("re:").rstrip("$").split(".")[-1]
+             .endswith(_UNQUANTIZED_OK)]
     if names:
         shown = ", ".join(map(str, names[:4]))
         raise ValueError(f"FP8 checkpoint with {what} [{shown}{' ...' if len(names) > 4 else ''}]"
