@@ -36,6 +36,7 @@ from torch import nn
 
 from tinypaged import kernels
 from tinypaged.models.attention_metadata import AttentionMetadata
+from tinypaged.models.kv_scales import load_kv_scale
 from tinypaged.models.layers import (
     Attention,
     MergedColumnParallelLinear,
@@ -348,6 +349,8 @@ class DecoderForCausalLM(nn.Module):
         for checkpoint_name, tensor in weights:
             name = self.map_name(checkpoint_name)
             if name is None:
+                continue
+            if load_kv_scale(self, name, tensor):  # FP8 KV-cache scales (kv_scales.py)
                 continue
             name, shard_id = self.pack_name(name)
             param = params.get(name)

@@ -203,9 +203,8 @@ class CompressedTensorsFp8Config(Fp8Config):
                 raise ValueError("compressed-tensors block-wise weights need dynamic "
                                  "per-group input activations")
         _check_ignored(q.get("ignore"), "ignore")
-        if q.get("kv_cache_scheme"):
-            raise ValueError("compressed-tensors kv_cache_scheme (an FP8 KV cache with "
-                             "checkpoint scales) is not supported yet")
+        # kv_cache_scheme: the checkpoint's k_scale / v_scale serve kv_cache_dtype="fp8"
+        # (models/kv_scales.py)
         return cls(weight_scheme=weight_scheme, static_input=static, block=block)
 
     def create_weights(self, layer, input_size, output_size_per_partition, params_dtype):
