@@ -50,6 +50,7 @@ from tinypaged.models.layers import (
 )
 from tinypaged.models.moe import MoESpec, SparseMoeBlock, expert_checkpoint_name, expert_shard
 from tinypaged.models.rope import RopeSpec, read_rope
+from tinypaged.quantization.fp8 import fp8_silu_and_mul_down
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,12 @@ class MLP(nn.Module):
         self.act_and_mul = ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.act_and_mul is kernels.silu_and_mul:  # FP8 W8A8: fused with the quantization
+            y = fp8_silu_and_mul_down(self.down_proj, gate_up)
+            if y is not None:
+                return y
+        return self.down_proj(self.act_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):

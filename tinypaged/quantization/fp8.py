@@ -35,8 +35,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from tinypaged.distributed.parallel_state import all_reduce
 from tinypaged.kernels._triton import use_triton
 from tinypaged.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_gemm, quantize_fp8
+from tinypaged.kernels.fp8_act import silu_and_mul_quant_fp8
 from tinypaged.quantization.base import QuantizationMethod
 
 SUPPORTED_BLOCKS = ((128, 128),)
@@ -156,6 +158,22 @@ class Fp8Config(QuantizationMethod):
             y = x2 @ self.dequantized_weight(layer).to(x.dtype).t()
         y = y.reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
+
+
+def fp8_silu_and_mul_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """down(silu_and_mul(gate_up)) for an FP8 row-parallel `down` with dynamic activations on
+    the W8A8 path: SiLU-and-mul and the per-token (group) quantization in one kernel
+    (kernels/fp8_act.py), then the FP8 GEMM, the all-reduce and the bias. None where that path
+    does not apply (another method, static input scales, the CPU path): the caller runs the
+    separate ops."""
+    method = getattr(down, "quant_config", None)
+    if not isinstance(method, Fp8Config) or method.static_input or not use_triton(gate_up):
+        return None
+    x2 = gate_up.reshape(-1, gate_up.shape[-1])
+    q, s = silu_and_mul_quant_fp8(x2, None if method.block is None else method.block[1])
+    y = fp8_gemm(q, s, down.weight, down.weight_scale, gate_up.dtype, method.block)
+    y = all_reduce(y.reshape(*gate_up.shape[:-1], -1))
+    return y if down.bias is None else y + down.bias
 
 
 @dataclass(frozen=True)
