@@ -161,3 +161,40 @@ def test_w8a8_experts_of_a_block_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     got = experts(x, weights, ids)
     assert 0 < (got - dense).norm() / dense.norm() < 0.06
+
+
+@pytest.mark.parametrize("fmt", ["block", "channel"])
+def test_tensor_parallel_rank_loads_its_slice(monkeypatch, fmt):
+    """Rank 1 of 2 keeps its half of every expert's intermediate dim, weights and scales: its
+    dequantized experts are those columns / rows of the full ones (loaded at TP=1)."""
+    from tinypaged.models import moe_fp8
+    from tinypaged.quantization.fp8 import CompressedTensorsFp8Config, Fp8Config
+
+    method = Fp8Config(weight_scheme="block", block=(128, 128)) if fmt == "block" else \
+        CompressedTensorsFp8Config(weight_scheme="channel")
+    E, H, inter = 2, 256, 256
+    gen = torch.Generator().manual_seed(9)
+    tensors = {}
+    for e in range(E):
+        for proj, shape in (("gate_proj", (inter, H)), ("up_proj", (inter, H)),
+                            ("down_proj", (H, inter))):
+            stored, _ = quantize(torch.randn(*shape, generator=gen), fmt)
+            for k, v in stored.items():
+                tensors[(e, proj, k)] = v
+
+    def load(rank, size):
+        monkeypatch.setattr(moe_fp8, "get_tp_rank", lambda: rank)
+        monkeypatch.setattr(moe_fp8, "get_tp_size", lambda: size)
+        layer = moe_fp8.Fp8FusedMoE(E, H, inter, method)
+        for (e, proj, k), v in tensors.items():
+            stacked = "w2" if proj == "down_proj" else "w13"
+            param = getattr(layer, f"{stacked}_{'weight' if k == 'weight' else 'weight_scale'}")
+            sid = e if proj == "down_proj" else (e, 0 if proj == "gate_proj" else 1)
+            layer.weight_loader(param, v, sid)
+        return layer.dequantized("w13", torch.float32), layer.dequantized("w2", torch.float32)
+
+    full13, full2 = load(0, 1)
+    part13, part2 = load(1, 2)
+    half = inter // 2
+    want13 = torch.cat([full13[:, half:inter], full13[:, inter + half:]], 1)
+    assert torch.equal(part13, want13) and torch.equal(part2, full2[:, :, half:])
