@@ -123,7 +123,7 @@ def test_fp8_moe_checkpoint_matches_dequantized_transformers(tmp_path, fmt):
 def test_quantize_at_load_moe_is_close_to_the_dense_model(tmp_path):
     """quantization="fp8" on a dense Qwen3-MoE: every expert per-channel FP8. Logits equal
     transformers' on the round-to-nearest per-channel weights, and are within 15% (relative
-    L2) of the dense model's on this tiny random model (fp32 activations)."""
+    L2; 8.8% measured) of the dense model's on this tiny random model (fp32 activations)."""
     hf_model = save_tiny("qwen3_moe", tmp_path)
     model, _, _ = load_model(EngineConfig(model=str(tmp_path), quantization="fp8"), "cpu")
     experts = model.model.layers[1].mlp.experts
@@ -134,7 +134,9 @@ def test_quantize_at_load_moe_is_close_to_the_dense_model(tmp_path):
     runner = PagedRunner(model, block_size=4, num_blocks=32)
     out = next(iter(runner.step({runner.add_sequence(): PROMPTS[1]}).values()))
     ref = greedy_reference(hf_model, PROMPTS[1], 0)[1][: len(PROMPTS[1])]
-    assert 0 < (out - ref).norm() / ref.norm() < 0.15
+    err = ((out - ref).norm() / ref.norm()).item()
+    print(f"quantize-at-load fp8 moe: relative L2 of the logits {err:.4f}")
+    assert 0 < err < 0.15
     state = {}
     for name, w in hf_model.state_dict().items():
         if any(name.endswith(f"{lin}.weight") for lin in LINEARS):
