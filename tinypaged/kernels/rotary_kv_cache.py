@@ -81,9 +81,9 @@ def _rotary_store_kv_kernel(
     POS, Q, K, V, K_CACHE, V_CACHE, SLOTS, COS_SIN, Q_NORM, K_NORM,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
     stride_cb, stride_cs, stride_ch,  # cache strides of block, row in block, head (k = v)
-    num_q_heads, num_kv_heads, block_size, eps,
+    num_q_heads, num_kv_heads, block_size, eps, k_inv_scale, v_inv_scale,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -107,8 +107,12 @@ def _rotary_store_kv_kernel(
             dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
             dst += heads * stride_ch + d
             # rounded to k's dtype first, as the reference's rotated k (exact for FP8 caches)
-            tl.store(K_CACHE + dst, to_cache(out.to(K.dtype.element_ty), K_CACHE), mask=mask)
+            k = out.to(K.dtype.element_ty)
             v = tl.load(V + t * stride_vt + heads * stride_vh + d, mask=mask)
+            if HAS_SCALE:  # an FP8 cache with the checkpoint's k_scale / v_scale: divide
+                k = k.to(tl.float32) * k_inv_scale
+                v = v.to(tl.float32) * v_inv_scale
+            tl.store(K_CACHE + dst, to_cache(k, K_CACHE), mask=mask)
             tl.store(V_CACHE + dst, to_cache(v, V_CACHE), mask=mask)
 
 
@@ -126,6 +130,8 @@ def rotary_store_kv_triton(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The Triton launcher; arguments as checked by `rotary_store_kv`."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -138,8 +144,9 @@ def rotary_store_kv_triton(
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,  # unused if no norm
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_q_heads, k.shape[1], k_cache.shape[1], eps,
+        num_q_heads, k.shape[1], k_cache.shape[1], eps, 1.0 / k_scale, 1.0 / v_scale,
         HEAD_DIM=head_dim, HALF=rotary_dim // 2, INTERLEAVED=interleaved, HAS_NORM=has_norm,
+        HAS_SCALE=k_scale != 1.0 or v_scale != 1.0,
         BLOCK_HQ=block_hq, BLOCK_HK=next_power_of_2(k.shape[1]), BLOCK_D=block_d,
         num_warps=4 if block_hq * block_d <= 2048 else 8,
     )
@@ -160,6 +167,8 @@ def rotary_store_kv_ref(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The torch reference: the separate ops one after the other (q in place, k left alone)."""
     k = k.clone()
@@ -167,6 +176,9 @@ def rotary_store_kv_ref(
         q.copy_(rms_norm_ref(q, q_norm_weight, eps))
         k = rms_norm_ref(k, k_norm_weight, eps)
     rotary_embedding_ref(positions, q, k, cos_sin_cache, rotary_dim, interleaved)
+    if k_scale != 1.0 or v_scale != 1.0:  # stored as value / scale (fp32 product, as the kernel)
+        k = k.float() * torch.tensor(1.0 / k_scale, dtype=torch.float32)
+        v = v.float() * torch.tensor(1.0 / v_scale, dtype=torch.float32)
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
     return q
 
@@ -196,13 +208,17 @@ def rotary_store_kv(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Normalize (with weights) and rotate q in place and k into the cache, store v; returns q."""
+    """Normalize (with weights) and rotate q in place and k into the cache, store v; returns q.
+    `k_scale` / `v_scale`: an FP8 cache's per-tensor scales, the stored values are k / k_scale
+    and v / v_scale (attention multiplies them back)."""
     _check_rotary_args(positions, q, k, cos_sin_cache, rotary_dim)
     _check_store_args(k, v, k_cache, v_cache, slot_mapping)
     _check_norm_weights(q, q_norm_weight, k_norm_weight)
     args = (positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, rotary_dim,
-            interleaved, q_norm_weight, k_norm_weight, eps)
+            interleaved, q_norm_weight, k_norm_weight, eps, float(k_scale), float(v_scale))
     if use_triton(q):
         return rotary_store_kv_triton(*args)
     return rotary_store_kv_ref(*args)

@@ -36,6 +36,7 @@ from torch import nn
 
 from tinypaged import kernels
 from tinypaged.models.attention_metadata import AttentionMetadata
+from tinypaged.models.kv_scales import load_kv_scale
 from tinypaged.models.layers import (
     Attention,
     MergedColumnParallelLinear,
@@ -49,6 +50,7 @@ from tinypaged.models.layers import (
 )
 from tinypaged.models.moe import MoESpec, SparseMoeBlock, expert_checkpoint_name, expert_shard
 from tinypaged.models.rope import RopeSpec, read_rope
+from tinypaged.quantization.fp8 import fp8_silu_and_mul_down
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,12 @@ class MLP(nn.Module):
         self.act_and_mul = ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.act_and_mul is kernels.silu_and_mul:  # FP8 W8A8: fused with the quantization
+            y = fp8_silu_and_mul_down(self.down_proj, gate_up)
+            if y is not None:
+                return y
+        return self.down_proj(self.act_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -348,6 +355,8 @@ class DecoderForCausalLM(nn.Module):
         for checkpoint_name, tensor in weights:
             name = self.map_name(checkpoint_name)
             if name is None:
+                continue
+            if load_kv_scale(self, name, tensor):  # FP8 KV-cache scales (kv_scales.py)
                 continue
             name, shard_id = self.pack_name(name)
             param = params.get(name)

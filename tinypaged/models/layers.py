@@ -320,6 +320,7 @@ class Attention(nn.Module):
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale = self.v_scale = 1.0  # an FP8 cache's per-tensor scales (kv_scales.py)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, attn_metadata: AttentionMetadata,
@@ -344,16 +345,25 @@ class Attention(nn.Module):
             rope.cos_sin_cache, rope.rotary_dim, rope.interleaved,
             q_norm_weight=None if q_norm is None else q_norm.weight,
             k_norm_weight=None if k_norm is None else k_norm.weight,
-            eps=1e-6 if q_norm is None else q_norm.eps,
+            eps=1e-6 if q_norm is None else q_norm.eps, **self._fp8_scales(),
         )
+
+    def _fp8_scales(self) -> dict:
+        """The checkpoint's KV scales, where the cache is FP8 (else unused, as vLLM)."""
+        if self.k_cache.element_size() != 1:
+            return {}
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def attend(self, q: torch.Tensor, attn_metadata: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """The half that reads the whole batch's context: each new token over its cached keys
         (shapes depend on the batch, so piecewise CUDA graphs run it eagerly, into `out`)."""
         md = attn_metadata
-        return kernels.paged_attention(
+        kv = self._fp8_scales()  # stored k / k_scale, v / v_scale: k_scale joins the scores'
+        out = kernels.paged_attention(  # scale, v_scale multiplies the output
             q, self.k_cache, self.v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-            self.scale, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
+            self.scale * kv.get("k_scale", 1.0), max_query_len=md.max_query_len,
+            max_seq_len=md.max_seq_len,
             out=out, sliding_window=self.sliding_window, softcap=self.logits_soft_cap,
         )  # [T, num_heads, head_dim]
+        return out if kv.get("v_scale", 1.0) == 1.0 else out.mul_(kv["v_scale"])

@@ -303,6 +303,8 @@ def _process_weights_after_loading(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, LinearBase) and module.quant_config is not None:
             module.quant_config.process_weights_after_loading(module)
+        elif callable(getattr(module, "process_weights_after_loading", None)):
+            module.process_weights_after_loading()  # FP8 experts (models/moe_fp8.py)
 
 
 def _init_dummy_weights(model: torch.nn.Module, seed: int) -> None:

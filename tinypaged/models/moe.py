@@ -36,6 +36,8 @@ from tinypaged.models.layers import (
     default_weight_loader,
     divide,
 )
+from tinypaged.models.moe_fp8 import Fp8FusedMoE
+from tinypaged.quantization.fp8 import Fp8Config
 
 
 @dataclass(frozen=True)
@@ -111,10 +113,12 @@ class FusedMoE(nn.Module):
 class SharedExpert(nn.Module):
     """A SwiGLU MLP whose down projection is left unreduced (the block reduces once)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, quant_config=None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
+                                                       quant_config=quant_config)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size,
+                                           quant_config=quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = kernels.silu_and_mul(self.gate_up_proj(x))
@@ -124,7 +128,7 @@ class SharedExpert(nn.Module):
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, spec: MoESpec, quant_config=None) -> None:
         super().__init__()
-        if quant_config is not None:
+        if quant_config is not None and not isinstance(quant_config, Fp8Config):
             raise ValueError(
                 "quantized mixture-of-experts checkpoints are not supported yet "
                 f"(quantization {getattr(quant_config, 'name', '?')!r}); use the bf16 / fp16 "
@@ -132,11 +136,16 @@ class SparseMoeBlock(nn.Module):
             )
         self.spec = spec
         self.gate = Router(hidden_size, spec)
-        self.experts = FusedMoE(spec.num_experts, hidden_size, spec.intermediate_size)
+        if quant_config is None:
+            self.experts = FusedMoE(spec.num_experts, hidden_size, spec.intermediate_size)
+        else:  # FP8 (models/moe_fp8.py)
+            self.experts = Fp8FusedMoE(spec.num_experts, hidden_size, spec.intermediate_size,
+                                       quant_config)
         self.shared_expert = None
         self.shared_expert_gate = None
         if spec.shared_intermediate_size:
-            self.shared_expert = SharedExpert(hidden_size, spec.shared_intermediate_size)
+            self.shared_expert = SharedExpert(hidden_size, spec.shared_intermediate_size,
+                                              quant_config)
         if spec.shared_expert_gate:
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
             self.shared_expert_gate.weight.requires_grad_(False)
@@ -160,27 +169,34 @@ class SparseMoeBlock(nn.Module):
         return all_reduce(out)
 
 
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+                     r"(weight|weight_scale|weight_scale_inv)$")  # FP8 scales: moe_fp8.py
+_STACKED = re.compile(r"^(.*\.experts)\.(w13|w2)_(weight|weight_scale|weight_scale_inv)$")
 _PROJ_SHARD = {"gate_proj": 0, "up_proj": 1}
 
 
 def expert_shard(name: str) -> tuple[str, object] | None:
-    """`...experts.{e}.{gate,up,down}_proj.weight` -> (stacked parameter name, shard id)."""
+    """`...experts.{e}.{gate,up,down}_proj.weight` -> (stacked parameter name, shard id);
+    an FP8 checkpoint's `weight_scale` / `weight_scale_inv` -> `w13_weight_scale...` alike."""
     match = _EXPERT.match(name)
     if match is None:
         return None
-    prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+    prefix, expert, proj, what = match.group(1), int(match.group(2)), match.group(3), \
+        match.group(4)
+    what = "weight_scale" if what == "weight_scale_inv" else what  # stacked: one name
     if proj == "down_proj":
-        return f"{prefix}.w2_weight", expert
-    return f"{prefix}.w13_weight", (expert, _PROJ_SHARD[proj])
+        return f"{prefix}.w2_{what}", expert
+    return f"{prefix}.w13_{what}", (expert, _PROJ_SHARD[proj])
 
 
 def expert_checkpoint_name(name: str, shard_id) -> str | None:
     """Inverse of `expert_shard` (None for parameters that are not stacked experts)."""
-    if name.endswith(".experts.w13_weight"):
+    match = _STACKED.match(name)
+    if match is None:
+        return None
+    prefix, stacked, what = match.groups()
+    if stacked == "w13":
         expert, j = shard_id
         proj = "gate_proj" if j == 0 else "up_proj"
-        return f"{name.removesuffix('.w13_weight')}.{expert}.{proj}.weight"
-    if name.endswith(".experts.w2_weight"):
-        return f"{name.removesuffix('.w2_weight')}.{shard_id}.down_proj.weight"
-    return None
+        return f"{prefix}.{expert}.{proj}.{what}"
+    return f"{prefix}.{shard_id}.down_proj.{what}"

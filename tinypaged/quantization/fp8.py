@@ -35,17 +35,21 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from tinypaged.distributed.parallel_state import all_reduce
 from tinypaged.kernels._triton import use_triton
 from tinypaged.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_gemm, quantize_fp8
+from tinypaged.kernels.fp8_act import silu_and_mul_quant_fp8
 from tinypaged.quantization.base import QuantizationMethod
 
 SUPPORTED_BLOCKS = ((128, 128),)
 # layers a checkpoint may leave unquantized that are not quantized linears here anyway
-_UNQUANTIZED_OK = ("lm_head",)
+_UNQUANTIZED_OK = ("lm_head", "gate")  # "gate": MoE routers (and shared_expert_gate)
 
 
 def _check_ignored(ignored, what: str) -> None:
-    names = [n for n in (ignored or []) if not str(n).split(".")[-1].endswith(_UNQUANTIZED_OK)]
+    names = [n for n in (ignored or [])  # names, or compressed-tensors' "re:.*mlp.gate$"
+             if not str(n).removeprefix("re:").rstrip("$").split(".")[-1]
+             .endswith(_UNQUANTIZED_OK)]
     if names:
         shown = ", ".join(map(str, names[:4]))
         raise ValueError(f"FP8 checkpoint with {what} [{shown}{' ...' if len(names) > 4 else ''}]"
@@ -156,6 +160,22 @@ class Fp8Config(QuantizationMethod):
         return y if bias is None else y + bias
 
 
+def fp8_silu_and_mul_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """down(silu_and_mul(gate_up)) for an FP8 row-parallel `down` with dynamic activations on
+    the W8A8 path: SiLU-and-mul and the per-token (group) quantization in one kernel
+    (kernels/fp8_act.py), then the FP8 GEMM, the all-reduce and the bias. None where that path
+    does not apply (another method, static input scales, the CPU path): the caller runs the
+    separate ops."""
+    method = getattr(down, "quant_config", None)
+    if not isinstance(method, Fp8Config) or method.static_input or not use_triton(gate_up):
+        return None
+    x2 = gate_up.reshape(-1, gate_up.shape[-1])
+    q, s = silu_and_mul_quant_fp8(x2, None if method.block is None else method.block[1])
+    y = fp8_gemm(q, s, down.weight, down.weight_scale, gate_up.dtype, method.block)
+    y = all_reduce(y.reshape(*gate_up.shape[:-1], -1))
+    return y if down.bias is None else y + down.bias
+
+
 @dataclass(frozen=True)
 class CompressedTensorsFp8Config(Fp8Config):
     """compressed-tensors checkpoints (llm-compressor) whose linears are FP8: format
@@ -201,9 +221,8 @@ class CompressedTensorsFp8Config(Fp8Config):
                 raise ValueError("compressed-tensors block-wise weights need dynamic "
                                  "per-group input activations")
         _check_ignored(q.get("ignore"), "ignore")
-        if q.get("kv_cache_scheme"):
-            raise ValueError("compressed-tensors kv_cache_scheme (an FP8 KV cache with "
-                             "checkpoint scales) is not supported yet")
+        # kv_cache_scheme: the checkpoint's k_scale / v_scale serve kv_cache_dtype="fp8"
+        # (models/kv_scales.py)
         return cls(weight_scheme=weight_scheme, static_input=static, block=block)
 
     def create_weights(self, layer, input_size, output_size_per_partition, params_dtype):
