@@ -10,6 +10,7 @@ after. Prints one line per case and exits 1 on any mismatch.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import tempfile
@@ -41,6 +42,8 @@ def main() -> int:
         base_llm = LLM(str(path), **engine)
         base = run(base_llm, prompts)
         base_llm.shutdown()
+        del base_llm
+        gc.collect()  # the engine's GPU memory goes back before the next one sizes its cache
         table = [[p, b] for p, b in zip(prompts, base)]
         configs = [
             {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -64,6 +67,7 @@ def main() -> int:
                           f"{mode or 'graphs'} ({graphs}): acceptance so far {100 * rate:.0f}%")
                 llm.shutdown()
                 del llm
+                gc.collect()
     print("all equal" if not failures else f"{failures} mismatches")
     return 1 if failures else 0
 
