@@ -205,8 +205,11 @@ class ResponseBuilder:
             body = {key: head[key] + body[key] for key in body}
         return body
 
-    def _prompt_fields(self, choice_or_body: dict, prompt: int, out: Any) -> None:
-        """vLLM's `prompt_logprobs` (when asked) beside a choice (completions) or the body."""
+    def _prompt_fields(self, choice_or_body: dict, prompt: int, out: Any, null=False) -> None:
+        """vLLM's `prompt_logprobs` (when asked) beside a choice (completions) or the body; in
+        a whole response (`null`) it is there as null when not asked, as vLLM's."""
+        if null:
+            choice_or_body["prompt_logprobs"] = None
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[prompt] = out.prompt_logprobs
             choice_or_body["prompt_logprobs"] = prompt_logprobs_body(
@@ -309,7 +312,7 @@ class ResponseBuilder:
                 else:
                     echo = self.echo_prompts[i] if self.echo_prompts else ""
                     choice["text"] = echo + c.text
-                    self._prompt_fields(choice, i, out)
+                    self._prompt_fields(choice, i, out, null=True)
                 choice.update(logprobs=self._logprobs(c, 0, 0, i), finish_reason=finish_reason)
                 choice["stop_reason"] = c.stop_reason  # vLLM: chat choices carry it too
                 if self.return_token_ids:
@@ -327,5 +330,5 @@ class ResponseBuilder:
         if self.return_token_ids and self.kind == "chat":
             body["prompt_token_ids"] = self.prompts[0]
         if self.kind == "chat":
-            self._prompt_fields(body, 0, outs[0])
+            self._prompt_fields(body, 0, outs[0], null=True)
         return body
