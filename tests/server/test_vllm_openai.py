@@ -263,3 +263,108 @@ def test_completion_streaming_and_stream_options(client):
                c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(**ask, stream=False, stream_options={"include_usage": True})
+    for options in ({"include_usage": None}, {"continuous_usage_stats": None},
+                    {"continuous_usage_stats": True}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**ask, stream=False, stream_options=options)
+
+
+def test_batch_and_echo_logprob_completions(served, client):
+    """test_batch_completions (beam search aside) and test_echo_logprob_completion: a list of
+    equal prompts gives equal answers, streamed or not; with echo the logprob lists start with
+    the prompt's tokens (the first without logprobs) and hold max(k, 1)..k + 1 alternatives."""
+    tok = served[0].tokenizer
+    for prompts in (["Hello, my name is"] * 2, [[0, 0, 0, 0, 0]] * 2):
+        batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5,
+                                          temperature=0.0)
+        assert len(batch.choices) == 2 and batch.choices[0].text == batch.choices[1].text
+        texts = ["", ""]
+        for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=5,
+                                               temperature=0.0, stream=True):
+            assert len(chunk.choices) == 1
+            texts[chunk.choices[0].index] += chunk.choices[0].text
+        assert texts == [batch.choices[0].text] * 2
+    for k in (1, 0):
+        for prompt in ("Hello, my name is", [0, 0, 0, 0, 0]):
+            c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                                          temperature=0.0, echo=True, logprobs=k,
+                                          extra_body={"ignore_eos": True})
+            text = tok.decode(prompt) if isinstance(prompt, list) else prompt
+            lp = c.choices[0].logprobs
+            n_prompt = len(prompt) if isinstance(prompt, list) else len(tok.encode(prompt))
+            assert c.choices[0].text.startswith(text)
+            assert len(lp.tokens) == len(lp.text_offset) == n_prompt + 5
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            assert all(max(k, 1) <= len(t) <= k + 1 for t in lp.top_logprobs[1:])
+
+
+# ----------------------------------------------------------- chat_completion/test_chat.py
+
+SESSION = [{"role": "system", "content": "you are a helpful assistant"},
+           {"role": "user", "content": "what is 1+1?"}]
+
+
+def test_chat_logprobs_counts(client):
+    """test_no_logprobs_chat, test_zero_logprobs_chat, test_some_logprobs_chat,
+    test_too_many_chat_logprobs."""
+    ask = dict(model=MODEL, messages=SESSION, max_completion_tokens=5, temperature=0.0)
+    assert client.chat.completions.create(**ask, logprobs=False).choices[0].logprobs is None
+    zero = client.chat.completions.create(**ask, logprobs=True, top_logprobs=0)
+    assert zero.choices[0].logprobs.content and \
+        len(zero.choices[0].logprobs.content[0].top_logprobs) == 0
+    some = client.chat.completions.create(**ask, logprobs=True, top_logprobs=5)
+    assert all(len(e.top_logprobs) == 5 for e in some.choices[0].logprobs.content)
+    with pytest.raises(openai.BadRequestError):
+        list(client.chat.completions.create(**ask, logprobs=True, top_logprobs=21,
+                                            stream=True))
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**ask, logprobs=True, top_logprobs=30)
+    assert client.chat.completions.create(**ask).choices[0].message.content is not None
+
+
+def test_more_than_one_prompt_logprobs_chat(client):
+    """test_prompt_logprobs_chat (1, 0, -1, None) and test_more_than_one_prompt_logprobs_chat:
+    each entry holds k alternatives, plus the prompt token when it is not among them."""
+    msgs = [{"role": "user", "content": "Who won the world series in 2020?"},
+            {"role": "assistant", "content": "The Los Angeles Dodgers."},
+            {"role": "user", "content": "Where was it played?"}]
+    ask = dict(model=MODEL, messages=msgs, max_completion_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**ask, extra_body={"prompt_logprobs": -1})
+    assert client.chat.completions.create(**ask).prompt_logprobs is None
+    got = {k: client.chat.completions.create(**ask, extra_body={"prompt_logprobs": k})
+           .prompt_logprobs for k in (0, 1, 2)}
+    for k, entries in got.items():
+        assert entries[0] is None and all(k <= len(e) <= k + 1 for e in entries[1:])
+    for e0, e1, e2 in zip(got[0][1:], got[1][1:], got[2][1:]):
+        assert set(e0) <= set(e1) <= set(e2) and len(e0) == 1
+        for tid, v in e1.items():
+            assert v["logprob"] == pytest.approx(e2[tid]["logprob"], abs=1e-4)
+
+
+def test_chat_streaming_and_stream_options(client):
+    """test_single_chat_session, test_chat_streaming and test_chat_completion_stream_options:
+    usage adds up, the stream's text equals the plain answer with one finish_reason, usage
+    grows chunk by chunk with continuous_usage_stats, stream_options without stream is a
+    400."""
+    ask = dict(model=MODEL, messages=SESSION, max_completion_tokens=10, temperature=0.0)
+    plain = client.chat.completions.create(**ask)
+    u = plain.usage
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        plain.choices[0].message.content
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert reasons == [plain.choices[0].finish_reason]
+    last = 0
+    for c in client.chat.completions.create(**ask, stream=True, extra_body={"min_tokens": 10},
+                                            stream_options={"include_usage": True,
+                                                            "continuous_usage_stats": True}):
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+        assert last == 0 or c.usage.completion_tokens > last or (
+            not c.choices and c.usage.completion_tokens == last)
+        last = c.usage.completion_tokens
+    assert last == 10
+    for options in ({"include_usage": None}, {"include_usage": True}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(**ask, stream_options=options)
