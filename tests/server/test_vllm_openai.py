@@ -95,6 +95,14 @@ def test_prompt_logprobs_completion(served, client, prompt_logprobs):
             assert str(tid) in entry and len(entry) <= prompt_logprobs + 1
             assert all(v["logprob"] <= 0 and isinstance(v["decoded_token"], str)
                        for v in entry.values())
+            # vLLM's Logprob.rank: the top-k rank 1..k; the prompt token ranks past k exactly
+            # when it is not among them
+            others = sorted(v["rank"] for t, v in entry.items() if t != str(tid))
+            own = entry[str(tid)]["rank"]
+            if len(entry) == prompt_logprobs:  # the prompt token is one of the top k
+                assert sorted(others + [own]) == list(range(1, prompt_logprobs + 1))
+            else:
+                assert others == list(range(1, prompt_logprobs + 1)) and own > prompt_logprobs
 
 
 def test_prompt_logprobs_chat(served):

@@ -99,12 +99,24 @@ def echoed_logprobs(
     }
 
 
-def prompt_logprobs_body(entries: list[dict[int, float] | None], decode_one) -> list:
-    """vLLM's `prompt_logprobs`: per prompt token null or {token id: {logprob, decoded_token}}."""
+def prompt_logprobs_body(
+    entries: list[dict[int, float] | None], decode_one, prompt_ids: list[int],
+    ranks: list[int | None] | None = None,
+) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token null or {token id: {logprob, rank,
+    decoded_token}}. The prompt token's rank is the engine's (`ranks`); the top-k ones rank by
+    their order (1 = most likely), as vLLM's."""
+
+    def rank(e: dict[int, float], k: int, i: int) -> int:
+        if ranks is not None and i < len(prompt_ids) and k == prompt_ids[i] and ranks[i]:
+            return ranks[i]
+        return 1 + sum(v > e[k] for v in e.values())
+
     return [
         None if e is None
-        else {str(k): {"logprob": finite(v), "decoded_token": decode_one(k)} for k, v in e.items()}
-        for e in entries
+        else {str(k): {"logprob": finite(v), "rank": rank(e, k, i), "decoded_token": decode_one(k)}
+              for k, v in e.items()}
+        for i, e in enumerate(entries)
     ]
 
 
@@ -213,7 +225,8 @@ class ResponseBuilder:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[prompt] = out.prompt_logprobs
             choice_or_body["prompt_logprobs"] = prompt_logprobs_body(
-                out.prompt_logprobs, self.decode_one
+                out.prompt_logprobs, self.decode_one, self.prompts[prompt],
+                getattr(out, "prompt_logprob_ranks", None),
             )
 
     # ------------------------------------------------------------------------------ streaming
