@@ -10,7 +10,10 @@ import math
 import httpx
 import openai
 import pytest
+from helpers.server import running_server
 from prometheus_client.parser import text_string_to_metric_families
+
+from tinypaged.entrypoints.openai.api_server import build_app
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Hello"}]
@@ -127,9 +130,9 @@ def test_prompt_logprobs_chat(served):
 
 
 def test_return_tokens_as_token_ids(served, client):
-    """test_completion_return_tokens_as_token_ids_completion / _chat: every logprob token is
-    "token_id:<id>", and those ids decode to the text (the echoed prompt included), however
-    its characters split into tokens."""
+    """test_completion_return_tokens_as_token_ids_completion / _chat (the request field): every
+    logprob token is "token_id:<id>", and those ids decode to the text (the echoed prompt
+    included), however its characters split into tokens."""
     tok = served[0].tokenizer
     prompt = "Say 'Hello, world! 🎉'"
     c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
@@ -137,6 +140,9 @@ def test_return_tokens_as_token_ids(served, client):
                                   extra_body={"return_tokens_as_token_ids": True})
     ids = ids_of(c.choices[0].logprobs.tokens)
     assert tok.decode(ids) == c.choices[0].text and c.choices[0].text.startswith(prompt)
+    # vLLM's order: each top_logprobs dict starts with the token itself (prompt ones too)
+    assert [next(iter(t)) for t in c.choices[0].logprobs.top_logprobs[1:]] == \
+        c.choices[0].logprobs.tokens[1:]
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
                                           "content": prompt}], max_tokens=6, temperature=0,
                                           logprobs=True, top_logprobs=2,
@@ -144,6 +150,19 @@ def test_return_tokens_as_token_ids(served, client):
     content = chat.choices[0].logprobs.content
     assert tok.decode(ids_of([e.token for e in content])) == chat.choices[0].message.content
     assert all(ids_of([t.token for t in e.top_logprobs]) for e in content)
+
+
+def test_return_tokens_as_token_ids_server_flag(served):
+    """The same test's server-flag half (`--return-tokens-as-token-ids`): a second app on the
+    already loaded engine (no model load) answers every request with token_id strings."""
+    engine = served[0]
+    with running_server(build_app(engine, return_tokens_as_token_ids=True)) as url:
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Emojis: 🐱🐶🎉"}],
+            "max_tokens": 6, "temperature": 0, "logprobs": True})
+    body = r.json()["choices"][0]
+    ids = ids_of([e["token"] for e in body["logprobs"]["content"]])
+    assert engine.tokenizer.decode(ids, skip_special_tokens=True) == body["message"]["content"]
 
 
 def test_logprob_token_ids(served, client):

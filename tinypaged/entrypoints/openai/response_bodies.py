@@ -68,10 +68,8 @@ def completion_logprobs(
     return {
         "tokens": token_strs,
         "token_logprobs": [finite(lp.get(t, -math.inf)) for t, lp in zip(token_ids, logprobs)],
-        "top_logprobs": [
-            {decode_one(k): finite(v) for k, v in sorted(lp.items(), key=lambda kv: -kv[1])}
-            for lp in logprobs
-        ],
+        # vLLM's order: the token itself first, then the top ones
+        "top_logprobs": [{decode_one(k): finite(v) for k, v in lp.items()} for lp in logprobs],
         "text_offset": offsets,
     }
 
@@ -92,7 +90,7 @@ def echoed_logprobs(
         ],
         "top_logprobs": [
             None if e is None
-            else {decode_one(k): finite(v) for k, v in sorted(e.items(), key=lambda kv: -kv[1])}
+            else {decode_one(k): finite(v) for k, v in e.items()}  # the prompt token first
             for e in entries
         ],
         "text_offset": offsets,
