@@ -1,5 +1,5 @@
 """The one server on the real default model (SmolLM2-135M-Instruct) that every test file here
-which needs it shares (`served`), started once per session: test_server_smollm2.py and
+which needs it shares (`served`), started once for this directory: test_server_smollm2.py and
 test_vllm_openai.py. It reports prompt_tokens_details as `vllm serve
 --enable-prompt-tokens-details` does."""
 
@@ -14,7 +14,7 @@ from tinypaged import AsyncLLM
 from tinypaged.entrypoints.openai.api_server import build_app
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def served():
     engine = AsyncLLM(num_kv_blocks=16, max_model_len=256)
     try:
