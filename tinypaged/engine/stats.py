@@ -28,12 +28,13 @@ class IterationStats:
     num_tokens: int = 0
     num_preemptions: int = 0
 
-    def observe_step(self, num_tokens: int) -> None:
+    def observe_step(self, num_tokens: int, num_preempted: int = 0) -> None:
         i = bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)
         if i < len(self.bucket_counts):
             self.bucket_counts[i] += 1
         self.num_steps += 1
         self.num_tokens += num_tokens
+        self.num_preemptions += num_preempted
 
     def observe_outputs(self, grown, tokens, requests) -> None:
         """One engine step's outputs (`grown`: the sequences that got tokens; `tokens`: seq_id ->
@@ -48,7 +49,8 @@ class IterationStats:
             s.request_id: len(r.prompt_token_ids) for s in grown
             if (r := requests.get(s.request_id)) is not None and r.stats.first_token_time is None
         }
-        new = sum(len(t) if isinstance(t, list) else 1 for t in (tokens[s.seq_id] for s in grown))
+        new = sum(len(t) if isinstance(t, list) else 1 for t in map(tokens.get, (
+            s.seq_id for s in grown)))
         self.observe_step(new + sum(firsts.values()))
 
 
