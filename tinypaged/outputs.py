@@ -34,4 +34,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} for that token
     # and the top-k; None for the first token, which nothing predicts (vLLM's layout).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # ... and each prompt token's rank in its distribution (1 = most likely; vLLM's
+    # Logprob.rank), None for the first
+    prompt_logprob_ranks: list[int | None] | None = None
     metrics: RequestStateStats | None = None  # when it arrived, was scheduled, got tokens

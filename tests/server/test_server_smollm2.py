@@ -15,11 +15,9 @@ import anthropic
 import httpx
 import openai
 import pytest
-from helpers.server import running_server
 
 from tinypaged import AsyncLLM, SamplingParams
 from tinypaged.entrypoints.cli import main
-from tinypaged.entrypoints.openai.api_server import build_app
 
 
 async def direct(engine: AsyncLLM, prompt, n: int) -> str:
@@ -27,16 +25,6 @@ async def direct(engine: AsyncLLM, prompt, n: int) -> str:
     async for out in engine.generate(prompt, params, f"direct-{id(prompt)}"):
         text = out.outputs[0].text
     return text
-
-
-@pytest.fixture(scope="module")
-def served():
-    engine = AsyncLLM(num_kv_blocks=16, max_model_len=256)
-    try:
-        with running_server(build_app(engine)) as url:
-            yield engine, url
-    finally:
-        asyncio.run(engine.shutdown())
 
 
 def test_smollm2_through_the_openai_client(served):

@@ -243,11 +243,12 @@ class Engine:
             raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
         if vocab is None:
             return
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(
-                f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab}) for this model"
-            )
+        for name in ("stop_token_ids", "logprob_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= vocab]
+            if bad:
+                raise ValueError(
+                    f"{name}: token id {bad[0]} is out of range [0, {vocab}) for this model"
+                )
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(
                 f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}"
@@ -386,7 +387,7 @@ class Engine:
     def _launch(self, out: SchedulerOutput) -> _LaunchedStep:
         """Run the model on a scheduled step and sample; the tokens stay on the device."""
         items = out.scheduled
-        self.iteration_stats.observe_step(out.num_batched_tokens, len(out.preempted))
+        self.iteration_stats.num_preemptions += len(out.preempted)
         if self._unscheduled:  # requests scheduled for the first time: their queue time ends
             now = time.monotonic()
             for it in items:
@@ -448,6 +449,7 @@ class Engine:
                 lp_by_seq = {seq.seq_id: lp for seq, lp in zip(step.seqs, step.logprobs)}
         now = time.monotonic()
         grown = self.scheduler.update(step.out, tokens)
+        self.iteration_stats.observe_outputs(grown, tokens, self.requests)
         rejected = self._advance_grammars(grown) if self._late_requests and not self.spec else set()
         for seq in grown:
             req = self.requests.get(seq.request_id)

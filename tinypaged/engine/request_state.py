@@ -32,6 +32,7 @@ class RequestState:
     cumulative_logprob: list[float]
     stop_reasons: list[int | str | None] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # grows during the prefill
+    prompt_logprob_ranks: list[int | None] = field(default_factory=lambda: [None])  # beside it
     stats: RequestStateStats = field(default_factory=RequestStateStats)
     constraints: LogitsConstraints | None = None
 
@@ -69,6 +70,8 @@ class RequestState:
             finished=self.finished,
             num_cached_tokens=self.seqs[0].num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            prompt_logprob_ranks=None if self.prompt_logprobs is None
+            else self.prompt_logprob_ranks,
             metrics=self.stats,
         )
 

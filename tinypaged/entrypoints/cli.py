@@ -199,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="usage.prompt_tokens_details.cached_tokens: prompt tokens from the prefix cache",
     )
     serve.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprob tokens as 'token_id:<id>' for every request (vLLM's flag)",
+    )
+    serve.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="let requests pass their own 'chat_template' (vLLM: refused by default)",
@@ -365,6 +370,7 @@ def serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         trust_request_chat_template=args.trust_request_chat_template,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         **({"lora_modules": _lora_modules(args)} if args.enable_lora or args.lora_modules
            else {}),
         cors={

@@ -96,6 +96,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top logprobs to return besides the sampled token's
     prompt_logprobs: int | None = None  # the same for each prompt token (its prefix uncached)
+    # vLLM's: with logprobs, these ids' logprobs in place of the top ones (the sampled one stays)
+    logprob_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     # Between special tokens in decoded text; honoured by slow (Python) tokenizers only, as in
     # vLLM: the fast tokenizers tinypaged loads join special tokens as they are.
@@ -185,6 +187,15 @@ class SamplingParams:
             # OpenAI's range: -100 bans a token in practice, +100 makes it all but certain.
             self.logit_bias = {t: min(100.0, max(-100.0, float(b))) for t, b in
                                self.logit_bias.items()}
+        ids = self.logprob_token_ids
+        if ids is not None and (
+            not isinstance(ids, (list, tuple)) or not ids or not all(is_id(t) for t in ids)
+            or self.logprobs is None
+        ):
+            raise ValueError(
+                "logprob_token_ids must be a non-empty list of token ids, with logprobs set, "
+                f"got {ids!r:.100}"
+            )
         ids = self.allowed_token_ids
         if ids is not None and (
             not isinstance(ids, (list, tuple)) or not ids or not all(is_id(t) for t in ids)

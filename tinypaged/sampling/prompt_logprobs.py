@@ -45,9 +45,11 @@ def take_prompt_logprobs(
         if n:
             p0 = item.num_computed_tokens
             targets = req.prompt_token_ids[p0 + 1 : p0 + 1 + n]
-            req.prompt_logprobs += prompt_logprobs(
+            rows, ranks = prompt_logprobs(
                 logits[row : row + n], targets, req.params.prompt_logprobs
             )
+            req.prompt_logprobs += rows
+            req.prompt_logprob_ranks += ranks
         if item.sample:
             sampled.append(logits[row + width - 1 : row + width])
         row += width
@@ -56,16 +58,19 @@ def take_prompt_logprobs(
 
 def prompt_logprobs(
     logits: torch.Tensor, targets: list[int], num_top: int
-) -> list[dict[int, float]]:
-    """Per row: {target token: logprob} then the `num_top` most likely tokens.
+) -> tuple[list[dict[int, float]], list[int]]:
+    """Per row: {target token: logprob} then the `num_top` most likely tokens; and the
+    target's rank (1 + how many tokens are more likely, vLLM's Logprob.rank).
 
     logits: [n, vocab] (row i predicts targets[i])."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
     ids = torch.tensor(targets, device=logits.device).view(-1, 1)
-    chosen = logprobs.gather(1, ids).squeeze(1).tolist()
+    chosen_t = logprobs.gather(1, ids)  # [n, 1]
+    ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
     rows = [{t: lp} for t, lp in zip(targets, chosen)]
     if num_top > 0:
         top_vals, top_ids = logprobs.topk(num_top, dim=-1)
         for row, ks, vs in zip(rows, top_ids.tolist(), top_vals.tolist()):
             row.update(zip(ks, vs))
-    return rows
+    return rows, ranks

@@ -72,6 +72,7 @@ class SamplingBatch:
     banned_ids: torch.Tensor | None = None  # [M] int64
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int = -1  # -1 = no row asked
+    logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> ids (vLLM)
     # Token bitmask and logit bias of the constrained rows (set by the engine), or None.
     logits_masks: LogitsMasks | None = None
 
@@ -112,6 +113,9 @@ class SamplingBatch:
         batch = cls(num_rows=n, all_greedy=all(greedy))
         batch.num_logprobs = [p.logprobs for p in params]
         batch.max_num_logprobs = max((k for k in batch.num_logprobs if k is not None), default=-1)
+        batch.logprob_token_ids = {
+            i: p.logprob_token_ids for i, p in enumerate(params) if p.logprob_token_ids
+        }
         batch.generators = {
             i: g for i, g in enumerate(generators) if g is not None and not greedy[i]
         }
@@ -240,7 +244,11 @@ class Sampler:
                 if k is None:
                     continue
                 row = {token_ids[i]: chosen[i]}  # the sampled token first, as vLLM does
-                row.update(zip(top_ids[i][:k], top_vals[i][:k]))
+                wanted = batch.logprob_token_ids.get(i)
+                if wanted is None:
+                    row.update(zip(top_ids[i][:k], top_vals[i][:k]))
+                else:  # the asked ids instead of the top ones
+                    row.update(zip(wanted, raw_logprobs[i, wanted].tolist()))
                 logprobs[i] = row
         return SamplerOutput(sampled, logprobs)
 

@@ -105,6 +105,7 @@ class OpenAIServer:
         reasoning_parser: str | None = None,
         enable_prompt_tokens_details: bool = False,
         trust_request_chat_template: bool = False,
+        return_tokens_as_token_ids: bool = False,  # vLLM's flag: every request's default
     ):
         if not isinstance(engine, EngineClient):
             raise TypeError(
@@ -117,6 +118,7 @@ class OpenAIServer:
         self.reasoning_parser = _pick(REASONING_PARSERS, reasoning_parser, "reasoning_parser")
         self.prompt_tokens_details = enable_prompt_tokens_details
         self.trust_request_chat_template = trust_request_chat_template
+        self.tokens_as_ids = return_tokens_as_token_ids
         names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
         self.model_names = list(names or [engine.model_name])
         self.model_name = self.model_names[0]
@@ -288,6 +290,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request, body: Any = None) -> Response:
         req = parse_completion_request(body or await self.read_json(request))
+        req.return_tokens_as_token_ids |= self.tokens_as_ids
         model = self.check_model(req.model)
         tok = self.engine.tokenizer
         texts = [p for p in req.prompts if isinstance(p, str)]
@@ -313,6 +316,7 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request, body: Any = None) -> Response:
         req = parse_chat_request(body or await self.read_json(request))
+        req.return_tokens_as_token_ids |= self.tokens_as_ids
         model = self.check_model(req.model)
         opts = req.chat
         auto_ready = self.enable_auto_tool_choice and bool(self.tool_parser)

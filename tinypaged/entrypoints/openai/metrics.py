@@ -6,7 +6,8 @@ Names follow vLLM's with a `tinypaged:` prefix and a `model_name` label:
         tinypaged:num_requests_running, tinypaged:num_requests_waiting,
         tinypaged:kv_cache_usage_perc             fraction of KV blocks in use, 0..1
         tinypaged:num_preemptions_total           sequences preempted (recomputed later)
-        tinypaged:iteration_tokens_total          histogram of tokens per engine step
+        tinypaged:iteration_tokens_total          histogram of tokens per step with output, counted
+                                                  as vLLM: new tokens + first-token prompts
         tinypaged:cache_config_info               1, with the KV cache's block size and count
     counters
         tinypaged:prompt_tokens_total             counted when a request's first output arrives

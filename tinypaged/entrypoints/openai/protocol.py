@@ -320,7 +320,7 @@ COMMON_FIELDS = frozenset({
     "prompt_logprobs", "stop", "stop_token_ids", "user", "stream", "stream_options",
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "logit_bias", "allowed_token_ids", "bad_words", "max_tokens", "logprobs",
-    *UNSUPPORTED,
+    "logprob_token_ids", *UNSUPPORTED,
 })  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -385,6 +385,7 @@ def parse_completion_request(body: Any) -> GenerationRequest:
         if req.echo:  # the echoed prompt gets logprobs too (vLLM)
             wanted = req.sampling.get("prompt_logprobs") or 0
             req.sampling["prompt_logprobs"] = max(wanted, req.logprobs)
+    _logprob_token_ids(body, req)
     _check_sampling(req)
     return req
 
@@ -434,8 +435,23 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     if req.stream and req.sampling.get("prompt_logprobs"):  # as vLLM: no chunk carries them
         raise bad_request("prompt_logprobs", "`prompt_logprobs` are not available when "
                           "`stream=True`; send the request without streaming to get them")
+    _logprob_token_ids(body, req)
     _check_sampling(req)
     return req
+
+
+def _logprob_token_ids(body: dict, req: GenerationRequest) -> None:
+    """vLLM's `logprob_token_ids`: the logprobs of these vocabulary ids take the place of the
+    top ones at each position (the sampled token's stays); it needs logprobs asked for."""
+    ids = _int_list(body, "logprob_token_ids")
+    if ids is None:
+        return
+    if not ids:
+        raise bad_request("logprob_token_ids", "`logprob_token_ids` must not be an empty list")
+    if req.logprobs is None:
+        raise bad_request("logprob_token_ids", "`logprobs` must be set when using "
+                          "`logprob_token_ids`")
+    req.sampling["logprob_token_ids"] = list(dict.fromkeys(ids))
 
 
 def parse_messages(messages: Any) -> list[dict]:

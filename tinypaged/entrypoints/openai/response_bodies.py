@@ -68,10 +68,8 @@ def completion_logprobs(
     return {
         "tokens": token_strs,
         "token_logprobs": [finite(lp.get(t, -math.inf)) for t, lp in zip(token_ids, logprobs)],
-        "top_logprobs": [
-            {decode_one(k): finite(v) for k, v in sorted(lp.items(), key=lambda kv: -kv[1])}
-            for lp in logprobs
-        ],
+        # vLLM's order: the token itself first, then the top ones
+        "top_logprobs": [{decode_one(k): finite(v) for k, v in lp.items()} for lp in logprobs],
         "text_offset": offsets,
     }
 
@@ -92,19 +90,31 @@ def echoed_logprobs(
         ],
         "top_logprobs": [
             None if e is None
-            else {decode_one(k): finite(v) for k, v in sorted(e.items(), key=lambda kv: -kv[1])}
+            else {decode_one(k): finite(v) for k, v in e.items()}  # the prompt token first
             for e in entries
         ],
         "text_offset": offsets,
     }
 
 
-def prompt_logprobs_body(entries: list[dict[int, float] | None], decode_one) -> list:
-    """vLLM's `prompt_logprobs`: per prompt token null or {token id: {logprob, decoded_token}}."""
+def prompt_logprobs_body(
+    entries: list[dict[int, float] | None], decode_one, prompt_ids: list[int],
+    ranks: list[int | None] | None = None,
+) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token null or {token id: {logprob, rank,
+    decoded_token}}. The prompt token's rank is the engine's (`ranks`); the top-k ones rank by
+    their order (1 = most likely), as vLLM's."""
+
+    def rank(e: dict[int, float], k: int, i: int) -> int:
+        if ranks is not None and i < len(prompt_ids) and k == prompt_ids[i] and ranks[i]:
+            return ranks[i]
+        return 1 + sum(v > e[k] for v in e.values())
+
     return [
         None if e is None
-        else {str(k): {"logprob": finite(v), "decoded_token": decode_one(k)} for k, v in e.items()}
-        for e in entries
+        else {str(k): {"logprob": finite(v), "rank": rank(e, k, i), "decoded_token": decode_one(k)}
+              for k, v in e.items()}
+        for i, e in enumerate(entries)
     ]
 
 
@@ -205,12 +215,16 @@ class ResponseBuilder:
             body = {key: head[key] + body[key] for key in body}
         return body
 
-    def _prompt_fields(self, choice_or_body: dict, prompt: int, out: Any) -> None:
-        """vLLM's `prompt_logprobs` (when asked) beside a choice (completions) or the body."""
+    def _prompt_fields(self, choice_or_body: dict, prompt: int, out: Any, null=False) -> None:
+        """vLLM's `prompt_logprobs` (when asked) beside a choice (completions) or the body; in
+        a whole response (`null`) it is there as null when not asked, as vLLM's."""
+        if null:
+            choice_or_body["prompt_logprobs"] = None
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[prompt] = out.prompt_logprobs
             choice_or_body["prompt_logprobs"] = prompt_logprobs_body(
-                out.prompt_logprobs, self.decode_one
+                out.prompt_logprobs, self.decode_one, self.prompts[prompt],
+                getattr(out, "prompt_logprob_ranks", None),
             )
 
     # ------------------------------------------------------------------------------ streaming
@@ -309,7 +323,7 @@ class ResponseBuilder:
                 else:
                     echo = self.echo_prompts[i] if self.echo_prompts else ""
                     choice["text"] = echo + c.text
-                    self._prompt_fields(choice, i, out)
+                    self._prompt_fields(choice, i, out, null=True)
                 choice.update(logprobs=self._logprobs(c, 0, 0, i), finish_reason=finish_reason)
                 choice["stop_reason"] = c.stop_reason  # vLLM: chat choices carry it too
                 if self.return_token_ids:
@@ -327,5 +341,5 @@ class ResponseBuilder:
         if self.return_token_ids and self.kind == "chat":
             body["prompt_token_ids"] = self.prompts[0]
         if self.kind == "chat":
-            self._prompt_fields(body, 0, outs[0])
+            self._prompt_fields(body, 0, outs[0], null=True)
         return body
