@@ -65,7 +65,10 @@ class PoolingEngine(Engine):
         self.pooler = Pooler(config.pooler_config)
         self.hidden_size = self.hf_config.hidden_size
 
-    def add_request(self, request_id: str, prompt: PromptType, params: PoolingParams) -> None:
+    def add_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                    lora_request=None) -> None:
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported with pooling models")
         if not isinstance(params, PoolingParams):
             raise ValueError(
                 f"{self.model_name} is a pooling model (runner='pooling', task "
