@@ -127,5 +127,8 @@ def install() -> None:
 
     if torch.version.hip is not None:  # ROCm: Triton's HIP driver, untouched
         return
-    if type(getattr(driver, "_active", None)).__name__ != "TinypagedCudaDriver":
+    active = getattr(driver, "_active", None)
+    # Replace only Triton's own CUDA driver (or none yet): a driver someone else set (a
+    # compile-only driver in the tests, a profiler's) is theirs to keep.
+    if active is None or type(active).__name__ == "CudaDriver":
         driver.set_active(_driver_class()())
