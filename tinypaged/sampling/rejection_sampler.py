@@ -21,45 +21,10 @@ from its own generator, so its tokens depend on its seed and logits alone.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from tinypaged.kernels.logits import apply_logit_bias_, apply_token_bitmask_
 from tinypaged.kernels.rejection import rejection_sample
-from tinypaged.sampling.sampler import SamplingBatch, apply_penalties, apply_top_k_top_p
-
-
-def target_probs(
-    logits: torch.Tensor, batch: SamplingBatch
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(argmax [R], probs [R, V] float32 or None when every row is greedy, raw logprobs [R, V]
-    or None when no row asks) of the sampler's pipeline applied to `logits` [R, V]."""
-    masks = batch.logits_masks
-    if masks is not None and masks.bitmask is not None:
-        apply_token_bitmask_(logits, masks.bitmask, masks.bitmask_rows)
-    raw = torch.log_softmax(logits.float(), dim=-1) if batch.max_num_logprobs >= 0 else None
-    if batch.argmax_only:
-        return logits.argmax(dim=-1), None, raw
-    logits = logits.float()
-    if masks is not None and masks.bias_rows is not None:
-        apply_logit_bias_(logits, masks.bias_rows, masks.bias_ids, masks.bias_values)
-    if batch.banned_rows is not None:
-        logits[batch.banned_rows, batch.banned_ids] = -math.inf
-    if batch.penalty_rows is not None:
-        logits[batch.penalty_rows] = apply_penalties(
-            logits[batch.penalty_rows], batch.prompt_ids, batch.output_ids, batch.penalties
-        )
-    argmax = logits.argmax(dim=-1)
-    if batch.all_greedy:
-        return argmax, None, raw
-    logits.div_(batch.temperature)
-    if batch.min_p is not None:
-        probs = torch.softmax(logits, dim=-1)
-        logits.masked_fill_(probs < batch.min_p * probs.amax(dim=-1, keepdim=True), -math.inf)
-    if batch.top_k is not None or batch.top_p is not None:
-        logits = apply_top_k_top_p(logits, batch.top_k, batch.max_top_k, batch.top_p)
-    return argmax, torch.softmax(logits, dim=-1), raw
+from tinypaged.sampling.sampler import SamplingBatch, processed_probs
 
 
 class RejectionSampler:
@@ -102,7 +67,7 @@ class RejectionSampler:
         row_start = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
         num_draft = torch.tensor(counts, dtype=torch.int32).to(device, non_blocking=True)
 
-        argmax, probs, raw = target_probs(logits, batch)
+        argmax, probs, raw = processed_probs(logits, batch)
         if probs is None:  # every row greedy
             greedy = torch.ones(len(drafts), dtype=torch.bool, device=device)
             uniform = torch.zeros(num_rows, dtype=torch.float32, device=device)

@@ -161,6 +161,41 @@ class SamplingBatch:
         return batch
 
 
+def processed_probs(
+    logits: torch.Tensor, batch: SamplingBatch
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The sampling pipeline of `logits` [N, V] (the grammar bitmask is applied in place) up to
+    the distribution each row draws from: (argmax [N] after bias, bad words and penalties: what
+    a greedy row takes; probs [N, V] float32 after temperature, min-p, top-k and top-p, or None
+    when every row is greedy; raw logprobs [N, V] before any of these, or None when no row asks).
+    The sampler draws from it, and the rejection sampler verifies drafts against it."""
+    masks = batch.logits_masks
+    if masks is not None and masks.bitmask is not None:
+        apply_token_bitmask_(logits, masks.bitmask, masks.bitmask_rows)
+    raw = torch.log_softmax(logits.float(), dim=-1) if batch.max_num_logprobs >= 0 else None
+    if batch.argmax_only:  # argmax needs no float32 copy (exact)
+        return logits.argmax(dim=-1), None, raw
+    logits = logits.float()
+    if masks is not None and masks.bias_rows is not None:
+        apply_logit_bias_(logits, masks.bias_rows, masks.bias_ids, masks.bias_values)
+    if batch.banned_rows is not None:
+        logits[batch.banned_rows, batch.banned_ids] = -math.inf
+    if batch.penalty_rows is not None:
+        logits[batch.penalty_rows] = apply_penalties(
+            logits[batch.penalty_rows], batch.prompt_ids, batch.output_ids, batch.penalties
+        )
+    argmax = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return argmax, None, raw
+    logits.div_(batch.temperature)
+    if batch.min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        logits.masked_fill_(probs < batch.min_p * probs.amax(dim=-1, keepdim=True), -math.inf)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.max_top_k, batch.top_p)
+    return argmax, torch.softmax(logits, dim=-1), raw
+
+
 @dataclass
 class SamplerOutput:
     sampled: torch.Tensor  # [N] int64 on the logits' device: the sampled token of each row
@@ -199,40 +234,13 @@ class Sampler:
                 f"logits has {logits.shape[0]} rows but the SamplingBatch describes "
                 f"{batch.num_rows}; build one batch row per sampled sequence"
             )
-        masks = batch.logits_masks
-        if masks is not None and masks.bitmask is not None:
-            apply_token_bitmask_(logits, masks.bitmask, masks.bitmask_rows)
-        if batch.argmax_only:
-            return SamplerOutput(logits.argmax(dim=-1), [None] * batch.num_rows)
-
-        raw_logprobs = None
-        if batch.max_num_logprobs >= 0:
-            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
-        logits = logits.float()
-        if masks is not None and masks.bias_rows is not None:
-            apply_logit_bias_(logits, masks.bias_rows, masks.bias_ids, masks.bias_values)
-        if batch.banned_rows is not None:
-            logits[batch.banned_rows, batch.banned_ids] = -math.inf
-        if batch.penalty_rows is not None:
-            logits[batch.penalty_rows] = apply_penalties(
-                logits[batch.penalty_rows], batch.prompt_ids, batch.output_ids, batch.penalties
-            )
-
-        if batch.all_greedy:
-            sampled = logits.argmax(dim=-1)
+        argmax, probs, raw_logprobs = processed_probs(logits, batch)
+        if probs is None:  # every row greedy
+            sampled = argmax
         else:
-            greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
-            logits.div_(batch.temperature)
-            if batch.min_p is not None:
-                probs = torch.softmax(logits, dim=-1)
-                too_rare = probs < batch.min_p * probs.amax(dim=-1, keepdim=True)
-                logits.masked_fill_(too_rare, -math.inf)
-            if batch.top_k is not None or batch.top_p is not None:
-                logits = apply_top_k_top_p(logits, batch.top_k, batch.max_top_k, batch.top_p)
-            probs = torch.softmax(logits, dim=-1)
             sampled = self._draw(probs, batch.generators)
-            if greedy_ids is not None:
-                sampled = torch.where(batch.greedy, greedy_ids, sampled)
+            if batch.greedy is not None:
+                sampled = torch.where(batch.greedy, argmax, sampled)
 
         logprobs: list[dict[int, float] | None] = [None] * batch.num_rows
         if raw_logprobs is not None:  # built on the host: waits for the device
