@@ -66,7 +66,7 @@ from tinypaged.sampling.logits_processors import LogitsConstraints, LogitsMaskBu
 from tinypaged.sampling.params import SamplingParams
 from tinypaged.sampling.prompt_logprobs import prompt_rows_wanted, take_prompt_logprobs
 from tinypaged.sampling.sampler import Sampler, SamplingBatch, new_generator
-from tinypaged.sampling.structured_output import batch_matcher, grammar_only_allows_stop
+from tinypaged.sampling.structured_output import grammar_only_allows_stop
 from tinypaged.scheduler import Scheduler, SchedulerOutput, Sequence
 from tinypaged.worker.executor import create_executor
 from tinypaged.worker.model_runner import SampledTokens
@@ -450,7 +450,6 @@ class Engine:
         now = time.monotonic()
         grown = self.scheduler.update(step.out, tokens)
         self.iteration_stats.observe_outputs(grown, tokens, self.requests)
-        rejected = self._advance_grammars(grown) if self._late_requests and not self.spec else set()
         for seq in grown:
             req = self.requests.get(seq.request_id)
             if req is None:  # a sibling sample failed this request earlier in the loop
@@ -463,7 +462,7 @@ class Engine:
                 if self.spec is not None:  # several tokens: grammar and stop checks per token
                     self.spec.after_tokens(req, seq, lp_by_seq.get(seq.seq_id))
                 else:
-                    self._after_token(req, seq, lp_by_seq.get(seq.seq_id), seq.seq_id in rejected)
+                    self._after_token(req, seq, lp_by_seq.get(seq.seq_id))
             except Exception as exc:  # a fault in one request (e.g. detokenizing) ends only it
                 logger.exception("request %s failed", req.request_id)
                 self._errors.append((req.request_id, exc))
@@ -479,21 +478,6 @@ class Engine:
                 self._host_requests.discard(req.request_id)
                 self._late_requests.discard(req.request_id)
         return outputs
-
-    def _advance_grammars(self, seqs: list[Sequence]) -> set[int]:
-        """Every grammar-constrained sequence's matcher accepts its new token, all in one call;
-        returns the seq_ids whose token its grammar rejected."""
-        pairs = [
-            (r.constraints.matchers[s.index], s) for s in seqs
-            if (r := self.requests.get(s.request_id)) is not None
-            and r.constraints is not None and r.constraints.matchers
-        ]
-        if not pairs:
-            return set()
-        accepted = batch_matcher().batch_accept_token(
-            [m for m, _ in pairs], [s.last_token_id for _, s in pairs]
-        )
-        return {s.seq_id for (_, s), ok in zip(pairs, accepted) if not ok}
 
     def _grammar_done(self, matcher) -> bool:
         return grammar_only_allows_stop(matcher, self.vocab_size, sorted(self.eos_token_ids))
@@ -559,7 +543,7 @@ class Engine:
 
     def _after_token(
         self, req: RequestState, seq: Sequence, logprobs: dict[int, float] | None,
-        grammar_rejected: bool = False,
+        grammar_rejected: bool | None = None,
     ) -> None:
         token = seq.last_token_id
         params = req.params
@@ -581,7 +565,9 @@ class Engine:
             if reason is None and stop_str is not None:
                 reason, stop_reason = "stop", stop_str
         if req.constraints is not None and req.constraints.matchers:
-            matcher = req.constraints.matchers[seq.index]  # it took `token` (_advance_grammars)
+            matcher = req.constraints.matchers[seq.index]
+            if grammar_rejected is None:  # else its caller had the matcher take `token`
+                grammar_rejected = not matcher.accept_token(token)
             if grammar_rejected:
                 raise RuntimeError(f"the grammar rejected sampled token {token}")
             if reason is None and (matcher.is_terminated() or self._grammar_done(matcher)):

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from tinypaged.sampling.params import SamplingParams
-from tinypaged.sampling.structured_output import batch_matcher
 
 
 def num_words(vocab_size: int) -> int:
@@ -166,14 +165,10 @@ class LogitsMaskBuilder:
         if masked:
             host = self._buffer(len(masked))
             words = host.numpy().view(np.uint32)  # the same memory, bit ops without sign
-            grammar_rows = [i for i, r in enumerate(masked) if r[1].matchers]
-            if grammar_rows:  # one call: xgrammar fills the rows on its threads
-                batch_matcher().batch_fill_next_token_bitmask(
-                    [masked[i][1].matchers[masked[i][2]] for i in grammar_rows], host,
-                    grammar_rows,
-                )
-            for i, (_, c, _, output_ids) in enumerate(masked):
-                if not c.matchers:
+            for i, (_, c, index, output_ids) in enumerate(masked):
+                if c.matchers:
+                    c.matchers[index].fill_next_token_bitmask(host, i)
+                else:
                     words[i] = 0xFFFFFFFF
                 if c.allowed_words is not None:
                     words[i] &= c.allowed_words

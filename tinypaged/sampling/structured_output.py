@@ -8,13 +8,12 @@ How one request is constrained:
    (`GrammarCompiler.compile`, cached by its canonical text), and each of the n samples gets its
    own `GrammarMatcher` (a pushdown automaton's state over the grammar).
 2. Each step, before the sampler, the matcher of every sampled constrained sequence fills one row
-   of a packed int32 bitmask [R, ceil(V / 32)] (bit t = token t may come next; all rows in one
-   batched call); the rows go to the device in one copy and `kernels/logits.py` sets the other
-   tokens' logits to -inf. With async scheduling this happens while the step's forward runs
-   (engine.py: such a step samples late).
-3. After sampling, the matchers accept the step's tokens (one batched call). When the grammar is
-   complete, the mask lets the stop tokens (eos) through; the request ends when one is sampled,
-   or at once when the grammar allows nothing but a stop token.
+   of a packed int32 bitmask [R, ceil(V / 32)] (bit t = token t may come next); the rows go to the
+   device in one copy and `kernels/logits.py` sets the other tokens' logits to -inf. With async
+   scheduling this happens while the step's forward runs (engine.py: such a step samples late).
+3. After sampling, each matcher accepts its token. When the grammar is complete, the mask lets
+   the stop tokens (eos) through; the request ends when one is sampled, or at once when the
+   grammar allows nothing but a stop token.
 
 Preemption keeps a sequence's tokens, and its matcher has already accepted them, so a recompute
 changes nothing here. The grammar engine is xgrammar, chosen over llguidance by mask time per
@@ -173,19 +172,6 @@ class GrammarCompiler:
     def matcher(self, compiled: Any) -> Any:
         """A fresh GrammarMatcher (one per sequence) at the start of `compiled`."""
         return self._xgr.GrammarMatcher(compiled)
-
-
-_batch_matcher = None
-
-
-def batch_matcher() -> Any:
-    """xgrammar's BatchGrammarMatcher (one per process): fills many matchers' mask rows and
-    accepts many matchers' tokens in one call each, on its own threads, sparing a Python call
-    per sequence per step."""
-    global _batch_matcher
-    if _batch_matcher is None:
-        _batch_matcher = _import_xgrammar().BatchGrammarMatcher()
-    return _batch_matcher
 
 
 def grammar_only_allows_stop(matcher: Any, vocab_size: int, stop_token_ids: list[int]) -> bool:
