@@ -4,11 +4,15 @@
     llm.embed(...)    -> EmbeddingRequestOutput      .outputs.embedding  (list[float])
     llm.classify(...) -> ClassificationRequestOutput .outputs.probs      (list[float])
     llm.score(...)    -> ScoringRequestOutput        .outputs.score      (float)
+
+As in vLLM, the last three are PoolingRequestOutput with a typed `outputs`: the same request
+fields, and `from_base` to turn the engine's tensor output into the task's list.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -41,45 +45,34 @@ class ScoringOutput:
     score: float
 
 
+_O = TypeVar("_O")
+
+
 @dataclass
-class PoolingRequestOutput:
+class PoolingRequestOutput(Generic[_O]):
     request_id: str
-    outputs: PoolingOutput
+    outputs: _O  # PoolingOutput from the engine; the task's output in the subclasses
     prompt_token_ids: list[int] | None
     finished: bool = True
     prompt: str | None = None
     num_cached_tokens: int = 0
 
-
-@dataclass
-class EmbeddingRequestOutput:
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int] | None
-    finished: bool = True
+    # what `from_base` builds from the pooled tensor, as a list (embed and classify)
+    output_type: ClassVar[Any] = None
 
     @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
-                   out.prompt_token_ids, out.finished)
+    def from_base(cls, out: PoolingRequestOutput[PoolingOutput]) -> PoolingRequestOutput:
+        return cls(out.request_id, cls.output_type(out.outputs.data.tolist()),
+                   out.prompt_token_ids, out.finished, out.prompt, out.num_cached_tokens)
 
 
-@dataclass
-class ClassificationRequestOutput:
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int] | None
-    finished: bool = True
-
-    @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()),
-                   out.prompt_token_ids, out.finished)
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    output_type = EmbeddingOutput
 
 
-@dataclass
-class ScoringRequestOutput:
-    request_id: str
-    outputs: ScoringOutput
-    prompt_token_ids: list[int] | None
-    finished: bool = True
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    output_type = ClassificationOutput
+
+
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    """Built by LLM.score itself: a score comes from one or two pooled outputs."""
