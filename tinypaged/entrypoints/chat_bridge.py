@@ -13,6 +13,13 @@ steps:
                                            finish / usage / error)
     restream(stream, events)               the same EventStream, re-framed by the translator
 
+and, for building the chat body, the parts both request shapes have alike:
+
+    joined_text(content, where, kinds, noun)   a string, or a list of text parts, as one string
+    chat_tools(tools, schema_key, check)       a list of client tools as chat function tools
+    copy_fields(body, chat, names)             settings passed through as they are; a stream
+                                               asks for continuous usage
+
 and the translators log the fields they do not use with protocol.log_ignored, as chat does.
 """
 
@@ -26,10 +33,62 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tinypaged.entrypoints.openai.errors import bad_request, show
 from tinypaged.entrypoints.openai.request_handler import EventStream
 
 if TYPE_CHECKING:
     from tinypaged.entrypoints.openai.api_server import OpenAIServer
+
+
+def joined_text(content: Any, where: str, kinds: tuple[str, ...], noun: str) -> str:
+    """`content` as one string: a string, or a list of text {noun}s (dicts whose "type" is one
+    of `kinds`, with a string "text") joined. Anything else is a 400 naming `where`."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(where, f"'{where}' must be a string or a list of text {noun}s",
+                          code="invalid_type")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"{where}[{i}]",
+                f"'{where}[{i}]' is a {show(kind)} {noun}; only text {noun}s are supported "
+                "(this server serves text-only models)",
+                code="unsupported",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def chat_tools(tools: Any, schema_key: str, check: Callable[[str, Any], None]
+               ) -> list[dict] | None:
+    """`tools` (None, or a list whose items each pass `check(where, tool)`, which raises) as
+    chat function tools; a tool's parameters are its `schema_key` (any object when unset)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("tools", "'tools' must be a list of tools", code="invalid_type")
+    out = []
+    for i, tool in enumerate(tools):
+        check(f"tools[{i}]", tool)
+        fn = {"name": tool["name"], "parameters": tool.get(schema_key) or {"type": "object"}}
+        if tool.get("description") is not None:
+            fn["description"] = tool["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def copy_fields(body: dict, chat: dict, names: tuple[str, ...]) -> None:
+    """The fields `names` of `body` that are set, into `chat` as they are. A stream asks for
+    usage on every chunk: the translators' first event reports the prompt's tokens."""
+    for name in names:
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if chat.get("stream"):
+        chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+
 
 async def run_chat(
     server: OpenAIServer, request: Request, chat_body: dict

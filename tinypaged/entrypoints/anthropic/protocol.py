@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tinypaged.entrypoints.chat_bridge import chat_tools, copy_fields, joined_text
 from tinypaged.entrypoints.openai.errors import bad_request, show
 from tinypaged.entrypoints.openai.protocol import log_ignored
 
@@ -42,25 +43,7 @@ COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice",
 
 def _text_of(blocks: Any, where: str) -> str:
     """A string, or a list of text blocks joined: system prompts and tool results."""
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise bad_request(where, f"'{where}' must be a string or a list of text blocks",
-                          code="invalid_type")
-    texts = []
-    for i, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(
-            block.get("text"), str
-        ):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise bad_request(
-                f"{where}[{i}]",
-                f"'{where}[{i}]' is a {show(kind)} block; only text blocks are supported here "
-                "(this server serves text-only models)",
-                code="unsupported",
-            )
-        texts.append(block["text"])
-    return "".join(texts)
+    return joined_text(blocks, where, ("text",), "block")
 
 
 def _user_messages(content: list, where: str) -> list[dict]:
@@ -155,29 +138,16 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _tools(body: dict) -> list[dict] | None:
-    tools = body.get("tools")
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise bad_request("tools", "'tools' must be a list of tools", code="invalid_type")
-    out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-            raise bad_request(where, f"'{where}' must be an object with a string 'name'")
-        if tool.get("type") not in (None, "custom"):
-            raise bad_request(
-                f"{where}.type",
-                f"'{where}' is a {show(tool['type'])} server tool; this server runs no tools "
-                "of its own, only client tools with an 'input_schema'",
-                code="unsupported",
-            )
-        fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
-        if tool.get("description") is not None:
-            fn["description"] = tool["description"]
-        out.append({"type": "function", "function": fn})
-    return out
+def _check_tool(where: str, tool: Any) -> None:
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise bad_request(where, f"'{where}' must be an object with a string 'name'")
+    if tool.get("type") not in (None, "custom"):
+        raise bad_request(
+            f"{where}.type",
+            f"'{where}' is a {show(tool['type'])} server tool; this server runs no tools "
+            "of its own, only client tools with an 'input_schema'",
+            code="unsupported",
+        )
 
 
 def _tool_choice(choice: Any, chat: dict) -> None:
@@ -207,7 +177,7 @@ def to_chat_body(body: Any, count_only: bool = False) -> dict:
         raise bad_request("body", "the request body must be a JSON object", code="invalid_type")
     log_ignored(body, COUNT_FIELDS if count_only else KNOWN_FIELDS, "Anthropic Messages")
     chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body)}
-    tools = _tools(body)
+    tools = chat_tools(body.get("tools"), "input_schema", _check_tool)
     if tools is not None:
         chat["tools"] = tools
     _tool_choice(body.get("tool_choice"), chat)
@@ -224,11 +194,7 @@ def to_chat_body(body: Any, count_only: bool = False) -> dict:
     if max_tokens is None:
         raise bad_request("max_tokens", "'max_tokens' is a required field", code="missing_field")
     chat["max_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "top_k", "stream"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
     if body.get("stop_sequences") is not None:
         chat["stop"] = body["stop_sequences"]
-    if chat.get("stream"):
-        chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    copy_fields(body, chat, ("temperature", "top_p", "top_k", "stream"))
     return chat

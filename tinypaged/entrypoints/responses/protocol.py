@@ -24,13 +24,14 @@
 
 The server is stateless: `store` true, `previous_response_id`, `conversation`, `background` and
 `item_reference` items ask for state it does not keep, and are 400s saying so. Fields it does
-not use are logged, as vLLM does (chat_bridge.log_ignored).
+not use are logged, as vLLM does (protocol.log_ignored).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tinypaged.entrypoints.chat_bridge import chat_tools, copy_fields, joined_text
 from tinypaged.entrypoints.openai.errors import bad_request, show
 from tinypaged.entrypoints.openai.protocol import log_ignored
 
@@ -45,25 +46,11 @@ STATELESS = (
 )
 
 
+TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
+
+
 def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(where, f"'{where}' must be a string or a list of content parts",
-                          code="invalid_type")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text", "reasoning_text", "summary_text") \
-                or not isinstance(part.get("text"), str):
-            raise bad_request(
-                f"{where}[{j}]",
-                f"'{where}[{j}]' is a {show(kind)} part; only text parts are supported "
-                "(this server serves text-only models)",
-                code="unsupported",
-            )
-        texts.append(part["text"])
-    return "".join(texts)
+    return joined_text(content, where, TEXT_PARTS, "part")
 
 
 def _assistant(out: list[dict], fresh: bool) -> dict:
@@ -138,27 +125,16 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _tools(tools: Any) -> list[dict] | None:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise bad_request("tools", "'tools' must be a list of tools", code="invalid_type")
-    out = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function" or not isinstance(tool.get("name"), str):
-            raise bad_request(
-                f"tools[{i}]",
-                f"'tools[{i}]' is a {show(kind)} tool; only function tools "
-                "({'type': 'function', 'name', 'parameters'}) are supported: this server runs "
-                "no tools of its own",
-                code="unsupported",
-            )
-        fn = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
-        if tool.get("description") is not None:
-            fn["description"] = tool["description"]
-        out.append({"type": "function", "function": fn})
-    return out
+def _check_tool(where: str, tool: Any) -> None:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function" or not isinstance(tool.get("name"), str):
+        raise bad_request(
+            where,
+            f"'{where}' is a {show(kind)} tool; only function tools "
+            "({'type': 'function', 'name', 'parameters'}) are supported: this server runs "
+            "no tools of its own",
+            code="unsupported",
+        )
 
 
 def _response_format(text: Any) -> dict | None:
@@ -195,7 +171,7 @@ def to_chat_body(body: Any) -> dict:
         raise bad_request("truncation", "only 'truncation': 'disabled' is supported: a prompt "
                           "over the context is a 400, never cut")
     chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body)}
-    tools = _tools(body.get("tools"))
+    tools = chat_tools(body.get("tools"), "parameters", _check_tool)
     if tools is not None:
         chat["tools"] = tools
     choice = body.get("tool_choice")
@@ -211,9 +187,5 @@ def to_chat_body(body: Any) -> dict:
         chat["chat_template_kwargs"] = {"enable_thinking": False}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    for name in ("temperature", "top_p", "top_k", "parallel_tool_calls", "stream"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
-    if chat.get("stream"):
-        chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    copy_fields(body, chat, ("temperature", "top_p", "top_k", "parallel_tool_calls", "stream"))
     return chat
