@@ -161,19 +161,20 @@ class PoolingAPI:
         num_tokens = sum(map(len, prompts))
         return model, outs, encoding, {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
 
-    async def embeddings(self, request: Request) -> Response:
-        model, outs, encoding, usage = await self._pool(request, "embed")
-        data = [{"object": "embedding", "index": i, "embedding": _encode(o.outputs.data, encoding)}
+    async def _vectors(self, request: Request, task: str, item: str, key: str,
+                       id_prefix: str) -> Response:
+        """Each input's pooled vector as {"object": item, "index", key: the vector}."""
+        model, outs, encoding, usage = await self._pool(request, task)
+        data = [{"object": item, "index": i, key: _encode(o.outputs.data, encoding)}
                 for i, o in enumerate(outs)]
-        return JSONResponse({"id": new_id("embd"), "object": "list", "created": now(),
+        return JSONResponse({"id": new_id(id_prefix), "object": "list", "created": now(),
                              "model": model, "data": data, "usage": usage})
 
+    async def embeddings(self, request: Request) -> Response:
+        return await self._vectors(request, "embed", "embedding", "embedding", "embd")
+
     async def pooling(self, request: Request) -> Response:
-        model, outs, encoding, usage = await self._pool(request, "encode")
-        data = [{"object": "pooling", "index": i, "data": _encode(o.outputs.data, encoding)}
-                for i, o in enumerate(outs)]
-        return JSONResponse({"id": new_id("pool"), "object": "list", "created": now(),
-                             "model": model, "data": data, "usage": usage})
+        return await self._vectors(request, "encode", "pooling", "data", "pool")
 
     async def classify(self, request: Request) -> Response:
         model, outs, _, usage = await self._pool(request, "classify")
