@@ -73,6 +73,14 @@ def _fused_moe_kernel(
         b_ptrs += BLOCK_K
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
+    store_rows(C, acc, pair, row_ok, offs_n, n_ok, TOPK_WEIGHTS, stride_cm, MUL_ROUTED_WEIGHT)
+
+
+@jit
+def store_rows(C, acc, pair, row_ok, offs_n, n_ok, TOPK_WEIGHTS, stride_cm,
+               MUL_ROUTED_WEIGHT: tl.constexpr):
+    """The MoE kernels' epilogue: the tile's rows `pair` of C, times their routing weights
+    (MUL_ROUTED_WEIGHT, the down projection)."""
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(TOPK_WEIGHTS + pair, mask=row_ok, other=0.0)
         acc = acc * weight[:, None]

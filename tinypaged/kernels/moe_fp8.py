@@ -29,7 +29,7 @@ import torch
 
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
 from tinypaged.kernels.fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_reference
-from tinypaged.kernels.moe import get_config
+from tinypaged.kernels.moe import get_config, store_rows
 from tinypaged.kernels.moe_align import moe_align_block_size
 
 
@@ -94,11 +94,7 @@ def _fused_moe_fp8_kernel(
             acc_up = acc_up * sa * tl.load(bs_up_ptrs, mask=n_ok, other=0.0)[None, :]
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
-    if MUL_ROUTED_WEIGHT:
-        weight = tl.load(TOPK_WEIGHTS + pair, mask=row_ok, other=0.0)
-        acc = acc * weight[:, None]
-    c_ptrs = C + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    store_rows(C, acc, pair, row_ok, offs_n, n_ok, TOPK_WEIGHTS, stride_cm, MUL_ROUTED_WEIGHT)
 
 
 def fp8_moe_config(num_tokens: int, block: tuple[int, int] | None) -> dict[str, int]:
