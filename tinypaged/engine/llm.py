@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from tinypaged.config import EngineConfig
 from tinypaged.engine.engine import PromptType
 from tinypaged.engine.pooling_engine import create_engine
-from tinypaged.engine.pooling_llm import PoolingLLMMixin
+from tinypaged.engine.pooling_llm import PoolingLLMMixin, add_requests
 from tinypaged.lora.request import LoRARequest
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling.params import SamplingParams
@@ -129,16 +129,8 @@ class LLM(PoolingLLMMixin):  # embed / classify / score / encode: engine/pooling
         self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
         loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        order: dict[str, int] = {}
-        for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
-            request_id = str(next(self._ids))
-            try:
-                self.engine.add_request(request_id, prompt, p, lora)
-            except Exception:
-                for rid in order:  # leave the engine clean for the next call
-                    self.engine.abort_request(rid)
-                raise
-            order[request_id] = len(order)
+        order = add_requests(self.engine, self._ids,
+                             zip(prompts, params, loras or [None] * len(prompts)))
         results: list[RequestOutput | None] = [None] * len(order)
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, unit="req")
         generated = 0

@@ -12,7 +12,7 @@ reranker it is the model's score of the pair's prompt (pooling/prompts.py).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +30,24 @@ from tinypaged.pooling.prompts import score_pairs, score_prompt_ids
 
 if TYPE_CHECKING:
     from tinypaged.engine.engine import Engine, PromptType
+
+
+def add_requests(engine: Engine, ids: Iterator[int], requests: Iterable[tuple]) -> dict[str, int]:
+    """Each request's arguments after its id (prompt, params[, lora]) as an engine request with
+    the next id; returns {request id: position}. LLM.generate and the pooling methods share it.
+    A refused request raises, after aborting those added before it: the engine is left clean
+    for the next call."""
+    order: dict[str, int] = {}
+    for args in requests:
+        request_id = str(next(ids))
+        try:
+            engine.add_request(request_id, *args)
+        except Exception:
+            for rid in order:
+                engine.abort_request(rid)
+            raise
+        order[request_id] = len(order)
+    return order
 
 
 class PoolingLLMMixin:
@@ -56,16 +74,7 @@ class PoolingLLMMixin:
         params = PoolingParams() if params is None else params
         params = PoolingParams(params.dimensions, params.normalize, params.use_activation,
                                truncate_prompt_tokens or params.truncate_prompt_tokens, task)
-        order: dict[str, int] = {}
-        for prompt in prompts:
-            request_id = str(next(self._ids))
-            try:
-                self.engine.add_request(request_id, prompt, params)
-            except Exception:
-                for rid in order:  # leave the engine clean for the next call
-                    self.engine.abort_request(rid)
-                raise
-            order[request_id] = len(order)
+        order = add_requests(self.engine, self._ids, [(prompt, params) for prompt in prompts])
         results: list[PoolingRequestOutput | None] = [None] * len(order)
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, unit="req")
         while self.engine.has_unfinished_requests():
