@@ -1,5 +1,7 @@
 """Shared helpers of the server tests (no tests here): a uvicorn server in a thread, SSE and
-Prometheus text parsing, and FakeEngine, a test double of AsyncLLM."""
+Prometheus text parsing, FakeEngine, a test double of AsyncLLM, and ScriptedEngine, one that
+answers with scripted replies (the tool-calling and translator tests: WEATHER_FUNCTION,
+qwen_scripted_server)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,29 @@ import re
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import uvicorn
 
+from helpers.chat_templates import QWEN
+from helpers.tokenizer import train_bpe
 from tinypaged.config import EngineConfig
 from tinypaged.engine.client import EngineClient
+from tinypaged.entrypoints.openai.api_server import build_app
 from tinypaged.outputs import CompletionOutput, RequestOutput
+from tinypaged.tokenizer.tokenizer import load_tokenizer
 
+# The tool the tool-calling tests offer, as chat's "function" object (each API wraps it its way).
+WEATHER_FUNCTION = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
 FAKE_KV_CACHE_INFO = {"num_blocks": 64, "block_size": 16, "num_tokens": 1024, "bytes": 0,
                       "device": "cpu", "dtype": "float32"}
 
@@ -272,3 +289,16 @@ class ScriptedEngine(EngineClient):
             out = CompletionOutput(0, reply[:end], list(range(min(end, len(reply)))))
             out = dataclasses.replace(out, finish_reason="stop" if done else None)
             yield RequestOutput(request_id, None, ids, [out], finished=done)
+
+
+@contextlib.contextmanager
+def qwen_scripted_server(tmp_path, **app_kwargs):
+    """A server on a ScriptedEngine with Qwen's chat template, hermes tool calls and the qwen3
+    reasoning parser, as the translator tests (Anthropic Messages, Responses) use it; yields
+    SimpleNamespace(engine, url, tok)."""
+    tok = load_tokenizer(train_bpe(tmp_path, chat_template=QWEN))
+    engine = ScriptedEngine(tok)
+    app = build_app(engine, tool_call_parser="hermes", enable_auto_tool_choice=True,
+                    reasoning_parser="qwen3", **app_kwargs)
+    with running_server(app) as url:
+        yield SimpleNamespace(engine=engine, url=url, tok=tok)

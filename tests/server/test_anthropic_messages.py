@@ -10,26 +10,13 @@ back. test_server_smollm2.py runs the same client against the real default model
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import anthropic
 import pytest
-from helpers.chat_templates import QWEN
-from helpers.server import ScriptedEngine, post, running_server
-from helpers.tokenizer import train_bpe
+from helpers.server import WEATHER_FUNCTION, post, qwen_scripted_server
 
-from tinypaged.entrypoints.openai.api_server import build_app
-from tinypaged.tokenizer.tokenizer import load_tokenizer
-
-WEATHER = {
-    "name": "get_weather",
-    "description": "Current weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
+WEATHER = {"name": WEATHER_FUNCTION["name"], "description": WEATHER_FUNCTION["description"],
+           "input_schema": WEATHER_FUNCTION["parameters"]}
 QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
 THOUGHT_CALL = (
     "<think>I should look it up.</think>\n\nLet me look.\n<tool_call>\n"
@@ -40,13 +27,9 @@ ANSWER = "It is 22 C and sunny in Paris."
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    tok = load_tokenizer(train_bpe(tmp_path_factory.mktemp("qwen"), chat_template=QWEN))
-    engine = ScriptedEngine(tok)
-    app = build_app(engine, tool_call_parser="hermes", enable_auto_tool_choice=True,
-                    reasoning_parser="qwen3", api_key="sk-test")
-    with running_server(app) as url:
-        client = anthropic.Anthropic(base_url=url, api_key="sk-test", max_retries=0)
-        yield SimpleNamespace(engine=engine, client=client, url=url, tok=tok)
+    with qwen_scripted_server(tmp_path_factory.mktemp("qwen"), api_key="sk-test") as api:
+        api.client = anthropic.Anthropic(base_url=api.url, api_key="sk-test", max_retries=0)
+        yield api
 
 
 def ask(api, stream: bool, **kw):

@@ -9,27 +9,12 @@ test_server_smollm2.py runs the same client against the real default model.
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import openai
 import pytest
-from helpers.chat_templates import QWEN
-from helpers.server import ScriptedEngine, running_server
-from helpers.tokenizer import train_bpe
+from helpers.server import WEATHER_FUNCTION, qwen_scripted_server
 
-from tinypaged.entrypoints.openai.api_server import build_app
-from tinypaged.tokenizer.tokenizer import load_tokenizer
-
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
+WEATHER = {"type": "function", **WEATHER_FUNCTION}
 QUESTION = "What is the weather in Paris?"
 THOUGHT_CALL = (
     "<think>I should look it up.</think>\n\n<tool_call>\n"
@@ -40,13 +25,9 @@ ANSWER = "It is 22 C and sunny in Paris."
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    tok = load_tokenizer(train_bpe(tmp_path_factory.mktemp("qwen"), chat_template=QWEN))
-    engine = ScriptedEngine(tok)
-    app = build_app(engine, tool_call_parser="hermes", enable_auto_tool_choice=True,
-                    reasoning_parser="qwen3")
-    with running_server(app) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        yield SimpleNamespace(engine=engine, client=client, url=url, tok=tok)
+    with qwen_scripted_server(tmp_path_factory.mktemp("qwen")) as api:
+        api.client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0)
+        yield api
 
 
 def ask(api, stream: bool, **kw):

@@ -18,6 +18,7 @@ import openai
 import pytest
 from helpers.chat_templates import GLM45, LLAMA3, QWEN
 from helpers.server import (
+    WEATHER_FUNCTION,
     ScriptedEngine,  # noqa: F401
     assert_error,
     post,
@@ -28,18 +29,7 @@ from helpers.tokenizer import train_bpe
 from tinypaged.entrypoints.openai.api_server import build_app
 from tinypaged.tokenizer.tokenizer import load_tokenizer
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
+WEATHER = {"type": "function", "function": WEATHER_FUNCTION}
 QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
 ANSWER = "It is 22 C and sunny in Paris."
 
