@@ -8,7 +8,6 @@ each DP=2 engine spawns two processes (a few seconds)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -16,9 +15,9 @@ import time
 
 import httpx
 import pytest
+from helpers.models import write_dummy_llama
 from helpers.server import post, running_server
 
-from tinypaged.bench.model_shapes import write_word_tokenizer
 from tinypaged.dp.client import DPAsyncLLM
 from tinypaged.engine.llm import LLM
 from tinypaged.entrypoints.openai.api_server import build_app
@@ -29,20 +28,13 @@ BS = 16
 KWARGS = dict(load_format="dummy", dtype="float32", max_model_len=256, num_kv_blocks=64,
               block_size=BS, enable_prefix_caching=True)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 PROMPTS = [[3 + (7 * i + j) % 500 for j in range(5 + 3 * i)] for i in range(8)]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="float32",
-                  bos_token_id=1, eos_token_id=2)
-    (path / "config.json").write_text(json.dumps(config))
-    write_word_tokenizer(path, VOCAB, 256)
-    return str(path)
+    return write_dummy_llama(tmp_path_factory.mktemp("tiny-llama"), VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +103,16 @@ def test_a_shared_prefix_lands_on_the_engine_that_caches_it(dp):
     assert all(o.num_cached_tokens == 4 * BS for o in rest)  # ... the one holding the prefix
 
 
-def test_abort_reaches_the_engine_that_has_the_request(dp):
-    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+async def started(dp, prompt: list[int], request_id: str):
+    """A long request's stream once its first output came, and the engine that runs it."""
+    stream = dp.generate({"prompt_token_ids": prompt}, LONG, request_id)
+    await anext(stream)
+    return stream, dp._owner[request_id]
 
+
+def test_abort_reaches_the_engine_that_has_the_request(dp):
     async def run():
-        stream = dp.generate({"prompt_token_ids": [9, 8, 7]}, long, "long")
-        await anext(stream)
-        i = dp._owner["long"]
+        stream, i = await started(dp, [9, 8, 7], "long")
         assert dp.get_stats()["per_engine"][i]["num_running"] == 1
         await dp.abort("long")
         deadline = time.monotonic() + 10
@@ -126,9 +121,7 @@ def test_abort_reaches_the_engine_that_has_the_request(dp):
             await asyncio.sleep(0.05)
         await stream.aclose()
         # A stream closed early (a client that went away) is dropped by its engine too.
-        stream = dp.generate({"prompt_token_ids": [9, 8, 6]}, long, "closed")
-        await anext(stream)
-        i = dp._owner["closed"]
+        stream, i = await started(dp, [9, 8, 6], "closed")
         await stream.aclose()
         while dp.get_stats()["per_engine"][i]["num_running"]:
             assert time.monotonic() < deadline + 10, "closing the stream did not abort it"
@@ -150,12 +143,8 @@ def test_metrics_label_each_engine(dp):
 
 
 def test_a_killed_engine_fails_its_requests_and_the_other_serves(dp):
-    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-
     async def run():
-        stream = dp.generate({"prompt_token_ids": [4, 5, 6]}, long, "doomed")
-        await anext(stream)
-        victim = dp._owner["doomed"]
+        stream, victim = await started(dp, [4, 5, 6], "doomed")
         os.kill(dp.engines[victim].core_client.proc.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=f"data-parallel engine {victim} stopped"):

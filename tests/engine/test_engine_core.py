@@ -16,9 +16,9 @@ import threading
 from collections import deque
 
 import pytest
+from helpers.models import write_dummy_llama
 from helpers.server import post, running_server
 
-from tinypaged.bench.model_shapes import write_word_tokenizer
 from tinypaged.config import EngineConfig
 from tinypaged.engine.async_llm import AsyncLLM
 from tinypaged.engine.core import EngineCore, use_engine_process
@@ -41,15 +41,7 @@ KWARGS = dict(load_format="dummy", dtype="float32", max_model_len=256, num_kv_bl
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="float32",
-                  bos_token_id=1, eos_token_id=2)
-    (path / "config.json").write_text(json.dumps(config))
-    write_word_tokenizer(path, VOCAB, 256)
-    return str(path)
+    return write_dummy_llama(tmp_path_factory.mktemp("tiny-llama"), VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@
 - `checkpoint_weights(hf_model)`: the tensors `save_pretrained` writes (for MoE models one tensor
   per expert and projection, not transformers' in-memory stacked experts).
 - `greedy_reference(hf_model, prompt, steps)`: transformers' greedy continuation and its
-  full-sequence logits.
+  full-sequence logits; `check_llm_greedy(llm, hf_model, prompts)`: LLM's greedy tokens are it.
+- `write_dummy_llama(path)`: a tiny Llama checkpoint with no weights (load_format="dummy"), for
+  the tests that start whole engines (engine processes, data parallelism).
 - `PagedRunner`: what the engine does for a batch, on a small scale: a paged KV cache per layer,
   blocks handed out from a random permutation, and `step({seq: new_tokens})` building the flat
   batch (`build_flat_batch`) and returning the logits of every new token.
@@ -13,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -20,6 +23,7 @@ import pytest
 import torch
 from torch import nn
 
+from tinypaged.bench.model_shapes import write_word_tokenizer
 from tinypaged.bench.tiny_models import (  # noqa: F401  (the tests import them from here)
     HF_KINDS,
     TINY,
@@ -31,6 +35,7 @@ from tinypaged.bench.tiny_models import (  # noqa: F401  (the tests import them 
 from tinypaged.models.attention_metadata import AttentionMetadata
 from tinypaged.models.layers import Attention
 from tinypaged.models.registry import get_model_class
+from tinypaged.sampling.params import SamplingParams
 
 
 def save_byte_tokenizer(path) -> None:
@@ -94,6 +99,15 @@ def greedy_reference(hf_model, prompt: list[int], steps: int) -> tuple[list[int]
         logits = hf_model(torch.tensor([ids])).logits[0, -1]
         ids.append(int(logits.argmax()))
     return ids[len(prompt):], hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def check_llm_greedy(llm, hf_model, prompts: list[list[int]], steps: int = 6) -> None:
+    """LLM.generate's greedy tokens for each token-id prompt equal transformers'."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True),
+                        use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == greedy_reference(hf_model, p, steps)[0]
 
 
 def build_flat_batch(new_tokens: list[list[int]], num_cached: list[int],
@@ -206,6 +220,20 @@ def check_prefill_then_decode(runner: PagedRunner, hf_model, prompts: list[list[
                                 what=f"{what} decode step {i} of seq {s}")
 
 
+def paged_logits(model: nn.Module, prompts: list[list[int]], steps: int,
+                 kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The logits of all prompts prefilled in one flat batch, then `steps` decode steps (token
+    40 + t for every sequence), all rows concatenated; a fresh 32 x 4-token-block cache of
+    `kv_dtype` (the model's dtype when None), unused slots 0."""
+    runner = PagedRunner(model, block_size=4, num_blocks=32)
+    allocate_kv_cache(model, 32, 4, dtype=kv_dtype, fill=0.0)
+    seqs = [runner.add_sequence() for _ in prompts]
+    out = [runner.step(dict(zip(seqs, prompts)))]
+    for t in range(steps):
+        out.append(runner.step({s: [t + 40] for s in seqs}))
+    return torch.cat([torch.cat([o[s] for s in seqs]) for o in out])
+
+
 def count_preemptions(scheduler) -> list[int]:
     """Wrap `scheduler.schedule` so that the returned one-element list counts the sequences it
     preempts: tests that mean to exercise preemption assert it happened."""
@@ -242,3 +270,16 @@ def generate_cli(model_dir, prompt: str, *flags: str) -> str:
 def prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(2, 250) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def write_dummy_llama(path, vocab_size: int = 512) -> str:
+    """A tiny Llama's config.json and a word tokenizer in `path`, no weights: engines load it
+    with load_format="dummy". Returns the path as a string."""
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="float32",
+                  bos_token_id=1, eos_token_id=2)
+    (path / "config.json").write_text(json.dumps(config))
+    write_word_tokenizer(path, vocab_size, 256)
+    return str(path)

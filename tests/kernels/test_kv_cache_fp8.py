@@ -6,10 +6,9 @@ within a stated tolerance of those with a full-precision cache."""
 import pytest
 import torch
 from helpers.models import (  # noqa: F401  (single_thread: autouse fixture)
-    PagedRunner,
-    allocate_kv_cache,
     build_model,
     checkpoint_weights,
+    paged_logits,
     single_thread,
     tiny_hf_model,
 )
@@ -90,15 +89,7 @@ def test_tiny_model_logits_close_to_full_precision_cache():
     hf = tiny_hf_model("llama")
     model = build_model(hf.config, checkpoint_weights(hf))
     prompts = [[5, 17, 99, 3, 250, 42, 7, 8, 9, 10], list(range(11, 31))]
-    outs = []
-    for dtype in (None, FP8):
-        runner = PagedRunner(model, block_size=4, num_blocks=32)
-        allocate_kv_cache(model, 32, 4, dtype=dtype, fill=0.0)  # the same blocks, in FP8
-        seqs = [runner.add_sequence() for _ in prompts]
-        step = [runner.step(dict(zip(seqs, prompts)))]
-        for t in range(3):
-            step.append(runner.step({s: [t + 40] for s in seqs}))
-        outs.append(torch.cat([torch.cat([o[s] for s in seqs]) for o in step]))
+    outs = [paged_logits(model, prompts, 3, dtype) for dtype in (None, FP8)]  # same blocks
     err = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
     print(f"fp8 KV cache: relative L2 error of the logits {err:.4f}")
     assert 0 < err < 0.1, err

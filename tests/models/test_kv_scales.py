@@ -6,10 +6,9 @@ cache is FP8, ignored with a full-precision cache."""
 import pytest
 import torch
 from helpers.models import (  # noqa: F401  (single_thread: autouse fixture)
-    PagedRunner,
-    allocate_kv_cache,
     build_model,
     checkpoint_weights,
+    paged_logits,
     single_thread,
     tiny_hf_model,
 )
@@ -56,13 +55,7 @@ def test_names():
 
 
 def run(model, kv_dtype):
-    runner = PagedRunner(model, block_size=4, num_blocks=32)
-    allocate_kv_cache(model, 32, 4, dtype=kv_dtype, fill=0.0)
-    seqs = [runner.add_sequence() for _ in PROMPTS]
-    steps = [runner.step(dict(zip(seqs, PROMPTS)))]
-    for t in range(2):
-        steps.append(runner.step({s: [t + 40] for s in seqs}))
-    return torch.cat([torch.cat([o[s] for s in seqs]) for o in steps])
+    return paged_logits(model, PROMPTS, 2, kv_dtype)
 
 
 def attention_layers(model):

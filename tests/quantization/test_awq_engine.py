@@ -8,7 +8,7 @@ import asyncio
 
 import httpx
 import pytest
-from helpers.models import generate_cli, greedy_reference
+from helpers.models import check_llm_greedy, generate_cli
 from helpers.quantize import quantized_pair
 from helpers.server import running_server
 
@@ -27,11 +27,7 @@ def test_llm_generates_the_dequantized_models_tokens(awq_dir):
     out_dir, hf_model = awq_dir
     llm = LLM(str(out_dir), **ENGINE)
     prompts = [[5, 17, 99, 3, 250, 42, 7], list(range(11, 40))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                        use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == greedy_reference(hf_model, p, 6)[0]
+    check_llm_greedy(llm, hf_model, prompts)
 
 
 def test_cli_and_server_serve_the_checkpoint(awq_dir):

@@ -11,6 +11,7 @@ import torch
 from helpers.models import (  # noqa: F401  (single_thread: autouse fixture)
     PagedRunner,
     assert_logits_close,
+    check_llm_greedy,
     check_prefill_then_decode,
     greedy_reference,
     single_thread,
@@ -18,7 +19,7 @@ from helpers.models import (  # noqa: F401  (single_thread: autouse fixture)
 from helpers.quantize import LINEARS, save_tiny
 from safetensors.torch import load_file, save_file
 
-from tinypaged import LLM, SamplingParams
+from tinypaged import LLM
 from tinypaged.config import EngineConfig
 from tinypaged.kernels.fp8 import FP8_MAX, dequantize_fp8
 from tinypaged.models import layers
@@ -110,11 +111,7 @@ def test_checkpoint_matches_dequantized_transformers(tmp_path, fmt, kind):
 def test_llm_generates_the_dequantized_models_tokens(tmp_path):
     out, hf_model = fp8_pair(tmp_path, "block", "qwen3")
     llm = LLM(str(out), num_kv_blocks=64, block_size=16, max_model_len=128, quantization="fp8")
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                        use_tqdm=False)
-    for p, o in zip(PROMPTS, outs):
-        assert o.outputs[0].token_ids == greedy_reference(hf_model, p, 6)[0]
+    check_llm_greedy(llm, hf_model, PROMPTS)
 
 
 def test_quantize_at_load_is_close_to_the_dense_model(tmp_path):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers.models import (  # noqa: F401  (single_thread: autouse fixture)
     PagedRunner,
+    check_llm_greedy,
     check_prefill_then_decode,
     generate_cli,
-    greedy_reference,
     single_thread,
 )
 from helpers.quantize import LINEARS, save_tiny
@@ -161,11 +161,7 @@ def test_llm_and_cli_generate_the_dequantized_models_tokens(tmp_path):
     out, hf_model = gptq_pair(tmp_path, act_order=True)
     llm = LLM(str(out), num_kv_blocks=64, block_size=16, max_model_len=128,
               quantization="gptq")
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                        use_tqdm=False)
-    for p, o in zip(PROMPTS, outs):
-        assert o.outputs[0].token_ids == greedy_reference(hf_model, p, 6)[0]
+    check_llm_greedy(llm, hf_model, PROMPTS)
 
     text = llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=5),
                         use_tqdm=False)[0].outputs[0].text
