@@ -62,6 +62,8 @@ class PoolingRequestOutput(Generic[_O]):
 
     @classmethod
     def from_base(cls, out: PoolingRequestOutput[PoolingOutput]) -> PoolingRequestOutput:
+        if cls.output_type is None:
+            raise TypeError(f"{cls.__name__} is not made from one pooled output")
         return cls(out.request_id, cls.output_type(out.outputs.data.tolist()),
                    out.prompt_token_ids, out.finished, out.prompt, out.num_cached_tokens)
 
