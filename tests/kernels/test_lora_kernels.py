@@ -64,7 +64,8 @@ def test_lora_shrink(dtype, num_tokens, k, n, split_k):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens,rank,offsets,splits", [(6, 16, (0, 64, 96, 128), 3),
                                                             (37, 8, (0, 80), 1),
-                                                            (20, 40, (0, 24, 48), 2)])
+                                                            (20, 40, (0, 24, 48), 2),
+                                                            (9, 200, (0, 40), 5)])
 def test_lora_expand(dtype, num_tokens, rank, offsets, splits):
     num_slots, shards = 4, len(offsets) - 1
     y0 = randn(num_tokens, offsets[-1], dtype=dtype, seed=2)
@@ -84,3 +85,26 @@ def test_lora_expand(dtype, num_tokens, rank, offsets, splits):
         torch.testing.assert_close(want[t].double(), expect, **tol(dtype))
     torch.testing.assert_close(got, want, **tol(dtype))
     assert torch.equal(got[slots < 0], y0[slots < 0])  # tokens of no adapter: untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_kernels_on_uneven_segments(dtype):
+    """One slot with several row tiles, an empty slot, a short one and tokens of no adapter, in
+    mixed order: each program must find its own slot's tile (slot_tile) and nothing else."""
+    slots = torch.tensor([1] * 40 + [2] * 5 + [-1] * 3, dtype=torch.int32)
+    slots = slots[torch.randperm(len(slots), generator=torch.Generator().manual_seed(0))]
+    num_tokens, num_slots, k, rank, offsets = len(slots), 4, 64, 16, (0, 32, 48)
+    meta = lora_segments(slots, num_slots)
+    x = randn(num_tokens, k, dtype=dtype)
+    a = randn(num_slots, 2 * rank, k, dtype=dtype, seed=1)
+    b = randn(num_slots, offsets[-1], rank, dtype=dtype, seed=2, scale=0.5)
+    split_k = shrink_splits(num_tokens, k)
+    h = lora_shrink_triton(x, a, *meta, torch.full((split_k, num_tokens, 2 * rank), -7.0))
+    want_h = lora_shrink_ref(x, a, *meta, torch.full((split_k, num_tokens, 2 * rank), -7.0))
+    mine = slots >= 0
+    torch.testing.assert_close(h[:, mine].sum(0), want_h[:, mine].sum(0), **tol(dtype))
+    y0 = randn(num_tokens, offsets[-1], dtype=dtype, seed=3)
+    got = lora_expand_triton(y0.clone(), want_h, b, *meta, offsets)
+    torch.testing.assert_close(got, lora_expand_ref(y0.clone(), want_h, b, *meta, offsets),
+                               **tol(dtype))
+    assert torch.equal(got[~mine], y0[~mine])

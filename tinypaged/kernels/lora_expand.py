@@ -12,12 +12,14 @@ Ranks below R are zero-padded, so every adapter runs the same tile shapes.
 
 Tokens are grouped by slot as for the shrink (`sorted_token_ids`, `seg_start`, `seg_len`); a token
 of no adapter is in no segment and its row of y is left untouched. One launch for all (up to 3)
-shards: the grid is (M tiles, column tiles of shard 0 + of shard 1 + ..., L), so no tile straddles
-two shards, and a program finds its shard from its column-tile index. It gathers BLOCK_M rows of
-its slot's segment, makes their [BLOCK_M, BLOCK_N] delta with one tl.dot over the whole rank
-(R <= 256), and adds it into y in place (at decode, one launch instead of three saves a few us
-per layer, which is most of LoRA's cost there). The activations are cast to B's dtype before the
-product, as the reference does.
+shards: the grid is (row tiles, column tiles of shard 0 + of shard 1 + ...); a row tile is
+BLOCK_M rows of one slot's segment, found as in the shrink (`slot_tile`), and no column tile
+straddles two shards, so a program finds its shard from its column-tile index. It adds up the
+shrink's SPLIT_K partial sums of its rows (PLANES planes per load, all at once when they fit in
+registers: at decode these loads are on the critical path), makes the [BLOCK_M, BLOCK_N] delta
+with one tl.dot over the whole rank (R <= 256), and adds it into y in place (at decode, one
+launch instead of three saves a few us per layer, which is most of LoRA's cost there). The
+activations are cast to B's dtype before the product, as the reference does.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from tinypaged.kernels._triton import cdiv, dot_precision, jit, next_power_of_2, tl, use_triton
+from tinypaged.kernels.lora_shrink import block_rows, slot_tile
 
 
 @jit
@@ -34,14 +37,15 @@ def _lora_expand_kernel(
     H, B, SORTED, SEG_START, SEG_LEN, Y,  # h [SPLIT_K, T, S*R] fp32; lora_b [L, O, R]; y [T, O]
     off1, off2, off3,  # shard s owns columns off_s .. off_{s+1} - 1 (off0 = 0)
     tile1, tile2,  # the first column tile of shards 1 and 2 (past the grid: no such shard)
-    rank, split_k, stride_hs, stride_hm, stride_bl, stride_bo, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    rank, split_k, num_slots, stride_hs, stride_hm, stride_bl, stride_bo, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PLANES: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seg_len = tl.load(SEG_LEN + slot)
-    if pid_m * BLOCK_M >= seg_len:
+    slot, pid_m = slot_tile(SEG_LEN, num_slots, tl.program_id(0), BLOCK_M)
+    pid_n = tl.program_id(1)
+    if slot < 0:  # past the batch's last row tile
         return
+    seg_len = tl.load(SEG_LEN + slot)
     shard = (pid_n >= tile1).to(tl.int32) + (pid_n >= tile2).to(tl.int32)
     first_tile = tl.where(shard == 0, 0, tl.where(shard == 1, tile1, tile2))
     out_offset = tl.where(shard == 0, 0, tl.where(shard == 1, off1, off2))
@@ -55,11 +59,15 @@ def _lora_expand_kernel(
     col_mask = cols < out_size
     r = tl.arange(0, BLOCK_R)
     r_mask = r < rank
-    h_ptrs = H + tok[:, None] * stride_hm + h_offset + r[None, :]
-    h_mask = row_mask[:, None] & r_mask[None, :]
+    p = tl.arange(0, PLANES)
+    h_ptrs = (H + p[:, None, None] * stride_hs + tok[None, :, None] * stride_hm + h_offset
+              + r[None, None, :])  # [PLANES, BM, BR]
+    h_mask = row_mask[None, :, None] & r_mask[None, None, :]
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for s in range(split_k):  # the shrink's partial sums
-        h += tl.load(h_ptrs + s * stride_hs, mask=h_mask, other=0.0)  # [BM, BR] fp32
+    for s0 in range(0, split_k, PLANES):  # the shrink's partial sums, PLANES at a time
+        planes = tl.load(h_ptrs + s0 * stride_hs, mask=h_mask & (s0 + p < split_k)[:, None, None],
+                         other=0.0)
+        h += tl.sum(planes, axis=0)  # [BM, BR] fp32
     b = tl.load(B + slot.to(tl.int64) * stride_bl + (out_offset + cols)[None, :] * stride_bo
                 + r[:, None], mask=r_mask[:, None] & col_mask[None, :], other=0.0)  # [BR, BN]
     delta = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)  # [BM, BN] fp32
@@ -79,20 +87,22 @@ def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
         return y
     if not 2 <= len(offsets) <= 4 or offsets[0] != 0:
         raise ValueError(f"offsets must be [0, ...] for 1 to 3 shards, got {list(offsets)}")
-    block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
+    block_m = block_rows(num_tokens)
     block_r = max(16, next_power_of_2(rank))
+    split_k = h.shape[0]  # at most 32 x [BM, BR] fp32 per load: 64 registers a thread at r16
+    planes = min(next_power_of_2(split_k), max(1, 8192 // (block_m * block_r)))
     block_n = 64 if block_r <= 64 else 32
     ends = list(offsets[1:]) + [offsets[-1]] * (4 - len(offsets))  # off1, off2, off3
     tiles = [cdiv(offsets[s + 1] - offsets[s], block_n) for s in range(len(offsets) - 1)]
     starts = [sum(tiles[:s]) for s in range(1, 3)]
     num_tiles = sum(tiles)
     starts = [start if s < len(tiles) else num_tiles for s, start in enumerate(starts, 1)]
-    grid = (cdiv(num_tokens, block_m), num_tiles, num_slots)
+    grid = (cdiv(num_tokens, block_m) + num_slots, num_tiles)
     _lora_expand_kernel[grid](
         h, lora_b, sorted_token_ids, seg_start, seg_len, y, *ends, *starts,
-        rank, h.shape[0], h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1),
+        rank, split_k, num_slots, h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1),
         y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, PLANES=planes,
         PRECISION=dot_precision(lora_b.dtype), num_warps=4,
     )
     return y

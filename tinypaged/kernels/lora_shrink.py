@@ -12,14 +12,18 @@ up as it loads them (lora_expand.py).
 
 Tokens are grouped by slot (`lora_segments`): `sorted_token_ids` lists the batch's rows slot by
 slot, and slot l owns entries seg_start[l] .. seg_start[l] + seg_len[l] - 1 (tokens of no adapter,
-slot -1, are in no segment: their rows of `out` are left as they were). The grid is
-(M tiles x SPLIT_K, N tiles, L): a program takes BLOCK_M rows of one slot's segment (returning at
-once past the segment's end), gathers them from x and multiplies them by that slot's A tile with
-tl.dot, so each A tile is read once per BLOCK_M tokens of its adapter, never once per token. The
-grid depends only on T and L, never on how the tokens split, so a CUDA graph replays it with new
-segments. At decode T is small and K large (4096), so the K loop is split over SPLIT_K programs
-(`shrink_splits`), each storing its partial sum in its own plane of `out`: no atomics, and no
-zeroing launch before the shrink (at decode, launches are most of LoRA's cost).
+slot -1, are in no segment: their rows of `out` are left as they were). A row tile is BLOCK_M
+rows of one slot's segment; slot l has ceil(seg_len[l] / BLOCK_M) tiles, so the batch has at most
+ceil(T / BLOCK_M) + L of them, and that is the grid's first axis (times SPLIT_K): program i walks
+the slots (`slot_tile`) to find which slot's tile it is, and returns at once when i is past the
+last. So no program is launched per (tile, slot) pair that has no tokens, and the grid depends
+only on T and L, never on how the tokens split: a CUDA graph replays it with new segments. A
+program gathers its BLOCK_M rows from x and multiplies them by the slot's A tile with tl.dot, so
+each A tile is read once per BLOCK_M tokens of its adapter, never once per token.
+
+The K loop (K = 4096 or 14336) is split over SPLIT_K programs whenever the row tiles alone are too
+few to fill the GPU (`shrink_splits`: decode and mid-size batches), each storing its partial sum
+in its own plane of `out`: no atomics, and no zeroing launch before the shrink.
 """
 
 from __future__ import annotations
@@ -39,24 +43,47 @@ def lora_segments(token_slots: torch.Tensor, num_slots: int):
     return sorted_ids, seg_start.to(torch.int32), seg_len.to(torch.int32)
 
 
+def block_rows(num_tokens: int) -> int:
+    """BLOCK_M of both LoRA kernels for a batch of num_tokens rows."""
+    return 16 if num_tokens <= 64 else 32 if num_tokens <= 512 else 64
+
+
 def shrink_splits(num_tokens: int, k: int) -> int:
-    """How many programs share the K loop (the planes of the shrink's output): small batches
-    have too few tiles to keep the GPU busy, so their K loop is spread over up to 32."""
-    return max(1, min(32, cdiv(k, 256))) if num_tokens <= 64 else 1
+    """How many programs share the K loop (the planes of the shrink's output): enough that
+    row tiles x splits reach ~256 programs (two per SM), each keeping >= 256 of K, at most 32."""
+    tiles = cdiv(num_tokens, block_rows(num_tokens))
+    return max(1, min(32, cdiv(k, 256), cdiv(256, tiles)))
+
+
+@jit
+def slot_tile(SEG_LEN, num_slots, tile, BLOCK_M: tl.constexpr):
+    """(slot, row tile within the slot's segment) of the batch's tile-th row tile, counting
+    ceil(seg_len / BLOCK_M) tiles per slot in slot order; slot -1 past the last tile."""
+    slot = tile * 0 - 1
+    local = tile * 0
+    first = tile * 0
+    for candidate in range(num_slots):
+        n = tl.cdiv(tl.load(SEG_LEN + candidate), BLOCK_M)
+        hit = (slot < 0) & (tile < first + n)
+        slot = tl.where(hit, candidate, slot)
+        local = tl.where(hit, tile - first, local)
+        first += n
+    return slot, local
 
 
 @jit(do_not_specialize=("K",))
 def _lora_shrink_kernel(
     X, A, SORTED, SEG_START, SEG_LEN, OUT,  # x [T, K]; lora_a [L, N, K]; out [SPLIT_K, T, N] fp32
-    K, N, stride_xm, stride_al, stride_an, stride_os, stride_om,
+    K, N, num_slots, stride_xm, stride_al, stride_an, stride_os, stride_om,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_mk, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    pid_m, pid_k = pid_mk // SPLIT_K, pid_mk % SPLIT_K
-    seg_len = tl.load(SEG_LEN + slot)
-    if pid_m * BLOCK_M >= seg_len:  # this slot has fewer tokens than this tile starts at
+    pid_mk, pid_n = tl.program_id(0), tl.program_id(1)
+    slot, pid_m = slot_tile(SEG_LEN, num_slots, pid_mk // SPLIT_K, BLOCK_M)
+    pid_k = pid_mk % SPLIT_K
+    if slot < 0:  # past the batch's last row tile
         return
+    seg_len = tl.load(SEG_LEN + slot)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < seg_len
     tok = tl.load(SORTED + tl.load(SEG_START + slot) + rows, mask=row_mask, other=0).to(tl.int64)
@@ -84,14 +111,15 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: 
     num_slots, n, _ = lora_a.shape
     if num_tokens == 0:
         return out
-    block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 128 else 64
+    block_m = block_rows(num_tokens)
     block_n = min(64, max(16, next_power_of_2(n)))
     block_k = 64 if k >= 64 else max(16, next_power_of_2(k))
     split_k = out.shape[0]
-    grid = (cdiv(num_tokens, block_m) * split_k, cdiv(n, block_n), num_slots)
+    grid = ((cdiv(num_tokens, block_m) + num_slots) * split_k, cdiv(n, block_n))
     _lora_shrink_kernel[grid](
         x, lora_a, sorted_token_ids, seg_start, seg_len, out,
-        k, n, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0), out.stride(1),
+        k, n, num_slots, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+        out.stride(1),
         SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=dot_precision(x.dtype), num_warps=4,
     )
