@@ -142,6 +142,9 @@ class Engine:
             self.vocab_size = model.spec.vocab_size
 
         torch.manual_seed(config.seed)
+        if config.speculative_config is not None:  # EAGLE / MTP: the target keeps hidden states
+            from tinypaged.spec_decode.heads import prepare_target
+            prepare_target(ex, config)
         self.runner = ex.init_runner()
         self.scheduler = Scheduler(config, self.runner.kv_cache_info.num_blocks)
         self.sampler = Sampler(config.seed)

@@ -281,6 +281,22 @@ class DecoderModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    def forward_keeping(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        attn_metadata: AttentionMetadata, layers: tuple[int, ...]):
+        """`forward`, also returning the hidden states of `layers` side by side
+        [T, len(layers) * hidden] (speculative decoding's EAGLE / MTP heads read them): for
+        i < num_layers the residual stream entering layer i (0: the embeddings), for
+        i = num_layers the final normed output."""
+        hidden, residual, kept = self.embed(input_ids), None, []
+        for i, layer in enumerate(self.layers):
+            if i in layers:
+                kept.append(hidden if residual is None else hidden + residual)
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        if len(self.layers) in layers:
+            kept.append(hidden)
+        return hidden, torch.cat(kept, dim=-1)
+
     def piece(self, i: int, x: torch.Tensor, residual: torch.Tensor | None,
               positions: torch.Tensor, slot_mapping: torch.Tensor):
         """Piece i (0..num_layers) of the forward cut at every attention: all of it token-wise,
@@ -326,9 +342,18 @@ class DecoderForCausalLM(nn.Module):
         self.num_layers = spec.num_layers
         self.num_kv_heads = first.num_kv_heads  # on this tensor-parallel rank
         self.head_dim = spec.head_dim
+        # Speculative decoding's EAGLE / MTP heads (spec_decode/heads.py) set the layers whose
+        # hidden states each forward keeps in `aux_hidden_states` (DecoderModel.forward_keeping);
+        # () keeps nothing and costs nothing.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
+        if self.aux_layers:
+            hidden, self.aux_hidden_states = self.model.forward_keeping(
+                input_ids, positions, attn_metadata, self.aux_layers)
+            return hidden
         return self.model(input_ids, positions, attn_metadata)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,15 +8,20 @@ Keys and defaults are vLLM's: `method`, `num_speculative_tokens`, `prompt_lookup
 `prompt_lookup_max` (n-gram; one given sets both, neither gives 5 and 5), `model` ("ngram" as
 the model is vLLM's older spelling of the method; a `model` path alone, or method "draft_model"
 with it, is a draft model: spec_decode/draft_model.py). Methods implemented here: "ngram",
-"draft_model", and two
-benchmarking oracles of tinypaged's own, which need the target's greedy continuation of each
+"draft_model", the draft heads fed the target's hidden states (spec_decode/heads.py):
+
+    "eagle3"   `model`: an EAGLE-3 head (HF or `speculators` checkpoint)
+    "eagle"    `model`: an EAGLE (EAGLE-1) head
+    "mtp"      the target checkpoint's own multi-token-prediction layer (GLM-4.5 / GLM-4.5-Air;
+               `model`, when given, must be the target itself)
+
+and two benchmarking oracles of tinypaged's own, which need the target's greedy continuation of each
 prompt (`oracle_token_ids`: a list of [prompt_ids, continuation_ids]):
 
     "oracle"       proposes the continuation itself: every draft is accepted (greedy)
     "oracle_miss"  proposes the continuation + 1 (mod vocab): every draft is rejected
 
-The other vLLM methods ("eagle", "eagle3", "mtp", "suffix", ...) and keys are
-refused with a ValueError naming them, never ignored.
+The other vLLM methods ("medusa", "suffix", ...) and keys are refused with a ValueError naming them, never ignored.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "oracle", "oracle_miss")
-_LATER = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "oracle", "oracle_miss")
+HEADS = ("eagle", "eagle3", "mtp")  # fed the target's hidden states
+_LATER = ("medusa", "mlp_speculator", "suffix")
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
          "oracle_token_ids")
 
@@ -37,7 +43,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     oracle_token_ids: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
-    model: str | None = None  # the draft model (method "draft_model")
+    model: str | None = None  # the draft model or head (methods "draft_model", "eagle*", "mtp")
 
     @classmethod
     def from_dict(cls, raw: Any) -> SpeculativeConfig:
@@ -59,8 +65,11 @@ class SpeculativeConfig:
                 f"speculative_config: method {method!r} (a draft head) is not implemented in "
                 f"tinypaged yet; use one of {', '.join(METHODS)}"
             )
-        if method == "draft_model" and not isinstance(model, str):
-            raise ValueError("speculative_config: method 'draft_model' needs 'model': a path")
+        if method in ("draft_model", "eagle", "eagle3") and not isinstance(model, str):
+            raise ValueError(f"speculative_config: method {method!r} needs 'model': the path "
+                             f"(or hub id) of the {'draft model' if method[0] == 'd' else 'head'}")
+        if method == "mtp" and model is not None and not isinstance(model, str):
+            raise ValueError(f"speculative_config: 'model' must be a path, got {model!r}")
         if method not in METHODS:
             raise ValueError(
                 f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}"
@@ -89,4 +98,5 @@ class SpeculativeConfig:
                     "records them)"
                 )
             table = {tuple(p): list(c) for p, c in pairs}
-        return cls(method, k, lo, hi, table, model if method == "draft_model" else None)
+        keep_model = method == "draft_model" or method in HEADS
+        return cls(method, k, lo, hi, table, model if keep_model else None)

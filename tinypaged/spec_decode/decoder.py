@@ -30,7 +30,7 @@ import torch
 from tinypaged.sampling.rejection_sampler import RejectionSampler
 from tinypaged.sampling.sampler import SamplingBatch
 from tinypaged.scheduler import ScheduledSequence, Sequence
-from tinypaged.spec_decode.config import SpeculativeConfig
+from tinypaged.spec_decode.config import HEADS, SpeculativeConfig
 from tinypaged.spec_decode.proposers import NgramProposer, OracleProposer, Proposer
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,10 @@ def build_proposer(config: SpeculativeConfig, engine: Any) -> Proposer:
         from tinypaged.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(config.model, engine)
+    if config.method in HEADS:  # EAGLE-3, EAGLE, MTP: fed the target's hidden states
+        from tinypaged.spec_decode.head_proposer import HeadProposer
+
+        return HeadProposer(config, engine)
     return OracleProposer(config.oracle_token_ids, engine.vocab_size,
                           config.method == "oracle_miss")
 
@@ -130,6 +134,7 @@ class SpecDecoder:
         logits = eng.executor.execute(items, every if any(every) else None)
         sampled = [it for it in items if it.sample]
         if not sampled:
+            self.proposer.observe(items, {})
             return [], None, []
         seqs = [it.seq for it in sampled]
         drafts = [it.spec_token_ids for it in sampled]
@@ -137,6 +142,7 @@ class SpecDecoder:
         batch, starts, gens = self._batch(seqs, reqs, drafts, logits.device)
         out, raw = self.sampler(logits, batch, drafts, gens)
         tokens = [[t for t in row if t >= 0] for row in out.tolist()]
+        self.proposer.observe(items, {s.seq_id: t for s, t in zip(seqs, tokens)})
         for draft, toks in zip(drafts, tokens):
             if draft:
                 self.stats.observe(len(draft), len(toks) - 1)

@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from tinypaged.scheduler import Sequence
+from tinypaged.scheduler import ScheduledSequence, Sequence
 
 
 class Proposer:
@@ -22,6 +22,10 @@ class Proposer:
 
     def finish(self, seq: Sequence) -> None:
         """`seq` ended (stop, length): drop what the proposer keeps for it."""
+
+    def observe(self, items: Seq[ScheduledSequence], tokens: dict[int, list[int]]) -> None:
+        """The target ran `items` (tokens: seq_id -> its accepted drafts + the target's token,
+        for the sampled ones); the heads fed the target's hidden states read them here."""
 
 
 class NgramProposer(Proposer):

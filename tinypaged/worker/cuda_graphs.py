@@ -105,6 +105,7 @@ class DecodeGraphs:
         self.host_fields: dict[tuple[int, int], _Fields] = {}  # (set, bs) -> numpy views
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.aux: dict[int, torch.Tensor | None] = {}  # the EAGLE / MTP heads' hidden states
         self._capture()
 
     def fits(self, batch_size: int) -> bool:
@@ -131,6 +132,7 @@ class DecodeGraphs:
                                              self.runner.sampled_ids)
                 hidden = model(input_ids, f.positions, md)
                 self.logits[bs] = model.compute_logits(hidden)
+            self.aux[bs] = getattr(model, "aux_hidden_states", None)  # None: none kept
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
@@ -158,4 +160,6 @@ class DecodeGraphs:
         self.ids64[:n64].copy_(host64[:n64], non_blocking=True)
         self.ids32[: len(stage.ids32)].copy_(host32[: len(stage.ids32)], non_blocking=True)
         self.graphs[bs].replay()
+        if self.aux[bs] is not None:  # the rows of this step, as an eager forward keeps them
+            self.runner.model.aux_hidden_states = self.aux[bs][: b * self.q]
         return self.logits[bs][: b * self.q]

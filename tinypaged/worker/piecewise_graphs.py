@@ -70,6 +70,8 @@ def piecewise_unsupported(model: torch.nn.Module) -> str | None:
     that (benchmarks/tp_gpu_check.sh)."""
     if getattr(model, "spec", None) is None or not hasattr(model, "model"):
         return "not a DecoderForCausalLM"
+    if getattr(model, "aux_layers", ()):  # the pieces do not keep them
+        return "speculative decoding's EAGLE / MTP heads read hidden states of its layers"
     if distributed.get_tp_size() > 1 and not envs.TINYPAGED_PIECEWISE_UNCHECKED:
         return "tensor parallelism"
     return None

@@ -1,0 +1,169 @@
+"""The proposer of the draft heads (EAGLE-3, EAGLE, MTP: heads.py), on a paged KV cache of its
+own, in two halves around the target's step:
+
+    observe(items, tokens)   right after the target verified a step (SpecDecoder.launch): the
+                             head computes, for every sequence of the step, the positions the
+                             target just computed and kept (prompt chunks, the accepted drafts
+                             and the bonus token's predecessor), with the target's own hidden
+                             states as features (`target.aux_hidden_states`, which the forward
+                             keeps for these heads only). Its last row gives draft 1.
+    propose(seqs, ks)        before the next schedule(): k - 1 more head steps per sequence,
+                             each feeding the head's own output hidden state and the draft it
+                             just made.
+
+Each sequence has a twin (a `Sequence` in this proposer's BlockManager) whose token_ids are the
+target's shifted by one (position i's input token is token i + 1) and whose cache holds, for
+positions below `confirmed`, rows computed from the target's features. The drafting steps write
+rows past `confirmed` and are forgotten afterwards (rolled back: the next observe overwrites
+them with the target's features). A preempted sequence recomputed by the target rolls its twin
+back too; positions the target never computed (a prefix-cache hit) get zero features, which only
+lowers acceptance. Draft tokens are the head's argmax (greedy drafts, q = onehot: the rejection
+sampler keeps the target's distribution for sampled requests too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tinypaged.kernels._triton import kernel_choice
+from tinypaged.models.attention_metadata import AttentionMetadata
+from tinypaged.models.layers import Attention
+from tinypaged.scheduler import ScheduledSequence, Sequence
+from tinypaged.scheduler.block_manager import BlockManager
+from tinypaged.spec_decode.config import SpeculativeConfig
+from tinypaged.spec_decode.heads import load_head, read_head_config
+from tinypaged.spec_decode.proposers import Proposer
+from tinypaged.worker.input_batch import HostBlockTables, build_step
+
+
+@dataclass
+class _Twin:
+    target: Sequence
+    seq: Sequence  # token_ids = target's [1:] (+ drafts while proposing)
+    confirmed: int = 0  # positions [0, confirmed) hold rows of the target's features
+    next_token: int | None = None  # draft 1, from the last observed row
+    next_hidden: torch.Tensor | None = None  # [hidden]: the features of draft 2's step
+
+
+class HeadProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, engine: Any) -> None:
+        ex, cfg = engine.executor, engine.config
+        self.target = ex.model
+        head_config = read_head_config(config.method, config.model, ex.model_dir, ex.hf_config)
+        self.head = load_head(head_config, self.target, engine.device, engine.dtype)
+        self.device = engine.device
+        self.block_size = cfg.block_size
+        num_blocks = engine.runner.kv_cache_info.num_blocks
+        shape = (num_blocks, cfg.block_size, self.head.num_kv_heads, self.head.head_dim)
+        for layer in self.head.modules():
+            if isinstance(layer, Attention):
+                layer.k_cache = torch.zeros(shape, dtype=engine.dtype, device=self.device)
+                layer.v_cache = torch.zeros(shape, dtype=engine.dtype, device=self.device)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, False)
+        self.tables = HostBlockTables(cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size) + 1)
+        self.kernels = kernel_choice(cfg.kernels)
+        self.twins: dict[int, _Twin] = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def finish(self, seq: Sequence) -> None:
+        twin = self.twins.pop(seq.seq_id, None)
+        if twin is not None:
+            self.blocks.free(twin.seq)
+
+    def _release_finished(self) -> None:
+        for twin in [t for t in self.twins.values() if t.target.is_finished]:
+            self.finish(twin.target)
+
+    def _run(self, items: list[ScheduledSequence], features: torch.Tensor):
+        """One head forward over the twins' rows; -> (draft ids [S], next features [S, H]) of
+        each item's last row."""
+        step = build_step(items, self.block_size, self.tables)
+
+        def to(array):
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+        md = AttentionMetadata(slot_mapping=to(step.slot_mapping),
+                               query_start_loc=to(step.query_start_loc),
+                               seq_lens=to(step.seq_lens), block_tables=to(step.block_tables),
+                               max_query_len=step.max_query_len, max_seq_len=step.max_seq_len)
+        with self.kernels:
+            logits, hidden = self.head(to(step.input_ids), to(step.positions), md, features,
+                                       to(step.logits_indices))
+        return self.head.to_target_ids(logits.argmax(dim=-1)).tolist(), hidden
+
+    # ------------------------------------------------------------------ after the target's step
+    @torch.inference_mode()
+    def observe(self, items: Seq[ScheduledSequence], tokens: dict[int, list[int]]) -> None:
+        self._release_finished()
+        aux = self.target.aux_hidden_states  # [T, D]: this step's rows, in `items` order
+        features = self.head.combine(aux)  # [T, hidden]
+        batch, feats, twins, row = [], [], [], 0
+        for it in items:
+            seq, q, start = it.seq, it.num_new_tokens, it.num_computed_tokens
+            rows, row = features[row : row + q], row + q
+            new = tokens.get(seq.seq_id)  # accepted drafts + the target's token, if sampled
+            valid = q if new is None else q - (len(it.spec_token_ids) + 1 - len(new))
+            twin = self.twins.get(seq.seq_id)
+            if twin is None:
+                twin = self.twins[seq.seq_id] = _Twin(seq, Sequence(seq.request_id, [0]))
+            first = min(twin.confirmed, start)  # a recompute (preemption) rolls the twin back
+            end = start + valid
+            twin.seq.token_ids = (seq.token_ids + (new or []))[1:]  # input of position i: i+1
+            twin.seq.num_computed_tokens = first
+            twin.next_token = None
+            if not self.blocks.allocate(twin.seq, end - first):
+                self.finish(seq)  # the head's cache is full: this sequence drafts nothing
+                continue
+            gap = rows.new_zeros(start - first, rows.shape[1])  # never computed by the target
+            feats.append(torch.cat([gap, rows[:valid]]) if start > first else rows[:valid])
+            batch.append(ScheduledSequence(twin.seq, end - first, first, True))
+            twin.seq.num_computed_tokens = twin.confirmed = end
+            twins.append(twin)
+        if not batch:
+            return
+        ids, hidden = self._run(batch, torch.cat(feats))
+        for i, twin in enumerate(twins):
+            twin.next_token, twin.next_hidden = ids[i], hidden[i]
+
+    # ------------------------------------------------------------------ before the next one
+    @torch.inference_mode()
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
+        self._release_finished()
+        out: list[list[int]] = [[] for _ in seqs]
+        live: dict[int, _Twin] = {}  # index in seqs -> its twin, while it drafts
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            twin = self.twins.get(seq.seq_id)
+            if (k > 0 and twin is not None and twin.next_token is not None
+                    and twin.confirmed == len(seq.token_ids) - 1):
+                out[i].append(twin.next_token)
+                live[i] = twin
+        drafting = dict(live)
+        features = {i: twin.next_hidden for i, twin in live.items()}
+        for step in range(1, max(ks, default=0)):
+            batch, rows = [], []
+            for i, twin in drafting.items():
+                if step >= ks[i]:
+                    continue
+                s, position = twin.seq, twin.confirmed + step - 1
+                s.token_ids.append(out[i][-1])  # the input of `position` is the last draft
+                s.num_computed_tokens = position
+                if not self.blocks.allocate(s, 1):
+                    continue  # the head's cache is full: no more drafts for this one
+                batch.append(ScheduledSequence(s, 1, position, True))
+                s.num_computed_tokens = position + 1
+                rows.append(i)
+            if not batch:
+                break
+            ids, hidden = self._run(batch, torch.stack([features[i] for i in rows]))
+            for j, i in enumerate(rows):
+                out[i].append(ids[j])
+                features[i] = hidden[j]
+            drafting = {i: live[i] for i in rows}
+        for twin in live.values():  # forget the drafts' rows: the target's features replace them
+            twin.seq.num_computed_tokens = twin.confirmed
+            del twin.seq.token_ids[twin.confirmed :]
+        return out
