@@ -93,14 +93,16 @@ def save_eagle3(path, target_config, *, fmt: str = "hf", seed: int = 0,
     save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
 
 
-def make_bigram(model) -> None:
-    """The next token of `model` (a transformers decoder) depends on the current token only."""
+def make_bigram(model, leak: float = 0.0) -> None:
+    """The next token of `model` (a transformers decoder) depends on the current token only;
+    `leak` > 0 keeps that fraction of the attention and MLP outputs, so the context sometimes
+    changes the token (a copying head's drafts are then partly rejected)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight", "o_proj.bias")):
-                p.zero_()
+                p.mul_(leak)
             if ".mlp.gate.weight" in name or ".experts." in name:
-                p.zero_()
+                p.mul_(leak)
         model.model.norm.weight.fill_(1.0)
 
 

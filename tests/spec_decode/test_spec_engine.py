@@ -135,7 +135,7 @@ def test_bad_configs_are_refused(llama):
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(llama, speculative_config=ngram(2), async_scheduling=True, **ENGINE)
     with pytest.raises(ValueError, match="not implemented"):
-        LLM(llama, speculative_config={"method": "eagle3", "model": "x",
+        LLM(llama, speculative_config={"method": "medusa", "model": "x",
                                        "num_speculative_tokens": 2}, **ENGINE)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(llama, speculative_config={"method": "ngram"}, **ENGINE)

@@ -15,13 +15,14 @@ with it, is a draft model: spec_decode/draft_model.py). Methods implemented here
     "mtp"      the target checkpoint's own multi-token-prediction layer (GLM-4.5 / GLM-4.5-Air;
                `model`, when given, must be the target itself)
 
-and two benchmarking oracles of tinypaged's own, which need the target's greedy continuation of each
-prompt (`oracle_token_ids`: a list of [prompt_ids, continuation_ids]):
+and two benchmarking oracles of tinypaged's own, which need the target's greedy continuation
+of each prompt (`oracle_token_ids`: a list of [prompt_ids, continuation_ids]):
 
     "oracle"       proposes the continuation itself: every draft is accepted (greedy)
     "oracle_miss"  proposes the continuation + 1 (mod vocab): every draft is rejected
 
-The other vLLM methods ("medusa", "suffix", ...) and keys are refused with a ValueError naming them, never ignored.
+The other vLLM methods ("medusa", "suffix", ...) and keys are refused with a ValueError
+naming them, never ignored.
 """
 
 from __future__ import annotations

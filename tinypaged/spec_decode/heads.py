@@ -25,7 +25,8 @@ drafts yet).
     MTP (`method: "mtp"`: GLM-4.5's layer num_hidden_layers, vLLM's Glm4MoeMTP)
         f  = the target's final normed hidden state
         x  = eh_proj(concat(enorm(embed(t)), hnorm(f)))  (embed(t) = 0 at position 0)
-        f' = mlp_out + residual of the decoder layer    logits = shared_head.head(shared_head.norm(f'))
+        f' = mlp_out + residual of the decoder layer
+        logits = shared_head.head(shared_head.norm(f'))
 
 Checkpoints load as vLLM loads them: an EAGLE-3 head in the HF layout (config.json of a Llama
 layer with `draft_vocab_size`, tensors `midlayer.*` or `layers.0.*`, `fc`, `norm`, `lm_head`,
@@ -146,6 +147,7 @@ def read_head_config(method: str, model: str | None, target_dir: Path,
         ids = (raw.get("eagle_aux_hidden_state_layer_ids")
                or layer.get("eagle_aux_hidden_state_layer_ids")
                or eagle_config.get("eagle_aux_hidden_state_layer_ids")
+               or eagle_config.get("layer_ids")
                or (2, num_layers // 2, num_layers - 3))
         aux = tuple(int(i) for i in ids)
         if len(aux) != 3 or len(set(aux)) != 3 or not all(0 <= i < num_layers for i in aux):
@@ -377,9 +379,10 @@ def load_head(config: HeadConfig, target: Any, device: torch.device,
     with torch.no_grad():
         head.load_weights(_head_weights(config))
     head.share_from(target)
-    if head.embed_tokens.num_embeddings != target.spec.vocab_size:
-        raise ValueError(f"{config.path}: the head's vocabulary ({head.embed_tokens.num_embeddings})"
-                         f" is not the target's ({target.spec.vocab_size})")
+    vocab = head.embed_tokens.num_embeddings
+    if vocab != target.spec.vocab_size:
+        raise ValueError(f"{config.path}: the head's vocabulary ({vocab}) is not the target's "
+                         f"({target.spec.vocab_size}); a head shares the target's tokenizer")
     return head.eval()
 
 
