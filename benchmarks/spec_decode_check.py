@@ -5,6 +5,14 @@ near-tie between the decode and the verification kernels can flip a token); ever
 after. Prints one line per case and exits 1 on any mismatch.
 
     PYTHONPATH=. python benchmarks/spec_decode_check.py [--kinds llama qwen3]
+
+`--heads-only` checks the draft heads instead (spec_decode/heads.py), with checkpoints written
+in their real formats (bench/tiny_heads.py): a random EAGLE-3 head on a 4-layer llama (every
+draft rejected), an EAGLE head and a GLM-4.5 MTP layer that compute their bigram target's own
+next token (drafts accepted), each with the CUDA graphs (which keep the target's hidden states)
+and eagerly, at batch 1 and 8; the target's and the head's KV blocks all free after.
+
+    PYTHONPATH=. python benchmarks/spec_decode_check.py --heads-only
 """
 
 from __future__ import annotations
@@ -23,10 +31,14 @@ from tinypaged.bench.tiny_models import save_tiny
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kinds", nargs="+", default=["llama", "qwen3"])
+    parser.add_argument("--heads-only", action="store_true",
+                        help="check the EAGLE-3 / EAGLE / MTP heads instead")
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 250) for _ in range(rng.randint(8, 60))] for _ in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    if args.heads_only:
+        return check_heads(prompts, params)
     failures = 0
     for kind in args.kinds:
         path = Path(tempfile.mkdtemp()) / kind
@@ -68,6 +80,61 @@ def main() -> int:
                 llm.shutdown()
                 del llm
                 gc.collect()
+    print("all equal" if not failures else f"{failures} mismatches")
+    return 1 if failures else 0
+
+
+def check_heads(prompts, params) -> int:
+    from tinypaged.bench.tiny_heads import make_bigram, save_eagle, save_eagle3, save_glm_mtp
+    from tinypaged.bench.tiny_models import tiny_hf_model
+
+    root = Path(tempfile.mkdtemp())
+    cases = []  # (name, target dir, speculative_config, expect drafts accepted)
+    llama4 = tiny_hf_model("llama", seed=3, num_hidden_layers=4)
+    llama4.save_pretrained(root / "llama4")
+    (root / "eagle3").mkdir()
+    save_eagle3(root / "eagle3", llama4.config, draft_vocab=200)
+    cases.append(("eagle3", root / "llama4", {"method": "eagle3", "model": str(root / "eagle3"),
+                                              "num_speculative_tokens": 3}, False))
+    bigram = tiny_hf_model("llama_untied", seed=3)
+    make_bigram(bigram)
+    bigram.save_pretrained(root / "bigram")
+    (root / "eagle").mkdir()
+    save_eagle(root / "eagle", copy=True)
+    cases.append(("eagle", root / "bigram", {"method": "eagle", "model": str(root / "eagle"),
+                                             "num_speculative_tokens": 3}, True))
+    (root / "glm").mkdir()
+    save_glm_mtp(root / "glm", copy=True, bigram=True)
+    cases.append(("mtp", root / "glm", {"method": "mtp", "num_speculative_tokens": 2}, True))
+    engine = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=256, max_num_seqs=8,
+                  gpu_memory_utilization=0.3)
+    failures = 0
+    for name, target, config, accepts in cases:
+        llm = LLM(str(target), **engine)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        base = [o.outputs[0].token_ids for o in outs]
+        llm.shutdown()
+        del llm
+        gc.collect()
+        for mode in ({}, {"enforce_eager": True}):
+            llm = LLM(str(target), speculative_config=config, **engine, **mode)
+            for batch in (1, 8):
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], params,
+                                    use_tqdm=False)
+                stats = llm.engine.get_stats()
+                spec, proposer = stats["spec_decode"], llm.engine.spec.proposer
+                rate = spec["num_accepted_tokens"] / max(spec["num_draft_tokens"], 1)
+                ok = ([o.outputs[0].token_ids for o in outs] == base[:batch]
+                      and stats["num_free_blocks"] == stats["num_total_blocks"]
+                      and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+                      and (rate > 0.5 if accepts else True))
+                failures += not ok
+                graphs = "spec graphs" if llm.engine.runner.spec_graphs else "no spec graphs"
+                print(f"{'OK ' if ok else 'BAD'} {name} batch {batch} {mode or 'graphs'} "
+                      f"({graphs}): acceptance so far {100 * rate:.0f}%")
+            llm.shutdown()
+            del llm
+            gc.collect()
     print("all equal" if not failures else f"{failures} mismatches")
     return 1 if failures else 0
 
