@@ -138,3 +138,60 @@ def test_bad_head_configs_are_refused(llama4, tmp_path):
     save_eagle3(tmp_path, hf.config, fmt="speculators")
     with pytest.raises(ValueError, match="speculators 'eagle3' checkpoint"):
         spec_llm(path, "eagle", 2, tmp_path)
+
+
+def test_chunked_prefill_preemption_and_both_prefix_caches(bigram):
+    from helpers.models import count_preemptions
+
+    root, targets = bigram
+    target = targets[0.4][0]
+    batch = prompts(4, seed=4, lo=16, hi=30)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def generate(llm, prompts_):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts_], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], outs
+
+    base = generate(LLM(str(target), **ENGINE), batch)[0]
+    # 16 blocks of 4 tokens for 4 sequences of up to 46 tokens, 8 tokens a step: chunked
+    # prefills, preemptions with drafts in flight, recomputes through the prefix cache.
+    llm = LLM(str(target), skip_tokenizer_init=True, num_kv_blocks=16, block_size=4,
+              max_model_len=128, max_num_batched_tokens=8,
+              speculative_config={"method": "eagle", "model": str(root / "eagleTrue"),
+                                  "num_speculative_tokens": 3})
+    preempted = count_preemptions(llm.engine.scheduler)
+    assert generate(llm, batch)[0] == base
+    assert preempted[0] > 0
+    assert llm.engine.get_stats()["spec_decode"]["num_accepted_tokens"] > 0
+    # Twice on a roomier cache: the second time the target's prefix cache and the head's own
+    # serve the prompt, so the head computes fewer rows (the drafts' rows are the same), and
+    # the tokens stay the same.
+    llm = spec_llm(target, "eagle", 3, root / "eagleTrue")
+    proposer = llm.engine.spec.proposer
+    computed, run_head = [], proposer._run
+
+    def counting_run(items, features):
+        computed[-1] += sum(it.num_new_tokens for it in items)
+        return run_head(items, features)
+
+    proposer._run = counting_run
+    for _ in range(2):
+        computed.append(0)
+        tokens, outs = generate(llm, batch[:1])
+        assert tokens == base[:1]
+    assert outs[0].num_cached_tokens > 0
+    assert computed[1] <= computed[0] - outs[0].num_cached_tokens
+    stats = llm.engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert not proposer.twins and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_sampled_requests_with_a_head_repeat_with_seeds(llama4, tmp_path):
+    path, hf, _ = llama4
+    save_eagle3(tmp_path, hf.config)
+    llm = spec_llm(path, "eagle3", 3, tmp_path)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=5, ignore_eos=True)
+    first, second = (llm.generate([{"prompt_token_ids": p} for p in BATCH], params,
+                                  use_tqdm=False) for _ in range(2))
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+    assert all(len(o.outputs[0].token_ids) == 12 for o in first)

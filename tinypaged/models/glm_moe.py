@@ -11,7 +11,8 @@ The reference decoder (decoder.py) with:
   `n_shared_experts` shared experts stored as one MLP of n * moe_intermediate_size, summed in
   ungated. The router weight stays float32, as in transformers.
 Checkpoints may carry multi-token-prediction layers past `num_hidden_layers`
-(`num_nextn_predict_layers`); they are for speculative decoding and are skipped here.
+(`num_nextn_predict_layers`); they are skipped here and loaded by speculative decoding's
+`{"method": "mtp"}` (spec_decode/heads.py).
 """
 
 from __future__ import annotations

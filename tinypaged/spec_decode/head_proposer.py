@@ -15,8 +15,11 @@ Each sequence has a twin (a `Sequence` in this proposer's BlockManager) whose to
 target's shifted by one (position i's input token is token i + 1) and whose cache holds, for
 positions below `confirmed`, rows computed from the target's features. The drafting steps write
 rows past `confirmed` and are forgotten afterwards (rolled back: the next observe overwrites
-them with the target's features). A preempted sequence recomputed by the target rolls its twin
-back too; positions the target never computed (a prefix-cache hit) get zero features, which only
+them with the target's features). Rows below `confirmed` never change (the tokens do not), so a
+sequence the target recomputes after preemption costs the head nothing. The head's cache has a
+prefix cache of its own, its blocks named by the twin's (shifted) tokens: a new sequence takes
+the rows of its longest cached prefix; positions neither cache had computed by the head (the
+target's prefix-cache hit that the head's cache no longer holds) get zero features, which only
 lowers acceptance. Draft tokens are the head's argmax (greedy drafts, q = onehot: the rejection
 sampler keeps the target's distribution for sampled requests too).
 """
@@ -63,7 +66,7 @@ class HeadProposer(Proposer):
             if isinstance(layer, Attention):
                 layer.k_cache = torch.zeros(shape, dtype=engine.dtype, device=self.device)
                 layer.v_cache = torch.zeros(shape, dtype=engine.dtype, device=self.device)
-        self.blocks = BlockManager(num_blocks, cfg.block_size, False)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.tables = HostBlockTables(cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size) + 1)
         self.kernels = kernel_choice(cfg.kernels)
         self.twins: dict[int, _Twin] = {}
@@ -107,19 +110,22 @@ class HeadProposer(Proposer):
             rows, row = features[row : row + q], row + q
             new = tokens.get(seq.seq_id)  # accepted drafts + the target's token, if sampled
             valid = q if new is None else q - (len(it.spec_token_ids) + 1 - len(new))
-            twin = self.twins.get(seq.seq_id)
-            if twin is None:
-                twin = self.twins[seq.seq_id] = _Twin(seq, Sequence(seq.request_id, [0]))
-            first = min(twin.confirmed, start)  # a recompute (preemption) rolls the twin back
-            end = start + valid
-            twin.seq.token_ids = (seq.token_ids + (new or []))[1:]  # input of position i: i+1
-            twin.seq.num_computed_tokens = first
+            end = start + valid  # the target's features are good for positions [start, end)
+            shifted = (seq.token_ids + (new or []))[1:]  # the input of position i: token i+1
+            twin = self.twins.get(seq.seq_id) or self._new_twin(seq, shifted)
+            # The twin's rows below `confirmed` stay valid (the tokens never change): a
+            # recompute after preemption is skipped, a prefix-cache hit of the target that the
+            # head's cache did not have gets zero features.
+            first = twin.confirmed
+            twin.seq.token_ids = shifted
+            if end <= first:
+                continue
             twin.next_token = None
             if not self.blocks.allocate(twin.seq, end - first):
                 self.finish(seq)  # the head's cache is full: this sequence drafts nothing
                 continue
-            gap = rows.new_zeros(start - first, rows.shape[1])  # never computed by the target
-            feats.append(torch.cat([gap, rows[:valid]]) if start > first else rows[:valid])
+            gap = rows.new_zeros(max(0, start - first), rows.shape[1])
+            feats.append(torch.cat([gap, rows[max(0, first - start) : valid]]))
             batch.append(ScheduledSequence(twin.seq, end - first, first, True))
             twin.seq.num_computed_tokens = twin.confirmed = end
             twins.append(twin)
@@ -128,6 +134,18 @@ class HeadProposer(Proposer):
         ids, hidden = self._run(batch, torch.cat(feats))
         for i, twin in enumerate(twins):
             twin.next_token, twin.next_hidden = ids[i], hidden[i]
+            self.blocks.mark_computed(twin.seq)  # full blocks of the target's features only
+
+    def _new_twin(self, seq: Sequence, shifted: list[int]) -> _Twin:
+        """A twin taking the longest prefix its cache holds (its blocks are named by the shifted
+        tokens, so a block's hash covers every token its rows depend on)."""
+        twin_seq = Sequence(seq.request_id, shifted or [0])
+        twin_seq.lora_int_id = seq.lora_int_id  # another adapter: other features
+        hits = self.blocks.find_cached_prefix(twin_seq)
+        if hits:
+            self.blocks.allocate(twin_seq, 0, hits)
+        twin = self.twins[seq.seq_id] = _Twin(seq, twin_seq, twin_seq.num_computed_tokens)
+        return twin
 
     # ------------------------------------------------------------------ before the next one
     @torch.inference_mode()
