@@ -143,7 +143,7 @@ class Engine:
 
         torch.manual_seed(config.seed)
         if config.speculative_config is not None:  # EAGLE / MTP: the target keeps hidden states
-            from tinypaged.spec_decode.heads import prepare_target
+            from tinypaged.spec_decode.head_config import prepare_target
             prepare_target(ex, config)
         self.runner = ex.init_runner()
         self.scheduler = Scheduler(config, self.runner.kv_cache_info.num_blocks)

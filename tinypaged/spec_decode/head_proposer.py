@@ -38,7 +38,8 @@ from tinypaged.models.layers import Attention
 from tinypaged.scheduler import ScheduledSequence, Sequence
 from tinypaged.scheduler.block_manager import BlockManager
 from tinypaged.spec_decode.config import SpeculativeConfig
-from tinypaged.spec_decode.heads import load_head, read_head_config
+from tinypaged.spec_decode.head_config import read_head_config
+from tinypaged.spec_decode.heads import load_head
 from tinypaged.spec_decode.proposers import Proposer
 from tinypaged.worker.input_batch import HostBlockTables, build_step
 
