@@ -186,10 +186,19 @@ def test_chunked_prefill_preemption_and_both_prefix_caches(bigram):
     assert not proposer.twins and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
 
 
-def test_sampled_requests_with_a_head_repeat_with_seeds(llama4, tmp_path):
-    path, hf, _ = llama4
+def test_sampled_and_constrained_requests_beside_a_head(llama4, tmp_path):
+    path, hf, base = llama4
     save_eagle3(tmp_path, hf.config)
     llm = spec_llm(path, "eagle3", 3, tmp_path)
+    # A request with a logits constraint decodes one token a step in the same batches.
+    allowed = SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=list(range(100)))
+    want = LLM(str(path), **ENGINE).generate({"prompt_token_ids": BATCH[0]}, allowed,
+                                             use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate([{"prompt_token_ids": p} for p in BATCH + BATCH[:1]],
+                        [*PARAMS, allowed], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [*base, want]
+    assert all(t < 100 for t in want)
+    # Seeded sampling through the head's drafts repeats itself.
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=5, ignore_eos=True)
     first, second = (llm.generate([{"prompt_token_ids": p} for p in BATCH], params,
                                   use_tqdm=False) for _ in range(2))
