@@ -148,8 +148,8 @@ class Eagle3Head(DraftHead):
                                  "from the target's vocabulary but the checkpoint has no d2t")
 
     def map_name(self, name: str) -> str | None:
-        if name == "t2d":
-            return None  # target -> draft mask: unused when drafting
+        if name == "t2d" or name.endswith("rotary_emb.inv_freq"):
+            return None  # t2d: the target -> draft mask, unused when drafting
         return name.replace("midlayer.", "layers.0.", 1)
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
@@ -186,7 +186,8 @@ class EagleHead(DraftHead):
         del self.layers[0].input_layernorm  # EAGLE's first layer takes fc's output as it is
 
     def map_name(self, name: str) -> str | None:
-        return None if name.startswith(("embed_tokens.", "lm_head.")) else name
+        skip = name.startswith(("embed_tokens.", "lm_head.")) or name.endswith("inv_freq")
+        return None if skip else name
 
     def forward(self, input_ids, positions, md: AttentionMetadata, features, rows):
         x = self.fc(torch.cat([self.embed_tokens(input_ids), features], dim=-1))
