@@ -80,6 +80,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "weights to download)",
     )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="the model's layers cut into this many stages (x tp ranks each)")
     p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling = embeddings / scores (default: read from the checkpoint)")
     p.add_argument("--disable-custom-all-reduce", action="store_true",
@@ -263,6 +265,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "disable_custom_all_reduce": args.disable_custom_all_reduce,
         "data_parallel_size": args.data_parallel_size,
         "data_parallel_routing": args.data_parallel_routing,
