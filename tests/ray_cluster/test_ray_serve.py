@@ -120,3 +120,18 @@ def test_a_killed_replica_fails_its_stream_and_loses_no_other_request(served):
     assert sorted(v.split(":")[0] for v in results.values()) == ["error", "ok"], results
     outs = [complete(client, f"after the kill {i} " * 3) for i in range(6)]
     assert all(o.usage.completion_tokens == 4 for o in outs)
+
+
+def test_serve_ray_flags_reach_build_app(monkeypatch):
+    pytest.importorskip("ray.serve")
+    from tinypaged.entrypoints import cli
+    from tinypaged.entrypoints.ray_serve import app as ray_serve
+
+    seen = {}
+    monkeypatch.setattr(ray_serve, "build_app", lambda **kw: seen.update(kw) or "app")
+    monkeypatch.setattr(ray_serve, "run", lambda app, host, port: seen.update(ran=(app, port)))
+    assert cli.main(["serve", "some/model", "--ray", "--num-replicas", "3", "--port", "8123",
+                     "-pp", "2", "--served-model-name", "m"]) == 0
+    assert seen["ran"] == ("app", 8123) and seen["num_replicas"] == 3
+    assert seen["model"] == "some/model" and seen["pipeline_parallel_size"] == 2
+    assert seen["served_model_name"] == ["m"]

@@ -219,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
         "ended with an error",
     )
     serve.add_argument("--seed", type=int, default=0, help="engine seed")
+    serve.add_argument("--ray", action="store_true", help="serve replicas of the engine on Ray "
+                       "Serve ($RAY_ADDRESS or a local cluster; entrypoints/ray_serve)")
+    serve.add_argument("--num-replicas", type=int, default=None, metavar="N",
+                       help="with --ray: N replicas (default: autoscaling on queue length)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     _engine_flags(serve)
 
@@ -355,6 +359,18 @@ def serve(args: argparse.Namespace) -> int:
         model = str(shape_dir(args.model_shape, args.quantization, tokenizer=True))
         args.load_format = "dummy"
         served_model_name = served_model_name or [args.model_shape]
+    if args.ray:  # replicas on Ray Serve, the server's options as here
+        from tinypaged.entrypoints.ray_serve import app as ray_serve
+
+        options = ("tool_call_parser", "enable_auto_tool_choice", "reasoning_parser",
+                   "enable_prompt_tokens_details", "trust_request_chat_template",
+                   "return_tokens_as_token_ids")
+        kwargs = {**_engine_kwargs(args, model), "seed": args.seed, "api_key": api_key,
+                  "num_replicas": args.num_replicas, "served_model_name": served_model_name,
+                  "max_queue": args.max_queue,
+                  "server_options": {k: getattr(args, k) for k in options}}
+        ray_serve.run(_load(ray_serve.build_app, kwargs), args.host, args.port)
+        return 0
     try:  # the engine loop in a process of its own on CUDA (engine/core.py), as vLLM
         multiprocess_mode = use_engine_process(args.device)
     except ValueError as exc:
