@@ -159,6 +159,15 @@ class OpenAIIngress:
         return build_openai_app(self.engine, **self.server_kwargs)
 
 
+def _gpus_per_replica(config: EngineConfig) -> int:
+    """tp * pp GPUs for an engine on CUDA (config.device, else: this machine has GPUs)."""
+    import torch
+
+    device = config.device or ("cuda" if torch.cuda.device_count() > 0 else "cpu")
+    cuda = device.startswith("cuda")
+    return config.tensor_parallel_size * config.pipeline_parallel_size if cuda else 0
+
+
 def _runtime_env() -> dict:
     """This checkout on every replica's path (as ray_executor.py does for its actors)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -176,8 +185,8 @@ def build_app(model: str | None = None, *, num_replicas: int | None = None,
     model, engine_kwargs: as LLM / AsyncLLM (each replica builds one engine from them).
     num_replicas: a fixed count; else autoscaling_config (default AUTOSCALING) scales the
     replicas on their queue length. replica_resources: Ray resources of each replica (default
-    1 CPU, or tensor_parallel_size * pipeline_parallel_size GPUs on CUDA is the caller's to
-    ask). max_ongoing_requests: per replica (default max_num_seqs, or 256).
+    1 CPU, and tensor_parallel_size * pipeline_parallel_size GPUs when the engine runs on CUDA).
+    max_ongoing_requests: per replica (default max_num_seqs).
     served_model_name, api_key, max_queue, server_options: as api_server.build_app."""
     import_ray()
     from ray import serve
@@ -194,8 +203,8 @@ def build_app(model: str | None = None, *, num_replicas: int | None = None,
     engines = serve.deployment(EngineReplica, name="EngineReplica").options(
         **scaling,
         max_ongoing_requests=max_ongoing_requests or config.max_num_seqs,
-        ray_actor_options={"num_cpus": 1, **(replica_resources or {}),
-                           "runtime_env": _runtime_env()},
+        ray_actor_options={"num_cpus": 1, "num_gpus": _gpus_per_replica(config),
+                           **(replica_resources or {}), "runtime_env": _runtime_env()},
         request_router_config=router,
         health_check_period_s=5,
     ).bind({"model": model, **engine_kwargs})
