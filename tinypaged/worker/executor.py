@@ -12,7 +12,8 @@ UniprocExecutor (tensor_parallel_size 1): the model and its ModelRunner live in 
 process and `execute` is `runner.execute(runner.build_step(scheduled))`. No process group, no
 other process.
 
-MultiprocExecutor (N > 1): rank 0 is the engine's process (it also hosts the scheduler and the
+MultiprocExecutor (N = tensor_parallel_size * pipeline_parallel_size > 1; pipeline.py for the
+stages): rank 0 is the engine's process (it also hosts the scheduler and the
 sampler); ranks 1..N-1 are worker processes (forked, or spawned once CUDA is initialized here:
 tp_worker.start_method) joined in one torch.distributed group: "nccl" with rank r on
 cuda:(i + r) when the engine runs on cuda:i, "gloo" on the CPU.

@@ -1,5 +1,8 @@
 """RayExecutor: the tensor-parallel ranks 1..N-1 as Ray actors, on one node or several
-(`distributed_executor_backend="ray"`, vLLM's name; `pip install tinypaged[ray]`).
+(`distributed_executor_backend="ray"`, vLLM's name; `pip install tinypaged[ray]`). With
+pipeline_parallel_size P the world is tensor_parallel_size * P ranks, the engine's process the
+last stage (pipeline.py); PACK fills a node before the next, so a stage's TP ranks share a node
+when it has the room and the stages spread over nodes.
 
 Rank 0 stays the engine's process, as with MultiprocExecutor (executor.py); the other ranks are
 actors placed by a placement group (one bundle of 1 CPU, plus 1 GPU on CUDA, per rank; strategy
@@ -18,7 +21,7 @@ of 8 GPUs or across nodes of a Ray cluster. Every rank joins one torch.distribut
 Not yet: rank 0's GPU is not reserved in the placement group (Ray does not know the engine's
 process uses it), so on a node whose GPUs Ray hands out, start that node's Ray with one GPU fewer
 (`ray start --head --num-gpus 7` on 8) or Ray may give an actor the engine's GPU. Only the CPU
-path (gloo, a local multi-node cluster) is tested so far.
+path (gloo, a local multi-node cluster: tests/ray_cluster) is tested so far.
 
 A step's arrays travel as the byte string of tp_worker.pack_step in one actor call per rank
 (Ray's object store across nodes). A dead actor (killed, its node lost) resolves the call in
