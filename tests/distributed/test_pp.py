@@ -7,7 +7,8 @@
   model with an uneven split (3 layers: 2 + 1), under chunked prefill and prefix caching; the
   engine's process (the last stage) holds only its layer, the final norm and the LM head, and
   a KV cache for that layer alone. TP=2 x PP=2 (4 ranks) gives the same tokens too.
-- Clear errors before any process starts: more stages than layers, LoRA with stages.
+- Clear errors before any process starts: more stages than layers, LoRA with stages. A killed
+  stage fails the engine within seconds with an error naming its rank and pid.
 """
 
 from __future__ import annotations
@@ -99,5 +100,24 @@ def test_tp2_pp2_greedy_matches_one_rank(model_dirs):
     try:
         assert len(llm.engine.executor.workers) == 3
         assert greedy(llm) == expected
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_stage_fails_the_engine_with_its_rank(model_dirs):
+    import os
+    import signal
+    import time
+
+    llm = LLM(model_dirs["llama"], pipeline_parallel_size=2, **ENGINE)
+    try:
+        greedy(llm)
+        worker = llm.engine.executor.workers[0].process  # stage 0: the engine waits for it
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"worker rank 1 \\(pid {worker.pid}\\) was killed"):
+            greedy(llm)
+        assert time.monotonic() - start < 30
     finally:
         llm.shutdown()
