@@ -1,7 +1,7 @@
 """One local Ray cluster for every Ray test (`ray.cluster_utils.Cluster`: several Ray nodes as
 processes on this machine): a head node with no CPU to hand out, so that every actor and
 replica lands on one of the two 2-CPU worker nodes, as on a real cluster whose driver runs
-elsewhere. Started once per test session (~25 s on a loaded 2-core machine)."""
+elsewhere. Started once for this folder (~25 s on a loaded 2-core machine)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STORE = 80 * 2**20  # object store per node: the tests move a few KiB per step
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # its processes stop when this folder is done
 def cluster():
     pytest.importorskip("ray")
     import ray
