@@ -3,8 +3,8 @@
 - The layer split is vLLM's get_pp_indices: consecutive runs covering every layer once, sizes
   differing by at most one, the extra layers before the last stage.
 - Greedy tokens of `LLM(..., pipeline_parallel_size=2)` equal the single-process engine's (fp32)
-  for a tied (llama: the last stage keeps the embedding for its LM head) and an untied (qwen2)
-  model with an uneven split (3 layers: 2 + 1), under chunked prefill and prefix caching; the
+  for tied (llama; gemma2, whose embedding is also scaled: the last stage keeps the embedding
+  for its LM head) and untied (qwen2) models with an uneven split (3 layers: 2 + 1), under chunked prefill and prefix caching; the
   engine's process (the last stage) holds only its layer, the final norm and the LM head, and
   a KV cache for that layer alone. TP=2 x PP=2 (4 ranks) gives the same tokens too.
 - Clear errors before any process starts: more stages than layers, LoRA with stages. A killed
@@ -27,7 +27,7 @@ ENGINE = dict(skip_tokenizer_init=True, num_kv_blocks=64, block_size=8, dtype="f
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     dirs = {}
-    for kind in ("llama", "qwen2"):
+    for kind in ("llama", "qwen2", "gemma2"):
         path = tmp_path_factory.mktemp(kind)
         tiny_hf_model(kind, seed=5, num_hidden_layers=3).save_pretrained(path)
         dirs[kind] = str(path)
@@ -75,7 +75,7 @@ def test_more_stages_than_layers_or_lora_is_refused_before_any_process(model_dir
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2"])
 def test_pp2_greedy_matches_one_rank_and_stages_hold_their_layers(model_dirs, kind):
     expected = reference(model_dirs[kind])
     llm = LLM(model_dirs[kind], pipeline_parallel_size=2, **ENGINE)
@@ -85,7 +85,7 @@ def test_pp2_greedy_matches_one_rank_and_stages_hold_their_layers(model_dirs, ki
         names = {n.split(".")[0] if not n.startswith("model.layers") else
                  ".".join(n.split(".")[:3]) for n, _ in executor.model.named_parameters()}
         # the engine's process runs the last stage: layer 2 of 3, the norm and the LM head
-        tied = kind == "llama"
+        tied = kind != "qwen2"
         assert {n for n in names if n.startswith("model.layers")} == {"model.layers.2"}
         assert ("lm_head" in names) != tied  # tied: the LM head is the embedding's weight
         assert len(executor.runner.attn_layers) == 1  # a KV cache for its one layer

@@ -262,7 +262,7 @@ class DecoderModel(nn.Module):
             embed) else stages.MissingLayer()
         # Gemma scales by sqrt(hidden) rounded to the model dtype, as transformers does
         self.embed_scale = None if spec.embed_scale is None else float(
-            torch.tensor(spec.embed_scale, dtype=torch.get_default_dtype()))
+            torch.tensor(spec.embed_scale, dtype=torch.get_default_dtype(), device="cpu"))
         rotary_emb = _rotary_embedding(spec.rope)
         local_rotary_emb = rotary_emb if spec.local_rope is None else _rotary_embedding(
             spec.local_rope)
