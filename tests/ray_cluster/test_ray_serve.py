@@ -6,6 +6,9 @@ nodes of the local cluster (conftest.py) behind one ingress, asked through the `
   follow-up reads its prompt from that replica's prefix cache).
 - Killing a replica: the stream it was serving ends with an error within seconds (no hang), the
   stream on the other replica goes on, and every request sent afterwards is answered.
+- Without the cluster: `serve --ray` passes its flags to build_app; the router's policy (the
+  prefix holder first, the least loaded when it is far busier, ties in turn, a dead replica's
+  prefixes forgotten).
 """
 
 from __future__ import annotations
@@ -135,3 +138,37 @@ def test_serve_ray_flags_reach_build_app(monkeypatch):
     assert seen["ran"] == ("app", 8123) and seen["num_replicas"] == 3
     assert seen["model"] == "some/model" and seen["pipeline_parallel_size"] == 2
     assert seen["served_model_name"] == ["m"]
+
+
+def test_prefix_router_prefers_the_prefix_holder_unless_it_is_far_busier():
+    """PrefixAffinityRouter's policy on its own (no cluster): Serve's replica objects and queue
+    lengths stood in for by plain ones."""
+    pytest.importorskip("ray.serve")
+    import asyncio
+    from types import SimpleNamespace
+
+    from tinypaged.entrypoints.ray_serve.router import PrefixAffinityRouter
+
+    queues = {"a": 0, "b": 0}
+    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)
+    router._replica_queue_len_cache = SimpleNamespace(get=queues.get)
+    router.initialize_state(block_size=4, imbalance=2)
+    a, b = SimpleNamespace(replica_id="a"), SimpleNamespace(replica_id="b")
+
+    def choose(prompt):
+        request = SimpleNamespace(args=[prompt])
+        ranks = asyncio.run(router.choose_replicas([a, b], request))
+        router.on_request_routed(request, ranks[0][0].replica_id, None)
+        return ranks[0][0].replica_id, [r.replica_id for r in ranks[1]]
+
+    shared = {"prompt_token_ids": list(range(12))}
+    first, rest = choose(shared)
+    assert rest == ["b" if first == "a" else "a"]  # the other one as the fallback rank
+    assert choose({"prompt_token_ids": list(range(100, 112))})[0] != first  # ties in turn
+    assert choose(shared)[0] == first and router.cache_hits == 1
+    queues[first] = 3  # 3 more than the other: over the imbalance of 2
+    second = choose(shared)[0]
+    assert second != first and set(router.owner.values()) == {second}
+    router._replicas, router._replica_id_set, router._queue_len_gauge_last_update = {}, set(), {}
+    router.on_replica_actor_died(second)  # (the base class's bookkeeping needs those three)
+    assert not router.owner  # every prefix it held is forgotten
