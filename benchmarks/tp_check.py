@@ -31,6 +31,7 @@ too (the largest is printed). The script exits with status 3 at once if an error
 
     PYTHONPATH=. python benchmarks/tp_check.py --tp 2 4 --kill-check   # 4 GPUs; --tp 2 on two
     PYTHONPATH=. python benchmarks/tp_check.py --one-rank-group        # one GPU
+    PYTHONPATH=. python benchmarks/tp_check.py --tp 1 2 --pp 2 --eager  # PP=2, TP=2 x PP=2: 4 GPUs
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def timed_shutdown(llm: LLM) -> float:
 START = time.monotonic()
 
 
+PP = 1  # --pp: pipeline stages of the TP engines compared with TP=1
+
+
 def log(line: str) -> None:
     print(f"[{time.monotonic() - START:6.1f} s] {line}", flush=True)
 
@@ -153,7 +157,8 @@ def tiny_checks(kinds: list[str], dtypes: list[str], tp_sizes: list[int], eager:
                     engine_module.create_executor = create_executor
                 rows.append((kind, dtype, "1 (1-rank group)", *compare(ref, ours), len(prompts)))
             for tp in tp_sizes:
-                ours = run(str(path), prompts, 16, tensor_parallel_size=tp, **engine)
+                ours = run(str(path), prompts, 16, tensor_parallel_size=tp,
+                           pipeline_parallel_size=PP, **engine)
                 rows.append((kind, dtype, tp, *compare(ref, ours), len(prompts)))
         shutil.rmtree(path)
     return rows
@@ -208,7 +213,8 @@ def llama8b_checks(tp_sizes: list[int], eager: bool, steps: int = 32) -> list[tu
                       max_model_len=2048, enforce_eager=eager)
         ref = run(str(path), prompts, steps, **engine)
         return [("llama3-8b shape", "bfloat16", tp, *compare(ref, run(
-            str(path), prompts, steps, tensor_parallel_size=tp, **engine)), len(prompts))
+            str(path), prompts, steps, tensor_parallel_size=tp, pipeline_parallel_size=PP,
+            **engine)), len(prompts))
             for tp in tp_sizes]
     finally:
         shutil.rmtree(path, ignore_errors=True)
@@ -439,9 +445,13 @@ def main() -> None:
     parser.add_argument("--signal-check", action="store_true",
                         help="SIGINT / SIGTERM a module-level script and `tinypaged serve` "
                         "running TP; an LLM dropped without shutdown()")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages of every TP "
+                        "engine of checks 1 and 2 (TP x PP GPUs; --tp 1 --pp 2 on two)")
     parser.add_argument("--rows-json", action="store_true",
                         help="also print each row as 'ROW <json>' (a child of rows_from_child)")
     args = parser.parse_args()
+    global PP
+    PP = args.pp
     print(f"{torch.cuda.device_count()} GPU(s); NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}")
     tp, eager = max(args.tp, default=1), ["--eager"] if args.eager else []
     checks = []
@@ -457,13 +467,15 @@ def main() -> None:
             for dtype in args.dtypes:
                 for size in args.tp:
                     one_rank = ["--one-rank-group"] if args.one_rank_group and size == tp else []
-                    flags = ["--kinds", kind, "--dtypes", dtype, "--tp", str(size), "--skip-8b"]
+                    flags = ["--kinds", kind, "--dtypes", dtype, "--tp", str(size), "--skip-8b",
+                             "--pp", str(args.pp)]
                     checks.append(functools.partial(rows_from_child, flags + eager + one_rank,
                                                     kind, size, 300))
         if not args.skip_8b:
             for size in args.tp:
-                checks.append(functools.partial(rows_from_child, ["--kinds", "--tp", str(size)]
-                                                + eager, "llama3-8b shape", size, 400))
+                checks.append(functools.partial(rows_from_child, ["--kinds", "--tp", str(size),
+                                                "--pp", str(args.pp)] + eager,
+                                                "llama3-8b shape", size, 400))
         if args.kill_check:
             checks.append(functools.partial(rows_from_child, [
                 "--kinds", "--tp", str(tp), "--skip-8b", "--kill-check"] + eager,

@@ -41,6 +41,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # layers cut into stages (worker/pipeline.py)
     data_parallel_size: int = 1  # engine processes behind one router (dp/)
     data_parallel_routing: str = "cache_aware"  # cache_aware | least_loaded | round_robin
     distributed_executor_backend: str | None = None  # None/"mp": processes; "ray": Ray actors
@@ -85,6 +86,12 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 positive(name)
         positive("data_parallel_size")
+        positive("pipeline_parallel_size")
+        if self.pipeline_parallel_size > 1:  # stage 0 reads each step's real ids
+            if self.async_scheduling:
+                raise ValueError("pipeline_parallel_size > 1 cannot be combined with "
+                                 "async_scheduling=True yet; leave async_scheduling unset")
+            self.async_scheduling = False
         if self.data_parallel_routing not in ("cache_aware", "least_loaded", "round_robin"):
             raise ValueError("data_parallel_routing must be cache_aware, least_loaded or "
                              f"round_robin; got {self.data_parallel_routing!r}")

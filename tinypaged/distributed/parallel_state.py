@@ -23,6 +23,13 @@ not change at all.
     leave_tp(graceful, timeout_s)                     leave the group, within a time bound
     build_as(rank, size)                              layers built as that rank, without a group
 
+Pipeline parallelism (`pipeline_parallel_size` P > 1, worker/pipeline.py) makes the world
+N = tp * P ranks: each stage's tp ranks form the group the layers' collectives use, and hidden
+states go from stage to stage point to point (`send_to_next_stage`, `recv_from_prev_stage`).
+World rank 0 is the engine's process, and it runs the LAST stage (where the logits are
+sampled), so stages are numbered from the end: world rank w is tensor-parallel rank w % tp of
+stage P - 1 - w // tp.
+
 Leaving an NCCL group takes care. `destroy_process_group` flushes and finalizes the
 communicators (ncclCommFinalize), which waits for the other ranks: a rank that destroys while a
 peer is gone (or is not destroying too) waits forever. `abort` (ncclCommAbort) is local and safe
@@ -52,6 +59,9 @@ COLLECTIVE_TIMEOUT_S = 600.0
 
 _TP_RANK = 0
 _TP_SIZE = 1
+_PP_RANK = 0  # this process's pipeline stage
+_PP_SIZE = 1
+_TP_GROUP = None  # the stage's tensor-parallel group; None = the whole world (no pipeline)
 _GROUP_DEVICE: torch.device | None = None  # where collective inputs live; None = no group
 _CUSTOM_AR = None  # a CustomAllreduce while the group has one
 _LEAVE_LOCK = threading.Lock()  # abort (watchdog thread) and leave (finalizer) never overlap
@@ -66,29 +76,45 @@ def get_tp_size() -> int:
     return _TP_SIZE
 
 
+def get_pp_rank() -> int:
+    return _PP_RANK
+
+
+def get_pp_size() -> int:
+    return _PP_SIZE
+
+
+def world_rank(tp_rank: int, pp_rank: int, tp_size: int, pp_size: int) -> int:
+    """The world rank of tensor-parallel rank `tp_rank` of stage `pp_rank` (see above)."""
+    return (pp_size - 1 - pp_rank) * tp_size + tp_rank
+
+
 @contextmanager
-def build_as(rank: int, size: int) -> Iterator[None]:
+def build_as(rank: int, size: int, pp_rank: int = 0, pp_size: int = 1) -> Iterator[None]:
     """Layers built inside see tensor-parallel rank `rank` of `size` (no group, no collectives):
     e.g. a model built on the meta device this way raises the layers' own error for heads that
     do not split over `size` ranks, before any worker process is started."""
-    global _TP_RANK, _TP_SIZE
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE
     if _GROUP_DEVICE is not None:
         raise RuntimeError("build_as() cannot be used while a process group is active")
-    saved = _TP_RANK, _TP_SIZE
-    _TP_RANK, _TP_SIZE = rank, size
+    saved = _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE
+    _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE = rank, size, pp_rank, pp_size
     try:
         yield
     finally:
-        _TP_RANK, _TP_SIZE = saved
+        _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE = saved
 
 
 def init_tp(rank: int, world_size: int, backend: str, init_method: str,
-            timeout_s: float = COLLECTIVE_TIMEOUT_S, custom_all_reduce: bool = True) -> None:
+            timeout_s: float = COLLECTIVE_TIMEOUT_S, custom_all_reduce: bool = True,
+            pipeline_parallel_size: int = 1) -> None:
     """Join the tensor-parallel group as `rank` of `world_size` (blocks until all ranks join).
     On CUDA, call `torch.cuda.set_device` first: NCCL binds this rank to the current device.
     `custom_all_reduce` must be the same on every rank (EngineConfig's
-    `not disable_custom_all_reduce`)."""
-    global _TP_RANK, _TP_SIZE, _GROUP_DEVICE, _CUSTOM_AR
+    `not disable_custom_all_reduce`). With `pipeline_parallel_size` P > 1, `world_size` counts
+    every stage's ranks and each stage's tensor-parallel group is made here (no custom
+    all-reduce then)."""
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _GROUP_DEVICE, _CUSTOM_AR
     import torch.distributed as dist
 
     if _GROUP_DEVICE is not None or dist.is_initialized():
@@ -107,8 +133,15 @@ def init_tp(rank: int, world_size: int, backend: str, init_method: str,
         timeout=timedelta(seconds=timeout_s), device_id=device,
     )
     _TP_RANK, _TP_SIZE = rank, world_size
+    if pipeline_parallel_size > 1:  # every rank makes every stage's group, in the same order
+        tp = world_size // pipeline_parallel_size
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)))
+                  for s in range(pipeline_parallel_size)]
+        _TP_GROUP = groups[rank // tp]
+        _TP_RANK, _TP_SIZE = rank % tp, tp
+        _PP_RANK, _PP_SIZE = pipeline_parallel_size - 1 - rank // tp, pipeline_parallel_size
     _GROUP_DEVICE = device or torch.device("cpu")
-    if device is not None:
+    if device is not None and pipeline_parallel_size == 1:
         from tinypaged.distributed.custom_all_reduce import create_custom_all_reduce
 
         _CUSTOM_AR = create_custom_all_reduce(device, disabled=not custom_all_reduce)
@@ -154,12 +187,12 @@ def leave_tp(graceful: bool, timeout_s: float = 10.0) -> bool:
     (`graceful`), else abort it (NCCL). Returns False when that did not finish within
     `timeout_s` (a warning is logged; this process can then not join a new group). The layers
     built so far keep their shards."""
-    global _TP_RANK, _TP_SIZE, _GROUP_DEVICE, _CUSTOM_AR
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _GROUP_DEVICE, _CUSTOM_AR
     import torch.distributed as dist
 
     with _LEAVE_LOCK:
         device, _GROUP_DEVICE = _GROUP_DEVICE, None
-        _TP_RANK, _TP_SIZE = 0, 1
+        _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP = 0, 1, 0, 1, None
         if _CUSTOM_AR is not None:
             if not graceful:  # a kernel may still wait for a peer that is gone
                 _CUSTOM_AR.abort()
@@ -186,7 +219,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _CUSTOM_AR is not None and _CUSTOM_AR.fits(x):
         return _CUSTOM_AR.all_reduce(x)
     if _GROUP_DEVICE is not None:
-        torch.distributed.all_reduce(x)
+        torch.distributed.all_reduce(x, group=_TP_GROUP)
     return x
 
 
@@ -204,19 +237,32 @@ def all_gather_columns(x: torch.Tensor) -> torch.Tensor:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
     tp = get_tp_size()
     out = x.new_empty(tp * x.shape[0], x.shape[1])  # rank-major rows, as gloo and NCCL want
-    gather(out, x.contiguous())
+    gather(out, x.contiguous(), group=_TP_GROUP)
     return out.view(tp, x.shape[0], x.shape[1]).permute(1, 0, 2).reshape(x.shape[0], -1)
 
 
 def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
     """Overwrite `x` on every rank with rank 0's (in stream order on NCCL; x without a group)."""
-    if _GROUP_DEVICE is not None:
-        torch.distributed.broadcast(x, src=0)
+    if _GROUP_DEVICE is not None:  # world rank 0 is in the last stage's group
+        torch.distributed.broadcast(x, src=0, group=_TP_GROUP)
+    return x
+
+
+def send_to_next_stage(x: torch.Tensor) -> None:
+    """Send `x` to the same tensor-parallel rank of the next pipeline stage."""
+    dst = world_rank(_TP_RANK, _PP_RANK + 1, _TP_SIZE, _PP_SIZE)
+    torch.distributed.send(x.contiguous(), dst=dst)
+
+
+def recv_from_prev_stage(x: torch.Tensor) -> torch.Tensor:
+    """Fill `x` (its shape and dtype known in advance) from the previous stage's same rank."""
+    torch.distributed.recv(x, src=world_rank(_TP_RANK, _PP_RANK - 1, _TP_SIZE, _PP_SIZE))
     return x
 
 
 def min_over_ranks(value: int) -> int:
-    """The smallest of every rank's `value` (the value itself without a group)."""
+    """The smallest of every rank's `value` over the whole world, every pipeline stage
+    included (the value itself without a group)."""
     if _GROUP_DEVICE is None:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=_GROUP_DEVICE)

@@ -43,7 +43,8 @@ def start_engines(config: EngineConfig) -> list[AsyncMPClient]:
     one fails to start, the others are stopped and its error is raised."""
     n = config.data_parallel_size
     one = dataclasses.replace(config, data_parallel_size=1)
-    envs = engine_envs(n, config.tensor_parallel_size, config.device)
+    envs = engine_envs(n, config.tensor_parallel_size * config.pipeline_parallel_size,
+                       config.device)  # each engine: tp x pp GPUs
     clients: list[AsyncMPClient | None] = [None] * n
     errors: list[BaseException] = []
 

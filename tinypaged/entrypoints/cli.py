@@ -80,6 +80,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "weights to download)",
     )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="the model's layers cut into this many stages (x tp ranks each)")
     p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling = embeddings / scores (default: read from the checkpoint)")
     p.add_argument("--disable-custom-all-reduce", action="store_true",
@@ -217,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
         "ended with an error",
     )
     serve.add_argument("--seed", type=int, default=0, help="engine seed")
+    serve.add_argument("--ray", action="store_true", help="serve replicas of the engine on Ray "
+                       "Serve ($RAY_ADDRESS or a local cluster; entrypoints/ray_serve)")
+    serve.add_argument("--num-replicas", type=int, default=None, metavar="N",
+                       help="with --ray: N replicas (default: autoscaling on queue length)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     _engine_flags(serve)
 
@@ -263,6 +269,7 @@ def _engine_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "disable_custom_all_reduce": args.disable_custom_all_reduce,
         "data_parallel_size": args.data_parallel_size,
         "data_parallel_routing": args.data_parallel_routing,
@@ -352,6 +359,18 @@ def serve(args: argparse.Namespace) -> int:
         model = str(shape_dir(args.model_shape, args.quantization, tokenizer=True))
         args.load_format = "dummy"
         served_model_name = served_model_name or [args.model_shape]
+    if args.ray:  # replicas on Ray Serve, the server's options as here
+        from tinypaged.entrypoints.ray_serve import app as ray_serve
+
+        options = ("tool_call_parser", "enable_auto_tool_choice", "reasoning_parser",
+                   "enable_prompt_tokens_details", "trust_request_chat_template",
+                   "return_tokens_as_token_ids")
+        kwargs = {**_engine_kwargs(args, model), "seed": args.seed, "api_key": api_key,
+                  "num_replicas": args.num_replicas, "served_model_name": served_model_name,
+                  "max_queue": args.max_queue,
+                  "server_options": {k: getattr(args, k) for k in options}}
+        ray_serve.run(_load(ray_serve.build_app, kwargs), args.host, args.port)
+        return 0
     try:  # the engine loop in a process of its own on CUDA (engine/core.py), as vLLM
         multiprocess_mode = use_engine_process(args.device)
     except ValueError as exc:

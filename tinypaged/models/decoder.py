@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from tinypaged import kernels
+from tinypaged.models import pipeline as stages
 from tinypaged.models.attention_metadata import AttentionMetadata
 from tinypaged.models.kv_scales import load_kv_scale
 from tinypaged.models.layers import (
@@ -254,20 +255,25 @@ def _rotary_embedding(rope: RopeSpec) -> RotaryEmbedding:
 class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec, quant_config=None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size)
+        # Pipeline parallelism: this stage's modules only, the others MissingLayer (pipeline.py)
+        start, end = stages.stage_layers(spec.num_layers)
+        embed = stages.is_first_stage() or (stages.is_last_stage() and spec.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size) if (
+            embed) else stages.MissingLayer()
         # Gemma scales by sqrt(hidden) rounded to the model dtype, as transformers does
         self.embed_scale = None if spec.embed_scale is None else float(
-            torch.tensor(spec.embed_scale, dtype=torch.get_default_dtype()))
+            torch.tensor(spec.embed_scale, dtype=torch.get_default_dtype(), device="cpu"))
         rotary_emb = _rotary_embedding(spec.rope)
         local_rotary_emb = rotary_emb if spec.local_rope is None else _rotary_embedding(
             spec.local_rope)
         windows = spec.layer_windows or (None,) * spec.num_layers
         self.layers = nn.ModuleList(
             DecoderLayer(spec, rotary_emb if window is None else local_rotary_emb, quant_config,
-                         i, window)
+                         i, window) if start <= i < end else stages.MissingLayer()
             for i, window in enumerate(windows)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset) if (
+            stages.is_last_stage()) else stages.MissingLayer()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
@@ -335,10 +341,11 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = DecoderModel(spec, quant_config)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size)
-        if spec.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size) if (
+            stages.is_last_stage()) else stages.MissingLayer()
+        if spec.tie_word_embeddings and stages.is_last_stage():
             self.lm_head.weight = self.model.embed_tokens.weight
-        first = self.model.layers[0].self_attn
+        first = self.model.layers[stages.stage_layers(spec.num_layers)[0]].self_attn
         self.num_layers = spec.num_layers
         self.num_kv_heads = first.num_kv_heads  # on this tensor-parallel rank
         self.head_dim = spec.head_dim
@@ -385,6 +392,8 @@ class DecoderForCausalLM(nn.Module):
                 continue
             name, shard_id = self.pack_name(name)
             param = params.get(name)
+            if param is None and stages.held_elsewhere(self, name):  # another pipeline stage's
+                continue
             if param is None:
                 raise ValueError(
                     f"unexpected tensor {checkpoint_name!r} in the checkpoint: "

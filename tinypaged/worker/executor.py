@@ -12,7 +12,8 @@ UniprocExecutor (tensor_parallel_size 1): the model and its ModelRunner live in 
 process and `execute` is `runner.execute(runner.build_step(scheduled))`. No process group, no
 other process.
 
-MultiprocExecutor (N > 1): rank 0 is the engine's process (it also hosts the scheduler and the
+MultiprocExecutor (N = tensor_parallel_size * pipeline_parallel_size > 1; pipeline.py for the
+stages): rank 0 is the engine's process (it also hosts the scheduler and the
 sampler); ranks 1..N-1 are worker processes (forked, or spawned once CUDA is initialized here:
 tp_worker.start_method) joined in one torch.distributed group: "nccl" with rank r on
 cuda:(i + r) when the engine runs on cuda:i, "gloo" on the CPU.
@@ -78,6 +79,7 @@ from tinypaged.distributed.sigint_watch import StepWatch
 from tinypaged.scheduler import ScheduledSequence
 from tinypaged.worker.gpu_memory import free_at_start
 from tinypaged.worker.model_runner import ModelRunner, SampledTokens
+from tinypaged.worker.pipeline import check_pipeline, runner_class
 from tinypaged.worker.tp_worker import (
     WorkerReport,
     pack_step,
@@ -94,9 +96,11 @@ DEATH_GRACE_S = 5.0  # after a failed collective: how long to wait for the watch
 
 
 def create_executor(config: EngineConfig, device: torch.device):
-    """UniprocExecutor for tensor_parallel_size 1, else MultiprocExecutor."""
-    if config.tensor_parallel_size == 1:
+    """UniprocExecutor for one rank, else MultiprocExecutor (or RayExecutor)."""
+    if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
         return UniprocExecutor(config, device)
+    if config.pipeline_parallel_size > 1:  # stages of layers (worker/pipeline.py)
+        check_pipeline(config)
     if config.distributed_executor_backend == "ray":  # ranks as Ray actors (ray_executor.py)
         from tinypaged.worker.ray_executor import RayExecutor
 
@@ -305,9 +309,9 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         from tinypaged.models.loader import load_model
 
-        world_size = config.tensor_parallel_size
+        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         devices = tp_devices(device, world_size)
-        check_shardable(config, world_size)
+        check_shardable(config, config.tensor_parallel_size)
         backend = "nccl" if device.type == "cuda" else "gloo"
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.config, self.device = config, device
@@ -343,7 +347,8 @@ class MultiprocExecutor:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             distributed.init_tp(0, world_size, backend, init_method,
-                                custom_all_reduce=not config.disable_custom_all_reduce)
+                                custom_all_reduce=not config.disable_custom_all_reduce,
+                                pipeline_parallel_size=config.pipeline_parallel_size)
             stats: dict = {}
             self.free_at_start = free_at_start(config, device)
             self.model, self.hf_config, self.model_dir = load_model(config, device, stats)
@@ -368,8 +373,8 @@ class MultiprocExecutor:
             for w in self.workers:
                 w.conn.send(self.config)
             torch.manual_seed(self.config.seed)
-            self.runner = ModelRunner(self.config, self.model, self.device, _dtype(self.model),
-                                      self.free_at_start)
+            self.runner = runner_class(self.config)(self.config, self.model, self.device,
+                                                    _dtype(self.model), self.free_at_start)
             self.health.runner = self.runner
             blocks = self._receive("ready")
         except BaseException as exc:

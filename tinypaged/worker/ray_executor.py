@@ -1,5 +1,8 @@
 """RayExecutor: the tensor-parallel ranks 1..N-1 as Ray actors, on one node or several
-(`distributed_executor_backend="ray"`, vLLM's name; `pip install tinypaged[ray]`).
+(`distributed_executor_backend="ray"`, vLLM's name; `pip install tinypaged[ray]`). With
+pipeline_parallel_size P the world is tensor_parallel_size * P ranks, the engine's process the
+last stage (pipeline.py); PACK fills a node before the next, so a stage's TP ranks share a node
+when it has the room and the stages spread over nodes.
 
 Rank 0 stays the engine's process, as with MultiprocExecutor (executor.py); the other ranks are
 actors placed by a placement group (one bundle of 1 CPU, plus 1 GPU on CUDA, per rank; strategy
@@ -18,7 +21,7 @@ of 8 GPUs or across nodes of a Ray cluster. Every rank joins one torch.distribut
 Not yet: rank 0's GPU is not reserved in the placement group (Ray does not know the engine's
 process uses it), so on a node whose GPUs Ray hands out, start that node's Ray with one GPU fewer
 (`ray start --head --num-gpus 7` on 8) or Ray may give an actor the engine's GPU. Only the CPU
-path (gloo, a local multi-node cluster) is tested so far.
+path (gloo, a local multi-node cluster: tests/ray_cluster) is tested so far.
 
 A step's arrays travel as the byte string of tp_worker.pack_step in one actor call per rank
 (Ray's object store across nodes). A dead actor (killed, its node lost) resolves the call in
@@ -44,6 +47,7 @@ from tinypaged.distributed import parallel_state as distributed
 from tinypaged.scheduler import ScheduledSequence
 from tinypaged.worker.gpu_memory import free_at_start
 from tinypaged.worker.model_runner import ModelRunner, SampledTokens
+from tinypaged.worker.pipeline import runner_class
 from tinypaged.worker.tp_worker import pack_step, unpack_step
 
 logger = logging.getLogger(__name__)
@@ -82,7 +86,8 @@ class RayWorker:
         if backend == "nccl":
             torch.cuda.set_device(self.device)
         distributed.init_tp(rank, world_size, backend, init_method,
-                            custom_all_reduce=False)  # peers may sit on other nodes
+                            custom_all_reduce=False,  # peers may sit on other nodes
+                            pipeline_parallel_size=config.pipeline_parallel_size)
         stats: dict = {}
         self.start = free_at_start(config, self.device)
         self.model, _, _ = load_model(config, self.device, stats)
@@ -90,8 +95,8 @@ class RayWorker:
 
     def init_runner(self, config: EngineConfig) -> int:
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, self.model, self.device,
-                                  next(self.model.parameters()).dtype, self.start)
+        self.runner = runner_class(config)(config, self.model, self.device,
+                                           next(self.model.parameters()).dtype, self.start)
         return self.runner.kv_cache_info.num_blocks
 
     def execute(self, payload: bytes) -> None:
@@ -203,7 +208,8 @@ class RayExecutor:
         ray = import_ray()
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"))
-        world_size = config.tensor_parallel_size  # create_executor checked that it shards
+        # create_executor checked that it shards (and cuts into stages)
+        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         gpu = device.type == "cuda"
         backend = "nccl" if gpu else "gloo"
         self.config, self.device, self.runner = config, device, None
@@ -234,7 +240,8 @@ class RayExecutor:
                       for rank, a in enumerate(self.actors, start=1)]
             if gpu:
                 torch.cuda.set_device(device)
-            distributed.init_tp(0, world_size, backend, init_method, custom_all_reduce=False)
+            distributed.init_tp(0, world_size, backend, init_method, custom_all_reduce=False,
+                                pipeline_parallel_size=config.pipeline_parallel_size)
             stats: dict = {}
             self.free_at_start = free_at_start(config, device)
             self.model, self.hf_config, self.model_dir = load_model(config, device, stats)
@@ -259,8 +266,9 @@ class RayExecutor:
         try:
             refs = [a.init_runner.remote(self.config) for a in self.actors]
             torch.manual_seed(self.config.seed)
-            self.runner = ModelRunner(self.config, self.model, self.device,
-                                      next(self.model.parameters()).dtype, self.free_at_start)
+            self.runner = runner_class(self.config)(
+                self.config, self.model, self.device, next(self.model.parameters()).dtype,
+                self.free_at_start)
             self.state.runner = self.runner
             blocks = ray.get(refs, timeout=STARTUP_TIMEOUT_S)
         except BaseException:

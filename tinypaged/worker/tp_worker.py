@@ -59,7 +59,8 @@ from tinypaged.distributed import parallel_state as distributed
 from tinypaged.distributed.shm_broadcast import ShmBroadcast
 from tinypaged.gc_freeze import freeze_gc_heap
 from tinypaged.worker.gpu_memory import free_at_start
-from tinypaged.worker.model_runner import ModelRunner, StepInput
+from tinypaged.worker.model_runner import StepInput
+from tinypaged.worker.pipeline import runner_class
 
 LEAVE_TIMEOUT_S = 10.0  # how long a stopping worker waits to leave the group with rank 0
 
@@ -221,14 +222,16 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
         channel = ShmBroadcast.attach(channel_path, world_size - 1, rank - 1)
         conn.send(WorkerReport("hello", os.getpid()))
         distributed.init_tp(rank, world_size, backend, init_method,
-                            custom_all_reduce=not config.disable_custom_all_reduce)
+                            custom_all_reduce=not config.disable_custom_all_reduce,
+                            pipeline_parallel_size=config.pipeline_parallel_size)
         stats: dict = {}
         start = free_at_start(config, device)
         model, _, _ = load_model(config, device, stats)
         conn.send(WorkerReport("loaded", stats.get("bytes_read", 0)))
         config = conn.recv()  # the engine's final config (max_model_len resolved)
         torch.manual_seed(config.seed)
-        runner = ModelRunner(config, model, device, next(model.parameters()).dtype, start)
+        runner = runner_class(config)(config, model, device, next(model.parameters()).dtype,
+                                      start)
         freeze_gc_heap(collect=False)  # lives as long as its engine; forked (gc_freeze.py)
         conn.send(WorkerReport("ready", runner.kv_cache_info.num_blocks))
         while payload := channel.recv(conn):

@@ -1,0 +1,1 @@
+"""Ray tests: one local multi-node cluster for the folder (conftest.py)."""

@@ -1,0 +1,129 @@
+"""distributed_executor_backend="ray" (worker/ray_executor.py): tensor- and pipeline-parallel
+ranks as Ray actors placed by a placement group, on the local multi-node cluster of conftest.py
+(the head node has no CPU, so every actor runs on another node than the engine).
+
+- Without Ray installed: a clear ImportError naming the install command (always runs).
+- TP=2 (rank 1 on another node), PP=2 and TP=2 x PP=2 (3 actors over the 2 worker nodes) each
+  give the greedy tokens of one rank; shutdown kills every actor (and its process) and removes
+  the placement group.
+- A killed actor (PP=2's) fails the engine within seconds with an error naming the rank, and it
+  stays failed; shutdown still leaves nothing.
+Each engine's actors take ~10 s to start here (a Python process importing torch), so three
+engines cover the five cases.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+from helpers.models import single_thread, tiny_hf_model  # noqa: F401 - autouse fixture
+
+from tinypaged import LLM, SamplingParams
+from tinypaged.worker.ray_executor import import_ray
+
+ENGINE = dict(skip_tokenizer_init=True, num_kv_blocks=64, block_size=8, dtype="float32",
+              device="cpu", max_num_batched_tokens=24)  # chunked prefill
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+def test_a_missing_ray_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'tinypaged\[ray\]'"):
+        import_ray()
+
+
+def prompts() -> list[dict]:
+    rng = np.random.default_rng(0)
+    shared = rng.integers(2, 250, 20).tolist()
+    return [{"prompt_token_ids": p} for p in
+            (shared + [7, 8], shared + [9], rng.integers(2, 250, 5).tolist())]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    tiny_hf_model("llama", seed=11, num_hidden_layers=3).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    one = LLM(model_dir, **ENGINE)
+    try:
+        return tokens(one)
+    finally:
+        one.shutdown()
+
+
+def tokens(llm) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+
+
+def process_gone(pid: int, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def start(model_dir: str, tp: int, pp: int) -> LLM:
+    import ray
+
+    llm = LLM(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              distributed_executor_backend="ray", **ENGINE)
+    executor = llm.engine.executor
+    assert len(executor.actors) == tp * pp - 1
+    here = ray.get_runtime_context().get_node_id()
+    nodes = ray.get([a.node_id.remote() for a in executor.actors])
+    assert here not in nodes  # every other rank on another node than the engine
+    if tp * pp == 4:  # 3 actors of 1 CPU do not fit one 2-CPU node
+        assert len(set(nodes)) == 2
+    return llm
+
+
+def shut_down_leaving_nothing(llm: LLM) -> None:
+    import ray
+
+    executor = llm.engine.executor
+    actors, pg = list(executor.actors), executor.pg
+    pids = [pid for _, pid in executor.state.where]
+    llm.shutdown()
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.where.remote(), timeout=30)
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
+    assert all(process_gone(pid) for pid in pids)  # the simulated nodes are this machine
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
+def test_ray_ranks_on_other_nodes_equal_one_rank_and_leave_nothing(cluster, model_dir, expected,
+                                                                   tp, pp):
+    llm = start(model_dir, tp, pp)
+    assert tokens(llm) == expected
+    shut_down_leaving_nothing(llm)
+
+
+@pytest.mark.timeout(300)
+def test_pp2_equals_one_rank_and_a_killed_actor_fails_it_within_seconds(cluster, model_dir,
+                                                                        expected):
+    import ray
+
+    llm = start(model_dir, 1, 2)
+    assert tokens(llm) == expected
+    ray.kill(llm.engine.executor.actors[0])
+    begin = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1 \\(Ray actor"):
+        tokens(llm)
+    assert time.monotonic() - begin < 30
+    with pytest.raises(RuntimeError, match="rank 1"):  # and it stays failed
+        tokens(llm)
+    shut_down_leaving_nothing(llm)
