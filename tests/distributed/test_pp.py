@@ -4,9 +4,10 @@
   differing by at most one, the extra layers before the last stage.
 - Greedy tokens of `LLM(..., pipeline_parallel_size=2)` equal the single-process engine's (fp32)
   for tied (llama; gemma2, whose embedding is also scaled: the last stage keeps the embedding
-  for its LM head) and untied (qwen2) models with an uneven split (3 layers: 2 + 1), under chunked prefill and prefix caching; the
-  engine's process (the last stage) holds only its layer, the final norm and the LM head, and
-  a KV cache for that layer alone. TP=2 x PP=2 (4 ranks) gives the same tokens too.
+  for its LM head) and untied (qwen2) models with an uneven split (3 layers: 2 + 1), under
+  chunked prefill and prefix caching; the engine's process (the last stage) holds only its
+  layer, the final norm and the LM head, and a KV cache for that layer alone. TP=2 x PP=2
+  (4 ranks) gives the same tokens too.
 - Clear errors before any process starts: more stages than layers, LoRA with stages. A killed
   stage fails the engine within seconds with an error naming its rank and pid.
 """
