@@ -1,16 +1,13 @@
 """Every script in examples/ runs on the default model and prints what it promises.
-The OpenAI-client example talks to a `tinypaged serve` started here on a free port."""
+examples/openai_client.py talks to the README's `tinypaged serve`: test_snippets.py runs it
+against the server it starts for the README's blocks (one default-model server for both)."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx
-from helpers.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,44 +46,3 @@ def test_async_streaming():
     assert 1 <= int(m.group(2)) <= 48
     if m.group(1) == "length":
         assert out[: m.start()].strip()
-
-
-def test_openai_client_against_tinypaged_serve():
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tinypaged",
-            "serve",
-            "--port",
-            str(port),
-            "--num-kv-blocks",
-            "64",
-            "--max-model-len",
-            "512",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, server.stderr.read()
-            assert time.monotonic() < deadline
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
-        out = run_example("openai_client.py", url + "/v1")
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-    completion = re.search(r"^completion: (.+)$", out, re.MULTILINE)
-    assert completion and completion.group(1).strip(), out
-    chat = re.search(r"^chat: (.*)\n\[(\d+) tokens\]$", out, re.MULTILINE | re.DOTALL)
-    assert chat and 1 <= int(chat.group(2)) <= 64, out

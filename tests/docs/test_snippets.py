@@ -4,15 +4,17 @@ blocks are found, marked and checked).
 In CI: every block's syntax and CLI flags are checked; the python blocks, `tinypaged generate`
 commands and `python -m` modules run in one process (the default model loads once per engine
 configuration); the README's `tinypaged serve` starts once, on a free port instead of 8000, and
-its curl and openai blocks run against it. With TINYPAGED_LONG_TESTS=1 also: the blocks marked
-`long`, the pytest commands of the guide (the suite runs them in CI anyway) and the
-`TRITON_INTERPRET=1 python -c` kernel blocks. Blocks marked `skip` are listed with their reason.
+its curl and openai blocks run against it, then examples/openai_client.py (one default-model
+server for both). With TINYPAGED_LONG_TESTS=1 also: the blocks marked `long`, the pytest
+commands of the guide (the suite runs them in CI anyway) and the `TRITON_INTERPRET=1 python -c`
+kernel blocks. Blocks marked `skip` are listed with their reason.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -172,3 +174,17 @@ def test_server_blocks_run(server_url):
             ran += 1
     assert ran >= 3  # curl, the streamed openai client, the offline-ready tool call
 
+
+
+def test_openai_client_example(server_url):
+    """examples/openai_client.py (its docstring: run it against `tinypaged serve`) on the
+    README's server, after the README's own blocks (their sampled requests come first, as on a
+    fresh server)."""
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "openai_client.py"),
+                        server_url + "/v1"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    completion = re.search(r"^completion: (.+)$", r.stdout, re.MULTILINE)
+    assert completion and completion.group(1).strip(), r.stdout
+    chat = re.search(r"^chat: (.*)\n\[(\d+) tokens\]$", r.stdout, re.MULTILINE | re.DOTALL)
+    assert chat and 1 <= int(chat.group(2)) <= 64, r.stdout

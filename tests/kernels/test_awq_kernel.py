@@ -141,9 +141,12 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+# Each case a distinct tile (_gemv1_tile's T, R, words) or tail: N = 320 leaves half a column
+# block masked (2.5 blocks), block_n = 1024 is one 128-word program over 2 groups, split 3 ways
+# when split_k is None. The interpreter's time grows with blocks x steps: sizes stay small.
 @pytest.mark.parametrize("K,N,group_size,block_n,num_warps", [
-    (256, 512, 128, 256, 4), (512, 64, 64, 256, 4), (128, 96, 32, 128, 4), (128, 960, 32, 128, 2),
-    (256, 1024, 64, 1024, 2)])
+    (256, 512, 128, 256, 4), (512, 64, 64, 256, 4), (128, 96, 32, 128, 4), (128, 320, 32, 128, 2),
+    (128, 1024, 64, 1024, 2)])
 def test_batch1_gemv_matches_reference(dtype, K, N, group_size, block_n, num_warps):
     q, z, s, qweight, qzeros = random_awq(K, N, group_size, seed=K + N)
     x = torch.randn(1, K).to(dtype)

