@@ -19,6 +19,7 @@ counts, also one inside a function: a lazy import is still a dependency a reader
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,11 +43,17 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, modules: set[str]) -> set[str]:
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once for all the checks below."""
+    return ast.parse(path.read_text())
+
+
+def imports(path: Path, modules: frozenset[str]) -> set[str]:
     """The tinypaged modules `path` imports, outside `if TYPE_CHECKING:` blocks. The packages
     above an imported module run too, but a package's __init__ is a docstring, so they are
     not counted."""
-    tree = ast.parse(path.read_text())
+    tree = parsed(path)
     type_only = {
         id(n)
         for node in ast.walk(tree)
@@ -67,9 +74,11 @@ def imports(path: Path, modules: set[str]) -> set[str]:
     return found & modules
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
     modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    return {name: imports(path, set(modules)) - {name} for name, path in modules.items()}
+    names = frozenset(modules)
+    return {name: imports(path, names) - {name} for name, path in modules.items()}
 
 
 def rank(module: str) -> int:
@@ -131,14 +140,14 @@ def test_nothing_outside_tests_imports_tests():
     offenders = []
     for folder in ("tinypaged", "benchmarks", "examples", "docs"):
         for path in (ROOT / folder).rglob("*.py"):
-            tree = ast.parse(path.read_text())
-            for node in ast.walk(tree):
+            for node in ast.walk(parsed(path)):
                 names = []
                 if isinstance(node, ast.Import):
                     names = [a.name for a in node.names]
                 elif isinstance(node, ast.ImportFrom) and node.level == 0:
                     names = [node.module or ""]
-                elif isinstance(node, ast.Call) and ast.unparse(node.func).startswith("sys.path"):
+                elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                      and ast.unparse(node.func).startswith("sys.path")):
                     names = ["tests"] if "tests" in ast.unparse(node) else []
                 if any(n.split(".")[0] in ("tests", "helpers") for n in names):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
@@ -149,7 +158,7 @@ def test_test_modules_share_through_helpers_only():
     """A test module imports no other test module: what tests share lives in tests/helpers."""
     offenders = []
     for path in (ROOT / "tests").rglob("test_*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             module = node.module if isinstance(node, ast.ImportFrom) else None
             if module and module.split(".")[-1].startswith("test_"):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}")
