@@ -104,20 +104,27 @@ def test_constrained_requests_speculate_greedy_equal(llama, tmp_path):
             value = json.loads(out.text)
             assert set(value) == {"id", "kind"} and value["kind"] in ("cat", "dog")
     assert base[1].text in ("abcabcabcabc", "abcabd", "xyz") and "abd" not in base[2].text
+    # n-gram drafts from the JSON in the prompt (accepted where they match, cut where the
+    # grammar rejects them); a draft model with other weights (drafts the grammar allows, often
+    # rejected by the target); the target as its own draft (its drafts follow the grammar as
+    # the target's masked rows do: every draft accepted).
     configs = [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                 "prompt_lookup_max": 4},
-               {"model": str(tmp_path), "num_speculative_tokens": 3}]
+               {"model": str(tmp_path), "num_speculative_tokens": 3},
+               {"model": llama, "num_speculative_tokens": 3}]
     for config in configs:
         llm = LLM(llama, speculative_config=config, **ENGINE)
         # The constrained requests alone first: the counters are theirs.
         constrained = [i for i, p in enumerate(params) if p is not free]
         outs = run(llm, [batch[i] for i in constrained], [params[i] for i in constrained])
         assert [(o.token_ids, o.text) for o in outs] == [
-            (base[i].token_ids, base[i].text) for i in constrained]
+            (base[i].token_ids, base[i].text) for i in constrained], config
         spec = llm.engine.get_stats()["spec_decode"]
-        assert spec["num_drafts"] > 0, config
-        if config["method"] == "ngram":
-            assert spec["num_accepted_tokens"] > 0
+        assert spec["num_drafts"] > 0 and spec["num_accepted_tokens"] > 0, config
+        if config.get("model") == llama:
+            assert spec["num_accepted_tokens"] == spec["num_draft_tokens"]
+        elif config.get("model"):
+            assert spec["num_accepted_tokens"] < spec["num_draft_tokens"]
         # ... and beside an unconstrained request.
         outs = run(llm, batch, params)
         assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == [

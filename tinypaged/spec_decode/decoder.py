@@ -33,7 +33,7 @@ from tinypaged.sampling.rejection_sampler import RejectionSampler
 from tinypaged.sampling.sampler import SamplingBatch
 from tinypaged.scheduler import ScheduledSequence, Sequence
 from tinypaged.spec_decode.config import HEADS, SpeculativeConfig
-from tinypaged.spec_decode.grammar import DraftMaskBuilder, cut_draft
+from tinypaged.spec_decode.grammar import DraftGrammar, DraftMaskBuilder, cut_draft
 from tinypaged.spec_decode.proposers import NgramProposer, OracleProposer, Proposer
 
 logger = logging.getLogger(__name__)
@@ -126,12 +126,23 @@ class SpecDecoder:
                 seqs.append(seq)
                 ks.append(k)
         if seqs:
-            for seq, k, draft in zip(seqs, ks, self.proposer.propose(seqs, ks)):
+            for seq, k, draft in zip(seqs, ks, self._proposals(seqs, ks)):
                 draft = [int(t) for t in draft[:k]]
                 constraints = eng.requests[seq.request_id].constraints
                 if constraints is not None:  # nothing after a token the grammar rejects
                     draft = cut_draft(constraints, seq.index, draft)
                 seq.spec_token_ids = draft
+
+    def _proposals(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        if not self.proposer.follows_grammar:
+            return self.proposer.propose(seqs, ks)
+        requests = self.engine.requests
+        entries = [None if c is None else (c, s.index, s.output_token_ids)
+                   for s in seqs for c in [requests[s.request_id].constraints]]
+        if all(e is None for e in entries):
+            return self.proposer.propose(seqs, ks)
+        with DraftGrammar(entries, self.engine.vocab_size) as grammar:
+            return self.proposer.propose(seqs, ks, grammar)
 
     # ------------------------------------------------------------------ verify
     def launch(self, items: list[ScheduledSequence]):

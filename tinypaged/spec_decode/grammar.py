@@ -14,6 +14,11 @@ the token after x_0..x_{j-1}, so its mask is the grammar's state after those dra
         token is dropped). allowed_token_ids applies to every row, bad_words read the row's own
         history output + x_0..x_{j-1}, logit_bias is added to every row.
 
+A proposer that decodes its drafts itself (the draft model) can follow the constraints too
+(DraftGrammar): each draft step takes its argmax among the tokens the grammar (and
+allowed_token_ids, bad_words) allows after the drafts so far, with the logit bias added, so
+its drafts are never cut; the matchers are rolled back after proposing.
+
 The matcher itself advances only when the engine's stop checks take the emitted tokens (the
 accepted drafts and the target's own token, decoder.py's after_tokens), exactly as it would one
 token a step. The rejection sampler verifies on the masked rows, so every emitted token is one
@@ -27,11 +32,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tinypaged.kernels.logits import apply_token_bitmask_
 from tinypaged.sampling.logits_processors import (
     LogitsConstraints,
     LogitsMaskBuilder,
     LogitsMasks,
     clear_bits,
+    num_words,
 )
 
 
@@ -115,3 +122,66 @@ class DraftMaskBuilder(LogitsMaskBuilder):
         finally:
             if taken:
                 matcher.rollback(taken)
+
+
+class DraftGrammar:
+    """The logits constraints of the sequences a proposer drafts for, walked along its drafts:
+    entries[i] = (constraints, sample index, output ids so far) of sequence i, or None. Use as a
+    context manager: leaving it rolls every matcher back to where it was."""
+
+    def __init__(self, entries: list[tuple[LogitsConstraints, int, list[int]] | None],
+                 vocab_size: int) -> None:
+        self.entries = entries
+        self.matchers = [e[0].matchers[e[1]] if e is not None and e[0].matchers else None
+                         for e in entries]
+        self.drafts: list[list[int]] = [[] for _ in entries]
+        self.vocab_size = vocab_size
+
+    def __enter__(self) -> DraftGrammar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for matcher, drafted in zip(self.matchers, self.drafts):
+            if matcher is not None and drafted:
+                matcher.rollback(len(drafted))
+        self.drafts = [[] for _ in self.entries]
+
+    def mask_(self, logits: torch.Tensor, seqs: Sequence[int]) -> None:
+        """logits [N, >= vocab_size]: row r drafts the next token of sequence seqs[r]; it gets
+        that sequence's mask and logit bias at its drafts so far (in place)."""
+        rows = [r for r, i in enumerate(seqs) if self.entries[i] is not None]
+        if not rows:
+            return
+        host = torch.empty((len(rows), num_words(self.vocab_size)), dtype=torch.int32)
+        words = host.numpy().view(np.uint32)
+        bias: list[tuple[int, int, float]] = []
+        for n, r in enumerate(rows):
+            i = seqs[r]
+            c, _, output_ids = self.entries[i]
+            if self.matchers[i] is not None:
+                self.matchers[i].fill_next_token_bitmask(host, n)
+            else:
+                words[n] = 0xFFFFFFFF
+            if c.allowed_words is not None:
+                words[n] &= c.allowed_words
+            if c.bad_words_ids:
+                clear_bits(words[n], c.banned_tokens(output_ids + self.drafts[i]))
+            bias += [(r, t, b) for t, b in zip(c.bias_ids, c.bias_values)]
+        view = logits[:, : self.vocab_size]
+        index = torch.tensor(rows, dtype=torch.int64)
+        apply_token_bitmask_(view, host.to(logits.device), index.to(logits.device))
+        if bias:
+            r, t, b = zip(*bias)
+            view[list(r), list(t)] += torch.tensor(b, dtype=view.dtype).to(logits.device)
+
+    def accept(self, i: int, token: int) -> bool:
+        """Whether sequence i may draft `token` next (its matcher takes it)."""
+        matcher = self.matchers[i]
+        if matcher is not None and (matcher.is_terminated() or not matcher.accept_token(token)):
+            return False
+        self.drafts[i].append(token)
+        return True
+
+    def ended(self, i: int) -> bool:
+        """Sequence i's grammar has taken a stop token: nothing can follow."""
+        return self.matchers[i] is not None and self.matchers[i].is_terminated()
