@@ -104,6 +104,8 @@ def test_constrained_requests_speculate_greedy_equal(llama, tmp_path):
             value = json.loads(out.text)
             assert set(value) == {"id", "kind"} and value["kind"] in ("cat", "dog")
     assert base[1].text in ("abcabcabcabc", "abcabd", "xyz") and "abd" not in base[2].text
+    # Every constrained request ends because its grammar completed (the JSON mid-draft below).
+    assert all(o.finish_reason == "stop" for o, p in zip(base, params) if p is not free)
     # n-gram drafts from the JSON in the prompt (accepted where they match, cut where the
     # grammar rejects them); a draft model with other weights (drafts the grammar allows, often
     # rejected by the target); the target as its own draft (its drafts follow the grammar as
@@ -131,3 +133,22 @@ def test_constrained_requests_speculate_greedy_equal(llama, tmp_path):
             (o.token_ids, o.text, o.finish_reason) for o in base], config
         stats = llm.engine.get_stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_sampled_constrained_requests_speculate(llama):
+    # Sampled rows verify on the per-position masks too: every emitted token is one the grammar
+    # allows (an invalid one would fail the request), and a seed repeats itself.
+    llm = LLM(llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                         "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+              **ENGINE)
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    record = '{"id":7,"kind":"cat"}'
+    params = [SamplingParams(temperature=0.7, top_p=0.95, seed=s, max_tokens=40,
+                             structured_outputs=so) for s in range(6)]
+    first, second = (run(llm, [f"{record} {record} "] * 6, params) for _ in range(2))
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    for out in first:
+        value = json.loads(out.text)
+        assert 0 <= value["id"] <= 99 and value["kind"] in ("cat", "dog"), out.text
+    spec = llm.engine.get_stats()["spec_decode"]
+    assert spec["num_drafts"] > 0 and spec["num_accepted_tokens"] > 0
