@@ -95,17 +95,23 @@ def test_constrained_requests_speculate_greedy_equal(llama, tmp_path):
     regex_p = SamplingParams(temperature=0.0, max_tokens=30, bad_words=["abd"],
                              structured_outputs=StructuredOutputsParams(regex="(abc|abd){2,6}"))
     free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    from transformers import AutoTokenizer
+
+    a, b, c, space = AutoTokenizer.from_pretrained(llama).encode("abc ", add_special_tokens=False)
+    biased = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                            allowed_token_ids=[a, b, c, space], logit_bias={c: 3.0})
     batch = [f"{record} {record} {record[:8]}", "abcabcabcabc", "abcabcab", "abcab abcab",
-             f"{record} {record}"]
-    params = [json_p, choice_p, regex_p, free, json_p]
+             f"{record} {record}", "abc abc ab"]
+    params = [json_p, choice_p, regex_p, free, json_p, biased]
     base = run(LLM(llama, **ENGINE), batch, params)
     for out, p in zip(base, params):
         if p is json_p:
             value = json.loads(out.text)
             assert set(value) == {"id", "kind"} and value["kind"] in ("cat", "dog")
     assert base[1].text in ("abcabcabcabc", "abcabd", "xyz") and "abd" not in base[2].text
-    # Every constrained request ends because its grammar completed (the JSON mid-draft below).
-    assert all(o.finish_reason == "stop" for o, p in zip(base, params) if p is not free)
+    # Every grammar request ends because its grammar completed (the JSON mid-draft below).
+    assert all(o.finish_reason == "stop" for o in base[:3] + base[4:5])
+    assert set(base[5].token_ids) <= {a, b, c, space}
     # n-gram drafts from the JSON in the prompt (accepted where they match, cut where the
     # grammar rejects them); a draft model with other weights (drafts the grammar allows, often
     # rejected by the target); the target as its own draft (its drafts follow the grammar as
