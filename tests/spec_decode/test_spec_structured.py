@@ -23,7 +23,7 @@ from tinypaged.sampling.structured_output import GrammarCompiler, StructuredOutp
 from tinypaged.spec_decode.grammar import DraftMaskBuilder, cut_draft
 
 ENGINE = dict(num_kv_blocks=96, block_size=4, max_model_len=128)
-EOS = 2  # the tiny Llama's eos; with the byte tokenizer it is also a stop token for the grammar
+EOS = 2  # the tiny Llama's eos: byte 2 of the ordered byte tokenizer, never in the text
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
                                             "kind": {"enum": ["cat", "dog"]}},
           "required": ["id", "kind"], "additionalProperties": False}
@@ -33,7 +33,7 @@ SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 
 def llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     save_tiny("llama", path)
-    save_byte_tokenizer(path)
+    save_byte_tokenizer(path, ordered=True)
     return str(path)
 
 
