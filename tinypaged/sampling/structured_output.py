@@ -14,6 +14,8 @@ How one request is constrained:
 3. After sampling, each matcher accepts its token. When the grammar is complete, the mask lets
    the stop tokens (eos) through; the request ends when one is sampled, or at once when the
    grammar allows nothing but a stop token.
+4. With speculative decoding, a speculating sequence gets one mask per verified position, the
+   matcher walked along its drafts and rolled back (spec_decode/grammar.py).
 
 Preemption keeps a sequence's tokens, and its matcher has already accepted them, so a recompute
 changes nothing here. The grammar engine is xgrammar, chosen over llguidance by mask time per

@@ -14,9 +14,11 @@ Each step, around the engine's own:
                        of the rejected drafts (Scheduler.update); the engine's stop checks then
                        run token by token, and a stop drops the tokens after it
 
-Sequences that do not speculate this step (prefills, requests with logits constraints such as
-structured output, a sequence one token from its limit) take the same path with no drafts:
-their one row is sampled by the same pipeline, so a batch mixes any k.
+Sequences that do not speculate this step (prefills, a sequence one token from its limit) take
+the same path with no drafts: their one row is sampled by the same pipeline, so a batch mixes
+any k. Requests with logits constraints (structured output, allowed_token_ids, bad_words,
+logit_bias) speculate too: their drafts are cut where the grammar rejects one, and each
+verified row gets the mask of its own position (grammar.py).
 Speculation runs with synchronous scheduling only (EngineConfig refuses async_scheduling=True).
 """
 
@@ -31,6 +33,7 @@ from tinypaged.sampling.rejection_sampler import RejectionSampler
 from tinypaged.sampling.sampler import SamplingBatch
 from tinypaged.scheduler import ScheduledSequence, Sequence
 from tinypaged.spec_decode.config import HEADS, SpeculativeConfig
+from tinypaged.spec_decode.grammar import DraftGrammar, DraftMaskBuilder, cut_draft
 from tinypaged.spec_decode.proposers import NgramProposer, OracleProposer, Proposer
 
 logger = logging.getLogger(__name__)
@@ -98,6 +101,7 @@ class SpecDecoder:
         self.proposer = build_proposer(self.config, engine)
         self.sampler = RejectionSampler(engine.config.seed)
         self.stats = SpecDecodeStats(self.k)
+        self.mask_builder = DraftMaskBuilder(engine.vocab_size, engine.device)
         logger.info("speculative decoding: %s, k=%d", self.config.method, self.k)
 
     def check_request(self, params: Any) -> None:
@@ -115,16 +119,30 @@ class SpecDecoder:
             seq.spec_token_ids = []
             if seq.num_uncomputed_tokens != 1 or seq.num_output_placeholders:
                 continue  # a prefill (or a recompute after preemption)
-            req = eng.requests.get(seq.request_id)
-            if req is None or req.constraints is not None:
-                continue  # logits constraints: one token at a time (the batched grammar fill)
+            if seq.request_id not in eng.requests:
+                continue
             k = min(self.k, seq.max_length - len(seq) - 1)
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
         if seqs:
-            for seq, k, draft in zip(seqs, ks, self.proposer.propose(seqs, ks)):
-                seq.spec_token_ids = [int(t) for t in draft[:k]]
+            for seq, k, draft in zip(seqs, ks, self._proposals(seqs, ks)):
+                draft = [int(t) for t in draft[:k]]
+                constraints = eng.requests[seq.request_id].constraints
+                if constraints is not None:  # nothing after a token the grammar rejects
+                    draft = cut_draft(constraints, seq.index, draft)
+                seq.spec_token_ids = draft
+
+    def _proposals(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        if not self.proposer.follows_grammar:
+            return self.proposer.propose(seqs, ks)
+        requests = self.engine.requests
+        entries = [None if c is None else (c, s.index, s.output_token_ids)
+                   for s in seqs for c in [requests[s.request_id].constraints]]
+        if all(e is None for e in entries):
+            return self.proposer.propose(seqs, ks)
+        with DraftGrammar(entries, self.engine.vocab_size) as grammar:
+            return self.proposer.propose(seqs, ks, grammar)
 
     # ------------------------------------------------------------------ verify
     def launch(self, items: list[ScheduledSequence]):
@@ -170,10 +188,11 @@ class SpecDecoder:
                 outputs.append(out + draft[:j] if history else ())
                 row_gens.append(gen)
         batch = SamplingBatch.build(params, prompts, outputs, row_gens, eng.eos_token_ids, device)
-        # Constrained requests propose nothing (propose()): one row each, the grammar as is.
-        batch.logits_masks = eng.mask_builder.build([
-            (start, req.constraints, seq.index, seq.output_token_ids)
-            for start, req, seq in zip(starts, reqs, seqs) if req.constraints is not None
+        # Constrained requests: one mask per verified row, the grammar along the drafts.
+        batch.logits_masks = self.mask_builder.build_drafts([
+            (start, req.constraints, seq.index, seq.output_token_ids, draft)
+            for start, req, seq, draft in zip(starts, reqs, seqs, drafts)
+            if req.constraints is not None
         ])
         return batch, starts, gens
 

@@ -25,6 +25,7 @@ import torch
 from tinypaged.config import EngineConfig
 from tinypaged.scheduler import ScheduledSequence, Sequence
 from tinypaged.scheduler.block_manager import BlockManager
+from tinypaged.spec_decode.grammar import DraftGrammar
 from tinypaged.spec_decode.proposers import Proposer
 
 
@@ -89,8 +90,13 @@ class DraftModelProposer(Proposer):
         self.twins[seq.seq_id] = (seq, twin, len(new))
         return twin
 
+    follows_grammar = True
+
     @torch.inference_mode()
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int],
+                grammar: DraftGrammar | None = None) -> list[list[int]]:
+        """With `grammar`, each draft of a constrained sequence is the argmax among the tokens
+        its grammar allows after the drafts before it; a terminated grammar ends its drafts."""
         self._release_finished()
         twins = [self._sync(seq) for seq in seqs]
         out: list[list[int]] = [[] for _ in seqs]
@@ -110,9 +116,15 @@ class DraftModelProposer(Proposer):
             if not items:
                 break
             logits = self.executor.execute(items)  # [len(items), V]
+            if grammar is not None:
+                grammar.mask_(logits, rows)
             tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+            active = []
             for i, token in zip(rows, tokens):
+                if grammar is not None and not grammar.accept(i, token):
+                    continue
                 twins[i].token_ids.append(token)
                 out[i].append(token)
-            active = rows
+                if grammar is None or not grammar.ended(i):
+                    active.append(i)
         return out

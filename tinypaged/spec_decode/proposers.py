@@ -17,6 +17,10 @@ from tinypaged.scheduler import ScheduledSequence, Sequence
 
 
 class Proposer:
+    # True: propose takes a third argument, a DraftGrammar (grammar.py) for the constrained
+    # sequences, and drafts only tokens their grammars allow.
+    follows_grammar = False
+
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
         raise NotImplementedError
 
