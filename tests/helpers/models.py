@@ -38,19 +38,18 @@ from tinypaged.models.registry import get_model_class
 from tinypaged.sampling.params import SamplingParams
 
 
-def save_byte_tokenizer(path, ordered: bool = False) -> None:
+def save_byte_tokenizer(path) -> None:
     """A byte-level tokenizer with no merges (256 ids, one per byte): needs no training data.
-    ByteLevel.alphabet() comes in a new order in every process; `ordered` gives id b to byte b
-    instead (ids 0-31 are control bytes: an eos id there is never a character of the text)."""
+    Byte b gets id b, in every process (ByteLevel.alphabet() itself comes in a new order in
+    each one, which made tests depend on the run): ids 0-31 are control bytes, so an eos id
+    there is never a character of the text a grammar asks for."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if ordered:  # GPT-2's byte -> character map: printable bytes as is, the others from 256 up
-        keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-        alphabet = [chr(b) for b in keep] + [chr(256 + n) for n in range(256 - len(keep))]
-        rest = iter(alphabet[len(keep):])
-        alphabet = [chr(b) if b in keep else next(rest) for b in range(256)]
+    # GPT-2's byte -> character map: printable bytes as they are, the others from chr(256) up
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    rest = iter(chr(256 + n) for n in range(256 - len(keep)))
+    alphabet = [chr(b) if b in keep else next(rest) for b in range(256)]
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

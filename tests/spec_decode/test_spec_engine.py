@@ -45,7 +45,7 @@ def ngram(k: int, lo: int = 1, hi: int = 3) -> dict:
 def llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     save_tiny("llama", path)
-    save_byte_tokenizer(path, ordered=True)
+    save_byte_tokenizer(path)
     return str(path)
 
 

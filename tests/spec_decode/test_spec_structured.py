@@ -33,7 +33,7 @@ SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 
 def llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     save_tiny("llama", path)
-    save_byte_tokenizer(path, ordered=True)
+    save_byte_tokenizer(path)
     return str(path)
 
 
