@@ -59,6 +59,18 @@ def test_token_bitmask_reference_matches_loop():
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_bitmask_cpu_path_matches_reference(dtype):
+    # The CPU's numpy unpacking: V not a multiple of 32, an all-one and an all-zero row.
+    logits, bitmask, rows = random_case(7, 4096 + 70, [6, 0, 3, 4, 1])
+    logits = logits.to(dtype)
+    got, want = logits.clone(), logits.clone()
+    ops.apply_token_bitmask_cpu(got, bitmask, rows)
+    ops.apply_token_bitmask_ref(want, bitmask, rows)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert torch.isinf(got[3]).all() and torch.equal(got[0], logits[0])
+
+
 def test_token_bitmask_dispatch_and_errors():
     logits, bitmask, rows = random_case(2, 40, [1])
     want = loop_bitmask(logits, bitmask, rows)

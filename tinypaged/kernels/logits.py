@@ -20,6 +20,8 @@ The grid is K / BLOCK; each program gathers, adds and scatters BLOCK entries.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl, use_triton
@@ -87,6 +89,21 @@ def apply_token_bitmask_ref(
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
+def apply_token_bitmask_cpu(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """The reference's result on the CPU, ~10x faster: numpy unpacks each little-endian word's
+    bits in token order (one byte per token) instead of a [R, W, 32] int32 shift."""
+    import numpy as np
+
+    vocab = logits.shape[1]
+    packed = bitmask.contiguous().numpy().view(np.uint8)  # [R, 4W], bit k of byte b = token 8b+k
+    bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab]
+    blocked = torch.from_numpy(bits.view(np.bool_)).logical_not_()
+    sub = logits.index_select(0, rows)
+    logits.index_copy_(0, rows, sub.masked_fill_(blocked, float("-inf")))
+
+
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """Set logits[rows[r], t] = -inf for every token t whose bit in bitmask[r] is 0.
 
@@ -105,6 +122,8 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
         )
     if use_triton(logits):
         apply_token_bitmask_triton(logits, bitmask.contiguous(), rows)
+    elif logits.device.type == "cpu" and sys.byteorder == "little":
+        apply_token_bitmask_cpu(logits, bitmask, rows)
     else:
         apply_token_bitmask_ref(logits, bitmask, rows)
 

@@ -1,0 +1,176 @@
+"""Milliseconds per engine step with none, half or all of a batch under a JSON schema: the host
+cost of structured output, row by row (issue 35).
+
+    PYTHONPATH=. python benchmarks/structured_steps.py --device cpu       # a tiny model, the CPU
+    PYTHONPATH=. python benchmarks/structured_steps.py --model DIR --load-format dummy   # a GPU
+
+Without --model the model is a 2-layer Llama of hidden size 64 with the default model's tokenizer
+(49,152 tokens) and random weights: its forward is cheap, so a step is host-bound as the
+SmolLM2-135M shape's step is on a GPU, and what a constrained row adds shows. Each run decodes
+`--num-requests` random prompts for `--max-tokens` greedy tokens (ignore_eos; the constrained
+requests follow an array of >= 1,000 schema objects, so every run takes the same steps), with
+async scheduling on (as on a GPU: constrained steps sample late) and prefix caching off. Prints
+ms per step (best of `--repeats`) and each run's extra per constrained row over plain;
+`--profile RUN` prints a cProfile of that run's steps (cumulative, top 30).
+
+On the CPU even this model's forward (the torch reference attention, the 49,152-wide head)
+outweighs the host's work; `--skip-forward` keeps the runner's input preparation but returns
+fixed random logits instead of running the model (each step copies them: the sampler masks its
+logits in place), so the steps measure the host path that a GPU step overlaps with its forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tinypaged import LLM, SamplingParams, StructuredOutputsParams
+from tinypaged.models.default_model import ensure_default_model
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40},
+                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"], "additionalProperties": False,
+        },
+        "pets": {"type": "array", "maxItems": 3, "items": {"enum": ["cat", "dog", "fish"]}},
+    },
+    "required": ["name", "age", "address", "pets"],
+    "additionalProperties": False,
+}
+LONG = {"type": "array", "items": PERSON, "minItems": 1000}
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+    "vocab_size": 49152, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
+
+def tiny_model_dir() -> str:
+    path = Path(tempfile.mkdtemp(prefix="tiny_smol_"))
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    source = ensure_default_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, path / name)
+    return str(path)
+
+
+def skip_forward(llm: LLM, max_rows: int) -> None:
+    runner = llm.engine.runner
+    vocab = llm.engine.vocab_size
+    fixed = torch.randn(max_rows, vocab, generator=torch.Generator().manual_seed(0))
+    fixed = fixed.to(runner.device)
+
+    def execute(step):
+        return fixed[: len(step.logits_indices)].clone()
+
+    runner.execute = execute
+
+
+def timed_run(llm: LLM, prompts, params, profile: cProfile.Profile | None = None):
+    """(seconds, engine steps) of one generate call."""
+    engine, steps = llm.engine, [0]
+    step = engine.step
+
+    def counting_step(*args, **kwargs):
+        steps[0] += 1
+        return step(*args, **kwargs)
+
+    engine.step = counting_step
+    try:
+        if profile is not None:
+            profile.enable()
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        if profile is not None:
+            profile.disable()
+    finally:
+        del engine.step
+    if any(len(o.outputs[0].token_ids) != params[0].max_tokens for o in outs):
+        raise SystemExit("a request ended early: the runs would not be comparable")
+    return elapsed, steps[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the tiny 2-layer Llama above")
+    ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--min-prompt", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--runs", default="plain,half,all")
+    ap.add_argument("--skip-forward", action="store_true", help="fixed logits, no model")
+    ap.add_argument("--profile", default=None, help="one of the runs: cProfile its last repeat")
+    args = ap.parse_args()
+
+    model = args.model or tiny_model_dir()
+    llm = LLM(model, device=args.device, load_format=args.load_format,
+              enable_prefix_caching=False, async_scheduling=True, cpu_threads=1,
+              max_model_len=args.max_prompt + args.max_tokens + 8)
+    vocab = llm.engine.vocab_size
+    if args.skip_forward:
+        skip_forward(llm, args.num_requests)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, vocab - 1000)
+                for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+               for _ in range(args.num_requests)]
+    plain = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(json=LONG))
+    every = {"plain": 0, "half": 2, "all": 1}  # every k-th request constrained (0 = none)
+    runs = {name: [constrained if every[name] and i % every[name] == 0 else plain
+                   for i in range(len(prompts))] for name in args.runs.split(",")}
+    timed_run(llm, prompts[:4], [constrained] * 4)  # warm-up: compile the schema
+    best: dict[str, tuple[float, int]] = {}
+    profile = None
+    for r in range(args.repeats):
+        for name, params in runs.items():
+            if name == args.profile and r == args.repeats - 1:
+                profile = cProfile.Profile()
+                elapsed, steps = timed_run(llm, prompts, params, profile)
+                if name not in best:
+                    best[name] = (elapsed, steps)
+                continue
+            elapsed, steps = timed_run(llm, prompts, params)
+            if name not in best or elapsed / steps < best[name][0] / best[name][1]:
+                best[name] = (elapsed, steps)
+    print(f"device {llm.engine.device}, model {args.model or 'tiny 2-layer llama'}, "
+          f"{args.num_requests} requests x {args.max_tokens} tokens, best of {args.repeats}")
+    print("| run | constrained rows | steps | ms per step | extra us per constrained row |")
+    print("|---|---|---|---|---|")
+    base = best["plain"][0] / best["plain"][1] if "plain" in best else None
+    result = {}
+    for name, (elapsed, steps) in best.items():
+        n = sum(p is constrained for p in runs[name])
+        ms = 1e3 * elapsed / steps
+        extra = "" if base is None or n == 0 else f"{(ms - 1e3 * base) * 1e3 / n:.1f}"
+        print(f"| {name} | {n} | {steps} | {ms:.2f} | {extra} |")
+        result[name] = ms
+    print(json.dumps({"device": str(llm.engine.device), "ms_per_step": result}))
+    if profile is not None:
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
