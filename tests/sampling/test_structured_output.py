@@ -153,6 +153,37 @@ def test_mask_rows_combine_grammar_allowed_and_bad_words(llm, compiler):
     assert builder.build([(0, None, 0, [])][:0]) is None
 
 
+def test_batched_mask_fill_equals_one_fill_per_matcher(llm, monkeypatch):
+    """Every step's grammar rows come from one batched xgrammar call (MaskFiller); each row is
+    what its matcher fills alone, n > 1 samples and a finishing choice among them, and no row
+    is left unfilled (an empty row would let token 0 through: every logit -inf)."""
+    from tinypaged.sampling.structured_output import MaskFiller
+
+    fill, checked = MaskFiller.fill, []
+
+    def checking_fill(self, rows, bitmask):
+        bitmask.fill_(0)
+        fill(self, rows, bitmask)
+        want = torch.zeros_like(bitmask)
+        for i, m in rows:
+            m.fill_next_token_bitmask(want, i)
+            assert bitmask[i].any()
+        assert torch.equal(bitmask, want)
+        checked.append(len(rows))
+
+    monkeypatch.setattr(MaskFiller, "fill", checking_fill)
+    choice = StructuredOutputsParams(choice=["red", "green"])
+    outs = gen(llm, ["a", "b", "c"], [
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=60, structured_outputs=JSON),
+        SamplingParams(temperature=0, max_tokens=60, structured_outputs=JSON),
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice),
+    ])
+    assert max(checked) == 4 and len(checked) > 10
+    for c in outs[0].outputs + outs[1].outputs:
+        validate(c.text)
+    assert outs[2].outputs[0].text in ("red", "green")
+
+
 # ------------------------------------------------------------------ the engine
 
 

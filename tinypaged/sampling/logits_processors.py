@@ -136,22 +136,25 @@ class LogitsMasks:
 
 
 class LogitsMaskBuilder:
-    """Builds each step's LogitsMasks; keeps one host buffer (pinned when the device is a GPU,
-    so the copy is asynchronous) that grows with the number of constrained rows."""
+    """Builds each step's LogitsMasks; keeps host buffers for the bitmask and its row indices
+    (pinned when the device is a GPU, so both copies are asynchronous: a copy from pageable
+    memory may wait for the GPU) that grow with the number of constrained rows."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self._host = torch.empty((0, num_words(vocab_size)), dtype=torch.int32)
+        self._rows = torch.empty((0,), dtype=torch.int64)
+        self._filler = None  # structured_output.MaskFiller, at the first grammar row
 
-    def _buffer(self, num_rows: int) -> torch.Tensor:
+    def _buffer(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._host.shape[0] < num_rows:
             pin = self.device.type == "cuda"
-            self._host = torch.empty(
-                (max(num_rows, 2 * self._host.shape[0]), self._host.shape[1]),
-                dtype=torch.int32, pin_memory=pin,
-            )
-        return self._host[:num_rows]
+            size = max(num_rows, 2 * self._host.shape[0])
+            self._host = torch.empty((size, self._host.shape[1]), dtype=torch.int32,
+                                     pin_memory=pin)
+            self._rows = torch.empty((size,), dtype=torch.int64, pin_memory=pin)
+        return self._host[:num_rows], self._rows[:num_rows]
 
     def build(
         self, rows: list[tuple[int, LogitsConstraints, int, list[int]]]
@@ -159,25 +162,31 @@ class LogitsMaskBuilder:
         """rows: (logits row, the request's constraints, sample index, output ids so far) for
         each sampled sequence whose request has constraints. Returns None when nothing applies.
         The previous step's copy has finished (the sampler synchronizes to read its tokens), so
-        the host buffer is free to refill."""
+        the host buffers are free to refill."""
         masks = LogitsMasks()
         masked = [r for r in rows if r[1].has_mask]
         if masked:
-            host = self._buffer(len(masked))
+            host, row_ids = self._buffer(len(masked))
             words = host.numpy().view(np.uint32)  # the same memory, bit ops without sign
-            for i, (_, c, index, output_ids) in enumerate(masked):
-                if c.matchers:
-                    c.matchers[index].fill_next_token_bitmask(host, i)
-                else:
+            row_ids.numpy()[:] = [r[0] for r in masked]
+            grammar = [(i, c.matchers[index]) for i, (_, c, index, _) in enumerate(masked)
+                       if c.matchers]
+            if grammar:  # every grammar row in one call (structured_output.MaskFiller)
+                if self._filler is None:
+                    from tinypaged.sampling.structured_output import MaskFiller
+                    self._filler = MaskFiller()
+                self._filler.fill(grammar, host)
+            others = [(i, c, out) for i, (_, c, _, out) in enumerate(masked)
+                      if not c.matchers or c.allowed_words is not None or c.bad_words_ids]
+            for i, c, output_ids in others:
+                if not c.matchers:
                     words[i] = 0xFFFFFFFF
                 if c.allowed_words is not None:
                     words[i] &= c.allowed_words
                 if c.bad_words_ids:
                     clear_bits(words[i], c.banned_tokens(output_ids))
             masks.bitmask = host.to(self.device, non_blocking=True)
-            masks.bitmask_rows = torch.tensor([r[0] for r in masked]).to(
-                self.device, non_blocking=True
-            )
+            masks.bitmask_rows = row_ids.to(self.device, non_blocking=True)
         entries = [
             (row, t, b) for row, c, _, _ in rows for t, b in zip(c.bias_ids, c.bias_values)
         ]

@@ -104,10 +104,10 @@ class SamplingBatch:
         device = torch.device(device)
         n = len(params)
         first = params[0] if params else None
-        if first is not None and all(p is first for p in params) and (
-            first.is_greedy and not first.uses_penalties and first.logprobs is None
-            and first.min_tokens == 0
-        ):  # one shared greedy SamplingParams (offline batches): nothing per row to build
+        if first is not None and all(  # each distinct SamplingParams object checked once
+            p.is_greedy and not p.uses_penalties and p.logprobs is None and p.min_tokens == 0
+            for p in {id(p): p for p in params}.values()
+        ):  # every row plainly greedy (offline batches): nothing per row to build
             return cls(num_rows=n, all_greedy=True, num_logprobs=[None] * n)
         greedy = [p.is_greedy for p in params]
         batch = cls(num_rows=n, all_greedy=all(greedy))
