@@ -29,6 +29,7 @@ import random
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -101,31 +102,50 @@ def skip_forward(llm: LLM, max_rows: int) -> None:
     sampler_module.processed_probs = processed_probs
 
 
-def timed_run(llm: LLM, prompts, params, profile: cProfile.Profile | None = None):
-    """(seconds, engine steps) of one generate call."""
-    engine, steps = llm.engine, [0]
-    step = engine.step
+def timed_run(llm: LLM, prompts, params, profile: cProfile.Profile | None = None,
+              sync_debug: bool = False) -> dict:
+    """One generate call: its seconds, engine steps, process CPU seconds, host seconds (the
+    engine thread's CPU time less COMPUTE), seconds waiting for sampled tokens (the executor's
+    collect) and, with sync_debug on a GPU, the synchronizing calls torch warned about."""
+    engine, steps, wait = llm.engine, [0], [0.0]
+    step, collect = engine.step, engine.executor.collect
 
     def counting_step(*args, **kwargs):
         steps[0] += 1
         return step(*args, **kwargs)
 
-    engine.step = counting_step
-    try:
-        if profile is not None:
-            profile.enable()
-        t0, c0, compute0 = time.perf_counter(), time.process_time(), COMPUTE[0]
-        thread0 = time.thread_time()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-        host = time.thread_time() - thread0 - (COMPUTE[0] - compute0)
-        if profile is not None:
-            profile.disable()
-    finally:
-        del engine.step
+    def timed_collect(tokens):
+        t0 = time.perf_counter()
+        try:
+            return collect(tokens)
+        finally:
+            wait[0] += time.perf_counter() - t0
+
+    engine.step, engine.executor.collect = counting_step, timed_collect
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if sync_debug:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            if profile is not None:
+                profile.enable()
+            t0, c0, compute0 = time.perf_counter(), time.process_time(), COMPUTE[0]
+            thread0 = time.thread_time()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+            host = time.thread_time() - thread0 - (COMPUTE[0] - compute0)
+            if profile is not None:
+                profile.disable()
+        finally:
+            if sync_debug:
+                torch.cuda.set_sync_debug_mode("default")
+            del engine.step, engine.executor.collect
     if any(len(o.outputs[0].token_ids) != params[0].max_tokens for o in outs):
         raise SystemExit("a request ended early: the runs would not be comparable")
-    return elapsed, steps[0], cpu, host
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return {"seconds": elapsed, "steps": steps[0], "cpu": cpu, "host": host, "wait": wait[0],
+            "syncs": syncs}
 
 
 def main() -> None:
@@ -140,6 +160,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--runs", default="plain,half,all")
     ap.add_argument("--skip-forward", action="store_true", help="fixed logits, no model")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="a GPU: count torch's synchronizing-call warnings in the last repeat")
     ap.add_argument("--profile", default=None, help="one of the runs: cProfile its last repeat")
     args = ap.parse_args()
 
@@ -161,39 +183,43 @@ def main() -> None:
     runs = {name: [constrained if every[name] and i % every[name] == 0 else plain
                    for i in range(len(prompts))] for name in args.runs.split(",")}
     timed_run(llm, prompts[:4], [constrained] * 4)  # warm-up: compile the schema
-    best: dict[str, tuple[float, int, float, float]] = {}
-    profile = None
+    best: dict[str, dict] = {}
+    key = "host" if args.skip_forward else "seconds"  # the best by host time, or by wall time
+    profile = cProfile.Profile() if args.profile else None
     for r in range(args.repeats):
         for name, params in runs.items():
-            if name == args.profile and r == args.repeats - 1:
-                profile = cProfile.Profile()
-                got = timed_run(llm, prompts, params, profile)
-                best.setdefault(name, got)
-                continue
-            got = timed_run(llm, prompts, params)
-            key = 3 if args.skip_forward else 0  # the best by host time, or by wall time
-            if name not in best or got[key] / got[1] < best[name][key] / best[name][1]:
+            last = r == args.repeats - 1
+            profiled = last and name == args.profile
+            got = timed_run(llm, prompts, params, profile if profiled else None,
+                            args.sync_debug and last)
+            if profiled and name in best:  # cProfile's overhead: not a timing
+                best[name]["syncs"] = got["syncs"]
+            elif name not in best or (got[key] / got["steps"]
+                                      < best[name][key] / best[name]["steps"]):
                 best[name] = got
     print(f"device {llm.engine.device}, model {args.model or 'tiny 2-layer llama'}, "
           f"{args.num_requests} requests x {args.max_tokens} tokens, best of {args.repeats}")
+    print("host ms: the engine thread's CPU time (less the fixed logits' copies and the sampler's "
+          "tensor ops with --skip-forward); wait ms: in the executor's collect (sampled tokens)")
     print("| run | constrained rows | steps | ms per step | extra us per constrained row "
-          "| host ms per step (the engine thread's CPU time less the copies' and the sampler ops', "
-          "with --skip-forward) "
-          "| extra host us per constrained row | CPU ms per step (all threads) |")
-    print("|---|---|---|---|---|---|---|---|")
-    base = best["plain"][0] / best["plain"][1] if "plain" in best else None
+          "| host ms per step | extra host us per row | wait ms per step | CPU ms (all threads) "
+          "| syncs warned |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    plain = best.get("plain")
     result = {}
-    host_base = best["plain"][3] / best["plain"][1] if "plain" in best else None
-    for name, (elapsed, steps, cpu, host) in best.items():
+    for name, got in best.items():
         n = sum(p is constrained for p in runs[name])
-        ms, host_ms = 1e3 * elapsed / steps, 1e3 * host / steps
-        extra = "" if base is None or n == 0 else f"{(ms - 1e3 * base) * 1e3 / n:.1f}"
-        host_extra = ("" if base is None or n == 0
-                      else f"{(host_ms - 1e3 * host_base) * 1e3 / n:.1f}")
-        print(f"| {name} | {n} | {steps} | {ms:.2f} | {extra} | {host_ms:.2f} | {host_extra} "
-              f"| {1e3 * cpu / steps:.2f} |")
-        result[name] = ms
-    print(json.dumps({"device": str(llm.engine.device), "ms_per_step": result}))
+        per = {k: 1e3 * got[k] / got["steps"] for k in ("seconds", "host", "wait", "cpu")}
+        if plain is None or n == 0:
+            extra = host_extra = ""
+        else:
+            extra = f"{(per['seconds'] - 1e3 * plain['seconds'] / plain['steps']) * 1e3 / n:.1f}"
+            host_extra = f"{(per['host'] - 1e3 * plain['host'] / plain['steps']) * 1e3 / n:.1f}"
+        print(f"| {name} | {n} | {got['steps']} | {per['seconds']:.2f} | {extra} "
+              f"| {per['host']:.2f} | {host_extra} | {per['wait']:.2f} | {per['cpu']:.2f} "
+              f"| {got['syncs'] if args.sync_debug else ''} |")
+        result[name] = per
+    print(json.dumps({"device": str(llm.engine.device), "per_step_ms": result}))
     if profile is not None:
         pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
