@@ -147,14 +147,15 @@ class LogitsMaskBuilder:
         self._rows = torch.empty((0,), dtype=torch.int64)
         self._filler = None  # structured_output.MaskFiller, at the first grammar row
 
-    def _buffer(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffer(self, num_rows: int) -> torch.Tensor:
+        """The bitmask's host rows; `self._rows[:num_rows]` holds as many row indices."""
         if self._host.shape[0] < num_rows:
             pin = self.device.type == "cuda"
             size = max(num_rows, 2 * self._host.shape[0])
             self._host = torch.empty((size, self._host.shape[1]), dtype=torch.int32,
                                      pin_memory=pin)
             self._rows = torch.empty((size,), dtype=torch.int64, pin_memory=pin)
-        return self._host[:num_rows], self._rows[:num_rows]
+        return self._host[:num_rows]
 
     def build(
         self, rows: list[tuple[int, LogitsConstraints, int, list[int]]]
@@ -166,7 +167,7 @@ class LogitsMaskBuilder:
         masks = LogitsMasks()
         masked = [r for r in rows if r[1].has_mask]
         if masked:
-            host, row_ids = self._buffer(len(masked))
+            host, row_ids = self._buffer(len(masked)), self._rows[: len(masked)]
             words = host.numpy().view(np.uint32)  # the same memory, bit ops without sign
             row_ids.numpy()[:] = [r[0] for r in masked]
             grammar = [(i, c.matchers[index]) for i, (_, c, index, _) in enumerate(masked)
