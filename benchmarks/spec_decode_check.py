@@ -73,15 +73,25 @@ def main() -> int:
                     ok = got == base[:batch]
                     ok = ok and stats["num_free_blocks"] == stats["num_total_blocks"]
                     failures += not ok
-                    rate = spec["num_accepted_tokens"] / max(spec["num_draft_tokens"], 1)
-                    graphs = "spec graphs" if llm.engine.runner.spec_graphs else "no spec graphs"
-                    print(f"{'OK ' if ok else 'BAD'} {kind} batch {batch} {config['method']} "
-                          f"{mode or 'graphs'} ({graphs}): acceptance so far {100 * rate:.0f}%")
+                    report(llm, ok, f"{kind} batch {batch} {config['method']}", mode,
+                           acceptance(spec))
                 llm.shutdown()
                 del llm
                 gc.collect()
     print("all equal" if not failures else f"{failures} mismatches")
     return 1 if failures else 0
+
+
+def acceptance(spec: dict) -> float:
+    """Accepted over proposed draft tokens so far (the engine's spec_decode counters)."""
+    return spec["num_accepted_tokens"] / max(spec["num_draft_tokens"], 1)
+
+
+def report(llm, ok: bool, case: str, mode, rate: float) -> None:
+    """One line per case: OK or BAD, whether the k+1-token graphs ran, the acceptance."""
+    graphs = "spec graphs" if llm.engine.runner.spec_graphs else "no spec graphs"
+    print(f"{'OK ' if ok else 'BAD'} {case} {mode or 'graphs'} ({graphs}): "
+          f"acceptance so far {100 * rate:.0f}%")
 
 
 def check_heads(prompts, params) -> int:
@@ -123,15 +133,13 @@ def check_heads(prompts, params) -> int:
                                     use_tqdm=False)
                 stats = llm.engine.get_stats()
                 spec, proposer = stats["spec_decode"], llm.engine.spec.proposer
-                rate = spec["num_accepted_tokens"] / max(spec["num_draft_tokens"], 1)
+                rate = acceptance(spec)
                 ok = ([o.outputs[0].token_ids for o in outs] == base[:batch]
                       and stats["num_free_blocks"] == stats["num_total_blocks"]
                       and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
                       and (rate > 0.5 if accepts else True))
                 failures += not ok
-                graphs = "spec graphs" if llm.engine.runner.spec_graphs else "no spec graphs"
-                print(f"{'OK ' if ok else 'BAD'} {name} batch {batch} {mode or 'graphs'} "
-                      f"({graphs}): acceptance so far {100 * rate:.0f}%")
+                report(llm, ok, f"{name} batch {batch}", mode, rate)
             llm.shutdown()
             del llm
             gc.collect()

@@ -25,7 +25,6 @@ import argparse
 import cProfile
 import json
 import pstats
-import random
 import shutil
 import tempfile
 import time
@@ -34,27 +33,11 @@ from pathlib import Path
 
 import torch
 
-from tinypaged import LLM, SamplingParams, StructuredOutputsParams
+from benchmarks.structured_throughput import workload  # the same prompts and schema
+from tinypaged import LLM
 from tinypaged.models.default_model import ensure_default_model
 from tinypaged.sampling import sampler as sampler_module
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 40},
-                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"], "additionalProperties": False,
-        },
-        "pets": {"type": "array", "maxItems": 3, "items": {"enum": ["cat", "dog", "fish"]}},
-    },
-    "required": ["name", "age", "address", "pets"],
-    "additionalProperties": False,
-}
-LONG = {"type": "array", "items": PERSON, "minItems": 1000}
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -172,13 +155,7 @@ def main() -> None:
     vocab = llm.engine.vocab_size
     if args.skip_forward:
         skip_forward(llm, args.num_requests)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, vocab - 1000)
-                for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-               for _ in range(args.num_requests)]
-    plain = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
-                                 structured_outputs=StructuredOutputsParams(json=LONG))
+    prompts, plain, constrained = workload(args, vocab)
     every = {"plain": 0, "half": 2, "all": 1}  # every k-th request constrained (0 = none)
     runs = {name: [constrained if every[name] and i % every[name] == 0 else plain
                    for i in range(len(prompts))] for name in args.runs.split(",")}

@@ -108,6 +108,20 @@ def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tup
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def workload(args, vocab: int) -> tuple[list[list[int]], SamplingParams, SamplingParams]:
+    """(prompts, plain params, constrained params): `args.num_requests` prompts of random ids
+    (Random(0), lengths in [args.min_prompt, args.max_prompt]), greedy, `args.max_tokens`
+    tokens, EOS ignored; the constrained ones follow LONG (also benchmarks/structured_steps.py)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, vocab - 1000)
+                for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+               for _ in range(args.num_requests)]
+    plain = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(json=LONG))
+    return prompts, plain, constrained
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -125,13 +139,7 @@ def main() -> None:
               max_model_len=max(args.max_prompt + args.max_tokens, 512) + 8)
     checked = check(llm)
     vocab = llm.engine.vocab_size
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, vocab - 1000)
-                for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-               for _ in range(args.num_requests)]
-    plain = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
-                                 structured_outputs=StructuredOutputsParams(json=LONG))
+    prompts, plain, constrained = workload(args, vocab)
     runs = {"plain": [plain] * len(prompts),
             "half": [constrained if i % 2 else plain for i in range(len(prompts))]}
     run(llm, prompts[:4], runs["half"][:4])  # warm-up: compile the schema, first kernels

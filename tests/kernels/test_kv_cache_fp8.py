@@ -46,18 +46,28 @@ def test_store_matches_reference_and_saturates(interpret, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rotary_store_matches_reference(interpret, dtype):
+@pytest.mark.parametrize("scaled", [False, True], ids=["scale-1", "checkpoint-scales"])
+def test_rotary_store_matches_reference(interpret, dtype, scaled):
+    """The fused rotary + store writes what its reference writes; with a checkpoint's k_scale /
+    v_scale (models/kv_scales.py) it stores x / scale, so scale * stored gives x back."""
     gen = torch.Generator().manual_seed(1)
     T, Hq, Hk, D = 5, 4, 2, 32
-    q, k, v = (torch.randn(T, h, D, generator=gen).to(dtype) * 3 for h in (Hq, Hk, Hk))
+    size = 0.05 if scaled else 3.0  # small values: without their scales they would be subnormal
+    q, k, v = (torch.randn(T, h, D, generator=gen).to(dtype) * size for h in (Hq, Hk, Hk))
     positions = torch.randint(0, 64, (T,), generator=gen)
     slots = torch.tensor([2, -1, 7, 30, 11])
     cos_sin = build_cos_sin_cache(D, 64, 10000.0)
     kc, vc, kr, vr = caches((4, 8, Hk, D))
+    scales = dict(k_scale=0.05 / 448 * 4, v_scale=0.05 / 448 * 3) if scaled else {}
     q1, q2 = q.clone(), q.clone()
-    rotary_kv_cache.rotary_store_kv(positions, q1, k, v, kc, vc, slots, cos_sin, D)
-    rotary_kv_cache.rotary_store_kv_ref(positions, q2, k, v, kr, vr, slots, cos_sin, D)
+    rotary_kv_cache.rotary_store_kv(positions, q1, k, v, kc, vc, slots, cos_sin, D, **scales)
+    rotary_kv_cache.rotary_store_kv_ref(positions, q2, k, v, kr, vr, slots, cos_sin, D,
+                                        **scales)
     assert torch.equal(kc.float(), kr.float()) and torch.equal(vc.float(), vr.float())
+    if scaled:
+        stored_v = vc.view(-1, Hk, D)[slots[slots >= 0]].float() * scales["v_scale"]
+        want_v = v[slots >= 0].float()
+        assert (stored_v - want_v).norm() / want_v.norm() < 0.05  # e4m3 rounding only
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -1,7 +1,7 @@
 """A checkpoint's FP8 KV-cache scales (self_attn.k_scale / v_scale, the older kv_scale, and
 compressed-tensors' k_proj / v_proj output_scale): loaded per layer, used by the fused rotary +
-store kernel (divide; interpreted against its reference) and by attention (multiply) when the
-cache is FP8, ignored with a full-precision cache."""
+store kernel (divide; its interpreted check is in tests/kernels/test_kv_cache_fp8.py) and by
+attention (multiply) when the cache is FP8, ignored with a full-precision cache."""
 
 import pytest
 import torch
@@ -13,35 +13,12 @@ from helpers.models import (  # noqa: F401  (single_thread: autouse fixture)
     tiny_hf_model,
 )
 
-from tinypaged.kernels import rotary_kv_cache
-from tinypaged.kernels.rotary import build_cos_sin_cache
 from tinypaged.models.kv_scales import kv_scale_target
 from tinypaged.models.layers import Attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 FP8 = torch.float8_e4m3fn
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 8, 9, 10], list(range(11, 31))]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rotary_store_divides_by_the_scales(monkeypatch, dtype):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    gen = torch.Generator().manual_seed(2)
-    T, Hq, Hk, D = 5, 4, 2, 32
-    q, k, v = (torch.randn(T, h, D, generator=gen).to(dtype) * 0.05 for h in (Hq, Hk, Hk))
-    positions = torch.randint(0, 64, (T,), generator=gen)
-    slots = torch.tensor([2, -1, 7, 30, 11])
-    cos_sin = build_cos_sin_cache(D, 64, 10000.0)
-    kc, vc, kr, vr = (torch.zeros(4, 8, Hk, D, dtype=FP8) for _ in range(4))
-    scales = dict(k_scale=0.05 / 448 * 4, v_scale=0.05 / 448 * 3)
-    q1, q2 = q.clone(), q.clone()
-    rotary_kv_cache.rotary_store_kv(positions, q1, k, v, kc, vc, slots, cos_sin, D, **scales)
-    rotary_kv_cache.rotary_store_kv_ref(positions, q2, k, v, kr, vr, slots, cos_sin, D,
-                                        **scales)
-    assert torch.equal(kc.float(), kr.float()) and torch.equal(vc.float(), vr.float())
-    stored_v = vc.view(-1, Hk, D)[slots[slots >= 0]].float() * scales["v_scale"]
-    want_v = v[slots >= 0].float()
-    assert (stored_v - want_v).norm() / want_v.norm() < 0.05  # e4m3 rounding, not subnormals
 
 
 def test_names():

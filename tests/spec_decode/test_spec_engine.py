@@ -41,14 +41,6 @@ def ngram(k: int, lo: int = 1, hi: int = 3) -> dict:
             "prompt_lookup_max": hi}
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    save_tiny("llama", path)
-    save_byte_tokenizer(path)
-    return str(path)
-
-
 LONG = os.environ.get("TINYPAGED_LONG_TESTS") == "1"
 KINDS = ["llama", "qwen3"] + (["glm4_moe", "gemma2"] if LONG else [])
 

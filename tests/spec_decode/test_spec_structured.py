@@ -29,14 +29,6 @@ SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 
           "required": ["id", "kind"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    save_tiny("llama", path)
-    save_byte_tokenizer(path)
-    return str(path)
-
-
 def allowed(host: torch.Tensor, row: int) -> set[int]:
     words = host[row].numpy().view(np.uint32)
     bits = np.unpackbits(words.view(np.uint8), bitorder="little")

@@ -191,6 +191,12 @@ class LogitsMaskBuilder:
         entries = [
             (row, t, b) for row, c, _, _ in rows for t, b in zip(c.bias_ids, c.bias_values)
         ]
+        return self._finish(masks, entries)
+
+    def _finish(self, masks: LogitsMasks,
+                entries: list[tuple[int, int, float]]) -> LogitsMasks | None:
+        """`masks` with the logit-bias entries (row, token id, bias) on the device, in one
+        copy; None when the step has neither a mask nor a bias."""
         if entries:
             packed = torch.tensor(entries, dtype=torch.float64).to(self.device, non_blocking=True)
             masks.bias_rows, masks.bias_ids = packed[:, 0].long(), packed[:, 1].long()

@@ -87,13 +87,7 @@ class DraftMaskBuilder(LogitsMaskBuilder):
             for j in range(len(draft) + 1)
             for t, b in zip(c.bias_ids, c.bias_values)
         ]
-        if entries:
-            packed = torch.tensor(entries, dtype=torch.float64).to(self.device, non_blocking=True)
-            masks.bias_rows, masks.bias_ids = packed[:, 0].long(), packed[:, 1].long()
-            masks.bias_values = packed[:, 2].float()
-        if masks.bitmask is None and masks.bias_rows is None:
-            return None
-        return masks
+        return self._finish(masks, entries)
 
     @staticmethod
     def _fill(host: torch.Tensor, words: np.ndarray, at: int, c: LogitsConstraints, index: int,
