@@ -4,22 +4,25 @@ against no speculation, batch 1 and 8, greedy, offline (`LLM`).
 Each prompt asks the model to repeat a paragraph of tinypaged/data/heldout.txt, so most of the
 output is found in the prompt (the case prompt lookup is for: editing, quoting, summarising).
 Prints tok/s with and without speculation, the speed-up and the acceptance rate, and checks the
-greedy tokens are the same.
+greedy tokens are the same. `--engine vllm` runs the same workload through vLLM's `LLM` (the
+anchor kit's vLLM on PYTHONPATH), so both speed-ups come from one GPU in one sitting:
 
     PYTHONPATH=. python benchmarks/spec_decode_ngram.py [MODEL] \\
         [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}']
+    PYTHONPATH=.:/tmp/vsite python benchmarks/spec_decode_ngram.py --engine vllm [MODEL]
 
 MODEL defaults to the built-in SmolLM2-135M-Instruct (fetched once; carry it to an offline GPU).
+vLLM is given the model's .gguf file with the folder as its tokenizer (both engines then read the
+same Q4_1 weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
-
-from tinypaged import LLM, SamplingParams
 
 TEXT = Path(__file__).resolve().parents[1] / "tinypaged" / "data" / "heldout.txt"
 
@@ -30,8 +33,8 @@ def prompts(n: int) -> list[list[dict]]:
               + paragraphs[i % len(paragraphs)]}] for i in range(n)]
 
 
-def timed(llm: LLM, batch: list, params: SamplingParams) -> tuple[float, list]:
-    llm.chat(batch[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+def timed(llm, batch: list, params) -> tuple[float, list]:
+    llm.chat(batch[:1], type(params)(max_tokens=8), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.chat(batch, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -39,9 +42,32 @@ def timed(llm: LLM, batch: list, params: SamplingParams) -> tuple[float, list]:
     return sum(map(len, tokens)) / elapsed, tokens
 
 
+def counters(llm) -> dict[str, int]:
+    """The spec-decode counters from vLLM's LLM.get_metrics() (tinypaged's has the same)."""
+    out = {}
+    for metric in llm.get_metrics():
+        name = metric.name.split(":")[-1]
+        if name.startswith("spec_decode_") and hasattr(metric, "value"):
+            out[name.removeprefix("spec_decode_")] = metric.value
+    return out
+
+
+def engine_args(engine: str, model: str | None, memory: float) -> dict:
+    args = dict(gpu_memory_utilization=memory, max_model_len=2048)
+    if engine == "tinypaged":
+        return dict(model=model, **args)
+    from tinypaged.models.default_model import ensure_default_model
+
+    folder = Path(model) if model else ensure_default_model()
+    gguf = sorted(folder.glob("*.gguf"))
+    return dict(model=str(gguf[0]) if gguf else str(folder), tokenizer=str(folder),
+                disable_log_stats=False, **args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default=None)
+    parser.add_argument("--engine", choices=("tinypaged", "vllm"), default="tinypaged")
     parser.add_argument("--speculative-config", default='{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                         '"prompt_lookup_max": 5}')
@@ -49,22 +75,28 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     args = parser.parse_args()
+    if args.engine == "vllm":
+        from vllm import LLM, SamplingParams
+    else:
+        from tinypaged import LLM, SamplingParams
     spec = json.loads(args.speculative_config)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    engine = dict(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
-    base_llm = LLM(args.model, **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)
+    engine = engine_args(args.engine, args.model, args.gpu_memory_utilization)
+    base_llm = LLM(**engine)
     base = {b: timed(base_llm, prompts(b), params) for b in args.batch_sizes}
-    base_llm.shutdown()
     del base_llm
-    llm = LLM(args.model, speculative_config=spec, **engine)
+    gc.collect()
+    llm = LLM(speculative_config=spec, **engine)
     for b in args.batch_sizes:
         rate, tokens = timed(llm, prompts(b), params)
         same = sum(x == y for x, y in zip(tokens, base[b][1]))
-        print(f"batch {b}: {base[b][0]:,.1f} -> {rate:,.1f} tok/s = {rate / base[b][0]:.2f}x "
-              f"({same}/{b} outputs identical)")
-    stats = llm.engine.get_stats()["spec_decode"]
-    print(f"{spec}: acceptance rate {100 * stats['acceptance_rate']:.1f}%, mean acceptance "
-          f"length {1 + stats['num_accepted_tokens'] / max(stats['num_drafts'], 1):.2f}")
+        print(json.dumps({"engine": args.engine, "batch": b, "base_tok_s": round(base[b][0], 1),
+                          "spec_tok_s": round(rate, 1), "speedup": round(rate / base[b][0], 3),
+                          "identical": f"{same}/{b}"}))
+    c = counters(llm)
+    print(f"{args.engine} {spec}: acceptance rate "
+          f"{100 * c['num_accepted_tokens'] / max(c['num_draft_tokens'], 1):.1f}%, mean "
+          f"acceptance length {1 + c['num_accepted_tokens'] / max(c['num_drafts'], 1):.2f}")
 
 
 if __name__ == "__main__":
