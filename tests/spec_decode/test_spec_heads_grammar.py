@@ -1,4 +1,5 @@
-"""Draft heads (EAGLE-3, MTP) under structured output (spec_decode/head_proposer.py).
+"""Draft heads (EAGLE-3, MTP) under structured output, and the seam of their drafting-step CUDA
+graphs (spec_decode/head_proposer.py).
 
 Constrained requests speculate with a head: each draft is the head's argmax among the tokens the
 grammar allows after the drafts before it, so a random head is right wherever the grammar forces
@@ -19,6 +20,7 @@ from helpers.spec_heads import save_eagle3, save_glm_mtp
 from tinypaged import LLM, SamplingParams
 from tinypaged.bench.tiny_models import tiny_hf_model
 from tinypaged.sampling.structured_output import StructuredOutputsParams
+from tinypaged.worker.cuda_graphs import HeadStepGraphs
 
 ENGINE = dict(num_kv_blocks=96, block_size=4, max_model_len=128)
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -110,3 +112,33 @@ def test_draft_vocabulary_laid_over_the_target_ids(targets):
     assert torch.equal(full[:, ids], logits)
     assert torch.isneginf(full).sum() == 2 * 56
     assert torch.equal(full.argmax(-1), head.to_target_ids(logits.argmax(-1)))
+
+
+@pytest.mark.parametrize("name", ["eagle3_d2t", "mtp"])
+def test_drafting_step_graph_seam(targets, name):
+    """The drafting steps through HeadStepGraphs' static padded buffers (capture=False: the
+    forward a graph would replay, run eagerly) give the eager step's outputs; batches past the
+    largest bucket (here 4) run eagerly; the tokens are unchanged."""
+    path, config, _, base = targets[name]
+    llm = LLM(str(path), speculative_config=config, **ENGINE)
+    proposer = llm.engine.spec.proposer
+    assert proposer.graphs is None  # the CPU captures nothing
+    graphs = HeadStepGraphs(proposer.head, 4, proposer.tables.array.shape[1],
+                            proposer.block_size, proposer.head.spec.hidden_size,
+                            proposer.device, torch.float32, capture=False)
+    proposer.graphs = graphs
+    sizes, eager, decode_step = [], proposer._run, proposer._decode_step
+
+    def both(items, features):  # each drafting step twice: eagerly, then through the seam
+        sizes.append(len(items))
+        want = [t.clone() for t in eager(items, features)]
+        got = decode_step(items, features)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+        return got
+
+    proposer._decode_step = both
+    # A batch of 5: drafting steps of 5 (eager) and, as sequences stop drafting, fewer.
+    assert run(llm, list(range(len(BATCH)))) == base
+    assert graphs.num_replays == sum(s <= 4 for s in sizes) > 0
+    assert 5 in sizes and 3 in sizes  # 3: padded to the bucket of 4

@@ -30,10 +30,16 @@ takes each draft of a constrained sequence as the argmax of the head's logits ma
 grammar after the drafts before it (grammar.py's DraftGrammar: the matcher walks the drafts and
 is rolled back afterwards), so a head drafts where the grammar forces a token even when its own
 guess is wrong, and its drafts are never cut.
+
+The drafting steps (one token per sequence) replay a CUDA graph of the head's forward per batch
+size on a GPU that captures graphs (worker/cuda_graphs.py's HeadStepGraphs); `_decode_step` is
+the one place that picks graph or eager, and batches larger than the largest bucket (and the
+CPU) run eagerly. observe's steps (several rows per sequence) always run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +57,8 @@ from tinypaged.spec_decode.head_config import read_head_config
 from tinypaged.spec_decode.heads import load_head
 from tinypaged.spec_decode.proposers import Proposer
 from tinypaged.worker.input_batch import HostBlockTables, build_step
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,6 +89,22 @@ class HeadProposer(Proposer):
         self.kernels = kernel_choice(cfg.kernels)
         self.twins: dict[int, _Twin] = {}
         self.vocab_size = engine.vocab_size
+        self.graphs = None
+        if engine.runner.graphs is not None:  # the target's decode replays graphs: so do these
+            self.graphs = self._capture(cfg.max_num_seqs, engine.dtype)
+
+    def _capture(self, max_batch_size: int, dtype: torch.dtype):
+        from tinypaged.worker.cuda_graphs import HeadStepGraphs
+
+        try:
+            with self.kernels:
+                return HeadStepGraphs(self.head, max_batch_size, self.tables.array.shape[1],
+                                      self.block_size, self.head.spec.hidden_size, self.device,
+                                      dtype)
+        except Exception:
+            logger.exception("speculative decoding: capturing the draft head's CUDA graphs "
+                             "failed; its drafting steps run eagerly")
+            return None
 
     # ------------------------------------------------------------------ bookkeeping
     def finish(self, seq: Sequence) -> None:
@@ -93,7 +117,7 @@ class HeadProposer(Proposer):
             self.finish(twin.target)
 
     def _run(self, items: list[ScheduledSequence], features: torch.Tensor):
-        """One head forward over the twins' rows; -> (logits [S, draft_vocab], next
+        """One head forward over the twins' rows, eagerly; -> (logits [S, draft_vocab], next
         features [S, H]) of each item's last row."""
         step = build_step(items, self.block_size, self.tables)
 
@@ -107,6 +131,16 @@ class HeadProposer(Proposer):
         with self.kernels:
             return self.head(to(step.input_ids), to(step.positions), md, features,
                              to(step.logits_indices))
+
+    def _decode_step(self, items: list[ScheduledSequence], features: torch.Tensor):
+        """A drafting step (one new row per item; features [S, H]) -> as _run: the captured
+        graph of its batch size where there is one, else eagerly. The graph's outputs are its
+        static buffers, read (by _pick's sync) before the next replay overwrites them."""
+        if self.graphs is None or not self.graphs.fits(len(items)):
+            return self._run(items, features)
+        step = build_step(items, self.block_size, self.tables)
+        with self.kernels:
+            return self.graphs.run(step, features)
 
     def _pick(self, logits: torch.Tensor, rows: list[int],
               grammar: DraftGrammar | None) -> list[int | None]:
@@ -211,7 +245,7 @@ class HeadProposer(Proposer):
                 rows.append(i)
             if not batch:
                 break
-            logits, hidden = self._run(batch, torch.stack([features[i] for i in rows]))
+            logits, hidden = self._decode_step(batch, torch.stack([features[i] for i in rows]))
             for j, i in enumerate(rows):
                 features[i] = hidden[j]
         for twin in live.values():  # forget the drafts' rows: the target's features replace them
