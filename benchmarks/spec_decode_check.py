@@ -10,7 +10,12 @@ after. Prints one line per case and exits 1 on any mismatch.
 in their real formats (bench/tiny_heads.py): a random EAGLE-3 head on a 4-layer llama (every
 draft rejected), an EAGLE head and a GLM-4.5 MTP layer that compute their bigram target's own
 next token (drafts accepted), each with the CUDA graphs (which keep the target's hidden states)
-and eagerly, at batch 1 and 8; the target's and the head's KV blocks all free after.
+and eagerly, at batch 1 and 8; half the requests constrained by allowed_token_ids (the heads
+draft under the mask, an EAGLE-3 draft vocabulary laid over the target's ids); the target's and
+the head's KV blocks all free after. With graphs, every drafting step of the head runs through
+its captured graph (HeadStepGraphs) and eagerly on the same inputs, and the outputs must agree
+(max |graph - eager| of the logits and features is printed); the graph run's acceptance
+counters must equal the eager run's.
 
     PYTHONPATH=. python benchmarks/spec_decode_check.py --heads-only
 """
@@ -118,6 +123,9 @@ def check_heads(prompts, params) -> int:
     cases.append(("mtp", root / "glm", {"method": "mtp", "num_speculative_tokens": 2}, True))
     engine = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=256, max_num_seqs=8,
                   gpu_memory_utilization=0.3)
+    allowed = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True,
+                             allowed_token_ids=list(range(2, 130)))
+    params = [params if i % 2 == 0 else allowed for i in range(len(prompts))]
     failures = 0
     for name, target, config, accepts in cases:
         llm = LLM(str(target), **engine)
@@ -126,25 +134,56 @@ def check_heads(prompts, params) -> int:
         llm.shutdown()
         del llm
         gc.collect()
+        counters = {}
         for mode in ({}, {"enforce_eager": True}):
             llm = LLM(str(target), speculative_config=config, **engine, **mode)
+            proposer = llm.engine.spec.proposer
+            worst = [0.0] if proposer.graphs is not None else None
+            if worst is not None:
+                compare_graph_steps(proposer, worst)
             for batch in (1, 8):
-                outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], params,
-                                    use_tqdm=False)
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]],
+                                    params[:batch], use_tqdm=False)
                 stats = llm.engine.get_stats()
-                spec, proposer = stats["spec_decode"], llm.engine.spec.proposer
+                spec = stats["spec_decode"]
                 rate = acceptance(spec)
+                counters.setdefault(batch, []).append(spec["num_accepted_tokens"])
                 ok = ([o.outputs[0].token_ids for o in outs] == base[:batch]
                       and stats["num_free_blocks"] == stats["num_total_blocks"]
                       and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
                       and (rate > 0.5 if accepts else True))
+                if not mode:  # the head's drafting steps replayed its graphs, as eager did
+                    ok = ok and worst is not None and proposer.graphs.num_replays > 0
+                    ok = ok and worst[0] < 1e-3
+                else:
+                    ok = ok and counters[batch][0] == counters[batch][1]
                 failures += not ok
-                report(llm, ok, f"{name} batch {batch}", mode, rate)
+                head = ("" if worst is None else
+                        f" head graphs: {proposer.graphs.num_replays} replays, "
+                        f"max |graph - eager| {worst[0]:.2e};")
+                report(llm, ok, f"{name} batch {batch}{head}", mode, rate)
             llm.shutdown()
             del llm
             gc.collect()
     print("all equal" if not failures else f"{failures} mismatches")
     return 1 if failures else 0
+
+
+def compare_graph_steps(proposer, worst: list[float]) -> None:
+    """Run each drafting step of the head eagerly, then through its graph (whose outputs the
+    proposer goes on with), keeping in worst[0] the largest difference of their logits and
+    features (relative to the largest eager value)."""
+    eager, decode_step = proposer._run, proposer._decode_step
+
+    def both(items, features):
+        want = [t.clone() for t in eager(items, features)]
+        got = decode_step(items, features)
+        for g, w in zip(got, want):
+            diff = (g.float() - w.float()).abs().max() / w.float().abs().max().clamp(min=1e-6)
+            worst[0] = max(worst[0], float(diff))
+        return got
+
+    proposer._decode_step = both
 
 
 if __name__ == "__main__":

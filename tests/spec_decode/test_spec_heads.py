@@ -190,7 +190,7 @@ def test_sampled_and_constrained_requests_beside_a_head(llama4, tmp_path):
     path, hf, base = llama4
     save_eagle3(tmp_path, hf.config)
     llm = spec_llm(path, "eagle3", 3, tmp_path)
-    # A request with a logits constraint decodes one token a step in the same batches.
+    # A request with a logits constraint drafts among its allowed tokens in the same batches.
     allowed = SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=list(range(100)))
     want = LLM(str(path), **ENGINE).generate({"prompt_token_ids": BATCH[0]}, allowed,
                                              use_tqdm=False)[0].outputs[0].token_ids

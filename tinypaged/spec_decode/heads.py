@@ -98,6 +98,11 @@ class DraftHead(DecoderForCausalLM):
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids
 
+    def target_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """logits [N, draft_vocab] laid out over the target's ids [N, >= vocab_size] (what a
+        grammar's mask covers); ids outside the draft vocabulary are -inf."""
+        return logits
+
     def share_from(self, target: DecoderForCausalLM) -> None:
         """Take the target's embedding / LM head where this head has none of its own."""
         for name in self.shares:
@@ -157,6 +162,14 @@ class Eagle3Head(DraftHead):
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.d2t is None else ids + self.d2t[ids]
+
+    def target_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        if self.d2t is None:
+            return logits
+        width = max(vocab_size, self.embed_tokens.num_embeddings)  # the target's vocabulary
+        full = logits.new_full((logits.shape[0], width), float("-inf"))
+        ids = self.to_target_ids(torch.arange(self.draft_vocab, device=logits.device))
+        return full.index_copy_(1, ids, logits)
 
     def forward(self, input_ids, positions, md: AttentionMetadata, features, rows):
         first = self.layers[0]

@@ -27,6 +27,7 @@ then, so the set it used has been read).
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 
 import torch
@@ -163,3 +164,93 @@ class DecodeGraphs:
         if self.aux[bs] is not None:  # the rows of this step, as an eager forward keeps them
             self.runner.model.aux_hidden_states = self.aux[bs][: b * self.q]
         return self.logits[bs][: b * self.q]
+
+
+class HeadStepGraphs:
+    """CUDA graphs of a draft head's drafting step (spec_decode/head_proposer.py: after draft 1,
+    each further draft is one head step of one token per sequence, fed the features [B, hidden]
+    of the step before). One graph per batch-size bucket, as DecodeGraphs: the bucket's inputs
+    are the front of static buffers in _Fields' layout (no placeholders: the head's input ids
+    are on the host) plus `features` [max_bs, hidden]; the graph writes the head's outputs
+    (logits [bs, draft_vocab], next features [bs, hidden]). Padding rows store nothing and
+    attend to one key of block 0; attention is captured with `max_seq_len` (the longest a twin
+    gets), so its split count does not depend on the live batch.
+
+    One pinned staging set is enough: the proposer reads each step's drafts on the host before
+    it stages the next. `capture=False` runs the same padded fixed-shape forward eagerly in place
+    of a replay, which is how the CPU tests check the layout and the padding."""
+
+    @torch.inference_mode()
+    def __init__(self, head, max_batch_size: int, max_blocks_per_seq: int, block_size: int,
+                 hidden_size: int, device: torch.device, dtype: torch.dtype,
+                 capture: bool = True) -> None:
+        self.head = head
+        self.buckets = batch_size_buckets(max_batch_size)
+        max_bs, self.mb = self.buckets[-1], max_blocks_per_seq
+        self.max_seq_len = max_blocks_per_seq * block_size
+        self.ids64 = torch.zeros(4 * max_bs, dtype=torch.int64, device=device)
+        self.ids32 = torch.zeros(max_bs * (1 + self.mb), dtype=torch.int32, device=device)
+        self.features = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.rows = torch.arange(max_bs, device=device)  # every row's logits (padding dropped)
+        pin = device.type == "cuda"
+        self.host64 = torch.zeros(4 * max_bs, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(max_bs * (1 + self.mb), dtype=torch.int32, pin_memory=pin)
+        self.host_fields: dict[int, _Fields] = {}
+        self.num_replays = 0
+        self.replays = {}  # bs -> () -> (logits [bs, draft_vocab], features [bs, hidden])
+        pool = None
+        for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
+            fields = _Fields(self.ids64, self.ids32, bs, self.mb)
+            fields.pad(0)
+            forward = functools.partial(self._forward, fields, bs)
+            if not capture:
+                self.replays[bs] = forward
+                continue
+            for _ in range(2):  # warm up: compile kernels, settle the allocator
+                forward()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = forward()
+            pool = graph.pool()
+            self.replays[bs] = functools.partial(_replay, graph, outputs)
+        if capture:
+            torch.cuda.synchronize()
+            logger.info("captured CUDA graphs of the draft head's steps for batch sizes %s",
+                        self.buckets)
+
+    def _forward(self, f: _Fields, bs: int):
+        md = AttentionMetadata(
+            slot_mapping=f.slot_mapping, query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=f.seq_lens, block_tables=f.block_tables, max_query_len=1,
+            max_seq_len=self.max_seq_len,
+        )
+        return self.head(f.input_ids, f.positions, md, self.features[:bs], self.rows[:bs])
+
+    def fits(self, batch_size: int) -> bool:
+        return batch_size <= self.buckets[-1]
+
+    def run(self, step: StepInput, features: torch.Tensor):
+        """A drafting step of B sequences (features [B, hidden]) -> (logits [B, draft_vocab],
+        next features [B, hidden]): views of the bucket's static outputs, overwritten by the
+        next replay."""
+        b = len(step.seq_lens)
+        bs = self.buckets[bisect.bisect_left(self.buckets, b)]
+        stage = self.host_fields.get(bs)
+        if stage is None:
+            stage = self.host_fields[bs] = _Fields(self.host64.numpy(), self.host32.numpy(),
+                                                   bs, self.mb)
+        stage.fill(step, b)
+        n32 = len(stage.ids32)
+        self.ids64[: 4 * bs].copy_(self.host64[: 4 * bs], non_blocking=True)
+        self.ids32[:n32].copy_(self.host32[:n32], non_blocking=True)
+        self.features[:b].copy_(features)
+        logits, hidden = self.replays[bs]()
+        self.num_replays += 1
+        return logits[:b], hidden[:b]
+
+
+def _replay(graph: torch.cuda.CUDAGraph, outputs):
+    graph.replay()
+    return outputs
