@@ -134,7 +134,7 @@ def test_lora_expand_column_groups(dtype, tiles, offsets, expand_n, tiles_per_pr
     """Each program sums its rows' planes once and loops over up to TILES column tiles of one
     shard: uneven segments over several row tiles, an empty slot, tokens of no adapter."""
     tiles(16, 16, 16, 64, expand_n, tiles_per_program)
-    slots = torch.tensor([0] * 35 + [2] * 3 + [3] * 17 + [-1] * 5, dtype=torch.int32)  # slot 1: none
+    slots = torch.tensor([0] * 35 + [2] * 3 + [3] * 17 + [-1] * 5, dtype=torch.int32)  # 1: empty
     slots = slots[torch.randperm(len(slots), generator=torch.Generator().manual_seed(1))]
     num_tokens, num_slots, rank, shards = len(slots), 4, 16, len(offsets) - 1
     meta = lora_segments(slots, num_slots)
@@ -167,4 +167,18 @@ def test_lora_shrink_expand_chain_tiles(tiles, block_m, shrink_n, block_k, progr
     y0 = randn(num_tokens, offsets[-1], seed=3)
     got = lora_expand_triton(y0.clone(), h, b, *meta, offsets)
     torch.testing.assert_close(got, lora_expand_ref(y0.clone(), want_h, b, *meta, offsets),
+                               **tol(torch.float32))
+
+
+def test_lora_kernels_one_slot():
+    """max_loras = 1: slot_tile's vector of segment lengths has a single lane."""
+    slots = torch.tensor([0, -1, 0, 0, -1], dtype=torch.int32)
+    meta = lora_segments(slots, 1)
+    x, a = randn(5, 64), randn(1, 16, 64, seed=1)
+    b, y0 = randn(1, 40, 16, seed=2), randn(5, 40, seed=3)
+    h = lora_shrink_triton(x, a, *meta, torch.zeros(3, 5, 16))
+    want_h = lora_shrink_ref(x, a, *meta, torch.zeros(3, 5, 16))
+    torch.testing.assert_close(h.sum(0), want_h.sum(0), **tol(torch.float32))
+    got = lora_expand_triton(y0.clone(), h, b, *meta, (0, 40))
+    torch.testing.assert_close(got, lora_expand_ref(y0.clone(), want_h, b, *meta, (0, 40)),
                                **tol(torch.float32))
