@@ -129,6 +129,7 @@ def tiles(monkeypatch):
     ((0, 64, 80, 96), 16, 8, 9),  # qkv-like: shard 0 is one full group, shards 1-2 one tile each
     ((0, 100, 200), 32, 2, 40),  # gate-up-like: 4 tiles a shard, 2 groups each; 40 planes
     ((0, 40), 16, 8, 64),  # one group past the shard's end; 64 planes in several loads
+    ((0, 64, 128), 16, 4, 5),  # every group ends inside its shard
 ])
 def test_lora_expand_column_groups(dtype, tiles, offsets, expand_n, tiles_per_program, splits):
     """Each program sums its rows' planes once and loops over up to TILES column tiles of one

@@ -133,7 +133,7 @@ def _lora_shrink_kernel(
     K, N, num_slots, stride_xm, stride_al, stride_an, stride_os, stride_om,
     SPLIT_K: tl.constexpr, MAX_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # the expand launched after this kernel may start its head now (PDL above)
         tl.extra.cuda.gdc_launch_dependents()
@@ -153,6 +153,8 @@ def _lora_shrink_kernel(
     for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
+        if EVEN_K:  # an all-true constant lets the x and A loads be vectorized along K
+            k_mask = tl.full((BLOCK_K,), 1, tl.int1)
         x = tl.load(X + tok[:, None] * stride_xm + ks[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
         a = tl.load(a_base + cols[None, :] * stride_an + ks[:, None],
@@ -181,7 +183,7 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: 
         out.stride(1),
         SPLIT_K=split_k, MAX_SLOTS=next_power_of_2(num_slots), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype),
-        USE_PDL=use_pdl(x), num_warps=4,
+        EVEN_K=k % block_k == 0, USE_PDL=use_pdl(x), num_warps=4,
     )
     return out
 
