@@ -100,6 +100,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "0 sends every dense decode linear to F.linear, not the Triton GEMV (for A/B benchmarks)",
         _is_not_zero,
     ),
+    "TINYPAGED_LORA_PDL": EnvVar(
+        "bool", True,
+        "0 launches the LoRA expand after the shrink without programmatic dependent launch "
+        "(for A/B benchmarks; only Hopper and later GPUs use it)",
+        _is_not_zero,
+    ),
     "TINYPAGED_PIECEWISE_UNCHECKED": EnvVar(
         "bool", False,
         "1 captures piecewise CUDA graphs under tensor parallelism (not yet checked on GPUs)",

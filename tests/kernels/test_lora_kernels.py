@@ -108,3 +108,78 @@ def test_lora_kernels_on_uneven_segments(dtype):
     torch.testing.assert_close(got, lora_expand_ref(y0.clone(), want_h, b, *meta, offsets),
                                **tol(dtype))
     assert torch.equal(got[~mine], y0[~mine])
+
+
+@pytest.fixture
+def tiles(monkeypatch):
+    """Force one LORA_TILES row on every batch size: (BLOCK_M, shrink BLOCK_N, BLOCK_K, programs,
+    expand BLOCK_N, TILES), so small interpreter cases reach the loops that only large batches
+    take with the tuned table."""
+    from tinypaged.kernels import lora_shrink
+
+    def force(block_m, shrink_n, block_k, programs, expand_n, tiles):
+        monkeypatch.setattr(lora_shrink, "LORA_TILES",
+                            ((1 << 62, block_m, shrink_n, block_k, programs, expand_n, tiles),))
+    return force
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offsets,expand_n,tiles_per_program,splits", [
+    ((0, 300), 16, 4, 1),  # 19 column tiles: 5 groups, the last one of 3 tiles, the last ragged
+    ((0, 64, 80, 96), 16, 8, 9),  # qkv-like: shard 0 is one full group, shards 1-2 one tile each
+    ((0, 100, 200), 32, 2, 40),  # gate-up-like: 4 tiles a shard, 2 groups each; 40 planes
+    ((0, 40), 16, 8, 64),  # one group past the shard's end; 64 planes in several loads
+    ((0, 64, 128), 16, 4, 5),  # every group ends inside its shard
+])
+def test_lora_expand_column_groups(dtype, tiles, offsets, expand_n, tiles_per_program, splits):
+    """Each program sums its rows' planes once and loops over up to TILES column tiles of one
+    shard: uneven segments over several row tiles, an empty slot, tokens of no adapter."""
+    tiles(16, 16, 16, 64, expand_n, tiles_per_program)
+    slots = torch.tensor([0] * 35 + [2] * 3 + [3] * 17 + [-1] * 5, dtype=torch.int32)  # 1: empty
+    slots = slots[torch.randperm(len(slots), generator=torch.Generator().manual_seed(1))]
+    num_tokens, num_slots, rank, shards = len(slots), 4, 16, len(offsets) - 1
+    meta = lora_segments(slots, num_slots)
+    assert meta[2].tolist() == [35, 0, 3, 17]
+    y0 = randn(num_tokens, offsets[-1], dtype=dtype, seed=2)
+    h = randn(splits, num_tokens, shards * rank, seed=3, scale=0.3)
+    b = randn(num_slots, offsets[-1], rank, dtype=dtype, seed=4, scale=0.5)
+    got = lora_expand_triton(y0.clone(), h, b, *meta, offsets)
+    want = lora_expand_ref(y0.clone(), h, b, *meta, offsets)
+    torch.testing.assert_close(got, want, **tol(dtype))
+    assert torch.equal(got[slots < 0], y0[slots < 0])
+
+
+@pytest.mark.parametrize("block_m,shrink_n,block_k,programs", [(16, 16, 32, 64), (32, 16, 16, 8)])
+def test_lora_shrink_expand_chain_tiles(tiles, block_m, shrink_n, block_k, programs):
+    """Shrink then expand at forced tiles (split-K from the program target, N tiles of one rank)
+    against the references chained the same way."""
+    tiles(block_m, shrink_n, block_k, programs, 16, 3)
+    slots = torch.tensor([1] * 21 + [0] * 2 + [-1] * 4, dtype=torch.int32)
+    slots = slots[torch.randperm(len(slots), generator=torch.Generator().manual_seed(2))]
+    num_tokens, num_slots, k, rank, offsets = len(slots), 3, 160, 16, (0, 48, 72, 96)
+    meta = lora_segments(slots, num_slots)
+    x = randn(num_tokens, k)
+    a = randn(num_slots, 3 * rank, k, seed=1)
+    b = randn(num_slots, offsets[-1], rank, seed=2, scale=0.5)
+    split_k = shrink_splits(num_tokens, k)
+    assert split_k > 1
+    h = lora_shrink_triton(x, a, *meta, torch.full((split_k, num_tokens, 3 * rank), -7.0))
+    want_h = lora_shrink_ref(x, a, *meta, torch.full((1, num_tokens, 3 * rank), -7.0))
+    y0 = randn(num_tokens, offsets[-1], seed=3)
+    got = lora_expand_triton(y0.clone(), h, b, *meta, offsets)
+    torch.testing.assert_close(got, lora_expand_ref(y0.clone(), want_h, b, *meta, offsets),
+                               **tol(torch.float32))
+
+
+def test_lora_kernels_one_slot():
+    """max_loras = 1: slot_tile's vector of segment lengths has a single lane."""
+    slots = torch.tensor([0, -1, 0, 0, -1], dtype=torch.int32)
+    meta = lora_segments(slots, 1)
+    x, a = randn(5, 64), randn(1, 16, 64, seed=1)
+    b, y0 = randn(1, 40, 16, seed=2), randn(5, 40, seed=3)
+    h = lora_shrink_triton(x, a, *meta, torch.zeros(3, 5, 16))
+    want_h = lora_shrink_ref(x, a, *meta, torch.zeros(3, 5, 16))
+    torch.testing.assert_close(h.sum(0), want_h.sum(0), **tol(torch.float32))
+    got = lora_expand_triton(y0.clone(), h, b, *meta, (0, 40))
+    torch.testing.assert_close(got, lora_expand_ref(y0.clone(), want_h, b, *meta, (0, 40)),
+                               **tol(torch.float32))

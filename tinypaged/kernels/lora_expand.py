@@ -12,55 +12,63 @@ Ranks below R are zero-padded, so every adapter runs the same tile shapes.
 
 Tokens are grouped by slot as for the shrink (`sorted_token_ids`, `seg_start`, `seg_len`); a token
 of no adapter is in no segment and its row of y is left untouched. One launch for all (up to 3)
-shards: the grid is (row tiles, column tiles of shard 0 + of shard 1 + ...); a row tile is
-BLOCK_M rows of one slot's segment, found as in the shrink (`slot_tile`), and no column tile
-straddles two shards, so a program finds its shard from its column-tile index. It adds up the
-shrink's SPLIT_K partial sums of its rows (PLANES planes per load, all at once when they fit in
-registers: at decode these loads are on the critical path), makes the [BLOCK_M, BLOCK_N] delta
-with one tl.dot over the whole rank (R <= 256), and adds it into y in place (at decode, one
-launch instead of three saves a few us per layer, which is most of LoRA's cost there). The
-activations are cast to B's dtype before the product, as the reference does.
+shards: the grid is (row tiles, column groups of shard 0 + of shard 1 + ...); a row tile is
+BLOCK_M rows of one slot's segment, found as in the shrink (`slot_tile`), and a column group is
+up to TILES column tiles of BLOCK_N of one shard (no group straddles two shards, so a program
+finds its shard from its group index). A program first adds up the shrink's SPLIT_K partial sums
+of its rows (PLANES planes per load, all at once when they fit in registers) into h [BLOCK_M, R],
+once, then for each of its column tiles makes the [BLOCK_M, BLOCK_N] delta with one tl.dot over
+the whole rank (R <= 256) and adds it into y in place. Reading the planes once per group rather
+than once per column tile is what keeps the expand near copy speed: a prefill gate-up has 448
+column tiles of 64, each of which would re-read up to 16 planes of its rows. The activations are
+cast to B's dtype before the product, as the reference does. The tile choices by batch size are
+one table with the shrink's (`LORA_TILES`, lora_shrink.py).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
 from tinypaged.kernels._triton import cdiv, dot_precision, jit, next_power_of_2, tl, use_triton
-from tinypaged.kernels.lora_shrink import block_rows, slot_tile
+from tinypaged.kernels.lora_shrink import lora_tiles, slot_tile, use_pdl
 
 
 @jit
 def _lora_expand_kernel(
     H, B, SORTED, SEG_START, SEG_LEN, Y,  # h [SPLIT_K, T, S*R] fp32; lora_b [L, O, R]; y [T, O]
     off1, off2, off3,  # shard s owns columns off_s .. off_{s+1} - 1 (off0 = 0)
-    tile1, tile2,  # the first column tile of shards 1 and 2 (past the grid: no such shard)
+    group1, group2,  # the first column group of shards 1 and 2 (past the grid: no such shard)
     rank, split_k, num_slots, stride_hs, stride_hm, stride_bl, stride_bo, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PLANES: tl.constexpr,
-    PRECISION: tl.constexpr,
+    MAX_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, PLANES: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    slot, pid_m = slot_tile(SEG_LEN, num_slots, tl.program_id(0), BLOCK_M)
-    pid_n = tl.program_id(1)
+    slot, pid_m, seg_start, seg_len = slot_tile(SEG_START, SEG_LEN, num_slots, tl.program_id(0),
+                                                BLOCK_M, MAX_SLOTS)
+    pid_g = tl.program_id(1)
     if slot < 0:  # past the batch's last row tile
         return
-    seg_len = tl.load(SEG_LEN + slot)
-    shard = (pid_n >= tile1).to(tl.int32) + (pid_n >= tile2).to(tl.int32)
-    first_tile = tl.where(shard == 0, 0, tl.where(shard == 1, tile1, tile2))
+    shard = (pid_g >= group1).to(tl.int32) + (pid_g >= group2).to(tl.int32)
+    first_group = tl.where(shard == 0, 0, tl.where(shard == 1, group1, group2))
     out_offset = tl.where(shard == 0, 0, tl.where(shard == 1, off1, off2))
     out_size = tl.where(shard == 0, off1, tl.where(shard == 1, off2, off3)) - out_offset
-    h_offset = shard * rank
-    pid_n = pid_n - first_tile
+    col0 = (pid_g - first_group) * (TILES * BLOCK_N)  # the group's first column in its shard
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < seg_len
-    tok = tl.load(SORTED + tl.load(SEG_START + slot) + rows, mask=row_mask, other=0).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < out_size
+    tok = tl.load(SORTED + seg_start + rows, mask=row_mask, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_mask = r < rank
+    b_ptrs = B + slot.to(tl.int64) * stride_bl + out_offset * stride_bo + r[:, None]
+    cols = col0 + tl.arange(0, BLOCK_N)
+    b_next = tl.load(b_ptrs + cols[None, :] * stride_bo,
+                     mask=r_mask[:, None] & (cols < out_size)[None, :], other=0.0)  # [BR, BN]
+    if USE_PDL:  # everything above is independent of the shrink; h and y are not
+        tl.extra.cuda.gdc_wait()
     p = tl.arange(0, PLANES)
-    h_ptrs = (H + p[:, None, None] * stride_hs + tok[None, :, None] * stride_hm + h_offset
+    h_ptrs = (H + p[:, None, None] * stride_hs + tok[None, :, None] * stride_hm + shard * rank
               + r[None, None, :])  # [PLANES, BM, BR]
     h_mask = row_mask[None, :, None] & r_mask[None, None, :]
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -68,13 +76,45 @@ def _lora_expand_kernel(
         planes = tl.load(h_ptrs + s0 * stride_hs, mask=h_mask & (s0 + p < split_k)[:, None, None],
                          other=0.0)
         h += tl.sum(planes, axis=0)  # [BM, BR] fp32
-    b = tl.load(B + slot.to(tl.int64) * stride_bl + (out_offset + cols)[None, :] * stride_bo
-                + r[:, None], mask=r_mask[:, None] & col_mask[None, :], other=0.0)  # [BR, BN]
-    delta = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)  # [BM, BN] fp32
-    ptrs = Y + tok[:, None] * stride_ym + out_offset + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
-    y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, (y + delta).to(Y.dtype.element_ty), mask=mask)
+    h = h.to(B.dtype.element_ty)
+    y_ptrs = Y + tok[:, None] * stride_ym + out_offset
+    for j in tl.static_range(TILES):  # the group's column tiles, all reusing h
+        cols = col0 + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < out_size  # the shard's last group may end early
+        b = b_next
+        if j + 1 < TILES:  # the next tile's B, loaded before this tile's y round trip
+            b_next = tl.load(b_ptrs + (cols + BLOCK_N)[None, :] * stride_bo,
+                             mask=r_mask[:, None] & (cols + BLOCK_N < out_size)[None, :],
+                             other=0.0)
+        delta = tl.dot(h, b, input_precision=PRECISION)  # [BM, BN] fp32
+        mask = row_mask[:, None] & col_mask[None, :]
+        y = tl.load(y_ptrs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs + cols[None, :], (y + delta).to(Y.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=1024)
+def expand_launch(num_tokens: int, num_slots: int, rank: int, split_k: int,
+                  offsets: tuple[int, ...], tiles_row: tuple[int, ...]
+                  ) -> tuple[tuple[int, int], list[int], dict]:
+    """(grid, the kernel's shard arguments off1..off3 group1 group2, its constexprs) for a
+    batch at `tiles_row` (lora_tiles(num_tokens)); cached, since a step's layers repeat a
+    handful of shapes."""
+    if not 2 <= len(offsets) <= 4 or offsets[0] != 0:
+        raise ValueError(f"offsets must be [0, ...] for 1 to 3 shards, got {list(offsets)}")
+    _, block_m, _, _, _, block_n, tiles = tiles_row
+    block_r = max(16, next_power_of_2(rank))
+    if block_r > 64:  # keep B's [BR, BN] tile and the delta within registers
+        block_n = min(block_n, 32)
+    # at most 8192 fp32 of planes per load: 64 registers a thread
+    planes = min(next_power_of_2(split_k), max(1, 8192 // (block_m * block_r)))
+    groups = [cdiv(cdiv(offsets[s + 1] - offsets[s], block_n), tiles)  # per shard
+              for s in range(len(offsets) - 1)]
+    firsts = [sum(groups[:s]) if s < len(groups) else sum(groups) for s in (1, 2)]
+    ends = list(offsets[1:]) + [offsets[-1]] * (4 - len(offsets))  # off1, off2, off3
+    grid = (cdiv(num_tokens, block_m) + num_slots, sum(groups))
+    meta = dict(MAX_SLOTS=next_power_of_2(num_slots), BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_R=block_r, PLANES=planes, TILES=tiles)
+    return grid, ends + firsts, meta
 
 
 def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
@@ -85,25 +125,15 @@ def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
     num_slots, _, rank = lora_b.shape
     if num_tokens == 0:
         return y
-    if not 2 <= len(offsets) <= 4 or offsets[0] != 0:
-        raise ValueError(f"offsets must be [0, ...] for 1 to 3 shards, got {list(offsets)}")
-    block_m = block_rows(num_tokens)
-    block_r = max(16, next_power_of_2(rank))
-    split_k = h.shape[0]  # at most 32 x [BM, BR] fp32 per load: 64 registers a thread at r16
-    planes = min(next_power_of_2(split_k), max(1, 8192 // (block_m * block_r)))
-    block_n = 64 if block_r <= 64 else 32
-    ends = list(offsets[1:]) + [offsets[-1]] * (4 - len(offsets))  # off1, off2, off3
-    tiles = [cdiv(offsets[s + 1] - offsets[s], block_n) for s in range(len(offsets) - 1)]
-    starts = [sum(tiles[:s]) for s in range(1, 3)]
-    num_tiles = sum(tiles)
-    starts = [start if s < len(tiles) else num_tiles for s, start in enumerate(starts, 1)]
-    grid = (cdiv(num_tokens, block_m) + num_slots, num_tiles)
+    grid, shard_args, meta = expand_launch(num_tokens, num_slots, rank, h.shape[0],
+                                           tuple(offsets), lora_tiles(num_tokens))
+    pdl = use_pdl(y)
     _lora_expand_kernel[grid](
-        h, lora_b, sorted_token_ids, seg_start, seg_len, y, *ends, *starts,
-        rank, split_k, num_slots, h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1),
-        y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, PLANES=planes,
-        PRECISION=dot_precision(lora_b.dtype), num_warps=4,
+        h, lora_b, sorted_token_ids, seg_start, seg_len, y, *shard_args,
+        rank, h.shape[0], num_slots, h.stride(0), h.stride(1), lora_b.stride(0),
+        lora_b.stride(1), y.stride(0),
+        **meta, PRECISION=dot_precision(lora_b.dtype), USE_PDL=pdl, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return y
 

@@ -18,6 +18,8 @@ columns and all of B: sum_r (x_r A_r^T) B^T = (x A^T) B^T, no extra communicatio
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import nn
@@ -30,6 +32,12 @@ from tinypaged.models.layers import MergedColumnParallelLinear, RowParallelLinea
 ADAPTED = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
 
 
+@functools.cache
+def planes_numel(max_tokens: int, in_features: int, width: int) -> int:
+    """The largest SPLIT_K * T * width over batches of 1..max_tokens rows."""
+    return max(shrink_splits(t, in_features) * t for t in range(1, max_tokens + 1)) * width
+
+
 class LoRABatch:
     """The step's token -> slot index in static buffers (see the module docstring)."""
 
@@ -39,6 +47,26 @@ class LoRABatch:
         self.seg_start = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.seg_len = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.any_adapter = False
+        self.max_tokens = max_tokens
+        # the shrink's partial-sum planes, shared by every layer (each layer's expand has read
+        # them before the next layer's shrink writes): no allocation per call, and one address
+        # that every captured graph reads
+        self.planes = torch.empty(0, dtype=torch.float32, device=device)
+
+    def reserve_planes(self, in_features: int, width: int) -> None:
+        """Grow `planes` to the most any batch of up to max_tokens rows needs for a linear of
+        in_features inputs and a shrink output `width` (S * R) wide."""
+        need = planes_numel(self.max_tokens, in_features, width)
+        if need > self.planes.numel():
+            self.planes = torch.empty(need, dtype=torch.float32, device=self.device)
+
+    def planes_for(self, num_tokens: int, in_features: int, width: int) -> torch.Tensor:
+        """h [SPLIT_K, T, width] fp32 for one shrink, a view of `planes` (allocated only for a
+        batch wider than max_tokens: the profiling pass)."""
+        shape = (shrink_splits(num_tokens, in_features), num_tokens, width)
+        if shape[0] * num_tokens * width > self.planes.numel():
+            return torch.empty(shape, dtype=torch.float32, device=self.device)
+        return self.planes[: shape[0] * num_tokens * width].view(shape)
 
     def prepare(self, token_slots: np.ndarray | None) -> None:
         """Fill the buffers for a step whose token t runs the adapter in slot token_slots[t]
@@ -78,6 +106,7 @@ class LoRALinear:
                                   dtype=dtype, device=device)  # [L, S * R, in]
         self.lora_b = torch.zeros(num_slots, layer.output_size, max_rank, dtype=dtype,
                                   device=device)  # [L, out, R]
+        batch.reserve_planes(layer.input_size, self.lora_a.shape[1])
 
     def shard_pieces(self, weights: dict, name: str) -> list[tuple[int, torch.Tensor,
                                                                   torch.Tensor]]:
@@ -136,9 +165,7 @@ class LoRALinear:
             x2 = x2.contiguous()
         num_tokens = x2.shape[0]
         sorted_ids = batch.sorted_token_ids[:num_tokens]
-        splits = shrink_splits(num_tokens, x2.shape[1])  # planes of partial sums: no zeroing
-        h = torch.empty(splits, num_tokens, self.lora_a.shape[1], dtype=torch.float32,
-                        device=x.device)
+        h = batch.planes_for(num_tokens, x2.shape[1], self.lora_a.shape[1])  # no zeroing needed
         lora_shrink(x2, self.lora_a, sorted_ids, batch.seg_start, batch.seg_len, h)
         lora_expand(y.view(num_tokens, -1), h, self.lora_b, sorted_ids, batch.seg_start,
                     batch.seg_len, self.offsets)
