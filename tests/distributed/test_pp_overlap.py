@@ -7,6 +7,8 @@ processes on the CPU, one PP=2 engine shared by the tests of this file.
 - The stages overlap: with a fixed sleep in each stage's forward (after its input arrived,
   before its output leaves), N batches take about N sleeps, not 2 N, and the first stage's
   sleeps overlap the last stage's, by the timestamps both processes logged.
+- A step too big for a slot of the shared-memory ring (it takes the workers' pipes) first runs
+  the queued steps through the last stage; the tokens stay right.
 - A request aborted while its batch is in flight: the others' tokens are unchanged, no block
   leaks. A step that fails on the host with a batch in flight (`fail_running`) leaves the stages
   in step: the next requests get the right tokens.
@@ -105,6 +107,32 @@ def test_pp2_with_batches_in_flight_is_greedy_equal_to_one_rank(pp_llm, expected
     assert greedy(llm, prompts(seed=1)) == expected[1]
     assert llm.engine.batch_queue.max_in_flight == 2
     assert llm.engine.iteration_stats.num_preemptions > 0  # a cache of 24 blocks for 8 seqs
+    assert_all_free(llm)
+
+
+@pytest.mark.timeout(120)
+def test_steps_too_big_for_a_slot_run_the_queued_last_stages_first(pp_llm, expected,
+                                                                   monkeypatch):
+    """Every step takes the workers' pipes (a slot of 64 bytes): before each is written, the
+    steps still queued run through the last stage (a worker blocked in its send would not read
+    the pipe); the tokens stay right."""
+    from tinypaged.distributed import shm_broadcast
+    from tinypaged.worker import executor
+
+    llm, _ = pp_llm
+    runs = []
+    last_stage = llm.engine.executor.last_stage
+    real = last_stage.run_through
+
+    def run_through(last=None):
+        runs.append(last)  # None: every queued step, as submit asks before a pipe write
+        real(last)
+
+    monkeypatch.setattr(last_stage, "run_through", run_through)
+    monkeypatch.setattr(shm_broadcast, "SLOT_BYTES", 64)
+    monkeypatch.setattr(executor, "SLOT_BYTES", 64)
+    assert greedy(llm, prompts(seed=2)) == expected[2]
+    assert None in runs
     assert_all_free(llm)
 
 

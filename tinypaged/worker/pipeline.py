@@ -21,7 +21,8 @@ is known from the step, so nothing but the tensor is sent. Inside a stage the la
 all-reduces run over that stage's own group.
 
 Micro-batches in flight. With P stages the engine keeps up to P scheduled batches in flight
-(vLLM's batch queue, engine/batch_queue.py), each holding different sequences, so that stage s
+(vLLM's batch queue, engine/batch_queue.py; at most the 4 slots of the ring that carries the
+steps to the workers), each holding different sequences, so that stage s
 works on batch i + 1 while stage s + 1 works on batch i. The executors split a step in two:
 `submit(scheduled)` builds the arrays and sends them to every worker, whose loop starts the
 earlier stages on it at once; `result()` of what it returns runs the last stage here (receive,
