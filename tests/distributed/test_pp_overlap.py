@@ -198,3 +198,33 @@ def test_abort_while_in_flight_and_a_failed_step_keep_the_stages_in_step(pp_llm,
         engine.abort_request(rid)
     assert_all_free(llm)
     assert greedy(llm, prompts(seed=3)) == expected[3]
+
+    # Every request aborted while a batch is in flight: the engine still steps it through.
+    for i in range(2):
+        engine.add_request(f"y{i}", {"prompt_token_ids": [5 + i, 6, 7]}, params(5))
+    engine.step()  # both prompts in one batch
+    engine.step()  # their decodes in two batches; one finished, one in flight
+    assert len(engine.batch_queue.batches) == 1
+    for i in range(2):
+        engine.abort_request(f"y{i}")
+    assert engine.has_unfinished_requests()
+    while engine.has_unfinished_requests():
+        assert engine.step() == []
+    assert_all_free(llm)
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_with_a_batch_in_flight_stops_every_stage_cleanly(pp_llm):
+    """The last test of the engine: the stage waiting to send the batch in flight is let
+    through, so every worker reads the stop, answers and exits 0."""
+    llm, _ = pp_llm
+    for i in range(2):
+        llm.engine.add_request(f"z{i}", {"prompt_token_ids": [5 + i, 6, 7]}, params(5))
+    llm.engine.step()
+    llm.engine.step()
+    assert llm.engine.batch_queue.batches
+    workers = [w.process for w in llm.engine.executor.workers]
+    start = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - start < 5  # the workers answered the stop (no kill at 10 s)
+    assert [p.exitcode for p in workers] == [0]

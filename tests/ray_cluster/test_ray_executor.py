@@ -4,8 +4,8 @@ ranks as Ray actors placed by a placement group, on the local multi-node cluster
 
 - Without Ray installed: a clear ImportError naming the install command (always runs).
 - TP=2 (rank 1 on another node), PP=2 and TP=2 x PP=2 (3 actors over the 2 worker nodes) each
-  give the greedy tokens of one rank (with stages, two batches in flight at once); shutdown kills every actor (and its process) and removes
-  the placement group.
+  give the greedy tokens of one rank (with stages, two batches in flight at once); shutdown
+  kills every actor (and its process) and removes the placement group.
 - A killed actor (PP=2's) fails the engine within seconds with an error naming the rank, and it
   stays failed; shutdown still leaves nothing.
 Each engine's actors take ~10 s to start here (a Python process importing torch), so three

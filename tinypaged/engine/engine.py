@@ -205,6 +205,8 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also at garbage collection)."""
+        if self.batch_queue is not None:  # a stage waiting to send would not read the stop
+            self.batch_queue.drop()
         self.executor.shutdown()
 
     # ------------------------------------------------------------------ requests
@@ -333,8 +335,8 @@ class Engine:
         self._host_requests.discard(request_id)
         self._late_requests.discard(request_id)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+    def has_unfinished_requests(self) -> bool:  # or batches the stages are not through with
+        return bool(self.requests) or bool(self.batch_queue and self.batch_queue.batches)
 
     def get_stats(self) -> dict:
         s = self.scheduler
