@@ -41,6 +41,7 @@ class BatchQueue:
         # The workers read the steps from a ring of NUM_SLOTS slots: rank 0 never writes more
         # steps ahead of the slowest worker than it holds.
         self.max_concurrent_batches = min(engine.config.pipeline_parallel_size, NUM_SLOTS)
+        engine.scheduler.max_concurrent_batches = self.max_concurrent_batches  # its slots
         self.batches: deque[_LaunchedStep] = deque()
         self.max_in_flight = 0  # the most batches ever in flight at once (tests read it)
 
