@@ -4,8 +4,8 @@ ranks as Ray actors placed by a placement group, on the local multi-node cluster
 
 - Without Ray installed: a clear ImportError naming the install command (always runs).
 - TP=2 (rank 1 on another node), PP=2 and TP=2 x PP=2 (3 actors over the 2 worker nodes) each
-  give the greedy tokens of one rank; shutdown kills every actor (and its process) and removes
-  the placement group.
+  give the greedy tokens of one rank (with stages, two batches in flight at once); shutdown
+  kills every actor (and its process) and removes the placement group.
 - A killed actor (PP=2's) fails the engine within seconds with an error naming the rank, and it
   stays failed; shutdown still leaves nothing.
 Each engine's actors take ~10 s to start here (a Python process importing torch), so three
@@ -109,6 +109,8 @@ def test_ray_ranks_on_other_nodes_equal_one_rank_and_leave_nothing(cluster, mode
                                                                    tp, pp):
     llm = start(model_dir, tp, pp)
     assert tokens(llm) == expected
+    if pp > 1:  # the actors' calls of two steps were in flight at once (worker/pipeline.py)
+        assert llm.engine.batch_queue.max_in_flight == 2
     shut_down_leaving_nothing(llm)
 
 
@@ -119,6 +121,7 @@ def test_pp2_equals_one_rank_and_a_killed_actor_fails_it_within_seconds(cluster,
 
     llm = start(model_dir, 1, 2)
     assert tokens(llm) == expected
+    assert llm.engine.batch_queue.max_in_flight == 2
     ray.kill(llm.engine.executor.actors[0])
     begin = time.monotonic()
     with pytest.raises(RuntimeError, match="tensor-parallel worker rank 1 \\(Ray actor"):

@@ -39,6 +39,9 @@ processed while it runs (the matchers accept N's tokens), and only then are N+1'
 its sampling queued. A step holding a request whose logprobs are read on the host
 (`reads_tokens_on_host`) is processed at once, before the next one is scheduled. Either way each
 request's outputs are those of the synchronous engine.
+
+Pipeline parallelism (`pipeline_parallel_size` P > 1): `step()` is the batch queue's
+(engine/batch_queue.py), which keeps up to P batches of different sequences in flight.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from typing import Any
 import torch
 
 from tinypaged.config import EngineConfig
+from tinypaged.engine.batch_queue import BatchQueue
 from tinypaged.engine.request_state import (
     RequestState,
     reads_tokens_on_host,
@@ -160,6 +164,8 @@ class Engine:
         self._host_requests: set[str] = set()  # live requests that reads_tokens_on_host()
         self._late_requests: set[str] = set()  # live requests that samples_from_host_state()
         self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, unprocessed
+        # pipeline parallelism: up to one batch in flight per stage (batch_queue.py)
+        self.batch_queue = BatchQueue(self) if config.pipeline_parallel_size > 1 else None
         self._errors: list[tuple[str, BaseException]] = []
         info = self.runner.kv_cache_info
         logger.debug(  # serve logs the KV cache once, in GiB too
@@ -199,6 +205,8 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also at garbage collection)."""
+        if self.batch_queue is not None:  # a stage waiting to send would not read the stop
+            self.batch_queue.drop()
         self.executor.shutdown()
 
     # ------------------------------------------------------------------ requests
@@ -327,8 +335,8 @@ class Engine:
         self._host_requests.discard(request_id)
         self._late_requests.discard(request_id)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+    def has_unfinished_requests(self) -> bool:  # or batches the stages are not through with
+        return bool(self.requests) or bool(self.batch_queue and self.batch_queue.batches)
 
     def get_stats(self) -> dict:
         s = self.scheduler
@@ -345,6 +353,8 @@ class Engine:
     def fail_running(self) -> list[str]:
         """After a failed step: abort every request that was scheduled; return their ids."""
         self._in_flight = None
+        if self.batch_queue is not None:
+            self.batch_queue.drop()
         failed = [
             rid
             for rid, r in self.requests.items()
@@ -365,6 +375,8 @@ class Engine:
         """Run one step; returns the outputs of the requests that moved (only the finished ones
         with `finished_only`, which spares building cumulative outputs every step). With async
         scheduling these are the outputs of the step launched by the previous call."""
+        if self.batch_queue is not None:
+            return self.batch_queue.step(finished_only)
         outputs: list[RequestOutput] = []
         prev, self._in_flight = self._in_flight, None
         if prev is not None and prev.reads_tokens_on_host:  # read by the next schedule
@@ -410,14 +422,15 @@ class Engine:
             else 0
             for it in items
         ] if on_host else [0]
-        logits = self.executor.execute(  # [rows, vocab], rows in `items` order
+        run = self.executor.execute if self.batch_queue is None else self.executor.submit
+        logits = run(  # [rows, vocab], rows in `items` order (submit: a SubmittedStep)
             items, [n > 0 for n in prompt_rows] if any(prompt_rows) else None
         )
         reqs = [self.requests[it.seq.request_id] for it in items]
         step = _LaunchedStep(out, [it.seq for it in sampled_items], None, [], on_host,
                              (logits, prompt_rows, reqs))
         late = self._late_requests
-        if not (self.config.async_scheduling and late
+        if self.batch_queue is None and not (self.config.async_scheduling and late
                 and any(it.seq.request_id in late for it in sampled_items)):
             self._sample_launched(step)
         return step

@@ -37,6 +37,16 @@ placeholder, whose id the runner takes from step N's sampled ids on the device),
 in flight already reach max_tokens or max_model_len (it ends at step N). A preempted sequence with a
 placeholder waits for its token before it is admitted again.
 
+Pipeline parallelism (`pipeline_parallel_size` P > 1, engine/batch_queue.py) keeps up to P
+scheduled batches in flight, each in a different stage, and calls `schedule()` while earlier
+batches are not updated yet. Those batches are disjoint: a sequence in a batch in flight
+(`in_flight`) is left out of the next ones, running or waiting (preempted meanwhile), until
+`update()` of its batch. So a sequence never has two steps in flight, and a later batch that
+reuses the blocks freed meanwhile (an abort, a preemption) runs after the earlier one on every
+stage. Decodes are spread evenly over the free batch slots (`_batch_slots`): with all P slots
+free, one batch takes 1/P of the running sequences and the next the rest, so the stages have
+work to overlap from the first step on.
+
 Submission: `add(seq)` raises ValueError for a sequence that could never run: prompt + max_tokens
 over `max_model_len`, or more KV blocks than the whole cache. The engine must finish a sequence at
 its max_tokens; the admission check relies on it.
@@ -98,6 +108,11 @@ class Scheduler:
         self.requests: dict[str, list[Sequence]] = {}  # request_id -> its unfinished sequences
         self._arrival = itertools.count()
         self.max_loras = config.max_loras if getattr(config, "enable_lora", False) else 0
+        # Pipeline parallelism: the seq_ids of the scheduled batches not yet updated; None
+        # without stages, where nothing is left out.
+        self.max_concurrent_batches: int = getattr(config, "pipeline_parallel_size", 1)
+        self.in_flight: set[int] | None = set() if self.max_concurrent_batches > 1 else None
+        self.num_batches_in_flight = 0
 
     # ---- stats ---------------------------------------------------------------------------
     @property
@@ -196,9 +211,16 @@ class Scheduler:
 
         # 1. Running sequences: decodes, then chunked prefills.
         decodes, prefills = [], []
-        for seq in self.running.values():
+        in_flight = self.in_flight
+        running = self.running.values()
+        if in_flight:  # their batch is still in the pipeline
+            running = [s for s in running if s.seq_id not in in_flight]
+        for seq in running:
             (prefills if seq.num_uncomputed_tokens > 1 else decodes).append(seq)
-        for seq in decodes + prefills:
+        candidates = decodes + prefills
+        if in_flight is not None:  # spread them over the batch slots still free
+            candidates = candidates[: -(-len(candidates) // self._batch_slots())]
+        for seq in candidates:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -237,7 +259,8 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             if (seq.num_output_placeholders or self._sibling_prefilling(seq)
-                    or (seq.lora_int_id and not self._lora_fits(seq))):
+                    or (seq.lora_int_id and not self._lora_fits(seq))
+                    or (in_flight and seq.seq_id in in_flight)):
                 deferred.append(self.waiting.popleft())
                 continue
             hits = bm.find_cached_prefix(seq)
@@ -252,7 +275,20 @@ class Scheduler:
             take(seq, n)
         self.waiting.extendleft(reversed(deferred))
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if in_flight is not None and out.scheduled:
+            in_flight.update(scheduled_ids)
+            self.num_batches_in_flight += 1
         return out
+
+    def drop_in_flight(self) -> None:
+        """Forget the batches in flight (after a failed step, which aborted their requests)."""
+        if self.in_flight is not None:
+            self.in_flight.clear()
+            self.num_batches_in_flight = 0
+
+    def _batch_slots(self) -> int:
+        """How many batches may still join the ones in flight, this one included."""
+        return max(1, self.max_concurrent_batches - self.num_batches_in_flight)
 
     def _lora_fits(self, seq: Sequence) -> bool:
         """Whether admitting seq keeps the running adapters within the max_loras GPU slots."""
@@ -292,6 +328,9 @@ class Scheduler:
         its token (it recomputes it later) but keeps no blocks to register."""
         grown = []
         running = SequenceStatus.RUNNING
+        if self.in_flight is not None and out.scheduled:  # its sequences may join a batch again
+            self.in_flight.difference_update(it.seq.seq_id for it in out.scheduled)
+            self.num_batches_in_flight -= 1
         for item in out.scheduled:
             seq = item.seq
             if seq.status is SequenceStatus.FINISHED:

@@ -6,6 +6,8 @@
     logits = executor.execute(scheduled)        # [rows, vocab], model dtype (input_batch.py)
     tokens = executor.keep_sampled(sampled)     # the sampled ids: kept on the device for the
     token_ids = executor.collect(tokens)        #   next step, then waited for on the host
+    submitted = executor.submit(scheduled)      # pipeline parallelism: the earlier stages
+    logits = submitted.result()                 #   start at once, the last one runs here
     executor.shutdown()
 
 UniprocExecutor (tensor_parallel_size 1): the model and its ModelRunner live in the engine's
@@ -74,12 +76,12 @@ import torch
 
 from tinypaged.config import EngineConfig
 from tinypaged.distributed import parallel_state as distributed
-from tinypaged.distributed.shm_broadcast import ShmBroadcast
+from tinypaged.distributed.shm_broadcast import SLOT_BYTES, ShmBroadcast
 from tinypaged.distributed.sigint_watch import StepWatch
 from tinypaged.scheduler import ScheduledSequence
 from tinypaged.worker.gpu_memory import free_at_start
 from tinypaged.worker.model_runner import ModelRunner, SampledTokens
-from tinypaged.worker.pipeline import check_pipeline, runner_class
+from tinypaged.worker.pipeline import LastStageQueue, SubmittedStep, check_pipeline, runner_class
 from tinypaged.worker.tp_worker import (
     WorkerReport,
     pack_step,
@@ -376,6 +378,8 @@ class MultiprocExecutor:
             self.runner = runner_class(self.config)(self.config, self.model, self.device,
                                                     _dtype(self.model), self.free_at_start)
             self.health.runner = self.runner
+            self.last_stage = LastStageQueue(functools.partial(self._guarded,
+                                                               self.runner.execute))
             blocks = self._receive("ready")
         except BaseException as exc:
             self._raise_worker_failure(exc)  # profiling and capture run collectives
@@ -398,8 +402,23 @@ class MultiprocExecutor:
         return self._guarded(self._run, step, payload)
 
     def _run(self, step, payload: bytes) -> torch.Tensor:
-        self.channel.send(payload, lambda r: self.workers[r].conn, self._raise_if_failed)
+        self._send(payload)
         return self.runner.execute(step)
+
+    def _send(self, payload: bytes) -> None:
+        self.channel.send(payload, lambda r: self.workers[r].conn, self._raise_if_failed)
+
+    def submit(self, scheduled: list[ScheduledSequence],
+               prompt_logits: list[bool] | None = None) -> SubmittedStep:
+        """Pipeline parallelism: send the step to every worker, where the earlier stages start
+        on it at once; its last stage runs here at `result()` (pipeline.py)."""
+        self._raise_if_failed()
+        step = self.runner.build_step(scheduled, prompt_logits)
+        payload = pack_step(step)
+        if len(payload) > SLOT_BYTES:  # it takes the pipes, which a stuck worker never reads
+            self.last_stage.run_through()
+        self._guarded(self._send, payload)
+        return self.last_stage.add(step)
 
     def keep_sampled(self, sampled: torch.Tensor | None) -> SampledTokens | None:
         """Rank 0's samples: kept for the next step and, with async scheduling, broadcast."""

@@ -20,22 +20,40 @@ GPUs) from each tensor-parallel rank to the same rank of the next stage; their s
 is known from the step, so nothing but the tensor is sent. Inside a stage the layers'
 all-reduces run over that stage's own group.
 
-Today one step goes through all the stages before the next starts (correct, not yet fast: the
-stages take turns). Keeping several micro-batches in flight so that the stages overlap is the
-next step; so are CUDA graphs (stages run eagerly), async scheduling (off: stage 0 needs the
-sampled ids), LoRA and speculative decoding, which are refused with pipeline_parallel_size > 1.
+Micro-batches in flight. With P stages the engine keeps up to P scheduled batches in flight
+(vLLM's batch queue, engine/batch_queue.py; at most the 4 slots of the ring that carries the
+steps to the workers), each holding different sequences, so that stage s
+works on batch i + 1 while stage s + 1 works on batch i. The executors split a step in two:
+`submit(scheduled)` builds the arrays and sends them to every worker, whose loop starts the
+earlier stages on it at once; `result()` of what it returns runs the last stage here (receive,
+layers, logits), the steps in the order they were submitted (`LastStageQueue`). The engine
+submits batch i + 1 before it runs batch i's last stage and samples it:
+
+    engine (last stage)    submit 0, submit 1 | last 0, sample | submit 2 | last 1, sample | ...
+    stage 0 (worker)       first 0 -> send 0  | first 1 -> send 1 (waits for "last 1")  | first 2
+
+Each stage takes its steps in order and each send pairs with the next stage's receive of the
+same step, so plain blocking send/recv are enough over gloo and NCCL; a stage waits in its
+send only until the next stage starts that step. A step too big for a slot of the shared-memory
+ring goes over each worker's pipe (distributed/shm_broadcast.py), and a worker stuck in a step
+that rank 0 has not run yet would never read it: then the queued last stages run first.
+
+Not yet: CUDA graphs (stages run eagerly), async scheduling (off: stage 0 needs the sampled ids),
+LoRA and speculative decoding, which are refused with pipeline_parallel_size > 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
+from collections.abc import Callable
 
 import torch
 
 from tinypaged.config import EngineConfig
 from tinypaged.distributed import parallel_state as distributed
 from tinypaged.models.pipeline import is_first_stage, is_last_stage, stage_layers
-from tinypaged.worker.input_batch import StepInput
+from tinypaged.worker.input_batch import HostBlockTables, StepInput
 from tinypaged.worker.model_runner import ModelRunner
 
 
@@ -80,7 +98,20 @@ class PipelineRunner(ModelRunner):
     def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device,
                  dtype: torch.dtype, free_at_start: int | None = None):
         config = dataclasses.replace(config, enforce_eager=True)
+        self._tables: list[HostBlockTables] = []  # empty while profiling and warming up
         super().__init__(config, model, device, dtype, free_at_start)
+        # One host copy of the block tables per batch in flight: the batches hold different
+        # sequences and take turns, so each copy keeps mostly the same rows (input_batch.py).
+        self._tables = [self.block_tables] + [
+            HostBlockTables(config.max_num_seqs, self.max_blocks_per_seq)
+            for _ in range(config.pipeline_parallel_size - 1)]
+        self._num_built = 0
+
+    def build_step(self, scheduled, prompt_logits=None) -> StepInput:
+        if self._tables:
+            self.block_tables = self._tables[self._num_built % len(self._tables)]
+            self._num_built += 1
+        return super().build_step(scheduled, prompt_logits)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
@@ -112,3 +143,42 @@ def stage_forward(model: torch.nn.Module, dtype: torch.dtype, input_ids: torch.T
         distributed.send_to_next_stage(torch.stack((hidden, residual)))
         return None
     return decoder.norm(hidden, residual)[0]
+
+
+class LastStageQueue:
+    """The steps rank 0 has sent to the earlier stages and not yet run through its own (the last)
+    stage, oldest first. `run(step)` runs one step's last stage; whichever step's result is asked
+    for, every older one runs first (its logits kept), so the stages' sends and receives pair up
+    in order."""
+
+    def __init__(self, run: Callable[[StepInput], torch.Tensor]) -> None:
+        self.run = run
+        self.waiting: deque[SubmittedStep] = deque()
+
+    def add(self, step: StepInput) -> SubmittedStep:
+        submitted = SubmittedStep(self, step)
+        self.waiting.append(submitted)
+        return submitted
+
+    def run_through(self, last: SubmittedStep | None = None) -> None:
+        """Run the waiting steps up to `last` (every waiting step when None)."""
+        while self.waiting and (last is None or not last.started):
+            submitted = self.waiting.popleft()
+            submitted.started = True  # a step that fails here is not run again
+            submitted.logits = self.run(submitted.step)
+
+
+class SubmittedStep:
+    """A step the earlier stages have (or are working on); `result()` gives its logits [S, vocab]
+    once the last stage ran it."""
+
+    def __init__(self, queue: LastStageQueue, step: StepInput) -> None:
+        self.queue, self.step = queue, step
+        self.started = False
+        self.logits: torch.Tensor | None = None
+
+    def result(self) -> torch.Tensor:
+        self.queue.run_through(self)
+        if self.logits is None:
+            raise RuntimeError("this step's last stage did not run (an earlier one failed)")
+        return self.logits

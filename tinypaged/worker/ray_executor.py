@@ -17,6 +17,8 @@ of 8 GPUs or across nodes of a Ray cluster. Every rank joins one torch.distribut
     per step: execute.remote(pack_step(step)) -->    unpack, the same forward; logits dropped
               its own shard  <-- all-reduces -->     (async scheduling: rank 0's samples)
     collect: the step's actor calls answered
+    (pipeline parallelism: `submit` starts the calls, `result()` runs rank 0's stage later;
+     each actor runs its calls in order, so several steps can be in flight, pipeline.py)
 
 Not yet: rank 0's GPU is not reserved in the placement group (Ray does not know the engine's
 process uses it), so on a node whose GPUs Ray hands out, start that node's Ray with one GPU fewer
@@ -38,6 +40,7 @@ import os
 import socket
 import threading
 import weakref
+from collections import deque
 from typing import Any
 
 import torch
@@ -47,7 +50,7 @@ from tinypaged.distributed import parallel_state as distributed
 from tinypaged.scheduler import ScheduledSequence
 from tinypaged.worker.gpu_memory import free_at_start
 from tinypaged.worker.model_runner import ModelRunner, SampledTokens
-from tinypaged.worker.pipeline import runner_class
+from tinypaged.worker.pipeline import LastStageQueue, SubmittedStep, runner_class
 from tinypaged.worker.tp_worker import pack_step, unpack_step
 
 logger = logging.getLogger(__name__)
@@ -127,7 +130,7 @@ class _State:
 
     def __init__(self) -> None:
         self.failure: str | None = None
-        self.in_flight: list = []  # the current step's actor calls
+        self.in_flight: list = []  # the actor calls of the steps in flight (pipeline.py)
         self.where: list[tuple[str, int]] = []  # (node, pid) of ranks 1..N-1
         self.stopping = False
         self.runner: ModelRunner | None = None
@@ -156,13 +159,15 @@ def _watch(state: _State, ray) -> None:
 
 
 def _check(state: _State, ray, refs: list, ready: list) -> bool:
-    """Record the first failed call among `ready` (refs[i] is rank i + 1's); True if one did."""
+    """Record the first failed call among `ready` (refs holds one call per rank 1..N-1 for each
+    step, in rank order); True if one did."""
     for i, ref in enumerate(refs):
         if ref not in ready:
             continue
         try:
             ray.get(ref)
         except Exception as exc:  # noqa: BLE001 - the actor died or raised
+            i %= max(1, len(state.where))
             node, pid = state.where[i] if i < len(state.where) else ("?", "?")
             state.fail(f"tensor-parallel worker rank {i + 1} (Ray actor on node {node}, pid "
                        f"{pid}) failed: {type(exc).__name__}: {exc}")
@@ -214,6 +219,7 @@ class RayExecutor:
         backend = "nccl" if gpu else "gloo"
         self.config, self.device, self.runner = config, device, None
         self.state = _State()
+        self._recent: deque[list] = deque(maxlen=config.pipeline_parallel_size)
         self._clean = [False]
         bundle = {"CPU": 1, **({"GPU": 1} if gpu else {})}
         self.pg = placement_group([bundle] * (world_size - 1), strategy="PACK")
@@ -270,6 +276,8 @@ class RayExecutor:
                 self.config, self.model, self.device, next(self.model.parameters()).dtype,
                 self.free_at_start)
             self.state.runner = self.runner
+            self.last_stage = LastStageQueue(lambda step: self._guarded(self.runner.execute,
+                                                                        step))
             blocks = ray.get(refs, timeout=STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
@@ -283,12 +291,24 @@ class RayExecutor:
 
     def execute(self, scheduled: list[ScheduledSequence],
                 prompt_logits: list[bool] | None = None) -> torch.Tensor:
+        return self._guarded(self.runner.execute, self._send(scheduled, prompt_logits))
+
+    def submit(self, scheduled: list[ScheduledSequence],
+               prompt_logits: list[bool] | None = None) -> SubmittedStep:
+        """Pipeline parallelism: the actors' calls start the earlier stages on the step; its
+        last stage runs here at `result()` (pipeline.py). An actor runs its calls in order."""
+        return self.last_stage.add(self._send(scheduled, prompt_logits))
+
+    def _send(self, scheduled: list[ScheduledSequence], prompt_logits: list[bool] | None):
+        """Build the step and start every actor's call on it; the watchdog waits on the calls
+        of the last pipeline_parallel_size steps (those that may be in flight)."""
         self._raise_if_failed()
         step = self.runner.build_step(scheduled, prompt_logits)
         payload = pack_step(step)
-        self.state.in_flight = [a.execute.remote(payload) for a in self.actors]
+        self._recent.append([a.execute.remote(payload) for a in self.actors])
+        self.state.in_flight = [ref for refs in self._recent for ref in refs]
         self.state.wake.set()
-        return self._guarded(self.runner.execute, step)
+        return step
 
     def keep_sampled(self, sampled: torch.Tensor | None) -> SampledTokens | None:
         return self._guarded(self.runner.keep_sampled, sampled)
