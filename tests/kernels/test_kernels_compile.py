@@ -100,6 +100,14 @@ for dtype in (torch.bfloat16, torch.float16):  # dense and int8 split-K (the fin
     weight, bias = torch.zeros(1024, 4096).to(dtype), torch.zeros(1024).to(dtype)
     for m, config in ((1, dict(programs_per_sm=2)), (8, dense_gemv._TENSOR_CORES)):
         dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), weight, bias, split_k=4, **config)
+    w8 = weight.to(torch.float8_e4m3fn)  # FP8 weights (W8A16): e4m3 converted in registers
+    for m in (1, 8):
+        for scale, block in ((torch.ones(1024, 1), None), (torch.ones(8, 32), (128, 128))):
+            dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), w8, bias, scale, block,
+                                  split_k=4, **dense_gemv.fp8_gemv_config(m, block))
+    for group in (None, 128):  # RMSNorm with its output quantized to e4m3 (W8A8 prefill)
+        x = torch.randn(4, 4096).to(dtype)
+        norm.rms_norm_quant_fp8_triton(x, torch.randn(4096).to(dtype), 1e-6, x.clone(), group)
     q8, z8 = torch.zeros(4096, 1024, dtype=torch.uint8), torch.zeros(32, 1024, dtype=torch.uint8)
     for m in (1, 8, 200):  # GEMV, split-K GEMM, dequantize + matmul
         gptq_int8.gptq_int8_gemm(torch.randn(m, 4096).to(dtype), q8, z8,
