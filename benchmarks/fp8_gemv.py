@@ -2,7 +2,8 @@
 """The FP8 decode GEMV (W8A16: kernels/dense_gemv.py reading an e4m3 weight) on the GPU.
 
 1. Checks: against dense_gemv_reference for every scale kind (per tensor, per channel,
-   block-wise [128, 128]), M = 1..16, bf16 and fp16 activations, a Llama-3-8B layer and an odd
+   block-wise [128, 128]), M = 1..16 (1, 8, 16 with the SiLU-and-mul input), bf16 and fp16
+   activations, a Llama-3-8B layer and an odd
    shape with a bias (N, K not multiples of the tiles); three calls each (a moving result would
    be a split-K race) and the split-K workspace left zeroed. Then an FP8 linear (what the models
    build) captured in a CUDA graph at 1 and 8 rows and replayed on new inputs.
@@ -78,6 +79,16 @@ def checks():
                     worst = max(worst, *errs)
                 print(f"  {'ok  ' if bad == failed else 'FAIL'} {str(dtype)[6:]:8s} {kind:7s} "
                       f"{K}x{N} bias={bias} M 1..16: max rel err {worst:.1e}", flush=True)
+                for M in (1, 8, 16):  # the down projection's input formed on load
+                    gate_up = torch.randn(M, 2 * K, device="cuda", dtype=dtype)
+                    ref = D.dense_gemv_reference(gate_up.float(), w, None, s, block,
+                                                 silu_and_mul=True)
+                    y = D.dense_gemv(gate_up, w, None, s, block, silu_and_mul=True,
+                                     **D.fp8_gemv_config(M, block))
+                    err = ((y.float() - ref).norm() / ref.norm()).item()
+                    ok = err < 1e-2 and workspace_clean()
+                    bad += not ok
+                    print(f"  {'ok  ' if ok else 'FAIL'} silu_and_mul input M={M}: {err:.1e}")
     for method in (Fp8Config.online(), Fp8Config(weight_scheme="block", block=(128, 128))):
         layer = ColumnParallelLinear(4096, 6144, bias=False, quant_config=method)
         if method.from_dense:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinypaged.kernels import dense_gemv
+from tinypaged.kernels import activation, dense_gemv
 from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 from tinypaged.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
@@ -109,6 +109,30 @@ def test_fp8_weight_bf16_one_row(kind):
     ref = dense_gemv.dense_gemv_reference(x, w, b, scale, block)
     torch.testing.assert_close(y, ref, rtol=1.6e-2, atol=1.6e-2)
     assert_workspace_zero()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("kind", ["dense", "channel", "block"])
+def test_silu_and_mul_input(dtype, M, kind):
+    # x = silu(gate) * up formed as the input is loaded: the down projection at decode
+    K, N = 200, 136
+    if kind == "dense":
+        _, w, b = random_linear(M, K, N, dtype, seed=8, bias=True)
+        scale = block = None
+    else:
+        _, w, scale, block, b = fp8_linear(M, K, N, kind, dtype, seed=8, bias=True)
+    gate_up = torch.randn(M, 2 * K, generator=torch.Generator().manual_seed(9)).to(dtype)
+    config = dict(block_n=32, block_k=128, split_k=2)
+    y = dense_gemv.dense_gemv(gate_up, w, b, scale, block, silu_and_mul=True, **config)
+    act = activation.silu_and_mul_ref(gate_up)
+    torch.testing.assert_close(y, dense_gemv.dense_gemv_reference(gate_up, w, b, scale, block,
+                                                                  silu_and_mul=True),
+                               **TOL[dtype])
+    torch.testing.assert_close(y, dense_gemv.dense_gemv(act, w, b, scale, block, **config),
+                               **TOL[dtype])
+    with pytest.raises(ValueError, match="2K"):
+        dense_gemv.dense_gemv(act, w, b, scale, block, silu_and_mul=True)
 
 
 def test_fp8_rejects_bad_scales():

@@ -105,6 +105,8 @@ for dtype in (torch.bfloat16, torch.float16):  # dense and int8 split-K (the fin
         for scale, block in ((torch.ones(1024, 1), None), (torch.ones(8, 32), (128, 128))):
             dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), w8, bias, scale, block,
                                   split_k=4, **dense_gemv.fp8_gemv_config(m, block))
+            dense_gemv.dense_gemv(torch.randn(m, 8192).to(dtype), w8, None, scale, block,
+                                  silu_and_mul=True, **dense_gemv.fp8_gemv_config(m, block))
     for group in (None, 128):  # RMSNorm with its output quantized to e4m3 (W8A8 prefill)
         x = torch.randn(4, 4096).to(dtype)
         norm.rms_norm_quant_fp8_triton(x, torch.randn(4096).to(dtype), 1e-6, x.clone(), group)

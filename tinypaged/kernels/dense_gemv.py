@@ -28,6 +28,9 @@ once, at the copy bandwidth, from every SM at once:
   memset, no allocation inside a CUDA graph once the workspace exists.
 Memory traffic: N * K * itemsize (W, once, and its scales) + split_k * M * K (x, from L2) +
 M * N * (itemsize + 2 * 4 * [split]) bytes; for Llama-3-8B's layers W is > 99% of it.
+With silu_and_mul the input is the MLP's gate_up [M, 2K] and x = silu(gate) * up is formed as
+it is loaded (rounded to x's dtype, as activation.silu_and_mul stores it): the down projection
+at decode without the activation's launch and its round trip through memory.
 Which shapes take this kernel and which stay with cuBLAS: DENSE_GEMV_PATHS (chosen by
 benchmarks/dense_gemv.py; figures in benchmarks/RESULTS.md); dense_linear applies it. FP8
 weights take it for every decode shape (fp8_gemv_config; quantization/fp8.py's apply): the
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 
 from tinypaged import envs
 from tinypaged.kernels._triton import cdiv, dot_precision, jit, tl, use_triton
+from tinypaged.kernels.activation import silu_and_mul_ref
 from tinypaged.kernels.fp8 import dequantize_fp8
 from tinypaged.kernels.split_k import (
     programs_target,
@@ -49,6 +53,13 @@ from tinypaged.kernels.split_k import (
 )
 
 GEMV_MAX_M = 16  # rows of x up to which dense_linear may take the GEMV
+
+
+@jit
+def _silu_and_mul(gate, up):
+    """silu(gate) * up in fp32, rounded to the inputs' dtype (activation.silu_and_mul's value)."""
+    g = gate.to(tl.float32)
+    return (g * tl.sigmoid(g) * up.to(tl.float32)).to(gate.dtype)
 
 
 @jit(do_not_specialize=("M", "split_k"))
@@ -61,6 +72,7 @@ def _dense_gemv_kernel(
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     W_SCALE: tl.constexpr,  # 0: W in x's dtype; FP8 W with 1: a scale per row n, 2: per block
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,  # the scale block (W_SCALE 2)
+    SILU_AND_MUL: tl.constexpr,  # x_ptr is gate_up [M, 2K]: x = silu(gate) * up
     STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums K-steps split_k_range(.., s) of
@@ -89,15 +101,21 @@ def _dense_gemv_kernel(
         if W_SCALE != 0:  # e4m3 -> x's dtype, exact (module docstring)
             w = w.to(x_ptr.dtype.element_ty)
         if USE_DOT:
-            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None],
-                         mask=m_mask[None, :] & (k < K)[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
+            xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + k[:, None]  # [BLOCK_K, BLOCK_M]
+            xt_mask = m_mask[None, :] & (k < K)[:, None]
+            xt = tl.load(xt_ptrs, mask=xt_mask, other=0.0)
+            if SILU_AND_MUL:
+                xt = _silu_and_mul(xt, tl.load(xt_ptrs + K, mask=xt_mask, other=0.0))
             if W_SCALE == 2:  # this step's product times its block's scale, in fp32
                 s = tl.load(ws_row + (step * BLOCK_K // SCALE_BK) * stride_wsk)
                 acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * s
             else:
                 acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
         else:
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0)  # [BLOCK_K]
+            if SILU_AND_MUL:
+                x = _silu_and_mul(x, tl.load(x_ptr + K + k, mask=k < K, other=0.0))
+            x = x.to(tl.float32)
             if W_SCALE == 2:  # the block's scale on x: BLOCK_K multiplies, not BLOCK_N * BLOCK_K
                 x *= tl.load(ws_row + (step * BLOCK_K // SCALE_BK) * stride_wsk)
             acc += w.to(tl.float32) * x[None, :]
@@ -122,7 +140,7 @@ def _dense_gemv_kernel(
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                weight_scale: torch.Tensor | None = None,
-               weight_block: tuple[int, int] | None = None,
+               weight_block: tuple[int, int] | None = None, silu_and_mul: bool = False,
                block_n: int | None = None, block_k: int = 256, split_k: int | None = None,
                num_warps: int = 4, num_stages: int = 3, min_block_m: int = 16,
                programs_per_sm: int = 3, tensor_cores: bool | None = None) -> torch.Tensor:
@@ -131,14 +149,18 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
     weight: in x's dtype, or float8_e4m3fn with weight_scale (fp32: [1, 1] per tensor, [N, 1]
     per channel, or [cdiv(N, BN), cdiv(K, BK)] per weight_block (BN, BK)).
+    silu_and_mul: x is gate_up [M, 2K] and the product is silu_and_mul(x) @ weight^T.
     block_n: output features per program (default 16 at M = 1, 64 with tensor cores);
     block_k: K per step; split_k: programs sharing a column block's K (default ~programs_per_sm
     programs per SM); min_block_m: x^T padded to at least this many columns for tl.dot (8 or 16;
     the interpreter needs 16); tensor_cores: tl.dot instead of CUDA-core FMAs (default: from
     two rows on). A block-wise weight's scale block must be whole tiles: block_k is cut to BK,
     and BN must be a multiple of block_n."""
-    M, K = x.shape
+    M, K = x.shape[0], x.shape[1] // 2 if silu_and_mul else x.shape[1]
     N = weight.shape[0]
+    if silu_and_mul and x.shape[1] != 2 * weight.shape[1]:
+        raise ValueError(f"dense_gemv: silu_and_mul takes x [M, 2K] for weight [N, K]; got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
     if not 1 <= M <= GEMV_MAX_M:
         raise ValueError(f"dense_gemv: x has {M} rows; the GEMV takes 1 to {GEMV_MAX_M} "
                          "(use F.linear for more)")
@@ -182,7 +204,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         W_SCALE=w_scale, SCALE_BN=scale_block[0], SCALE_BK=scale_block[1],
-        STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps,
+        SILU_AND_MUL=silu_and_mul, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
+        num_warps=num_warps,
     )
     return y
 
@@ -216,11 +239,13 @@ def dense_gemv_reference(x: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None = None,
                          weight_scale: torch.Tensor | None = None,
                          weight_block: tuple[int, int] | None = None,
-                         **config) -> torch.Tensor:
+                         silu_and_mul: bool = False, **config) -> torch.Tensor:
     """The torch reference of dense_gemv (same signature; tile settings are ignored): fp32
     products and sums of the (dequantized) weight, the result in x's dtype."""
     w = weight.float() if weight_scale is None else \
         dequantize_fp8(weight, weight_scale, weight_block)
+    if silu_and_mul:
+        x = silu_and_mul_ref(x)
     y = x.float() @ w.t()
     if bias is not None:
         y += bias.float()

@@ -174,20 +174,24 @@ class Fp8Config(QuantizationMethod):
 
 
 def fp8_silu_and_mul_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
-    """down(silu_and_mul(gate_up)) for an FP8 row-parallel `down` with dynamic activations on
-    the W8A8 path: SiLU-and-mul and the per-token (group) quantization in one kernel
-    (kernels/fp8_act.py), then the FP8 GEMM, the all-reduce and the bias. None where that path
-    does not apply (another method, static input scales, the CPU path, and decode-sized inputs,
-    whose down projection is the W8A16 GEMV of bf16 activations): the caller runs the separate
-    ops."""
+    """down(silu_and_mul(gate_up)) for an FP8 row-parallel `down` where the Triton kernels run,
+    one launch before the all-reduce and the bias: at decode (1-16 rows) the W8A16 GEMV forms
+    silu(gate) * up as it loads its input (kernels/dense_gemv.py); on the W8A8 path with dynamic
+    activations SiLU-and-mul and the per-token (group) quantization are one kernel
+    (kernels/fp8_act.py), then the FP8 GEMM. None where neither applies (another method, static
+    input scales past 16 rows, the CPU path): the caller runs the separate ops."""
     method = getattr(down, "quant_config", None)
-    if not isinstance(method, Fp8Config) or method.static_input or not use_triton(gate_up):
+    if not isinstance(method, Fp8Config) or not use_triton(gate_up):
         return None
     x2 = gate_up.reshape(-1, gate_up.shape[-1])
     if method.takes_gemv(x2):
+        y = dense_gemv(x2, down.weight, None, down.weight_scale, method.block, silu_and_mul=True,
+                       **fp8_gemv_config(x2.shape[0], method.block))
+    elif method.static_input:
         return None
-    q, s = silu_and_mul_quant_fp8(x2, None if method.block is None else method.block[1])
-    y = fp8_gemm(q, s, down.weight, down.weight_scale, gate_up.dtype, method.block)
+    else:
+        q, s = silu_and_mul_quant_fp8(x2, None if method.block is None else method.block[1])
+        y = fp8_gemm(q, s, down.weight, down.weight_scale, gate_up.dtype, method.block)
     y = all_reduce(y.reshape(*gate_up.shape[:-1], -1))
     return y if down.bias is None else y + down.bias
 
