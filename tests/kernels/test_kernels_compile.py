@@ -66,6 +66,13 @@ for dtype, token_counts in ((torch.bfloat16, every_config), (torch.float16, (8,)
         if num_tokens <= 8:  # the decode GEMVs
             moe_gemv.fused_experts_gemv(torch.randn(num_tokens, 2048).to(dtype), w13, w2,
                                         torch.rand(num_tokens, 2), topk_ids)
+        if num_tokens == 1 and dtype != torch.float32:  # with FP8 experts (W8A16)
+            f13, f2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+            for s13, s2, block in ((torch.ones(4, 2 * 768, 1), torch.ones(4, 2048, 1), None),
+                                   (torch.ones(4, 12, 16), torch.ones(4, 16, 6), (128, 128))):
+                moe_gemv.fused_experts_gemv(torch.randn(1, 2048).to(dtype), f13, f2,
+                                            torch.rand(1, 2), topk_ids, w13_scale=s13,
+                                            w2_scale=s2, block=block)
 from tinypaged.kernels.all_reduce import custom_all_reduce
 
 for world_size in (2, 3, 8):  # the custom all-reduce's two kernels, the engine's launch
