@@ -121,8 +121,8 @@ def checks():
 def candidates(M, block):
     """Tiles tried by --sweep (the table's config first)."""
     if M == 1:
-        grid = itertools.product((16, 32), (128,) if block else (256, 512, 1024), (2, 3), (4, 8),
-                                 (3, 4))
+        grid = itertools.product((16, 32, 64) if block else (16, 32),
+                                 (128,) if block else (256, 512, 1024), (2, 3), (4, 8), (3, 4))
         out = [dict(block_n=n, block_k=k, programs_per_sm=p, num_warps=w, num_stages=st)
                for n, k, p, w, st in grid]
     else:

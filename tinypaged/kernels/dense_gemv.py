@@ -98,7 +98,7 @@ def _dense_gemv_kernel(
             w = tl.load(w_ptrs + step * BLOCK_K)
         else:
             w = tl.load(w_ptrs + step * BLOCK_K, mask=(k < K)[None, :], other=0.0)
-        if W_SCALE != 0:  # e4m3 -> x's dtype, exact (module docstring)
+        if W_SCALE != 0 and USE_DOT:  # e4m3 -> x's dtype for tl.dot, exact (module docstring)
             w = w.to(x_ptr.dtype.element_ty)
         if USE_DOT:
             xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + k[:, None]  # [BLOCK_K, BLOCK_M]
@@ -118,7 +118,7 @@ def _dense_gemv_kernel(
             x = x.to(tl.float32)
             if W_SCALE == 2:  # the block's scale on x: BLOCK_K multiplies, not BLOCK_N * BLOCK_K
                 x *= tl.load(ws_row + (step * BLOCK_K // SCALE_BK) * stride_wsk)
-            acc += w.to(tl.float32) * x[None, :]
+            acc += w.to(tl.float32) * x[None, :]  # an e4m3 w straight to fp32
     if USE_DOT:
         out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
@@ -277,13 +277,13 @@ def gemv_config(M: int, N: int, K: int) -> dict | None:
     return None
 
 
-# FP8 weights (W8A16) at 1-16 rows: the tiles of dense_gemv per number of rows. A K step reads
-# as many bytes of a weight row as the bf16 path's (twice the values); block-wise weights cut
-# block_k to the scale block (128) and widen block_n instead. Chosen on an H200 by
-# benchmarks/fp8_gpu.py --gemv; figures: benchmarks/RESULTS.md.
+# FP8 weights (W8A16) at 1-16 rows: the tiles of dense_gemv per number of rows. Each stage
+# moves as many bytes as the bf16 tables' tiles (twice the values: block_k doubled); block-wise
+# weights keep block_k at the scale block (128) and widen block_n instead. To be confirmed on an
+# H200 with benchmarks/fp8_gemv.py --sweep (it prints the fastest tiles per layer and M).
 FP8_GEMV_CONFIGS = {
     "one_row": dict(block_n=16, block_k=512, programs_per_sm=2),
-    "one_row_block": dict(block_n=32, block_k=128, programs_per_sm=2),
+    "one_row_block": dict(block_n=64, block_k=128, programs_per_sm=2),
     "rows": dict(block_n=64, block_k=256, num_stages=4, min_block_m=8),
     "rows_block": dict(block_n=64, block_k=128, num_stages=4, min_block_m=8),
 }
