@@ -191,3 +191,15 @@ def test_unsupported_variants_are_refused(config, match):
     cls = CompressedTensorsFp8Config if config["quant_method"] != "fp8" else Fp8Config
     with pytest.raises(ValueError, match=match):
         cls.from_config(config)
+
+
+@pytest.mark.parametrize("fmt, kind", [("block", "qwen3"), ("channel", "llama")])
+def test_triton_decode_path_is_the_dequantized_model(tmp_path, fmt, kind):
+    """kernels="triton" (the interpreter): every step of at most 16 tokens runs the W8A16 GEMVs
+    (the down projection's SiLU-and-mul formed on load), which with fp32 activations compute the
+    checkpoint's dequantized model: greedy tokens equal transformers'."""
+    pytest.importorskip("triton")
+    out, hf_model = fp8_pair(tmp_path, fmt, kind)
+    llm = LLM(str(out), num_kv_blocks=64, block_size=16, max_model_len=128, kernels="triton",
+              dtype="float32", skip_tokenizer_init=True)
+    check_llm_greedy(llm, hf_model, [PROMPTS[0], list(range(11, 19))], steps=3)  # 15 rows
