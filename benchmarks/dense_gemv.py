@@ -8,6 +8,7 @@ weight bytes only, against the device copy bandwidth measured in the same run.
     PYTHONPATH=. python benchmarks/dense_gemv.py                # checks + table, M 1 2 4 8 16
     PYTHONPATH=. python benchmarks/dense_gemv.py --budget 50 --json out.json
     PYTHONPATH=. python benchmarks/dense_gemv.py --e2e          # bench latency, GEMV on vs off
+    PYTHONPATH=. python benchmarks/dense_gemv.py --e2e --quantization fp8   # FP8: W8A16 vs W8A8
 """
 import argparse
 import gc
@@ -211,7 +212,9 @@ def e2e(args, start):
                              "--max-num-seqs", str(max(args.batch_sizes)),
                              # each engine's KV cache fits even if the ones before were not
                              # freed (decode at these batch sizes needs little of it)
-                             "--gpu-memory-utilization", f"{min(0.9, 0.3 * (runs + 1)):.1f}"])
+                             "--gpu-memory-utilization", f"{min(0.9, 0.3 * (runs + 1)):.1f}",
+                             *(["--quantization", args.quantization] if args.quantization
+                               else [])])
         gc.collect()
         torch.cuda.empty_cache()
         print(f"(GPU memory still allocated: {torch.cuda.memory_allocated() / 2**30:.1f} GiB)")
@@ -221,7 +224,8 @@ def e2e(args, start):
         runs += 1
         if runs % 2 == 0 and time.time() - start > args.budget / 2:
             break
-    print(f"\n{args.model_shape}, 512 in / {args.output_len} out, {runs} engine runs "
+    print(f"\n{args.model_shape} {args.quantization or ''}, 512 in / {args.output_len} out, "
+          f"{runs} engine runs "
           f"(best tok/s per sequence):")
     print("| batch | GEMV on | GEMV off (cuBLAS) | on / off |\n|---|---|---|---|")
     for batch in args.batch_sizes:
@@ -239,6 +243,9 @@ def main():
     parser.add_argument("--model-shape", default="llama3-8b")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--quantization", default=None,
+                        help="--e2e with this quantization (fp8: the FP8 decode GEMV, W8A16, on "
+                             "vs W8A8 off)")
     args = parser.parse_args()
     start = time.time()
     if args.e2e:

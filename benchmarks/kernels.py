@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from tinypaged.kernels import activation, attention, kv_cache, norm, rotary
+from tinypaged.kernels import activation, attention, dense_gemv, kv_cache, norm, rotary
 from tinypaged.kernels._triton import cdiv, num_sms
 from tinypaged.kernels.attention_decode import decode_num_splits
 from tinypaged.kernels.attention_varlen import varlen_attention_triton
@@ -664,6 +664,21 @@ def check_fp8() -> None:
                 FAILURES.append(f"{name}: quantize_fp8 differs from its reference")
             compare(name, fp8.fp8_gemm(q, s, w, ws, torch.bfloat16, b),
                     fp8.fp8_gemm_reference(q, s, w, ws, torch.float32, b), torch.bfloat16)
+            if M <= dense_gemv.GEMV_MAX_M:  # the decode path: W8A16, x as it is
+                compare(f"{name} W8A16 GEMV", dense_gemv.dense_gemv(
+                    x, w, None, ws, b, **dense_gemv.fp8_gemv_config(M, b)),
+                    dense_gemv.dense_gemv_reference(x.float(), w, None, ws, b), torch.bfloat16)
+    x, weight, res = randn(257, 4096), randn(4096), randn(257, 4096)
+    for group in (None, 128):  # RMSNorm + residual, quantized in the same pass
+        q, s, r = norm.rms_norm_quant_fp8(x, weight, 1e-6, res, group)
+        q_ref, s_ref, r_ref = norm.rms_norm_quant_fp8_ref(x, weight, 1e-6, res, group)
+        name = f"rms_norm_quant_fp8 group={group} [257, 4096]"
+        compare(f"{name}: sum", r, r_ref, torch.bfloat16)
+        compare(f"{name}: scales", s, s_ref, torch.bfloat16)
+        # one bf16 ulp of the norm may move an e4m3 rounding: compare the dequantized rows
+        compare(f"{name}: q * s", q.float() * s.repeat_interleave(4096 // s.shape[1], 1),
+                q_ref.float() * s_ref.repeat_interleave(4096 // s.shape[1], 1), torch.bfloat16,
+                tol=0.07)
 
 
 def time_fp8() -> None:
@@ -681,6 +696,8 @@ def time_fp8() -> None:
         return fp8.fp8_gemm(q, s, w[0], w[1], x.dtype)
 
     decode_rows("fp8 linear", "fp8 channel", linear, weights, nbytes)
+    decode_rows("fp8 linear", "fp8 channel W8A16 GEMV", lambda x, w: dense_gemv.dense_gemv(
+        x, w[0], None, w[1], **dense_gemv.fp8_gemv_config(x.shape[0], None)), weights, nbytes)
     del weights
     bf16_linear_rows(K, N, (1, 8, 8192), "fp8")
     M = 8192

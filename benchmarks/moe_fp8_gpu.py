@@ -2,21 +2,24 @@
 """FP8 fused MoE on a CUDA GPU, Qwen3-30B-A3B layer shape (hidden 2048, 128 experts, top-8,
 moe_intermediate 768, bf16 activations): first the fused SiLU-and-mul + FP8 quantization
 (kernels/fp8_act.py) against its reference, then `fused_experts_fp8` against its torch reference
-for block-wise [128, 128] and per-channel expert scales, and its time beside the bf16
-`fused_experts` on the same (dequantized) weights. One JSON line per measurement; exit code 1
-if a check fails (MoE: relative L2 error over 3e-2; the same fp8 operands, the SiLU-and-mul
-output requantized after a bf16 rounding that may differ from the reference's by one ulp).
+for block-wise [128, 128] and per-channel expert scales (at decode sizes the W8A16 GEMVs, against
+the bf16 path's reference on the dequantized weights, and timed beside the W8A8 kernels too), and
+its time beside the bf16 `fused_experts` on the same (dequantized) weights. One JSON line per
+measurement; exit code 1 if a check fails (MoE: relative L2 error over 3e-2; the same fp8
+operands, the SiLU-and-mul output requantized after a bf16 rounding that may differ from the
+reference's by one ulp).
 
     PYTHONPATH=. python benchmarks/moe_fp8_gpu.py [--quick]
 """
 
 import json
+import os
 import sys
 
 import torch
 from triton.testing import do_bench
 
-from tinypaged.kernels import fp8_act, moe, moe_fp8
+from tinypaged.kernels import fp8_act, moe, moe_fp8, moe_gemv
 from tinypaged.kernels.fp8 import FP8_MAX
 
 dev = "cuda"
@@ -67,13 +70,21 @@ for block in ((128, 128), None):
         topk_w, topk_ids = topk_w / topk_w.sum(-1, keepdim=True), topk_ids.to(torch.int32)
         args = (x, w13, w2, s13, s2, topk_w, topk_ids, block)
         got = moe_fp8.fused_experts_fp8(*args)
-        ref = moe_fp8.fused_experts_fp8_reference(*args)
+        w8a16 = moe_gemv.use_gemv(T, TOP_K, E)  # decode: the GEMVs, x unquantized
+        ref = (moe.fused_experts_ref(x.float(), d13.float(), d2.float(), topk_w, topk_ids)
+               if w8a16 else moe_fp8.fused_experts_fp8_reference(*args))
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         ok = err < 3e-2
         bad += not ok
         fp8_ms = do_bench(lambda: moe_fp8.fused_experts_fp8(*args))
         bf16_ms = do_bench(lambda: moe.fused_experts(x, d13, d2, topk_w, topk_ids))
-        emit(kernel="fused_experts_fp8", scales="block" if block else "channel", T=T,
-             rel_err=round(err, 5), ok=ok, fp8_us=round(fp8_ms * 1e3, 1),
-             bf16_us=round(bf16_ms * 1e3, 1), speedup=round(bf16_ms / fp8_ms, 2))
+        w8a8 = {}
+        if w8a16:  # the W8A8 grouped kernels it replaces, for the A/B
+            os.environ["TINYPAGED_DENSE_GEMV"] = "0"
+            w8a8["w8a8_us"] = round(do_bench(lambda: moe_fp8.fused_experts_fp8(*args)) * 1e3, 1)
+            del os.environ["TINYPAGED_DENSE_GEMV"]
+        emit(kernel="fused_experts_fp8", path="W8A16 GEMV" if w8a16 else "W8A8", T=T,
+             scales="block" if block else "channel", rel_err=round(err, 5), ok=ok,
+             fp8_us=round(fp8_ms * 1e3, 1), **w8a8, bf16_us=round(bf16_ms * 1e3, 1),
+             speedup=round(bf16_ms / fp8_ms, 2))
 sys.exit(1 if bad else 0)

@@ -1,12 +1,14 @@
 """The dense decode GEMV (kernels/dense_gemv.py) under the Triton interpreter, fp32 and fp16,
-against its torch reference and F.linear, and dense_linear's dispatch; bf16 and the timings are
-checked on the GPU (benchmarks/dense_gemv.py)."""
+against its torch reference and F.linear, and dense_linear's dispatch; with FP8 weights (W8A16)
+in every scale layout too. bf16 (whose tl.dot the interpreter gets wrong: only the one-row
+CUDA-core path is checked here) and the timings are checked on the GPU (benchmarks/dense_gemv.py,
+benchmarks/fp8_gemv.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tinypaged.kernels import dense_gemv
+from tinypaged.kernels import activation, dense_gemv
 from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 from tinypaged.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
@@ -64,6 +66,87 @@ def test_strided_x_and_every_m():
     # one row on tensor cores (x^T padded to 16 columns) instead of CUDA-core FMAs
     y = dense_gemv.dense_gemv(wide[:1, :384], w, b, block_n=64, block_k=128, tensor_cores=True)
     torch.testing.assert_close(y, dense_gemv.dense_gemv_reference(wide[:1, :384], w, b))
+
+
+def fp8_linear(M, K, N, kind, dtype, seed, bias=False):
+    """x, an e4m3 weight [N, K] and its fp32 scale for `kind` (per tensor, per channel, or per
+    [128, 128] block), the weight block, a bias."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    rows, cols, block = {"tensor": (1, 1, None), "channel": (N, 1, None),
+                         "block": (-(-N // 128), -(-K // 128), (128, 128))}[kind]
+    scale = torch.rand(rows, cols, generator=g) * 1e-3 + 1e-4
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return x, w, scale, block, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+def test_fp8_weight_every_m(dtype, kind):
+    # N and K not multiples of the tiles nor of the 128-blocks (a partial last scale block)
+    K, N = 300, 200
+    x_all, w, scale, block, b = fp8_linear(16, K, N, kind, dtype, seed=5, bias=kind != "tensor")
+    for M in range(1, 17):
+        x = x_all[:M]
+        ref = dense_gemv.dense_gemv_reference(x, w, b, scale, block)
+        dequantized = w.float() * (scale if block is None else scale.repeat_interleave(
+            128, 0)[:N].repeat_interleave(128, 1)[:, :K])
+        torch.testing.assert_close(ref.float(), F.linear(x.float(), dequantized, None if b is None
+                                   else b.float()).to(dtype).float(), **TOL[dtype])
+        for config in (dense_gemv.fp8_gemv_config(M, block), dict(block_n=32, split_k=1)):
+            y = dense_gemv.dense_gemv(x, w, b, scale, block, **config)
+            assert y.dtype == dtype and y.shape == (M, N)
+            torch.testing.assert_close(y, ref, **TOL[dtype])
+        assert_workspace_zero()
+
+
+@pytest.mark.parametrize("kind", ["channel", "block"])
+def test_fp8_weight_bf16_one_row(kind):
+    # one bf16 row: the CUDA-core path, e4m3 converted to bf16 in registers
+    x, w, scale, block, b = fp8_linear(1, 1000, 130, kind, torch.bfloat16, seed=6, bias=True)
+    y = dense_gemv.dense_gemv(x, w, b, scale, block, **dense_gemv.fp8_gemv_config(1, block))
+    ref = dense_gemv.dense_gemv_reference(x, w, b, scale, block)
+    torch.testing.assert_close(y, ref, rtol=1.6e-2, atol=1.6e-2)
+    assert_workspace_zero()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("kind", ["dense", "channel", "block"])
+def test_silu_and_mul_input(dtype, M, kind):
+    # x = silu(gate) * up formed as the input is loaded: the down projection at decode
+    K, N = 200, 136
+    if kind == "dense":
+        _, w, b = random_linear(M, K, N, dtype, seed=8, bias=True)
+        scale = block = None
+    else:
+        _, w, scale, block, b = fp8_linear(M, K, N, kind, dtype, seed=8, bias=True)
+    gate_up = torch.randn(M, 2 * K, generator=torch.Generator().manual_seed(9)).to(dtype)
+    config = dict(block_n=32, block_k=128, split_k=2)
+    y = dense_gemv.dense_gemv(gate_up, w, b, scale, block, silu_and_mul=True, **config)
+    act = activation.silu_and_mul_ref(gate_up)
+    torch.testing.assert_close(y, dense_gemv.dense_gemv_reference(gate_up, w, b, scale, block,
+                                                                  silu_and_mul=True),
+                               **TOL[dtype])
+    torch.testing.assert_close(y, dense_gemv.dense_gemv(act, w, b, scale, block, **config),
+                               **TOL[dtype])
+    with pytest.raises(ValueError, match="2K"):
+        dense_gemv.dense_gemv(act, w, b, scale, block, silu_and_mul=True)
+
+
+def test_fp8_rejects_bad_scales():
+    x, w, scale, block, _ = fp8_linear(2, 256, 128, "block", torch.float32, seed=1)
+    with pytest.raises(ValueError, match="needs its weight_scale"):
+        dense_gemv.dense_gemv(x, w)
+    with pytest.raises(ValueError, match="must be \\[1, 2\\]"):
+        dense_gemv.dense_gemv(x, w, None, scale[:, :1], block)
+    with pytest.raises(ValueError, match="whole tiles"):
+        dense_gemv.dense_gemv(x, w, None, scale, block, block_n=256)
+    with pytest.raises(ValueError, match="per channel"):
+        dense_gemv.dense_gemv(x, w, None, torch.ones(3, 1))
+    with pytest.raises(ValueError, match="float32"):
+        dense_gemv.dense_gemv(x, w, None, torch.ones(128, 1).half())
 
 
 def test_rejects_bad_arguments():

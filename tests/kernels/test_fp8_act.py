@@ -49,7 +49,10 @@ def test_fp8_mlp_fused_path_equals_the_separate_kernels(method):
                                .to(torch.float8_e4m3fn))
         down.weight_scale_inv.data.copy_(torch.rand(1, 2, generator=gen) * 1e-3)
     method.process_weights_after_loading(down)
-    gate_up = torch.randn(4, 512, generator=gen)
+    gate_up = torch.randn(20, 512, generator=gen)  # past the decode GEMV's 16 rows
+    # decode: the W8A16 GEMV forms silu(gate) * up as it loads it
+    decode = fp8_silu_and_mul_down(down, gate_up[:4])
+    torch.testing.assert_close(decode, down(silu_and_mul(gate_up[:4])), rtol=1e-5, atol=1e-5)
     fused = fp8_silu_and_mul_down(down, gate_up)
     separate = down(silu_and_mul(gate_up))
     assert fused is not None and torch.equal(fused, separate)

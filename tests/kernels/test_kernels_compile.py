@@ -66,6 +66,13 @@ for dtype, token_counts in ((torch.bfloat16, every_config), (torch.float16, (8,)
         if num_tokens <= 8:  # the decode GEMVs
             moe_gemv.fused_experts_gemv(torch.randn(num_tokens, 2048).to(dtype), w13, w2,
                                         torch.rand(num_tokens, 2), topk_ids)
+        if num_tokens == 1 and dtype != torch.float32:  # with FP8 experts (W8A16)
+            f13, f2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+            for s13, s2, block in ((torch.ones(4, 2 * 768, 1), torch.ones(4, 2048, 1), None),
+                                   (torch.ones(4, 12, 16), torch.ones(4, 16, 6), (128, 128))):
+                moe_gemv.fused_experts_gemv(torch.randn(1, 2048).to(dtype), f13, f2,
+                                            torch.rand(1, 2), topk_ids, w13_scale=s13,
+                                            w2_scale=s2, block=block)
 from tinypaged.kernels.all_reduce import custom_all_reduce
 
 for world_size in (2, 3, 8):  # the custom all-reduce's two kernels, the engine's launch
@@ -100,6 +107,16 @@ for dtype in (torch.bfloat16, torch.float16):  # dense and int8 split-K (the fin
     weight, bias = torch.zeros(1024, 4096).to(dtype), torch.zeros(1024).to(dtype)
     for m, config in ((1, dict(programs_per_sm=2)), (8, dense_gemv._TENSOR_CORES)):
         dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), weight, bias, split_k=4, **config)
+    w8 = weight.to(torch.float8_e4m3fn)  # FP8 weights (W8A16): e4m3 converted in registers
+    for m in (1, 8):
+        for scale, block in ((torch.ones(1024, 1), None), (torch.ones(8, 32), (128, 128))):
+            dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), w8, bias, scale, block,
+                                  split_k=4, **dense_gemv.fp8_gemv_config(m, block))
+            dense_gemv.dense_gemv(torch.randn(m, 8192).to(dtype), w8, None, scale, block,
+                                  silu_and_mul=True, **dense_gemv.fp8_gemv_config(m, block))
+    for group in (None, 128):  # RMSNorm with its output quantized to e4m3 (W8A8 prefill)
+        x = torch.randn(4, 4096).to(dtype)
+        norm.rms_norm_quant_fp8_triton(x, torch.randn(4096).to(dtype), 1e-6, x.clone(), group)
     q8, z8 = torch.zeros(4096, 1024, dtype=torch.uint8), torch.zeros(32, 1024, dtype=torch.uint8)
     for m in (1, 8, 200):  # GEMV, split-K GEMM, dequantize + matmul
         gptq_int8.gptq_int8_gemm(torch.randn(m, 4096).to(dtype), q8, z8,

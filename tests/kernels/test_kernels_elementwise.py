@@ -242,3 +242,40 @@ def test_store_kv_bad_arguments():
         kv_cache.store_kv(k, k, randn(4, 16, 3, 16), cache.clone(), slots)
     with pytest.raises(ValueError, match="v_cache"):
         kv_cache.store_kv(k, k, cache, cache.half(), slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)  # bf16: the interpreter truncates where the GPU
+@pytest.mark.parametrize("group", [None, 128])  # rounds (benchmarks/kernels.py --only fp8)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quant_fp8_kernel(dtype, group, with_residual):
+    # H = 384: not a power of two (a padded block, three groups of 128 in a 512-wide block)
+    x, weight = randn(9, 384, dtype=dtype) * 4, randn(384, seed=1)
+    x[3] = 0.0  # an all-zero row keeps a finite scale
+    residual = randn(9, 384, dtype=dtype, seed=2) if with_residual else None
+    if residual is not None:
+        residual[3] = 0.0
+    got = norm.rms_norm_quant_fp8_triton(x, weight, 1e-6, residual, group)
+    want = norm.rms_norm_quant_fp8_ref(x, weight, 1e-6, residual, group)
+    q, s = got[:2]
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (9, 384)
+    assert s.shape == (9, 1 if group is None else 3)
+    torch.testing.assert_close(s, want[1], rtol=1e-5, atol=0)
+    # the same e4m3 values but where the norm's last bit in x's dtype differed and moved an e4m3
+    # rounding
+    assert (q.float() != want[0].float()).float().mean() < 0.01
+    torch.testing.assert_close(q.float() * s.repeat_interleave(384 // s.shape[1], 1),
+                               want[0].float() * want[1].repeat_interleave(384 // s.shape[1], 1),
+                               rtol=0.07, atol=1e-6)
+    if with_residual:
+        torch.testing.assert_close(got[2], want[2], atol=0, rtol=0)  # the same sum, rounded
+
+
+def test_rms_norm_quant_fp8_reference_is_norm_then_quantize():
+    x, weight = randn(4, 256), randn(256, seed=1)
+    q, s = norm.rms_norm_quant_fp8(x, weight, 1e-6, group=128)  # the CPU path: the reference
+    normed = norm.rms_norm_ref(x, weight, 1e-6)
+    torch.testing.assert_close(q.float() * s.repeat_interleave(128, 1), normed,
+                               rtol=2 ** -4, atol=1e-6)  # 3 mantissa bits
+    assert s.shape == (4, 2) and q.float().abs().amax() == 448.0
+    with pytest.raises(ValueError, match="whole number of groups"):
+        norm.rms_norm_quant_fp8(x, weight, 1e-6, group=96)

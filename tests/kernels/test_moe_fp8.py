@@ -76,6 +76,27 @@ def test_reference_is_the_dequantized_moe_up_to_activation_rounding(block):
     assert 0 < rel < 0.06  # two e4m3 activation roundings (3 mantissa bits: ~2-3% each)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("T", [1, 2])
+def test_decode_gemvs_are_w8a16(monkeypatch, dtype, block, T):
+    """A few tokens take moe_gemv.py's sort-free GEMVs with the FP8 experts widened in
+    registers: the bf16 path's reference on the dequantized experts, x unquantized."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    E, H, inter, k = 8, 384, 256, 2  # H: three scale blocks; every expert's rows vary
+    (w13, s13, d13), (w2, s2, d2) = experts(E, H, inter, block, seed=8)
+    weights, ids = routing(T, E, k, seed=9)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(10)).to(dtype)
+    got = moe_fp8.fused_experts_fp8(x, w13, w2, s13, s2, weights, ids, block)
+    want = fused_experts_ref(x.float(), d13, d2, weights, ids)
+    assert got.dtype == dtype and got.shape == (T, H)
+    tol = 1e-2 if dtype == torch.float16 else 1e-5  # fp16: act and out rounded to x's dtype
+    assert (got.float() - want).abs().max() <= tol * want.abs().max()
+    monkeypatch.setenv("TINYPAGED_DENSE_GEMV", "0")  # the A/B switch: back to W8A8
+    w8a8 = moe_fp8.fused_experts_fp8(x, w13, w2, s13, s2, weights, ids, block)
+    assert 0 < (w8a8.float() - want).norm() / want.norm() < 0.06
+
+
 def test_shapes_are_checked():
     (w13, s13, _), (w2, s2, _) = experts(2, 256, 128, (128, 128))
     weights, ids = routing(3, 2, 1)

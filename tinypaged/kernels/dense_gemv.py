@@ -1,10 +1,17 @@
 """The dense decode GEMV: y [M, N] = x [M, K] @ W [N, K]^T (+ b) for 1 <= M <= 16.
 
-W is an nn.Linear weight (bf16, fp16 or fp32, row n = output feature n, contiguous along K).
-At decode batch sizes the product is bound by streaming W: 2 * N * K bytes (bf16) against
-2 * M * N * K FLOPs, i.e. M FLOPs per byte, far below the ~160 FLOPs per byte where an H200
-stops being memory-bound. So the kernel's only job is to read every weight exactly once, at the
-copy bandwidth, from every SM at once:
+W is an nn.Linear weight (bf16, fp16 or fp32, row n = output feature n, contiguous along K), or
+an FP8 (e4m3) weight with its scales, W = q * s (W8A16: x stays in its dtype):
+- per tensor: s [1, 1]; per channel: s [N, 1] (applied once to y's columns, after the sum);
+- block-wise, weight_block (BN, BK) = (128, 128) (Qwen3-FP8, DeepSeek): s [N/BN, K/BK]. A
+  program's BLOCK_N rows and a step's BLOCK_K inputs lie in one scale block (the tiles divide
+  it), so each step's partial product is scaled by one number.
+An e4m3 value converts exactly to bf16 / fp16 / fp32 (3 mantissa bits, exponents within
+range), in registers after the load, so the products are those of the dequantized weight.
+At decode batch sizes the product is bound by streaming W: 2 * N * K bytes (bf16; N * K for
+FP8) against 2 * M * N * K FLOPs, i.e. M FLOPs per byte, far below the ~160 FLOPs per byte
+where an H200 stops being memory-bound. So the kernel's only job is to read every weight exactly
+once, at the copy bandwidth, from every SM at once:
 - Programs own BLOCK_N output features (rows of W) and split K: a (column block, K range) grid
   of ~3 programs per SM. cuBLAS picks one tiling per shape and loses the tail of small layers
   (qkv, o) to launch and ramp time; splitting K lets a 4096x4096 layer fill 132 SMs.
@@ -19,10 +26,15 @@ copy bandwidth, from every SM at once:
   workspace that every split-K GEMV shares (split_k.py); the last program of each column block
   (an arrival counter) adds the bias, writes y in x's dtype and re-zeroes it: one launch, no
   memset, no allocation inside a CUDA graph once the workspace exists.
-Memory traffic: N * K * itemsize (W, once) + split_k * M * K (x, from L2) + M * N * (itemsize +
-2 * 4 * [split]) bytes; for Llama-3-8B's layers W is > 99% of it.
+Memory traffic: N * K * itemsize (W, once, and its scales) + split_k * M * K (x, from L2) +
+M * N * (itemsize + 2 * 4 * [split]) bytes; for Llama-3-8B's layers W is > 99% of it.
+With silu_and_mul the input is the MLP's gate_up [M, 2K] and x = silu(gate) * up is formed as
+it is loaded (rounded to x's dtype, as activation.silu_and_mul stores it): the down projection
+at decode without the activation's launch and its round trip through memory.
 Which shapes take this kernel and which stay with cuBLAS: DENSE_GEMV_PATHS (chosen by
-benchmarks/dense_gemv.py; figures in benchmarks/RESULTS.md); dense_linear applies it.
+benchmarks/dense_gemv.py; figures in benchmarks/RESULTS.md); dense_linear applies it. FP8
+weights take it for every decode shape (fp8_gemv_config; quantization/fp8.py's apply): the
+alternative there is quantizing x and the W8A8 GEMM, one launch more for no fewer bytes.
 """
 from __future__ import annotations
 
@@ -31,6 +43,8 @@ import torch.nn.functional as F
 
 from tinypaged import envs
 from tinypaged.kernels._triton import cdiv, dot_precision, jit, tl, use_triton
+from tinypaged.kernels.activation import silu_and_mul_ref
+from tinypaged.kernels.fp8 import dequantize_fp8
 from tinypaged.kernels.split_k import (
     programs_target,
     split_k_finish,
@@ -41,13 +55,24 @@ from tinypaged.kernels.split_k import (
 GEMV_MAX_M = 16  # rows of x up to which dense_linear may take the GEMV
 
 
+@jit
+def _silu_and_mul(gate, up):
+    """silu(gate) * up in fp32, rounded to the inputs' dtype (activation.silu_and_mul's value)."""
+    g = gate.to(tl.float32)
+    return (g * tl.sigmoid(g) * up.to(tl.float32)).to(gate.dtype)
+
+
 @jit(do_not_specialize=("M", "split_k"))
 def _dense_gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,  # x [M, K] (row stride stride_xm), W [N, K], b [N], y [M, N]
+    x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,  # x [M, K] (row stride stride_xm), W [N, K], b [N],
+    # y [M, N]; ws: W's scales (W_SCALE 1: [N] at stride_wsn; 2: [N/BN, K/BK])
     partial_ptr, count_ptr,  # fp32 [M, N] and int32 [cdiv(N, BLOCK_N)], zero before and after
-    M, N, K, stride_xm, stride_wn, split_k,
+    M, N, K, stride_xm, stride_wn, stride_wsn, stride_wsk, split_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    W_SCALE: tl.constexpr,  # 0: W in x's dtype; FP8 W with 1: a scale per row n, 2: per block
+    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,  # the scale block (W_SCALE 2)
+    SILU_AND_MUL: tl.constexpr,  # x_ptr is gate_up [M, 2K]: x = silu(gate) * up
     STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums K-steps split_k_range(.., s) of
@@ -61,6 +86,8 @@ def _dense_gemv_kernel(
     first, last = split_k_range(tl.cdiv(K, BLOCK_K), split_k)
     # rows past N read row n % N (in bounds, unmasked loads) and are not stored
     w_ptrs = w_ptr + (offs_n % N)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    # block-wise: this program's rows lie in scale row pid_n * BLOCK_N // SCALE_BN
+    ws_row = ws_ptr + (pid_n * BLOCK_N // SCALE_BN) * stride_wsn
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # y^T
     else:
@@ -71,17 +98,33 @@ def _dense_gemv_kernel(
             w = tl.load(w_ptrs + step * BLOCK_K)
         else:
             w = tl.load(w_ptrs + step * BLOCK_K, mask=(k < K)[None, :], other=0.0)
+        if W_SCALE != 0 and USE_DOT:  # e4m3 -> x's dtype for tl.dot, exact (module docstring)
+            w = w.to(x_ptr.dtype.element_ty)
         if USE_DOT:
-            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None],
-                         mask=m_mask[None, :] & (k < K)[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
-            acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+            xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + k[:, None]  # [BLOCK_K, BLOCK_M]
+            xt_mask = m_mask[None, :] & (k < K)[:, None]
+            xt = tl.load(xt_ptrs, mask=xt_mask, other=0.0)
+            if SILU_AND_MUL:
+                xt = _silu_and_mul(xt, tl.load(xt_ptrs + K, mask=xt_mask, other=0.0))
+            if W_SCALE == 2:  # this step's product times its block's scale, in fp32
+                s = tl.load(ws_row + (step * BLOCK_K // SCALE_BK) * stride_wsk)
+                acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * s
+            else:
+                acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
         else:
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
-            acc += w.to(tl.float32) * x[None, :]
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0)  # [BLOCK_K]
+            if SILU_AND_MUL:
+                x = _silu_and_mul(x, tl.load(x_ptr + K + k, mask=k < K, other=0.0))
+            x = x.to(tl.float32)
+            if W_SCALE == 2:  # the block's scale on x: BLOCK_K multiplies, not BLOCK_N * BLOCK_K
+                x *= tl.load(ws_row + (step * BLOCK_K // SCALE_BK) * stride_wsk)
+            acc += w.to(tl.float32) * x[None, :]  # an e4m3 w straight to fp32
     if USE_DOT:
         out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
         out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    if W_SCALE == 1:  # per row (stride_wsn 0: one scale for the tensor)
+        out *= tl.load(ws_ptr + (offs_n % N) * stride_wsn)[None, :]
     at = offs_m[:, None] * N + offs_n[None, :]  # y[m, n], [BLOCK_M, BLOCK_N]
     mask = m_mask[:, None] & n_mask[None, :]
     if not SPLIT:
@@ -96,32 +139,53 @@ def _dense_gemv_kernel(
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               weight_scale: torch.Tensor | None = None,
+               weight_block: tuple[int, int] | None = None, silu_and_mul: bool = False,
                block_n: int | None = None, block_k: int = 256, split_k: int | None = None,
                num_warps: int = 4, num_stages: int = 3, min_block_m: int = 16,
                programs_per_sm: int = 3, tensor_cores: bool | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), 1 <= M <= 16, fp32 accumulation, in
-    x's dtype (the Triton kernel; dense_linear decides when to call it).
+    x's dtype (the Triton kernel; dense_linear and the FP8 linear decide when to call it).
 
+    weight: in x's dtype, or float8_e4m3fn with weight_scale (fp32: [1, 1] per tensor, [N, 1]
+    per channel, or [cdiv(N, BN), cdiv(K, BK)] per weight_block (BN, BK)).
+    silu_and_mul: x is gate_up [M, 2K] and the product is silu_and_mul(x) @ weight^T.
     block_n: output features per program (default 16 at M = 1, 64 with tensor cores);
     block_k: K per step; split_k: programs sharing a column block's K (default ~programs_per_sm
     programs per SM); min_block_m: x^T padded to at least this many columns for tl.dot (8 or 16;
     the interpreter needs 16); tensor_cores: tl.dot instead of CUDA-core FMAs (default: from
-    two rows on)."""
-    M, K = x.shape
+    two rows on). A block-wise weight's scale block must be whole tiles: block_k is cut to BK,
+    and BN must be a multiple of block_n."""
+    M, K = x.shape[0], x.shape[1] // 2 if silu_and_mul else x.shape[1]
     N = weight.shape[0]
+    if silu_and_mul and x.shape[1] != 2 * weight.shape[1]:
+        raise ValueError(f"dense_gemv: silu_and_mul takes x [M, 2K] for weight [N, K]; got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
     if not 1 <= M <= GEMV_MAX_M:
         raise ValueError(f"dense_gemv: x has {M} rows; the GEMV takes 1 to {GEMV_MAX_M} "
                          "(use F.linear for more)")
-    if tuple(weight.shape) != (N, K) or weight.stride(1) != 1 or weight.dtype != x.dtype:
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if tuple(weight.shape) != (N, K) or weight.stride(1) != 1 or (
+            weight.dtype != x.dtype and not fp8):
         raise ValueError(f"dense_gemv: weight must be [N, K={K}] contiguous along K in x's dtype "
-                         f"{x.dtype}, got {weight.dtype} of shape {tuple(weight.shape)} and "
-                         f"strides {weight.stride()}")
+                         f"{x.dtype} or float8_e4m3fn, got {weight.dtype} of shape "
+                         f"{tuple(weight.shape)} and strides {weight.stride()}")
+    if fp8 != (weight_scale is not None):
+        raise ValueError("dense_gemv: an FP8 weight needs its weight_scale, and only an FP8 "
+                         f"weight takes one (weight {weight.dtype}, weight_scale "
+                         f"{None if weight_scale is None else tuple(weight_scale.shape)})")
     if x.stride(1) != 1:
         x = x.contiguous()
     use_dot = M > 1 if tensor_cores is None else tensor_cores
     if M > 1 and not use_dot:
         raise ValueError(f"dense_gemv: the CUDA-core path takes one row of x, got {M}")
     block_n = block_n or (64 if use_dot else 16)
+    if weight_block is not None:
+        block_k = min(block_k, weight_block[1])
+    w_scale, scale_block, scale_strides = _scale_layout(weight_scale, weight_block, N, K,
+                                                        block_n, block_k)
+    if not x.is_cuda:  # the interpreter's tl.dot takes 16 columns and up
+        min_block_m = max(min_block_m, 16)
     block_m = max(min_block_m, 1 << (M - 1).bit_length()) if use_dot else 1
     n_blocks = cdiv(N, block_n)
     steps = cdiv(K, block_k)
@@ -135,20 +199,54 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     partial, count = (split_k_workspace(x.device, GEMV_MAX_M * N, cdiv(N, 8)) if split_k > 1
                       else (y, y))
     _dense_gemv_kernel[(n_blocks, split_k)](
-        x, weight, y if bias is None else bias, y, partial, count, M, N, K, x.stride(0),
-        weight.stride(0), split_k,
+        x, weight, y if weight_scale is None else weight_scale, y if bias is None else bias, y,
+        partial, count, M, N, K, x.stride(0), weight.stride(0), *scale_strides, split_k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps,
+        W_SCALE=w_scale, SCALE_BN=scale_block[0], SCALE_BK=scale_block[1],
+        SILU_AND_MUL=silu_and_mul, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
+        num_warps=num_warps,
     )
     return y
 
 
+def _scale_layout(weight_scale: torch.Tensor | None, weight_block: tuple[int, int] | None,
+                  N: int, K: int, block_n: int, block_k: int
+                  ) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """The kernel's W_SCALE, (SCALE_BN, SCALE_BK) and the scale's (row, column) strides."""
+    if weight_scale is None:
+        return 0, (1, 1), (0, 0)
+    if weight_scale.dtype != torch.float32:
+        raise ValueError(f"dense_gemv: weight_scale must be float32, got {weight_scale.dtype}")
+    if weight_block is None:
+        if weight_scale.numel() == 1:
+            return 1, (1, 1), (0, 0)
+        if weight_scale.numel() != N:
+            raise ValueError(f"dense_gemv: weight_scale must be [1, 1] (per tensor) or [N={N}, 1] "
+                             f"(per channel), got {tuple(weight_scale.shape)}")
+        return 1, (1, 1), (weight_scale.stride(0), 0)
+    bn, bk = weight_block
+    if weight_scale.shape != (cdiv(N, bn), cdiv(K, bk)):
+        raise ValueError(f"dense_gemv: a [{bn}, {bk}]-block weight_scale must be "
+                         f"[{cdiv(N, bn)}, {cdiv(K, bk)}], got {tuple(weight_scale.shape)}")
+    if bn % block_n or bk % block_k:
+        raise ValueError(f"dense_gemv: the scale block [{bn}, {bk}] must be whole tiles of "
+                         f"[block_n, block_k] = [{block_n}, {block_k}]")
+    return 2, (bn, bk), (weight_scale.stride(0), weight_scale.stride(1))
+
+
 def dense_gemv_reference(x: torch.Tensor, weight: torch.Tensor,
-                         bias: torch.Tensor | None = None, **config) -> torch.Tensor:
+                         bias: torch.Tensor | None = None,
+                         weight_scale: torch.Tensor | None = None,
+                         weight_block: tuple[int, int] | None = None,
+                         silu_and_mul: bool = False, **config) -> torch.Tensor:
     """The torch reference of dense_gemv (same signature; tile settings are ignored): fp32
-    products and sums, the result in x's dtype."""
-    y = x.float() @ weight.float().t()
+    products and sums of the (dequantized) weight, the result in x's dtype."""
+    w = weight.float() if weight_scale is None else \
+        dequantize_fp8(weight, weight_scale, weight_block)
+    if silu_and_mul:
+        x = silu_and_mul_ref(x)
+    y = x.float() @ w.t()
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype)
@@ -177,6 +275,23 @@ def gemv_config(M: int, N: int, K: int) -> dict | None:
         if M <= max_m and min_k <= K <= max_k and min_n <= N <= max_n:
             return config
     return None
+
+
+# FP8 weights (W8A16) at 1-16 rows: the tiles of dense_gemv per number of rows. Each stage
+# moves as many bytes as the bf16 tables' tiles (twice the values: block_k doubled); block-wise
+# weights keep block_k at the scale block (128) and widen block_n instead. To be confirmed on an
+# H200 with benchmarks/fp8_gemv.py --sweep (it prints the fastest tiles per layer and M).
+FP8_GEMV_CONFIGS = {
+    "one_row": dict(block_n=16, block_k=512, programs_per_sm=2),
+    "one_row_block": dict(block_n=64, block_k=128, programs_per_sm=2),
+    "rows": dict(block_n=64, block_k=256, num_stages=4, min_block_m=8),
+    "rows_block": dict(block_n=64, block_k=128, num_stages=4, min_block_m=8),
+}
+
+
+def fp8_gemv_config(M: int, block: tuple[int, int] | None) -> dict:
+    """dense_gemv's tiles for an FP8 weight at M rows (block: the weight's scale block)."""
+    return FP8_GEMV_CONFIGS[("one_row" if M == 1 else "rows") + ("_block" if block else "")]
 
 
 def gemv_enabled() -> bool:

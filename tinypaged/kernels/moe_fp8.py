@@ -20,7 +20,9 @@ of 128 inputs is scaled by its pair of block scales as it is accumulated. The ac
 quantization is kernels/fp8.py's (which rounds to e4m3 by hand, exact under the interpreter).
 
 `fused_experts_fp8` runs the kernels on CUDA (or under TRITON_INTERPRET=1), else the torch
-reference of the same signature, `fused_experts_fp8_reference`.
+reference of the same signature, `fused_experts_fp8_reference`. At decode (moe_gemv.use_gemv:
+a few tokens) it runs moe_gemv.py's sort-free GEMVs instead, reading the FP8 experts with x in
+its own dtype (W8A16: no quantization launches, no sort; TINYPAGED_DENSE_GEMV=0 keeps W8A8).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
+from tinypaged.kernels.dense_gemv import gemv_enabled
 from tinypaged.kernels.fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_reference
 from tinypaged.kernels.moe import get_config, store_rows
 from tinypaged.kernels.moe_align import moe_align_block_size
+from tinypaged.kernels.moe_gemv import fused_experts_gemv, use_gemv
 
 
 @jit(do_not_specialize=("num_valid_tokens",))
@@ -198,6 +202,10 @@ def fused_experts_fp8(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.
     if hidden_states.shape[0] == 0:
         return hidden_states.clone()
     if use_triton(hidden_states):
+        if use_gemv(hidden_states.shape[0], topk_ids.shape[1], w13.shape[0]) and gemv_enabled():
+            # decode: the sort-free GEMVs with the FP8 experts widened in registers (W8A16)
+            return fused_experts_gemv(hidden_states, w13, w2, topk_weights, topk_ids,
+                                      w13_scale=w13_scale, w2_scale=w2_scale, block=block)
         return fused_experts_fp8_triton(hidden_states, w13, w2, w13_scale, w2_scale,
                                         topk_weights, topk_ids, block)
     return fused_experts_fp8_reference(hidden_states, w13, w2, w13_scale, w2_scale,

@@ -21,7 +21,10 @@ static `input_scale` is kept per layer, the largest of a fused layer's shards (a
 
 apply(): on CUDA (or under TRITON_INTERPRET=1) W8A8, kernels/fp8.py: the activations are
 quantized (per token, per token group, or with the static scale) and the FP8 GEMM multiplies
-them by the FP8 weights, fp32 accumulators, the scales applied in the GEMM. On the CPU the
+them by the FP8 weights, fp32 accumulators, the scales applied in the GEMM. At decode (1-16
+rows) W8A16 instead: kernels/dense_gemv.py streams the e4m3 weight, converts it in registers and
+multiplies it by the activations as they are; quantizing them would cost a launch and save no
+bytes, the weight being all the traffic (a static input_scale is then unused). On the CPU the
 weights are dequantized and multiplied in the activations' dtype (weight-only FP8, as vLLM's
 fallback on GPUs without FP8 tensor cores): the fp32 CPU path is then exactly the checkpoint's
 dequantized model, which is what the tests compare with transformers.
@@ -37,6 +40,7 @@ from torch import nn
 
 from tinypaged.distributed.parallel_state import all_reduce
 from tinypaged.kernels._triton import use_triton
+from tinypaged.kernels.dense_gemv import GEMV_MAX_M, dense_gemv, fp8_gemv_config, gemv_enabled
 from tinypaged.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_gemm, quantize_fp8
 from tinypaged.kernels.fp8_act import silu_and_mul_quant_fp8
 from tinypaged.quantization.base import QuantizationMethod
@@ -148,6 +152,10 @@ class Fp8Config(QuantizationMethod):
         """y [..., N] = x [..., K] @ W^T + bias: W8A8 through kernels/fp8.py where the Triton
         kernels run, else the dequantized weights in x's dtype (module docstring)."""
         x2 = x.reshape(-1, x.shape[-1])
+        if use_triton(x2) and self.takes_gemv(x2):
+            y = dense_gemv(x2, layer.weight, bias, layer.weight_scale, self.block,
+                           **fp8_gemv_config(x2.shape[0], self.block))
+            return y.reshape(*x.shape[:-1], -1)
         if use_triton(x2):
             if self.weight_scheme == "block":
                 q, s = quantize_fp8(x2, group=self.block[1])
@@ -159,19 +167,31 @@ class Fp8Config(QuantizationMethod):
         y = y.reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 
+    def takes_gemv(self, x2: torch.Tensor) -> bool:
+        """Whether x2 [M, K] goes to the W8A16 decode GEMV: 1-16 rows, unless
+        $TINYPAGED_DENSE_GEMV=0 (then W8A8 at every size: the A/B switch)."""
+        return 1 <= x2.shape[0] <= GEMV_MAX_M and gemv_enabled()
+
 
 def fp8_silu_and_mul_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
-    """down(silu_and_mul(gate_up)) for an FP8 row-parallel `down` with dynamic activations on
-    the W8A8 path: SiLU-and-mul and the per-token (group) quantization in one kernel
-    (kernels/fp8_act.py), then the FP8 GEMM, the all-reduce and the bias. None where that path
-    does not apply (another method, static input scales, the CPU path): the caller runs the
-    separate ops."""
+    """down(silu_and_mul(gate_up)) for an FP8 row-parallel `down` where the Triton kernels run,
+    one launch before the all-reduce and the bias: at decode (1-16 rows) the W8A16 GEMV forms
+    silu(gate) * up as it loads its input (kernels/dense_gemv.py); on the W8A8 path with dynamic
+    activations SiLU-and-mul and the per-token (group) quantization are one kernel
+    (kernels/fp8_act.py), then the FP8 GEMM. None where neither applies (another method, static
+    input scales past 16 rows, the CPU path): the caller runs the separate ops."""
     method = getattr(down, "quant_config", None)
-    if not isinstance(method, Fp8Config) or method.static_input or not use_triton(gate_up):
+    if not isinstance(method, Fp8Config) or not use_triton(gate_up):
         return None
     x2 = gate_up.reshape(-1, gate_up.shape[-1])
-    q, s = silu_and_mul_quant_fp8(x2, None if method.block is None else method.block[1])
-    y = fp8_gemm(q, s, down.weight, down.weight_scale, gate_up.dtype, method.block)
+    if method.takes_gemv(x2):
+        y = dense_gemv(x2, down.weight, None, down.weight_scale, method.block, silu_and_mul=True,
+                       **fp8_gemv_config(x2.shape[0], method.block))
+    elif method.static_input:
+        return None
+    else:
+        q, s = silu_and_mul_quant_fp8(x2, None if method.block is None else method.block[1])
+        y = fp8_gemm(q, s, down.weight, down.weight_scale, gate_up.dtype, method.block)
     y = all_reduce(y.reshape(*gate_up.shape[:-1], -1))
     return y if down.bias is None else y + down.bias
 
