@@ -21,6 +21,9 @@ from its own generator, so its tokens depend on its seed and logits alone.
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from tinypaged.kernels.rejection import rejection_sample
@@ -36,6 +39,11 @@ class RejectionSampler:
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
+    @staticmethod
+    def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+        host = torch.from_numpy(array)
+        return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+
     def _shared(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
@@ -47,25 +55,26 @@ class RejectionSampler:
         generators: list[torch.Generator | None], draft_probs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         device = logits.device
-        counts = [len(d) for d in drafts]
-        starts = [0] * len(drafts)
-        for i in range(1, len(drafts)):
-            starts[i] = starts[i - 1] + counts[i - 1] + 1
-        num_rows = sum(counts) + len(drafts)
+        n = len(drafts)
+        counts = np.fromiter(map(len, drafts), np.int64, n)
+        num_rows = int(counts.sum()) + n
         if logits.shape[0] != num_rows or batch.num_rows != num_rows:
             raise ValueError(
-                f"{len(drafts)} sequences with {sum(counts)} drafts need {num_rows} rows; got "
+                f"{n} sequences with {num_rows - n} drafts need {num_rows} rows; got "
                 f"{logits.shape[0]} logits rows and a batch of {batch.num_rows}"
             )
-        k = max(counts, default=0)
-        draft = torch.zeros(len(drafts), k, dtype=torch.int64)
-        for i, d in enumerate(drafts):
-            draft[i, : len(d)] = torch.as_tensor(d, dtype=torch.int64)
-        draft_rows = [s + j for s, d in zip(starts, drafts) for j in range(len(d))]
-        draft_ids = [t for d in drafts for t in d]
-        draft = draft.to(device, non_blocking=True)
-        row_start = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
-        num_draft = torch.tensor(counts, dtype=torch.int32).to(device, non_blocking=True)
+        k = int(counts.max()) if n else 0
+        # One host->device copy: drafts [N, K] (0-padded) | num_draft [N] | row_start [N].
+        packed = np.zeros(n * (k + 2), np.int64)
+        draft_np, counts_np, starts_np = np.split(packed, [n * k, n * k + n])
+        in_draft = np.arange(k) < counts[:, None]  # [N, K]
+        draft_np.reshape(n, k)[in_draft] = list(itertools.chain.from_iterable(drafts))
+        counts_np[:] = counts
+        starts_np[1:] = np.cumsum(counts + 1)[:-1]
+        on_device = self._to_device(packed, device)
+        draft = on_device[: n * k].view(n, k)
+        num_draft, row_start = on_device[n * k : n * k + n], on_device[n * k + n :]
+        starts = starts_np.tolist()
 
         argmax, probs, raw = processed_probs(logits, batch)
         if probs is None:  # every row greedy
@@ -81,15 +90,18 @@ class RejectionSampler:
         shared = self._shared(device)
         uniform.uniform_(generator=shared)
         race.exponential_(generator=shared)
-        for s, n, g in zip(starts, counts, generators):
+        for s, c, g in zip(starts, counts.tolist(), generators):
             if g is not None:
-                uniform[s : s + n + 1].uniform_(generator=g)
-                race[s : s + n + 1].exponential_(generator=g)
+                uniform[s : s + c + 1].uniform_(generator=g)
+                race[s : s + c + 1].exponential_(generator=g)
         residual = probs.clone()
-        if draft_rows:
-            rows = torch.tensor(draft_rows, dtype=torch.int64).to(device, non_blocking=True)
+        if k:
+            # The drafts' rows and tokens, [sum(num_draft)] each, chosen on the host (a boolean
+            # index on the device would wait for it).
+            rows_ids = np.stack([(starts_np[:, None] + np.arange(k))[in_draft],
+                                 draft_np.reshape(n, k)[in_draft]])
+            rows, ids = self._to_device(rows_ids, device)
             if draft_probs is None:  # q = onehot(x): p without x
-                ids = torch.tensor(draft_ids, dtype=torch.int64).to(device, non_blocking=True)
                 residual[rows, ids] = 0.0
             else:
                 residual[rows] = (residual[rows] - draft_probs[rows]).clamp_(min=0.0)

@@ -62,16 +62,26 @@ class OracleProposer(Proposer):
 
     def __init__(self, table: dict[tuple[int, ...], list[int]], vocab_size: int, miss: bool):
         self.table, self.vocab_size, self.miss = table, vocab_size, miss
+        self.conts: dict[int, tuple[Sequence, list[int]]] = {}  # seq_id -> its continuation
+
+    def finish(self, seq: Sequence) -> None:
+        self.conts.pop(seq.seq_id, None)
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
+        if len(self.conts) > 2 * len(seqs):  # aborted sequences are not finish()ed
+            self.conts = {i: e for i, e in self.conts.items() if not e[0].is_finished}
         out = []
         for seq, k in zip(seqs, ks):
-            cont = self.table.get(tuple(seq.prompt_token_ids))
-            if cont is None:
-                raise ValueError(
-                    f"request {seq.request_id!r}: the oracle proposer has no recorded "
-                    f"continuation for this prompt"
-                )
+            entry = self.conts.get(seq.seq_id)
+            if entry is None:  # the prompt is hashed once per sequence, not once per step
+                cont = self.table.get(tuple(seq.prompt_token_ids))
+                if cont is None:
+                    raise ValueError(
+                        f"request {seq.request_id!r}: the oracle proposer has no recorded "
+                        f"continuation for this prompt"
+                    )
+                entry = self.conts[seq.seq_id] = (seq, cont)
+            cont = entry[1]
             done = seq.num_output_tokens
             guess = cont[done : done + k]
             out.append([(t + 1) % self.vocab_size for t in guess] if self.miss else guess)
