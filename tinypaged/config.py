@@ -125,13 +125,6 @@ class EngineConfig:
             )
         if self.quantization is not None:
             check_quantization(self.quantization)
-        if self.speculative_config is not None:  # verification steps run synchronously
-            if self.async_scheduling:
-                raise ValueError(
-                    "speculative_config cannot be combined with async_scheduling=True in "
-                    "tinypaged yet; leave async_scheduling unset (or False)"
-                )
-            self.async_scheduling = False
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError("kv_cache_dtype must be one of auto, fp8, fp8_e4m3; got "
                              f"{self.kv_cache_dtype!r}")

@@ -124,8 +124,6 @@ def test_penalties_logprobs_stops_and_seeds(llama):
 
 
 def test_bad_configs_are_refused(llama):
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM(llama, speculative_config=ngram(2), async_scheduling=True, **ENGINE)
     with pytest.raises(ValueError, match="not implemented"):
         LLM(llama, speculative_config={"method": "medusa", "model": "x",
                                        "num_speculative_tokens": 2}, **ENGINE)

@@ -38,7 +38,7 @@ min_tokens) keeps the overlap by sampling late: step N+1's forward is launched, 
 processed while it runs (the matchers accept N's tokens), and only then are N+1's masks built and
 its sampling queued. A step holding a request whose logprobs are read on the host
 (`reads_tokens_on_host`) is processed at once, before the next one is scheduled. Either way each
-request's outputs are those of the synchronous engine.
+request's outputs are those of the synchronous engine (with speculation: spec_decode/decoder.py).
 
 Pipeline parallelism (`pipeline_parallel_size` P > 1): `step()` is the batch queue's
 (engine/batch_queue.py), which keeps up to P batches of different sequences in flight.
@@ -382,8 +382,8 @@ class Engine:
         if prev is not None and prev.reads_tokens_on_host:  # read by the next schedule
             outputs += self._process(prev, finished_only)
             prev = None
-        if self.spec is not None:
-            self.spec.propose()
+        if self.spec is not None:  # takes prev's tokens first (spec_decode/decoder.py)
+            self.spec.propose(prev)
         out = self.scheduler.schedule()
         launched = None if out.is_empty else self._launch(out)
         if prev is not None:  # while the GPU runs `launched`
@@ -409,8 +409,8 @@ class Engine:
                 if it.seq.request_id in self._unscheduled:
                     self._unscheduled.discard(it.seq.request_id)
                     self.requests[it.seq.request_id].stats.first_scheduled_time = now
-        if self.spec is not None:  # verifies the proposed tokens; processed at once
-            return _LaunchedStep(out, *self.spec.launch(items), True)
+        if self.spec is not None:  # verifies the proposed tokens
+            return _LaunchedStep(out, *self.spec.launch(items))
         host = self._host_requests
         on_host = bool(host) and any(it.seq.request_id in host for it in items)
         sampled_items = [it for it in items if it.sample]
@@ -458,13 +458,16 @@ class Engine:
         touched: dict[str, RequestState] = {}
         tokens: dict[int, int] = {}
         lp_by_seq: dict[int, dict[int, float] | None] = {}
-        if step.tokens is not None:
-            token_ids = self.executor.collect(step.tokens)
-            tokens = {seq.seq_id: t for seq, t in zip(step.seqs, token_ids)}
-            if any(lp is not None for lp in step.logprobs):
-                lp_by_seq = {seq.seq_id: lp for seq, lp in zip(step.seqs, step.logprobs)}
+        if self.spec is not None:  # its tokens may be taken already (decoder.py: apply)
+            grown, tokens, lp_by_seq = self.spec.apply(step)
+        else:
+            if step.tokens is not None:
+                token_ids = self.executor.collect(step.tokens)
+                tokens = {seq.seq_id: t for seq, t in zip(step.seqs, token_ids)}
+                if any(lp is not None for lp in step.logprobs):
+                    lp_by_seq = {seq.seq_id: lp for seq, lp in zip(step.seqs, step.logprobs)}
+            grown = self.scheduler.update(step.out, tokens)
         now = time.monotonic()
-        grown = self.scheduler.update(step.out, tokens)
         self.iteration_stats.observe_outputs(grown, tokens, self.requests)
         for seq in grown:
             req = self.requests.get(seq.request_id)

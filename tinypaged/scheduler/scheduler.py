@@ -225,13 +225,15 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            placeholders = seq.num_output_placeholders
-            if placeholders and len(seq.token_ids) + placeholders >= seq.max_length:
-                continue  # the step in flight gives its last token
+            if len(seq.token_ids) + seq.num_output_placeholders >= seq.max_length:
+                # The step in flight gives its last token (or, with speculation under async
+                # scheduling, gave it: its stop checks run after this schedule).
+                continue
             want = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
-            if want == 1 and len(seq.block_table) * self.block_size > seq.num_computed_tokens:
-                # The common decode: its slot is in its last block, nothing to allocate.
-                take(seq, 1)
+            if len(seq.block_table) * self.block_size >= seq.num_computed_tokens + want:
+                # The common decode (and a verification whose drafts fit the blocks kept from
+                # its last rollback): its slots are in its blocks, nothing to allocate.
+                take(seq, want)
                 continue
             while (n := min(want, bm.num_allocatable_tokens(seq))) == 0:
                 victim = self._newest_unscheduled(scheduled_ids)

@@ -19,7 +19,22 @@ the same path with no drafts: their one row is sampled by the same pipeline, so 
 any k. Requests with logits constraints (structured output, allowed_token_ids, bad_words,
 logit_bias) speculate too: their drafts are cut where the grammar rejects one, and each
 verified row gets the mask of its own position (grammar.py).
-Speculation runs with synchronous scheduling only (EngineConfig refuses async_scheduling=True).
+
+Async scheduling. `launch` queues the verification and starts the copy of its emitted tokens
+[S, K + 1] to the host, without waiting. A launched step's tokens are taken in two halves:
+
+    apply(step)        wait for the emitted tokens (the one wait of a step), the proposer's
+                       observe, the scheduler's update (tokens appended, rejected slots rolled
+                       back); called by propose() of the next step, which needs them
+    after_tokens(...)  the engine's stop checks, detokenization and outputs, run while the
+                       next step's forward runs on the device
+
+so each engine step reads: apply N -> propose N+1 -> schedule -> launch N+1 -> stop checks of
+N. A sequence that N's stop checks end (eos, stop string, abort) has one wasted verification in
+N+1, whose tokens are dropped, as in the engine without speculation; one that reached its
+max_tokens is not scheduled again (Scheduler.schedule). A step holding a request whose next
+proposal or masks read what the stop checks leave (a grammar's matcher) is taken whole at once,
+as synchronously. Penalties, min_tokens and logprobs need only the tokens, which apply gives.
 """
 
 from __future__ import annotations
@@ -83,14 +98,21 @@ class SpecDecodeStats:
         }
 
 
-class _HostTokens:
-    """A verified step's tokens, already on the host: one list per sampled sequence."""
+class _Verified:
+    """A launched verification: its emitted tokens [S, K + 1] on their way to the host, and
+    what `apply` needs to take them; `applied` caches what apply returned."""
 
-    def __init__(self, tokens: list[list[int]]) -> None:
-        self.tokens = tokens
+    def __init__(self, items, seqs, reqs, drafts, starts, raw, emitted, event) -> None:
+        self.items, self.seqs, self.reqs, self.drafts = items, seqs, reqs, drafts
+        self.starts, self.raw = starts, raw  # raw logprobs [R, V] (device) or None
+        self.emitted, self.event = emitted, event  # host [S, K + 1] int64 (-1 padded)
+        self.applied: tuple | None = None
 
     def tolist(self) -> list[list[int]]:
-        return self.tokens
+        """Wait for the emitted tokens: one list per sampled sequence, the padding dropped."""
+        if self.event is not None:
+            self.event.synchronize()
+        return [[t for t in row if t >= 0] for row in self.emitted.tolist()]
 
 
 class SpecDecoder:
@@ -102,6 +124,11 @@ class SpecDecoder:
         self.sampler = RejectionSampler(engine.config.seed)
         self.stats = SpecDecodeStats(self.k)
         self.mask_builder = DraftMaskBuilder(engine.vocab_size, engine.device)
+        # Two pinned landing buffers for the emitted tokens: step N's are read while N+1's copy.
+        pin = engine.device.type == "cuda"
+        self._landing = [torch.empty((engine.config.max_num_seqs, self.k + 1), dtype=torch.int64,
+                                     pin_memory=True) for _ in range(2 if pin else 0)]
+        self._num_launched = 0
         logger.info("speculative decoding: %s, k=%d", self.config.method, self.k)
 
     def check_request(self, params: Any) -> None:
@@ -112,8 +139,12 @@ class SpecDecoder:
             )
 
     # ------------------------------------------------------------------ propose
-    def propose(self) -> None:
+    def propose(self, prev: Any = None) -> None:
+        """Propose for the step about to be scheduled, once `prev` (the launched step not yet
+        taken, if any) has given its tokens."""
         eng = self.engine
+        if prev is not None:
+            self.apply(prev)
         seqs, ks = [], []
         for seq in eng.scheduler.running.values():
             seq.spec_token_ids = []
@@ -146,54 +177,82 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ verify
     def launch(self, items: list[ScheduledSequence]):
-        """(sampled sequences, their tokens, per sequence a list of logprobs entries)."""
+        """Queue the verification of a scheduled step: (sampled sequences, their _Verified
+        tokens, [] (the logprobs come with apply), whether the step is taken at once)."""
         eng = self.engine
         every = [bool(it.spec_token_ids) for it in items]
         logits = eng.executor.execute(items, every if any(every) else None)
+        eng.executor.keep_sampled(None)  # tensor parallelism: every rank's collectives in step
         sampled = [it for it in items if it.sample]
-        if not sampled:
-            self.proposer.observe(items, {})
-            return [], None, []
         seqs = [it.seq for it in sampled]
-        drafts = [it.spec_token_ids for it in sampled]
         reqs = [eng.requests[s.request_id] for s in seqs]
+        # A grammar's matcher takes the tokens in the stop checks: the next proposal (cut_draft)
+        # and masks read it, so a step with one is taken whole before the next is scheduled.
+        at_once = any(r.constraints is not None and r.constraints.matchers for r in reqs)
+        if not sampled:
+            return [], _Verified(items, [], [], [], [], None, torch.empty(0, 1), None), [], False
+        drafts = [it.spec_token_ids for it in sampled]
         batch, starts, gens = self._batch(seqs, reqs, drafts, logits.device)
-        out, raw = self.sampler(logits, batch, drafts, gens)
-        tokens = [[t for t in row if t >= 0] for row in out.tolist()]
-        self.proposer.observe(items, {s.seq_id: t for s, t in zip(seqs, tokens)})
-        for draft, toks in zip(drafts, tokens):
-            if draft:
+        out, raw = self.sampler(logits, batch, drafts, gens)  # [S, K' + 1] on the device
+        emitted, event = out, None
+        if self._landing:  # start the copy; apply waits for it
+            buf = self._landing[self._num_launched % 2]
+            self._num_launched += 1
+            emitted = buf[: out.shape[0], : out.shape[1]]
+            emitted.copy_(out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        verified = _Verified(items, seqs, reqs, drafts, starts, raw, emitted, event)
+        return seqs, verified, [], at_once
+
+    def apply(self, step: Any) -> tuple[list[Sequence], dict, dict]:
+        """Take a launched step's tokens (once; later calls return the same): the proposer
+        observes them, the scheduler appends them and rolls back the rejected drafts' slots.
+        Returns (the grown sequences, seq_id -> tokens, seq_id -> logprobs entry per token)."""
+        verified: _Verified = step.tokens
+        if verified.applied is not None:
+            return verified.applied
+        eng = self.engine
+        rows = eng.executor.collect(verified) if verified.seqs else []
+        tokens = {s.seq_id: t for s, t in zip(verified.seqs, rows)}
+        self.proposer.observe(verified.items, tokens)
+        for seq, draft, toks in zip(verified.seqs, verified.drafts, rows):
+            if draft and not seq.is_finished:  # not a wasted row (async scheduling)
                 self.stats.observe(len(draft), len(toks) - 1)
-        logprobs = []
-        for req, start, toks in zip(reqs, starts, tokens):
-            k = req.params.logprobs
-            logprobs.append([None] * len(toks) if k is None or raw is None else [
+        logprobs = {}
+        for seq, req, start, toks in zip(verified.seqs, verified.reqs, verified.starts, rows):
+            k, raw = req.params.logprobs, verified.raw
+            logprobs[seq.seq_id] = [None] * len(toks) if k is None or raw is None else [
                 _logprobs_row(raw[start + j], t, k) for j, t in enumerate(toks)
-            ])
-        return seqs, _HostTokens(tokens), logprobs
+            ]
+        grown = eng.scheduler.update(step.out, tokens)
+        verified.applied = (grown, tokens, logprobs)
+        verified.items = verified.reqs = verified.raw = None  # nothing held past its step
+        return verified.applied
 
     def _batch(self, seqs: list[Sequence], reqs: list, drafts: list[list[int]], device):
         eng = self.engine
         params, prompts, outputs, row_gens, starts, gens = [], [], [], [], [], []
         for seq, req, draft in zip(seqs, reqs, drafts):
             starts.append(len(params))
-            p = req.params
+            p, rows = req.params, len(draft) + 1
             gen = req.generators[seq.index]
             gens.append(gen if gen is not None and not p.is_greedy else None)
-            history = p.uses_penalties or p.min_tokens > 0  # row j sees output + draft[:j]
-            out = seq.output_token_ids if history else []
-            for j in range(len(draft) + 1):
-                params.append(p)
-                prompts.append(seq.prompt_token_ids if history else ())
-                outputs.append(out + draft[:j] if history else ())
-                row_gens.append(gen)
+            params += [p] * rows
+            row_gens += [gen] * rows
+            if p.uses_penalties or p.min_tokens > 0:  # row j sees output + draft[:j]
+                out = seq.output_token_ids
+                prompts += [seq.prompt_token_ids] * rows
+                outputs += [out + draft[:j] for j in range(rows)]
+            else:
+                prompts += [()] * rows
+                outputs += [()] * rows
         batch = SamplingBatch.build(params, prompts, outputs, row_gens, eng.eos_token_ids, device)
         # Constrained requests: one mask per verified row, the grammar along the drafts.
-        batch.logits_masks = self.mask_builder.build_drafts([
-            (start, req.constraints, seq.index, seq.output_token_ids, draft)
-            for start, req, seq, draft in zip(starts, reqs, seqs, drafts)
-            if req.constraints is not None
-        ])
+        constrained = [(start, req.constraints, seq.index, seq.output_token_ids, draft)
+                       for start, req, seq, draft in zip(starts, reqs, seqs, drafts)
+                       if req.constraints is not None]
+        batch.logits_masks = self.mask_builder.build_drafts(constrained) if constrained else None
         return batch, starts, gens
 
     # ------------------------------------------------------------------ stop checks

@@ -166,6 +166,8 @@ class HeadProposer(Proposer):
         for it in items:
             seq, q, start = it.seq, it.num_new_tokens, it.num_computed_tokens
             rows, row = features[row : row + q], row + q
+            if seq.is_finished:  # ended while this step ran (async scheduling): no twin
+                continue
             new = tokens.get(seq.seq_id)  # accepted drafts + the target's token, if sampled
             valid = q if new is None else q - (len(it.spec_token_ids) + 1 - len(new))
             end = start + valid  # the target's features are good for positions [start, end)
