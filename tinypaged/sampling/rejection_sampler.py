@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import torch
 
 from tinypaged.kernels.rejection import rejection_sample
@@ -40,9 +39,9 @@ class RejectionSampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     @staticmethod
-    def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-        host = torch.from_numpy(array)
-        return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    def _to_device(values: list, device: torch.device) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
+        return host.to(device, non_blocking=True)
 
     def _shared(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -56,25 +55,23 @@ class RejectionSampler:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         device = logits.device
         n = len(drafts)
-        counts = np.fromiter(map(len, drafts), np.int64, n)
-        num_rows = int(counts.sum()) + n
+        k = max(map(len, drafts), default=0)
+        # One host->device copy: drafts [N, K] (0-padded) | num_draft [N] | row_start [N].
+        packed, counts, starts, num_rows = [], [], [], 0
+        for d in drafts:
+            packed += d
+            packed += [0] * (k - len(d))
+            counts.append(len(d))
+            starts.append(num_rows)
+            num_rows += len(d) + 1
         if logits.shape[0] != num_rows or batch.num_rows != num_rows:
             raise ValueError(
                 f"{n} sequences with {num_rows - n} drafts need {num_rows} rows; got "
                 f"{logits.shape[0]} logits rows and a batch of {batch.num_rows}"
             )
-        k = int(counts.max()) if n else 0
-        # One host->device copy: drafts [N, K] (0-padded) | num_draft [N] | row_start [N].
-        packed = np.zeros(n * (k + 2), np.int64)
-        draft_np, counts_np, starts_np = np.split(packed, [n * k, n * k + n])
-        in_draft = np.arange(k) < counts[:, None]  # [N, K]
-        draft_np.reshape(n, k)[in_draft] = list(itertools.chain.from_iterable(drafts))
-        counts_np[:] = counts
-        starts_np[1:] = np.cumsum(counts + 1)[:-1]
-        on_device = self._to_device(packed, device)
+        on_device = self._to_device(packed + counts + starts, device)
         draft = on_device[: n * k].view(n, k)
         num_draft, row_start = on_device[n * k : n * k + n], on_device[n * k + n :]
-        starts = starts_np.tolist()
 
         argmax, probs, raw = processed_probs(logits, batch)
         if probs is None:  # every row greedy
@@ -90,17 +87,17 @@ class RejectionSampler:
         shared = self._shared(device)
         uniform.uniform_(generator=shared)
         race.exponential_(generator=shared)
-        for s, c, g in zip(starts, counts.tolist(), generators):
+        for s, c, g in zip(starts, counts, generators):
             if g is not None:
                 uniform[s : s + c + 1].uniform_(generator=g)
                 race[s : s + c + 1].exponential_(generator=g)
         residual = probs.clone()
         if k:
-            # The drafts' rows and tokens, [sum(num_draft)] each, chosen on the host (a boolean
-            # index on the device would wait for it).
-            rows_ids = np.stack([(starts_np[:, None] + np.arange(k))[in_draft],
-                                 draft_np.reshape(n, k)[in_draft]])
-            rows, ids = self._to_device(rows_ids, device)
+            # The drafts' rows and tokens, chosen on the host (a boolean index on the device
+            # would wait for it): [2, sum(num_draft)]
+            rows, ids = self._to_device(
+                [[s + j for s, c in zip(starts, counts) for j in range(c)],
+                 list(itertools.chain.from_iterable(drafts))], device)
             if draft_probs is None:  # q = onehot(x): p without x
                 residual[rows, ids] = 0.0
             else:

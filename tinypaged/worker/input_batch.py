@@ -111,14 +111,10 @@ def build_step(
     slot_mapping = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
     sample = np.fromiter(map(_sample, scheduled), bool, num_seqs)
     logits_indices = (cu[1:] - 1)[sample]  # [S]: the last new token of each sampled seq
-    if prompt_logits is not None and any(prompt_logits):  # rare: a loop is fine
-        rows = [np.empty(0, dtype=np.int64)]
-        for i, (every, sampled) in enumerate(zip(prompt_logits, sample)):
-            if every:
-                rows.append(np.arange(cu[i], cu[i + 1]))
-            elif sampled:
-                rows.append(cu[i + 1 : i + 2] - 1)
-        logits_indices = np.concatenate(rows)
+    if prompt_logits is not None and any(prompt_logits):  # every step of speculative decoding
+        keep = np.fromiter(prompt_logits, bool, num_seqs)[seq_idx]  # [T]: every row of its seq
+        keep[logits_indices] = True
+        logits_indices = np.flatnonzero(keep)  # in token order: sequence by sequence
     return StepInput(
         input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
         tables, logits_indices, int(q_lens.max()), int(seq_lens.max()), prev_sample_indices,
