@@ -192,3 +192,21 @@ def test_sampling_features_async_equal_sync(llama):
         for lx, ly in zip(x[3] or [], y[3] or []):
             assert lx.keys() == ly.keys() and all(abs(lx[t] - ly[t]) < 1e-5 for t in lx)
     assert overlapped[1][3] is not None and overlapped[5][1].startswith("ab")
+
+
+@pytest.mark.timeout(180)
+def test_tp2_async_equals_sync(llama, case):
+    """Over 2 ranks on gloo: rank 0 joins the workers' per-step broadcast of sampled ids, which
+    a verification step does not use, so every rank's collectives stay in step."""
+    params, base, _ = case
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+              "prompt_lookup_max": 3}
+    llm = LLM(llama, speculative_config=config, async_scheduling=True, tensor_parallel_size=2,
+              **ENGINE)
+    try:
+        overlaps = count_overlaps(llm)
+        assert outputs(llm, params) == base
+        assert overlaps[0] > 2
+        assert llm.engine.get_stats()["spec_decode"]["num_drafts"] > 0
+    finally:
+        llm.shutdown()

@@ -126,7 +126,7 @@ class SpecDecoder:
         self.mask_builder = DraftMaskBuilder(engine.vocab_size, engine.device)
         # Two pinned landing buffers for the emitted tokens: step N's are read while N+1's copy.
         pin = engine.device.type == "cuda"
-        self._landing = [torch.empty((engine.config.max_num_seqs, self.k + 1), dtype=torch.int64,
+        self._landing = [torch.empty(engine.config.max_num_seqs * (self.k + 1), dtype=torch.int64,
                                      pin_memory=True) for _ in range(2 if pin else 0)]
         self._num_launched = 0
         logger.info("speculative decoding: %s, k=%d", self.config.method, self.k)
@@ -198,7 +198,8 @@ class SpecDecoder:
         if self._landing:  # start the copy; apply waits for it
             buf = self._landing[self._num_launched % 2]
             self._num_launched += 1
-            emitted = buf[: out.shape[0], : out.shape[1]]
+            # A contiguous view: a strided host destination would make the copy wait.
+            emitted = buf[: out.numel()].view(out.shape)
             emitted.copy_(out, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
