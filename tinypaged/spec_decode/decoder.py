@@ -124,10 +124,11 @@ class SpecDecoder:
         self.sampler = RejectionSampler(engine.config.seed)
         self.stats = SpecDecodeStats(self.k)
         self.mask_builder = DraftMaskBuilder(engine.vocab_size, engine.device)
-        # Two pinned landing buffers for the emitted tokens: step N's are read while N+1's copy.
-        pin = engine.device.type == "cuda"
+        # Two landing buffers for the emitted tokens (pinned on a GPU): step N's are read while
+        # N+1's copy. The CPU copies into them too, so that path runs in the tests.
+        self._pin = engine.device.type == "cuda"
         self._landing = [torch.empty(engine.config.max_num_seqs * (self.k + 1), dtype=torch.int64,
-                                     pin_memory=True) for _ in range(2 if pin else 0)]
+                                     pin_memory=self._pin) for _ in range(2)]
         self._num_launched = 0
         logger.info("speculative decoding: %s, k=%d", self.config.method, self.k)
 
@@ -194,13 +195,13 @@ class SpecDecoder:
         drafts = [it.spec_token_ids for it in sampled]
         batch, starts, gens = self._batch(seqs, reqs, drafts, logits.device)
         out, raw = self.sampler(logits, batch, drafts, gens)  # [S, K' + 1] on the device
-        emitted, event = out, None
-        if self._landing:  # start the copy; apply waits for it
-            buf = self._landing[self._num_launched % 2]
-            self._num_launched += 1
-            # A contiguous view: a strided host destination would make the copy wait.
-            emitted = buf[: out.numel()].view(out.shape)
-            emitted.copy_(out, non_blocking=True)
+        # Start the copy to the host; apply waits for it. A contiguous view: a strided host
+        # destination would make the copy wait at once.
+        buf = self._landing[self._num_launched % 2]
+        self._num_launched += 1
+        emitted, event = buf[: out.numel()].view(out.shape), None
+        emitted.copy_(out, non_blocking=True)
+        if self._pin:
             event = torch.cuda.Event()
             event.record()
         verified = _Verified(items, seqs, reqs, drafts, starts, raw, emitted, event)
