@@ -71,14 +71,16 @@ def test_greedy_equals_no_speculation(kind, tmp_path):
         assert_all_free(llm)
 
 
-def test_chunked_prefill_preemption_prefix_cache(llama):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_preemption_prefix_cache(llama, async_scheduling):
     batch = prompts(4, seed=4, lo=16, hi=30)
     params = greedy(16)
     base = run(LLM(llama, skip_tokenizer_init=True, **ENGINE), batch, params)
     # 16 blocks of 4 tokens for 4 sequences of up to 46 tokens, 8 tokens a step: chunked
     # prefills, preemptions (with drafts in flight), and recomputes through the prefix cache.
     llm = LLM(llama, skip_tokenizer_init=True, num_kv_blocks=16, block_size=4,
-              max_model_len=128, max_num_batched_tokens=8, speculative_config=ngram(4))
+              max_model_len=128, max_num_batched_tokens=8, speculative_config=ngram(4),
+              async_scheduling=async_scheduling)
     preempted = count_preemptions(llm.engine.scheduler)
     assert run(llm, batch, params) == base
     assert preempted[0] > 0

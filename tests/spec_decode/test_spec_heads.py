@@ -140,7 +140,8 @@ def test_bad_head_configs_are_refused(llama4, tmp_path):
         spec_llm(path, "eagle", 2, tmp_path)
 
 
-def test_chunked_prefill_preemption_and_both_prefix_caches(bigram):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_preemption_and_both_prefix_caches(bigram, async_scheduling):
     from helpers.models import count_preemptions
 
     root, targets = bigram
@@ -158,7 +159,7 @@ def test_chunked_prefill_preemption_and_both_prefix_caches(bigram):
     llm = LLM(str(target), skip_tokenizer_init=True, num_kv_blocks=16, block_size=4,
               max_model_len=128, max_num_batched_tokens=8,
               speculative_config={"method": "eagle", "model": str(root / "eagleTrue"),
-                                  "num_speculative_tokens": 3})
+                                  "num_speculative_tokens": 3}, async_scheduling=async_scheduling)
     preempted = count_preemptions(llm.engine.scheduler)
     assert generate(llm, batch)[0] == base
     assert preempted[0] > 0
