@@ -1,6 +1,7 @@
 """GPU check of speculative decoding, run before timing it: greedy tokens with speculation equal
 the tokens without, for the n-gram and oracle proposers, with the k+1-token CUDA graphs, the
-piecewise graphs and eagerly, at batch 1 and 8 (fp32 tiny random models, so that no bf16
+piecewise graphs and eagerly (async scheduling, the default on a GPU), and with graphs
+synchronously, at batch 1 and 8 (fp32 tiny random models, so that no bf16
 near-tie between the decode and the verification kernels can flip a token); every KV block free
 after. Prints one line per case and exits 1 on any mismatch.
 
@@ -9,13 +10,13 @@ after. Prints one line per case and exits 1 on any mismatch.
 `--heads-only` checks the draft heads instead (spec_decode/heads.py), with checkpoints written
 in their real formats (bench/tiny_heads.py): a random EAGLE-3 head on a 4-layer llama (every
 draft rejected), an EAGLE head and a GLM-4.5 MTP layer that compute their bigram target's own
-next token (drafts accepted), each with the CUDA graphs (which keep the target's hidden states)
-and eagerly, at batch 1 and 8; half the requests constrained by allowed_token_ids (the heads
-draft under the mask, an EAGLE-3 draft vocabulary laid over the target's ids); the target's and
-the head's KV blocks all free after. With graphs, every drafting step of the head runs through
-its captured graph (HeadStepGraphs) and eagerly on the same inputs, and the outputs must agree
-(max |graph - eager| of the logits and features is printed); the graph run's acceptance
-counters must equal the eager run's.
+next token (drafts accepted), each with the CUDA graphs (which keep the target's hidden states),
+eagerly, and with graphs synchronously, at batch 1 and 8; half the requests constrained by
+allowed_token_ids (the heads draft under the mask, an EAGLE-3 draft vocabulary laid over the
+target's ids); the target's and the head's KV blocks all free after. With graphs, every drafting
+step of the head runs through its captured graph (HeadStepGraphs) and eagerly on the same
+inputs, and the outputs must agree (max |graph - eager| of the logits and features is printed);
+the graph run's acceptance counters must equal the eager and the synchronous runs'.
 
     PYTHONPATH=. python benchmarks/spec_decode_check.py --heads-only
 """
@@ -69,7 +70,8 @@ def main() -> int:
             {"method": "oracle_miss", "num_speculative_tokens": 3, "oracle_token_ids": table},
         ]
         for config in configs:
-            for mode in ({}, {"cudagraph_mode": "FULL_DECODE_ONLY"}, {"enforce_eager": True}):
+            for mode in ({}, {"cudagraph_mode": "FULL_DECODE_ONLY"}, {"enforce_eager": True},
+                         {"async_scheduling": False}):
                 llm = LLM(str(path), speculative_config=config, **engine, **mode)
                 for batch in (1, 8):
                     got = run(llm, prompts[:batch])
@@ -135,7 +137,7 @@ def check_heads(prompts, params) -> int:
         del llm
         gc.collect()
         counters = {}
-        for mode in ({}, {"enforce_eager": True}):
+        for mode in ({}, {"enforce_eager": True}, {"async_scheduling": False}):
             llm = LLM(str(target), speculative_config=config, **engine, **mode)
             proposer = llm.engine.spec.proposer
             worst = [0.0] if proposer.graphs is not None else None
@@ -156,7 +158,7 @@ def check_heads(prompts, params) -> int:
                     ok = ok and worst is not None and proposer.graphs.num_replays > 0
                     ok = ok and worst[0] < 1e-3
                 else:
-                    ok = ok and counters[batch][0] == counters[batch][1]
+                    ok = ok and counters[batch][0] == counters[batch][-1]
                 failures += not ok
                 head = ("" if worst is None else
                         f" head graphs: {proposer.graphs.num_replays} replays, "

@@ -258,8 +258,7 @@ def _spec_latency(args, path: str, cfg: dict, engine_args: dict, spec: dict) -> 
     finally:
         asyncio.run(engine.shutdown())
         del engine
-    engine = AsyncLLM(path, **{**engine_args, "async_scheduling": None,
-                               "speculative_config": spec})
+    engine = AsyncLLM(path, **{**engine_args, "speculative_config": spec})
     try:
         print(f"speculative decoding: {spec.get('method')}, k={spec['num_speculative_tokens']}")
         ours = asyncio.run(_latency(engine, cfg, args, path))
