@@ -11,7 +11,8 @@ A variable is read when its attribute is looked up, never at import: a value set
 `import tinypaged` (a launcher script, a test's monkeypatch) counts, and a module that reads one
 once per step pays one dict lookup. A value that cannot mean anything raises ValueError naming
 the variable, the value and what it accepts; the on/off switches stay as lenient as they always
-were (only "1" turns GC_DEBUG and PIECEWISE_UNCHECKED on, only "0" turns DENSE_GEMV off).
+were (only "1" turns GC_DEBUG and PIECEWISE_UNCHECKED on, only "0" turns DENSE_GEMV and
+GRAMMAR_THREAD off).
 TINYPAGED_KERNELS comes back as written: EngineConfig checks it, as it checks the `kernels=`
 argument, so the CLI's `--help` still works with a bad value in the environment.
 
@@ -104,6 +105,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "bool", True,
         "0 launches the LoRA expand after the shrink without programmatic dependent launch "
         "(for A/B benchmarks; only Hopper and later GPUs use it)",
+        _is_not_zero,
+    ),
+    "TINYPAGED_GRAMMAR_THREAD": EnvVar(
+        "bool", True,
+        "0 runs structured output's batched grammar accepts and mask fills on the engine thread, "
+        "not on a worker thread beside it (for A/B benchmarks)",
         _is_not_zero,
     ),
     "TINYPAGED_PIECEWISE_UNCHECKED": EnvVar(

@@ -66,11 +66,16 @@ from tinypaged.host.threads import apply_cpu_threads
 from tinypaged.lora.slots import bind_lora
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling.generation_config import default_sampling_params
+from tinypaged.sampling.grammar_worker import (
+    GrammarAdvance,
+    GrammarWorker,
+    grammar_rows,
+    grammar_verdict,
+)
 from tinypaged.sampling.logits_processors import LogitsConstraints, LogitsMaskBuilder
 from tinypaged.sampling.params import SamplingParams
 from tinypaged.sampling.prompt_logprobs import prompt_rows_wanted, take_prompt_logprobs
 from tinypaged.sampling.sampler import Sampler, SamplingBatch, new_generator
-from tinypaged.sampling.structured_output import grammar_only_allows_stop
 from tinypaged.scheduler import Scheduler, SchedulerOutput, Sequence
 from tinypaged.worker.executor import create_executor
 from tinypaged.worker.model_runner import SampledTokens
@@ -91,6 +96,7 @@ class _LaunchedStep:
     reads_tokens_on_host: bool  # processed before the next step is scheduled
     # (logits [rows, V], prompt rows per item, the items' requests) until sampled
     pending: tuple[torch.Tensor, list[int], list[RequestState]] | None = None
+    grammar: GrammarAdvance | None = None  # its matchers taking its tokens (grammar_worker.py)
 
 
 class Engine:
@@ -162,7 +168,8 @@ class Engine:
         self.iteration_stats = IterationStats()
         self._unscheduled: set[str] = set()  # added, never scheduled yet
         self._host_requests: set[str] = set()  # live requests that reads_tokens_on_host()
-        self._late_requests: set[str] = set()  # live requests that samples_from_host_state()
+        # live requests that samples_from_host_state() -> whether they read token histories
+        self._late_requests: dict[str, bool] = {}
         self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, unprocessed
         # pipeline parallelism: up to one batch in flight per stage (batch_queue.py)
         self.batch_queue = BatchQueue(self) if config.pipeline_parallel_size > 1 else None
@@ -305,7 +312,7 @@ class Engine:
         if reads_tokens_on_host(params):
             self._host_requests.add(request_id)
         if samples_from_host_state(params, constraints):
-            self._late_requests.add(request_id)
+            self._late_requests[request_id] = params.uses_penalties or params.min_tokens > 0
 
     def _get_grammar_compiler(self):
         if self._grammar_compiler is None:
@@ -318,6 +325,9 @@ class Engine:
                     f"({type(self.tokenizer).__name__}) has none"
                 )
             self._grammar_compiler = GrammarCompiler(hf, self.vocab_size, self.eos_token_ids)
+            if self.spec is None:  # speculation walks the matchers itself (spec_decode/grammar.py)
+                self.mask_builder.worker = GrammarWorker(
+                    self.vocab_size, self.eos_token_ids, self.device)
         return self._grammar_compiler
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
@@ -333,7 +343,7 @@ class Engine:
         self.requests.pop(request_id, None)
         self._unscheduled.discard(request_id)
         self._host_requests.discard(request_id)
-        self._late_requests.discard(request_id)
+        self._late_requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:  # or batches the stages are not through with
         return bool(self.requests) or bool(self.batch_queue and self.batch_queue.batches)
@@ -451,6 +461,11 @@ class Engine:
             self.executor.keep_sampled(None)  # every rank's collectives stay in step
             raise
         step.tokens = self.executor.keep_sampled(sampled)
+        if self.mask_builder.worker is not None and step.tokens is not None:
+            rows, matchers = grammar_rows(step.seqs, [r for r, it in zip(reqs, items) if it.sample])
+            if matchers:  # accepted and next masks filled while the next step is launched
+                step.grammar = self.mask_builder.worker.advance(step.seqs, rows, matchers,
+                                                                step.tokens)
 
     def _process(self, step: _LaunchedStep, finished_only: bool) -> list[RequestOutput]:
         """Take a launched step's tokens: scheduler update, stop checks, detokenization; returns
@@ -481,7 +496,7 @@ class Engine:
                 if self.spec is not None:  # several tokens: grammar and stop checks per token
                     self.spec.after_tokens(req, seq, lp_by_seq.get(seq.seq_id))
                 else:
-                    self._after_token(req, seq, lp_by_seq.get(seq.seq_id))
+                    self._after_token(req, seq, lp_by_seq.get(seq.seq_id), None, step.grammar)
             except Exception as exc:  # a fault in one request (e.g. detokenizing) ends only it
                 logger.exception("request %s failed", req.request_id)
                 self._errors.append((req.request_id, exc))
@@ -495,11 +510,8 @@ class Engine:
             if finished:
                 self.requests.pop(req.request_id, None)
                 self._host_requests.discard(req.request_id)
-                self._late_requests.discard(req.request_id)
+                self._late_requests.pop(req.request_id, None)
         return outputs
-
-    def _grammar_done(self, matcher) -> bool:
-        return grammar_only_allows_stop(matcher, self.vocab_size, sorted(self.eos_token_ids))
 
     def _sampling_batch(
         self, seqs: list[Sequence], reqs: list[RequestState], device: torch.device
@@ -512,7 +524,7 @@ class Engine:
             if r.constraints is not None and s.finish_reason is None
         ])
         # Token histories are read only by penalties and min_tokens: skip the copies.
-        if self._late_requests:
+        if any(self._late_requests.values()):
             needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0
                      for r in reqs}
             hist = [needs[id(r.params)] for r in reqs]
@@ -562,7 +574,7 @@ class Engine:
 
     def _after_token(
         self, req: RequestState, seq: Sequence, logprobs: dict[int, float] | None,
-        grammar_rejected: bool | None = None,
+        grammar_rejected: bool | None = None, advance: GrammarAdvance | None = None,
     ) -> None:
         token = seq.last_token_id
         params = req.params
@@ -584,12 +596,12 @@ class Engine:
             if reason is None and stop_str is not None:
                 reason, stop_reason = "stop", stop_str
         if req.constraints is not None and req.constraints.matchers:
-            matcher = req.constraints.matchers[seq.index]
-            if grammar_rejected is None:  # else its caller had the matcher take `token`
-                grammar_rejected = not matcher.accept_token(token)
+            grammar_rejected, ended = grammar_verdict(
+                req.constraints.matchers[seq.index], seq.seq_id, token, advance,
+                grammar_rejected, reason is None, self.vocab_size, self.eos_token_ids)
             if grammar_rejected:
                 raise RuntimeError(f"the grammar rejected sampled token {token}")
-            if reason is None and (matcher.is_terminated() or self._grammar_done(matcher)):
+            if reason is None and ended:
                 reason = "stop"
         if reason is None and params.max_tokens is not None and num_out >= params.max_tokens:
             reason = "length"

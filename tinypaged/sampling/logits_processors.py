@@ -146,6 +146,9 @@ class LogitsMaskBuilder:
         self._host = torch.empty((0, num_words(vocab_size)), dtype=torch.int32)
         self._rows = torch.empty((0,), dtype=torch.int64)
         self._filler = None  # structured_output.MaskFiller, at the first grammar row
+        # grammar_worker.GrammarWorker (set by the engine): the last step's matchers took their
+        # tokens there and filled their next masks, which `build` copies instead of filling
+        self.worker = None
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         """The bitmask's host rows; `self._rows[:num_rows]` holds as many row indices."""
@@ -172,11 +175,8 @@ class LogitsMaskBuilder:
             row_ids.numpy()[:] = [r[0] for r in masked]
             grammar = [(i, c.matchers[index]) for i, (_, c, index, _) in enumerate(masked)
                        if c.matchers]
-            if grammar:  # every grammar row in one call (structured_output.MaskFiller)
-                if self._filler is None:
-                    from tinypaged.sampling.structured_output import MaskFiller
-                    self._filler = MaskFiller()
-                self._filler.fill(grammar, host)
+            if grammar:
+                self._fill_grammar(grammar, host)
             others = [(i, c, out) for i, (_, c, _, out) in enumerate(masked)
                       if not c.matchers or c.allowed_words is not None or c.bad_words_ids]
             for i, c, output_ids in others:
@@ -192,6 +192,26 @@ class LogitsMaskBuilder:
             (row, t, b) for row, c, _, _ in rows for t, b in zip(c.bias_ids, c.bias_values)
         ]
         return self._finish(masks, entries)
+
+    def _fill_grammar(self, grammar: list[tuple[int, Any]], host: torch.Tensor) -> None:
+        """The host rows of the grammar rows (host row, matcher): copied from the worker's last
+        advance where it filled the matcher's next mask (every row, once decoding runs), the
+        others filled here in one call (structured_output.MaskFiller)."""
+        advance = self.worker.latest() if self.worker is not None else None  # waits for it
+        if advance is not None and advance.rows:
+            src = [advance.rows.get(id(m), -1) for _, m in grammar]
+            if len(grammar) == host.shape[0] and -1 not in src:  # rows 0.. in order: one copy
+                torch.index_select(advance.bitmask, 0, torch.tensor(src), out=host)
+                return
+            fresh = [(i, j) for (i, _), j in zip(grammar, src) if j >= 0]
+            if fresh:
+                host[[i for i, _ in fresh]] = advance.bitmask[[j for _, j in fresh]]
+            grammar = [(i, m) for (i, m), j in zip(grammar, src) if j < 0]
+        if grammar:
+            if self._filler is None:
+                from tinypaged.sampling.structured_output import MaskFiller
+                self._filler = MaskFiller()
+            self._filler.fill(grammar, host)
 
     def _finish(self, masks: LogitsMasks,
                 entries: list[tuple[int, int, float]]) -> LogitsMasks | None:

@@ -337,7 +337,9 @@ class SampledTokens:
         self.host, self.event = host, event  # host: [S] int64, pinned on CUDA
 
     def tolist(self) -> list[int]:
-        if self.event is not None:
+        # query() keeps the GIL; synchronize() drops and takes it again, which costs a thread
+        # switch when another thread (the grammar worker) waits for it
+        if self.event is not None and not self.event.query():
             self.event.synchronize()
         return self.host.tolist()
 
