@@ -10,7 +10,8 @@ SmolLM2-135M shape's step is on a GPU, and what a constrained row adds shows. Ea
 `--num-requests` random prompts for `--max-tokens` greedy tokens (ignore_eos; the constrained
 requests follow an array of >= 1,000 schema objects, so every run takes the same steps), with
 async scheduling on (as on a GPU: constrained steps sample late) and prefix caching off. Prints
-ms per step (best of `--repeats`) and each run's extra per constrained row over plain;
+ms per step (each column its best of `--repeats`) and each run's extra per constrained row over
+plain;
 `--profile RUN` prints a cProfile of that run's steps (cumulative, top 30).
 
 On the CPU even this model's forward (the torch reference attention, the 49,152-wide head)
@@ -56,30 +57,34 @@ def tiny_model_dir() -> str:
     return str(path)
 
 
-COMPUTE = [0.0]  # seconds in the fixed logits' copies and the sampler's tensor ops
+# Seconds in the fixed logits' copies and the sampler's tensor ops: [thread CPU, wall].
+COMPUTE = [0.0, 0.0]
 
 
 def skip_forward(llm: LLM, max_rows: int) -> None:
     """The model's forward replaced by a copy of fixed logits; the thread CPU time of that copy
-    and of the sampler's tensor ops (a GPU's work, queued there, not the host's) goes to COMPUTE."""
+    and of the sampler's tensor ops (a GPU's work, queued there, not the host's) goes to COMPUTE,
+    their wall time too."""
     runner = llm.engine.runner
     vocab = llm.engine.vocab_size
     fixed = torch.randn(max_rows, vocab, generator=torch.Generator().manual_seed(0))
     fixed = fixed.to(runner.device)
 
     def execute(step):
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         logits = fixed[: len(step.logits_indices)].clone()
         COMPUTE[0] += time.thread_time() - t0
+        COMPUTE[1] += time.perf_counter() - w0
         return logits
 
     runner.execute = execute
     probs = sampler_module.processed_probs
 
     def processed_probs(*args, **kwargs):
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         out = probs(*args, **kwargs)
         COMPUTE[0] += time.thread_time() - t0
+        COMPUTE[1] += time.perf_counter() - w0
         return out
 
     sampler_module.processed_probs = processed_probs
@@ -88,8 +93,10 @@ def skip_forward(llm: LLM, max_rows: int) -> None:
 def timed_run(llm: LLM, prompts, params, profile: cProfile.Profile | None = None,
               sync_debug: bool = False) -> dict:
     """One generate call: its seconds, engine steps, process CPU seconds, host seconds (the
-    engine thread's CPU time less COMPUTE), seconds waiting for sampled tokens (the executor's
-    collect) and, with sync_debug on a GPU, the synchronizing calls torch warned about."""
+    engine thread's CPU time less COMPUTE's), host wall seconds (the call's wall time less
+    COMPUTE's: the engine thread's critical path, waits for other threads included), seconds
+    waiting for sampled tokens (the executor's collect) and, with sync_debug on a GPU, the
+    synchronizing calls torch warned about."""
     engine, steps, wait = llm.engine, [0], [0.0]
     step, collect = engine.step, engine.executor.collect
 
@@ -112,12 +119,13 @@ def timed_run(llm: LLM, prompts, params, profile: cProfile.Profile | None = None
         try:
             if profile is not None:
                 profile.enable()
-            t0, c0, compute0 = time.perf_counter(), time.process_time(), COMPUTE[0]
+            t0, c0, compute0 = time.perf_counter(), time.process_time(), list(COMPUTE)
             thread0 = time.thread_time()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                 use_tqdm=False)
             elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-            host = time.thread_time() - thread0 - (COMPUTE[0] - compute0)
+            host = time.thread_time() - thread0 - (COMPUTE[0] - compute0[0])
+            host_wall = elapsed - (COMPUTE[1] - compute0[1])
             if profile is not None:
                 profile.disable()
         finally:
@@ -127,8 +135,8 @@ def timed_run(llm: LLM, prompts, params, profile: cProfile.Profile | None = None
     if any(len(o.outputs[0].token_ids) != params[0].max_tokens for o in outs):
         raise SystemExit("a request ended early: the runs would not be comparable")
     syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return {"seconds": elapsed, "steps": steps[0], "cpu": cpu, "host": host, "wait": wait[0],
-            "syncs": syncs}
+    return {"seconds": elapsed, "steps": steps[0], "cpu": cpu, "host": host,
+            "host_wall": host_wall, "wait": wait[0], "syncs": syncs}
 
 
 def main() -> None:
@@ -160,8 +168,9 @@ def main() -> None:
     runs = {name: [constrained if every[name] and i % every[name] == 0 else plain
                    for i in range(len(prompts))] for name in args.runs.split(",")}
     timed_run(llm, prompts[:4], [constrained] * 4)  # warm-up: compile the schema
+    # Each column is its best over the repeats (the least disturbed by other processes: on a
+    # shared machine the noise only adds), the runs interleaved so that drifts hit all alike.
     best: dict[str, dict] = {}
-    key = "host" if args.skip_forward else "seconds"  # the best by host time, or by wall time
     profile = cProfile.Profile() if args.profile else None
     for r in range(args.repeats):
         for name, params in runs.items():
@@ -171,29 +180,35 @@ def main() -> None:
                             args.sync_debug and last)
             if profiled and name in best:  # cProfile's overhead: not a timing
                 best[name]["syncs"] = got["syncs"]
-            elif name not in best or (got[key] / got["steps"]
-                                      < best[name][key] / best[name]["steps"]):
+            elif name not in best:
                 best[name] = got
+            else:
+                best[name] = {k: min(v, got[k]) if k not in ("steps", "syncs") else got[k]
+                              for k, v in best[name].items()}
     print(f"device {llm.engine.device}, model {args.model or 'tiny 2-layer llama'}, "
           f"{args.num_requests} requests x {args.max_tokens} tokens, best of {args.repeats}")
-    print("host ms: the engine thread's CPU time (less the fixed logits' copies and the sampler's "
-          "tensor ops with --skip-forward); wait ms: in the executor's collect (sampled tokens)")
-    print("| run | constrained rows | steps | ms per step | extra us per constrained row "
-          "| host ms per step | extra host us per row | wait ms per step | CPU ms (all threads) "
-          "| syncs warned |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("host ms: the engine thread's CPU time; host wall ms: the step's wall time (both less "
+          "the fixed logits' copies and the sampler's tensor ops with --skip-forward); extra: over "
+          "plain, per constrained row; wait ms: in the executor's collect (sampled tokens)")
+    print("| run | constrained rows | steps | ms per step | extra us | host ms per step "
+          "| extra host us | host wall ms per step | extra host wall us | wait ms per step "
+          "| CPU ms (all threads) | syncs warned |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     plain = best.get("plain")
     result = {}
     for name, got in best.items():
         n = sum(p is constrained for p in runs[name])
-        per = {k: 1e3 * got[k] / got["steps"] for k in ("seconds", "host", "wait", "cpu")}
-        if plain is None or n == 0:
-            extra = host_extra = ""
-        else:
-            extra = f"{(per['seconds'] - 1e3 * plain['seconds'] / plain['steps']) * 1e3 / n:.1f}"
-            host_extra = f"{(per['host'] - 1e3 * plain['host'] / plain['steps']) * 1e3 / n:.1f}"
-        print(f"| {name} | {n} | {got['steps']} | {per['seconds']:.2f} | {extra} "
-              f"| {per['host']:.2f} | {host_extra} | {per['wait']:.2f} | {per['cpu']:.2f} "
+        per = {k: 1e3 * got[k] / got["steps"]
+               for k in ("seconds", "host", "host_wall", "wait", "cpu")}
+
+        def extra(k: str, per: dict = per, n: int = n) -> str:
+            if plain is None or n == 0:
+                return ""
+            return f"{(per[k] - 1e3 * plain[k] / plain['steps']) * 1e3 / n:.1f}"
+
+        print(f"| {name} | {n} | {got['steps']} | {per['seconds']:.2f} | {extra('seconds')} "
+              f"| {per['host']:.2f} | {extra('host')} | {per['host_wall']:.2f} "
+              f"| {extra('host_wall')} | {per['wait']:.2f} | {per['cpu']:.2f} "
               f"| {got['syncs'] if args.sync_debug else ''} |")
         result[name] = per
     print(json.dumps({"device": str(llm.engine.device), "per_step_ms": result}))
