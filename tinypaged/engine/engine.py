@@ -35,8 +35,9 @@ token is dropped; its blocks are freed when step N is processed (the GPU runs N+
 later step can reuse them). A request whose next sampling reads what the host learns from its
 previous token (`samples_from_host_state`: grammar state, output history for penalties and
 min_tokens) keeps the overlap by sampling late: step N+1's forward is launched, step N is
-processed while it runs (the matchers accept N's tokens), and only then are N+1's masks built and
-its sampling queued. A step holding a request whose logprobs are read on the host
+processed while it runs (its matchers took N's tokens meanwhile, on the grammar worker's thread:
+sampling/grammar_worker.py), and only then are N+1's masks built and its sampling queued. A step
+holding a request whose logprobs are read on the host
 (`reads_tokens_on_host`) is processed at once, before the next one is scheduled. Either way each
 request's outputs are those of the synchronous engine (with speculation: spec_decode/decoder.py).
 

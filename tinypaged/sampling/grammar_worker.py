@@ -10,11 +10,16 @@ thread of its own, while the engine thread schedules and launches the next step.
     sample N+1: its mask rows are copied from the worker's bitmask (LogitsMaskBuilder.build)
 
 Both xgrammar calls release the GIL (its FFI drops it around every call), so the worker's work
-runs beside the engine thread's Python instead of adding to it; the engine thread spends about
-one dict lookup and one set test per constrained row. Per advanced matcher the worker's bitmask
-row is its next mask as long as the matcher takes no other token, which holds because the engine
-reads the rows (build) before it hands the worker the next step's tokens, and nothing else
-advances these matchers (speculative decoding keeps its own per-token path: spec_decode/).
+runs beside the engine thread's Python instead of adding to it; per constrained row the engine
+thread keeps only bookkeeping (a list entry, a dict lookup, a set test). The worker holds the GIL
+only between its calls, a few times a step, so it takes little from the engine thread's Python.
+With TINYPAGED_GRAMMAR_THREAD=0 the same batched calls run on the engine thread at the first
+verdict (an A/B switch: without spare cores the thread only adds switches).
+
+Per advanced matcher the worker's bitmask row is its next mask as long as the matcher takes no
+other token, which holds because the engine reads the rows (build) before it hands the worker the
+next step's tokens, and nothing else advances these matchers (speculative decoding keeps its own
+per-token path: spec_decode/).
 
 A matcher ends a request in two ways (engine.py's stop checks): it accepted a stop token
 (terminated), or its grammar is complete and only a stop token may follow. The second is read

@@ -7,13 +7,15 @@ How one request is constrained:
 1. At `add_request` the constraint is compiled once for the tokenizer's vocabulary
    (`GrammarCompiler.compile`, cached by its canonical text), and each of the n samples gets its
    own `GrammarMatcher` (a pushdown automaton's state over the grammar).
-2. Each step, before the sampler, the matcher of every sampled constrained sequence fills one row
-   of a packed int32 bitmask [R, ceil(V / 32)] (bit t = token t may come next); the rows go to the
-   device in one copy and `kernels/logits.py` sets the other tokens' logits to -inf. With async
-   scheduling this happens while the step's forward runs (engine.py: such a step samples late).
-3. After sampling, each matcher accepts its token. When the grammar is complete, the mask lets
-   the stop tokens (eos) through; the request ends when one is sampled, or at once when the
-   grammar allows nothing but a stop token.
+2. Each step, before the sampler, every sampled constrained sequence gets one row of a packed
+   int32 bitmask [R, ceil(V / 32)] (bit t = token t may come next); the rows go to the device in
+   one copy and `kernels/logits.py` sets the other tokens' logits to -inf. With async scheduling
+   this happens while the step's forward runs (engine.py: such a step samples late).
+3. After sampling, the step's matchers take their tokens in one batched call and fill their next
+   rows in another (`batch_accept`, `MaskFiller`), on a worker thread while the engine launches
+   the next step (grammar_worker.py); step 2 copies those rows. When the grammar is complete, the
+   mask lets the stop tokens (eos) through; the request ends when one is sampled, or at once
+   when the grammar allows nothing but a stop token.
 4. With speculative decoding, a speculating sequence gets one mask per verified position, the
    matcher walked along its drafts and rolled back (spec_decode/grammar.py).
 
@@ -179,8 +181,8 @@ class GrammarCompiler:
 
 class MaskFiller:
     """Fills the bitmask rows of many matchers in one call: xgrammar's BatchGrammarMatcher, on
-    up to 4 threads of its own (half the usable cores), without the GIL. One per mask builder,
-    so one engine thread uses it: an instance is never called from two threads at once."""
+    up to 4 threads of its own (half the usable cores), without the GIL. One per mask builder
+    and one per grammar worker: an instance is never called from two threads at once."""
 
     def __init__(self) -> None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
