@@ -67,13 +67,12 @@ from tinypaged.host.threads import apply_cpu_threads
 from tinypaged.lora.slots import bind_lora
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling.generation_config import default_sampling_params
-from tinypaged.sampling.grammar_worker import (
-    GrammarAdvance,
-    GrammarWorker,
-    grammar_rows,
-    grammar_verdict,
+from tinypaged.sampling.grammar_worker import GrammarAdvance, GrammarWorker, grammar_verdict
+from tinypaged.sampling.logits_processors import (
+    LogitsConstraints,
+    LogitsMaskBuilder,
+    step_sampling_batch,
 )
-from tinypaged.sampling.logits_processors import LogitsConstraints, LogitsMaskBuilder
 from tinypaged.sampling.params import SamplingParams
 from tinypaged.sampling.prompt_logprobs import prompt_rows_wanted, take_prompt_logprobs
 from tinypaged.sampling.sampler import Sampler, SamplingBatch, new_generator
@@ -463,10 +462,8 @@ class Engine:
             raise
         step.tokens = self.executor.keep_sampled(sampled)
         if self.mask_builder.worker is not None and step.tokens is not None:
-            rows, matchers = grammar_rows(step.seqs, [r for r, it in zip(reqs, items) if it.sample])
-            if matchers:  # accepted and next masks filled while the next step is launched
-                step.grammar = self.mask_builder.worker.advance(step.seqs, rows, matchers,
-                                                                step.tokens)
+            step.grammar = self.mask_builder.worker.advance_step(  # while the next one launches
+                step.seqs, [r for r, it in zip(reqs, items) if it.sample], step.tokens)
 
     def _process(self, step: _LaunchedStep, finished_only: bool) -> list[RequestOutput]:
         """Take a launched step's tokens: scheduler update, stop checks, detokenization; returns
@@ -517,30 +514,9 @@ class Engine:
     def _sampling_batch(
         self, seqs: list[Sequence], reqs: list[RequestState], device: torch.device
     ) -> SamplingBatch:
-        # On a GPU the forward pass is still running: build the grammar masks meanwhile (not for
-        # a row whose sequence the previous step ended: its token is dropped).
-        masks = self.mask_builder.build([
-            (row, r.constraints, s.index, s.output_token_ids)
-            for row, (r, s) in enumerate(zip(reqs, seqs))
-            if r.constraints is not None and s.finish_reason is None
-        ])
-        # Token histories are read only by penalties and min_tokens: skip the copies.
-        if any(self._late_requests.values()):
-            needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0
-                     for r in reqs}
-            hist = [needs[id(r.params)] for r in reqs]
-            prompts = [s.prompt_token_ids if h else () for s, h in zip(seqs, hist)]
-            outputs = [s.output_token_ids if h else () for s, h in zip(seqs, hist)]
-        else:
-            prompts = outputs = [()] * len(seqs)
-        batch = SamplingBatch.build(
-            [r.params for r in reqs], prompts, outputs,
-            [r.generators[s.index] for r, s in zip(reqs, seqs)],
-            self.eos_token_ids,
-            device,
-        )
-        batch.logits_masks = masks
-        return batch
+        # On a GPU the forward pass is still running: build the grammar masks meanwhile.
+        return step_sampling_batch(seqs, reqs, self.mask_builder, self.eos_token_ids, device,
+                                   read_histories=any(self._late_requests.values()))
 
     def _sample(
         self, seqs: list[Sequence], reqs: list[RequestState], logits: torch.Tensor

@@ -170,6 +170,13 @@ class GrammarWorker:
             self._thread.submit(job.run, *args)
         return job
 
+    def advance_step(self, seqs: Sequence[Any], reqs: Sequence[Any],
+                     tokens: Any) -> GrammarAdvance | None:
+        """`advance` for a sampled step's grammar rows (`grammar_rows`); None when it has
+        none."""
+        rows, matchers = grammar_rows(seqs, reqs)
+        return self.advance(seqs, rows, matchers, tokens) if matchers else None
+
     def latest(self) -> GrammarAdvance | None:
         """The last advance, finished (None before the first or when it failed)."""
         job = self._latest

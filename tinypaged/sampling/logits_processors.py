@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from tinypaged.sampling.params import SamplingParams
+from tinypaged.sampling.sampler import SamplingBatch
 
 
 def num_words(vocab_size: int) -> int:
@@ -224,3 +225,31 @@ class LogitsMaskBuilder:
         if masks.bitmask is None and masks.bias_rows is None:
             return None
         return masks
+
+
+def step_sampling_batch(seqs: Sequence[Any], reqs: Sequence[Any], builder: LogitsMaskBuilder,
+                        eos_token_ids: frozenset[int], device: torch.device,
+                        read_histories: bool) -> SamplingBatch:
+    """The SamplingBatch of an engine step's sampled rows: `seqs` (scheduler Sequences) and
+    their requests `reqs` (the engine's RequestStates: params, generators, constraints), with
+    the constrained rows' masks from `builder` (not for a row whose sequence the previous step
+    ended: its token is dropped). Token histories are read only by penalties and min_tokens:
+    without `read_histories` (no live request has either) none is copied."""
+    masks = builder.build([
+        (row, r.constraints, s.index, s.output_token_ids)
+        for row, (r, s) in enumerate(zip(reqs, seqs))
+        if r.constraints is not None and s.finish_reason is None
+    ])
+    if read_histories:
+        needs = {id(r.params): r.params.uses_penalties or r.params.min_tokens > 0 for r in reqs}
+        hist = [needs[id(r.params)] for r in reqs]
+        prompts = [s.prompt_token_ids if h else () for s, h in zip(seqs, hist)]
+        outputs = [s.output_token_ids if h else () for s, h in zip(seqs, hist)]
+    else:
+        prompts = outputs = [()] * len(seqs)
+    batch = SamplingBatch.build(
+        [r.params for r in reqs], prompts, outputs,
+        [r.generators[s.index] for r, s in zip(reqs, seqs)], eos_token_ids, device,
+    )
+    batch.logits_masks = masks
+    return batch
