@@ -11,8 +11,10 @@ SmolLM2-135M shape's step is on a GPU, and what a constrained row adds shows. Ea
 requests follow an array of >= 1,000 schema objects, so every run takes the same steps), with
 async scheduling on (as on a GPU: constrained steps sample late) and prefix caching off. Prints
 ms per step (each column its best of `--repeats`) and each run's extra per constrained row over
-plain;
-`--profile RUN` prints a cProfile of that run's steps (cumulative, top 30).
+plain: wall, the engine thread's CPU time (host) and its wall time less the simulated GPU work
+below (host wall: what the step waits for, the grammar worker's thread included; on a GPU the
+step's wall). `--profile RUN` prints a cProfile of that run's steps (cumulative, top 30).
+TINYPAGED_GRAMMAR_THREAD=0 runs the grammar work on the engine thread, for an A/B.
 
 On the CPU even this model's forward (the torch reference attention, the 49,152-wide head)
 outweighs the host's work; `--skip-forward` keeps the runner's input preparation but returns
