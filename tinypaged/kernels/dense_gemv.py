@@ -277,10 +277,13 @@ def gemv_config(M: int, N: int, K: int) -> dict | None:
     return None
 
 
-# FP8 weights (W8A16) at 1-16 rows: the tiles of dense_gemv per number of rows. Each stage
-# moves as many bytes as the bf16 tables' tiles (twice the values: block_k doubled); block-wise
-# weights keep block_k at the scale block (128) and widen block_n instead. To be confirmed on an
-# H200 with benchmarks/fp8_gemv.py --sweep (it prints the fastest tiles per layer and M).
+# FP8 weights (W8A16): the tiles of dense_gemv per number of rows. Each stage moves as many
+# bytes as the bf16 tables' tiles (twice the values: block_k doubled); block-wise weights keep
+# block_k at the scale block (128) and widen block_n instead. Only one row takes the GEMV for
+# now (FP8_GEMV_MAX_M): on an H200 the one-row tiles beat W8A8 at batch 1, while the untuned
+# "rows" tiles lost to it at batch 8 (benchmarks/RESULTS.md, Quantized decode); sweep them with
+# benchmarks/fp8_gemv.py --sweep before raising FP8_GEMV_MAX_M.
+FP8_GEMV_MAX_M = 1
 FP8_GEMV_CONFIGS = {
     "one_row": dict(block_n=16, block_k=512, programs_per_sm=2),
     "one_row_block": dict(block_n=64, block_k=128, programs_per_sm=2),

@@ -79,8 +79,11 @@ def lora_tiles(num_tokens: int) -> tuple[int, ...]:
 # Programmatic dependent launch (Hopper and later): the shrink lets the expand that follows it
 # start early, and the expand does its index work and loads its B tile (neither depends on the
 # shrink) before it waits for the shrink's planes and the base output (`gdc_wait`). At decode,
-# where each kernel is a few dependent loads long, that hides most of the expand's head.
-# TINYPAGED_LORA_PDL=0 turns it off.
+# where each kernel is a few dependent loads long, that hides most of the expand's head. Only
+# batches of up to PDL_MAX_TOKENS rows chain: on the H200 a decode step at batch 1 gained from it
+# and batch 8 did not move, while the offline run (prefill chunks and 256-row decode steps)
+# lost throughput with it (benchmarks/RESULTS.md, Multi-LoRA). TINYPAGED_LORA_PDL=0 turns it off.
+PDL_MAX_TOKENS = 16
 
 
 @functools.cache
@@ -89,8 +92,10 @@ def _pdl_device(device_index: int) -> bool:
 
 
 def use_pdl(x: torch.Tensor) -> bool:
-    """Whether the LoRA kernels on x's device chain by programmatic dependent launch (PDL)."""
-    return x.is_cuda and envs.TINYPAGED_LORA_PDL and _pdl_device(x.device.index or 0)
+    """Whether the LoRA kernels over x [num_tokens, ...] chain by programmatic dependent launch
+    (PDL): on Hopper or later, for at most PDL_MAX_TOKENS rows."""
+    return (x.is_cuda and x.shape[0] <= PDL_MAX_TOKENS and envs.TINYPAGED_LORA_PDL
+            and _pdl_device(x.device.index or 0))
 
 
 def block_rows(num_tokens: int) -> int:

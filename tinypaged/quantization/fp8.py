@@ -21,13 +21,14 @@ static `input_scale` is kept per layer, the largest of a fused layer's shards (a
 
 apply(): on CUDA (or under TRITON_INTERPRET=1) W8A8, kernels/fp8.py: the activations are
 quantized (per token, per token group, or with the static scale) and the FP8 GEMM multiplies
-them by the FP8 weights, fp32 accumulators, the scales applied in the GEMM. At decode (1-16
-rows) W8A16 instead: kernels/dense_gemv.py streams the e4m3 weight, converts it in registers and
-multiplies it by the activations as they are; quantizing them would cost a launch and save no
-bytes, the weight being all the traffic (a static input_scale is then unused). On the CPU the
-weights are dequantized and multiplied in the activations' dtype (weight-only FP8, as vLLM's
-fallback on GPUs without FP8 tensor cores): the fp32 CPU path is then exactly the checkpoint's
-dequantized model, which is what the tests compare with transformers.
+them by the FP8 weights, fp32 accumulators, the scales applied in the GEMM. At decode (one row
+for now: kernels/dense_gemv.py says why) W8A16 instead: kernels/dense_gemv.py streams the e4m3
+weight, converts it in registers and multiplies it by the activations as they are; quantizing
+them would cost a launch and save no bytes, the weight being all the traffic (a static
+input_scale is then unused). On the CPU the weights are dequantized and multiplied in the
+activations' dtype (weight-only FP8, as vLLM's fallback on GPUs without FP8 tensor cores): the
+fp32 CPU path is then exactly the checkpoint's dequantized model, which is what the tests
+compare with transformers.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ from torch import nn
 
 from tinypaged.distributed.parallel_state import all_reduce
 from tinypaged.kernels._triton import use_triton
-from tinypaged.kernels.dense_gemv import GEMV_MAX_M, dense_gemv, fp8_gemv_config, gemv_enabled
+from tinypaged.kernels.dense_gemv import (
+    FP8_GEMV_MAX_M,
+    dense_gemv,
+    fp8_gemv_config,
+    gemv_enabled,
+)
 from tinypaged.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_gemm, quantize_fp8
 from tinypaged.kernels.fp8_act import silu_and_mul_quant_fp8
 from tinypaged.quantization.base import QuantizationMethod
@@ -168,14 +174,15 @@ class Fp8Config(QuantizationMethod):
         return y if bias is None else y + bias
 
     def takes_gemv(self, x2: torch.Tensor) -> bool:
-        """Whether x2 [M, K] goes to the W8A16 decode GEMV: 1-16 rows, unless
-        $TINYPAGED_DENSE_GEMV=0 (then W8A8 at every size: the A/B switch)."""
-        return 1 <= x2.shape[0] <= GEMV_MAX_M and gemv_enabled()
+        """Whether x2 [M, K] goes to the W8A16 decode GEMV: up to FP8_GEMV_MAX_M rows (the
+        kernel takes 1-16; kernels/dense_gemv.py says why fewer), unless $TINYPAGED_DENSE_GEMV=0
+        (then W8A8 at every size: the A/B switch)."""
+        return 1 <= x2.shape[0] <= FP8_GEMV_MAX_M and gemv_enabled()
 
 
 def fp8_silu_and_mul_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
     """down(silu_and_mul(gate_up)) for an FP8 row-parallel `down` where the Triton kernels run,
-    one launch before the all-reduce and the bias: at decode (1-16 rows) the W8A16 GEMV forms
+    one launch before the all-reduce and the bias: at decode (takes_gemv) the W8A16 GEMV forms
     silu(gate) * up as it loads its input (kernels/dense_gemv.py); on the W8A8 path with dynamic
     activations SiLU-and-mul and the per-token (group) quantization are one kernel
     (kernels/fp8_act.py), then the FP8 GEMM. None where neither applies (another method, static
