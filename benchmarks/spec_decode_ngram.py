@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--json", type=Path, help="also write the speed-ups here "
+                        "(docs/plot_speculative.py's input)")
     args = parser.parse_args()
     if args.engine == "vllm":
         from vllm import LLM, SamplingParams
@@ -87,17 +89,21 @@ def main() -> None:
     del base_llm
     gc.collect()
     llm = LLM(speculative_config=dict(spec), **engine)  # vLLM fills in the dict it is given
+    result: dict = {"engine": args.engine, "speculative_config": spec}
     for b in args.batch_sizes:
         rate, tokens = timed(llm, prompts(b), params)
         same = sum(x == y for x, y in zip(tokens, base[b][1]))
+        result[f"speedup_batch_{b}"] = rate / base[b][0]
         print(json.dumps({"engine": args.engine, "batch": b, "base_tok_s": round(base[b][0], 1),
                           "spec_tok_s": round(rate, 1), "speedup": round(rate / base[b][0], 3),
                           "identical": f"{same}/{b}"}))
     c = counters(llm)
-    print(f"{args.engine} {spec}: acceptance rate "
-          f"{100 * c['num_accepted_tokens'] / max(c['num_draft_tokens'], 1):.1f}%, mean "
-          f"acceptance length {1 + c['num_accepted_tokens'] / max(c['num_drafts'], 1):.2f}")
-
+    accepted = c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1)
+    print(f"{args.engine} {spec}: acceptance rate {100 * accepted:.1f}%, mean acceptance length "
+          f"{1 + c['num_accepted_tokens'] / max(c['num_drafts'], 1):.2f}")
+    if args.json:
+        result["spec_decode"] = {**c, "acceptance_rate": accepted}
+        args.json.write_text(json.dumps(result, indent=2))
 
 if __name__ == "__main__":
     main()

@@ -5,8 +5,10 @@ the speed-up over no speculation (matplotlib), for docs/speculative.md.
         --speculative-config '{"method": "oracle", "num_speculative_tokens": 4}' --json oracle.json
     python docs/plot_speculative.py oracle.json miss.json ngram.json --out docs/speculative.png
 
-Each file becomes one group of bars (one bar per batch size), labelled with its file name and
-its acceptance rate.
+Each file becomes one group of bars (one bar per batch size it has), labelled with its file name
+and its acceptance rate. `benchmarks/spec_decode_ngram.py --json FILE` writes the same keys
+(`speedup_batch_<b>`, `spec_decode.acceptance_rate`). docs/speculative/*.json are the runs behind
+docs/speculative.png (benchmarks/RESULTS.md, Speculative decoding, names their sittings).
 """
 
 from __future__ import annotations
@@ -26,23 +28,25 @@ def main(argv: list[str] | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(args.runs)
-    batches: list[str] = []
-    for i, path in enumerate(args.runs):
-        run = json.loads(path.read_text())
-        keys = sorted((k for k in run if k.startswith("speedup_batch_")),
-                      key=lambda k: int(k.rsplit("_", 1)[1]))
-        if not keys:
+    runs = [(path, json.loads(path.read_text())) for path in args.runs]
+    keys = {path: sorted((k for k in run if k.startswith("speedup_batch_")),
+                         key=lambda k: int(k.rsplit("_", 1)[1])) for path, run in runs}
+    for path, _ in runs:
+        if not keys[path]:
             raise SystemExit(f"{path}: no speedup_batch_* entries (run bench latency with "
                              f"--speculative-config and --json)")
-        batches = [k.rsplit("_", 1)[1] for k in keys]
+    batches = sorted({int(k.rsplit("_", 1)[1]) for ks in keys.values() for k in ks})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(runs)
+    for i, (path, run) in enumerate(runs):  # a run without some batch size leaves its slot empty
         spec = run.get("spec_decode") or {}
-        rate = spec.get("num_accepted_tokens", 0) / max(spec.get("num_draft_tokens", 0), 1)
-        xs = [j + i * width for j in range(len(keys))]
-        ax.bar(xs, [run[k] for k in keys], width, label=f"{path.stem} ({100 * rate:.0f}% accepted)")
+        drafted = max(spec.get("num_draft_tokens", 0), 1)
+        rate = spec.get("acceptance_rate", spec.get("num_accepted_tokens", 0) / drafted)
+        xs = [batches.index(int(k.rsplit("_", 1)[1])) + i * width for k in keys[path]]
+        ax.bar(xs, [run[k] for k in keys[path]], width,
+               label=f"{path.stem} ({100 * rate:.0f}% accepted)")
     ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set_xticks([j + width * (len(args.runs) - 1) / 2 for j in range(len(batches))])
+    ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(batches))])
     ax.set_xticklabels([f"batch {b}" for b in batches])
     ax.set_ylabel("tok/s over no speculation")
     ax.set_title("Speculative decoding speed-up")
