@@ -13,7 +13,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from helpers.structured import SCHEMA, VOCAB, save_tiny_with_smollm2_vocab
+from helpers.structured import SCHEMA, VOCAB
 
 from tinypaged import LLM, SamplingParams, StructuredOutputsParams
 from tinypaged.sampling import grammar_worker
@@ -25,18 +25,6 @@ JSON = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 CHOICE = StructuredOutputsParams(choice=["red", "green"])
 DIGITS = StructuredOutputsParams(regex=r"[0-9]{3}")
 SOME_DIGITS = StructuredOutputsParams(regex=r"[0-9]{1,4}")  # complete, yet more may follow
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_smol_vocab_worker")
-    save_tiny_with_smollm2_vocab(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(str(model_dir), num_kv_blocks=64, block_size=8)
 
 
 def gen(llm, prompts, params):

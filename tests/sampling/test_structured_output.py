@@ -23,18 +23,6 @@ JSON = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_smol_vocab")
-    save_tiny_with_smollm2_vocab(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(str(model_dir), num_kv_blocks=64, block_size=8)
-
-
-@pytest.fixture(scope="module")
 def compiler(llm):
     return llm.engine._get_grammar_compiler()
 
