@@ -102,10 +102,10 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         _is_not_zero,
     ),
     "TINYPAGED_LORA_PDL": EnvVar(
-        "bool", True,
-        "0 launches the LoRA expand after the shrink without programmatic dependent launch "
-        "(for A/B benchmarks; only Hopper and later GPUs use it)",
-        _is_not_zero,
+        "bool", False,
+        "1 chains the LoRA expand to its shrink by programmatic dependent launch for batches of "
+        "up to 16 rows (Hopper and later; off by default: it cost offline throughput)",
+        _is_one,
     ),
     "TINYPAGED_GRAMMAR_THREAD": EnvVar(
         "bool", True,

@@ -79,10 +79,11 @@ def lora_tiles(num_tokens: int) -> tuple[int, ...]:
 # Programmatic dependent launch (Hopper and later): the shrink lets the expand that follows it
 # start early, and the expand does its index work and loads its B tile (neither depends on the
 # shrink) before it waits for the shrink's planes and the base output (`gdc_wait`). At decode,
-# where each kernel is a few dependent loads long, that hides most of the expand's head. Only
-# batches of up to PDL_MAX_TOKENS rows chain: on the H200 a decode step at batch 1 gained from it
-# and batch 8 did not move, while the offline run (prefill chunks and 256-row decode steps)
-# lost throughput with it (benchmarks/RESULTS.md, Multi-LoRA). TINYPAGED_LORA_PDL=0 turns it off.
+# where each kernel is a few dependent loads long, that hides most of the expand's head. It is
+# off unless TINYPAGED_LORA_PDL=1, and then only batches of up to PDL_MAX_TOKENS rows chain: on
+# the H200 decode at batch 1 gained ~3.5% from it and batch 8 did not move, while the offline
+# run lost a quarter of its throughput with it on, even at up to 16 rows only (benchmarks/
+# RESULTS.md, Multi-LoRA).
 PDL_MAX_TOKENS = 16
 
 
