@@ -32,3 +32,14 @@ def save_tiny_with_smollm2_vocab(path) -> None:
     source = ensure_default_model()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(source / name, path / name)
+
+
+def run_to_end(engine) -> tuple[dict, dict]:
+    """Step `engine` until no request is left -> ({request_id: its finished RequestOutput},
+    {request_id: the error that failed it})."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished, dict(engine.pop_request_errors())

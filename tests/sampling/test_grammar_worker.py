@@ -13,7 +13,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from helpers.structured import SCHEMA, VOCAB
+from helpers.structured import SCHEMA, VOCAB, run_to_end
 
 from tinypaged import LLM, SamplingParams, StructuredOutputsParams
 from tinypaged.sampling import grammar_worker
@@ -207,12 +207,7 @@ def test_a_rejection_fails_only_its_request(model_dir, async_scheduling):
     engine.add_request("plain", "c", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     bad, build = engine.requests["bad"].constraints, engine.mask_builder.build
     engine.mask_builder.build = lambda rows: build([r for r in rows if r[1] is not bad])
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    errors = dict(engine.pop_request_errors())
+    finished, errors = run_to_end(engine)
     assert list(errors) == ["bad"] and "grammar rejected" in str(errors["bad"])
     jsonschema.validate(json.loads(finished["good"].outputs[0].text), SCHEMA)
     assert len(finished["plain"].outputs[0].token_ids) == 8
@@ -233,12 +228,7 @@ def test_a_worker_failure_fails_the_constrained_requests_of_its_step(model_dir, 
     engine.add_request("json", "a", SamplingParams(temperature=0, max_tokens=20,
                                                    structured_outputs=JSON))
     engine.add_request("plain", "b", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    errors = dict(engine.pop_request_errors())
+    finished, errors = run_to_end(engine)
     assert calls and list(errors) == ["json"] and "boom" in repr(errors["json"].__cause__)
     assert len(finished["plain"].outputs[0].token_ids) == 8
     monkeypatch.undo()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.models import count_preemptions, single_thread, tiny_hf_model  # noqa: F401
-from helpers.structured import SCHEMA, VOCAB, save_tiny_with_smollm2_vocab  # noqa: F401
+from helpers.structured import SCHEMA, VOCAB, run_to_end, save_tiny_with_smollm2_vocab  # noqa: F401
 
 from tinypaged import LLM, SamplingParams, StructuredOutputsParams
 from tinypaged.sampling.logits_processors import LogitsConstraints, LogitsMaskBuilder
@@ -296,11 +296,6 @@ def test_a_token_the_grammar_rejects_fails_only_its_request(model_dir, async_sch
     engine.add_request("json", "a", SamplingParams(temperature=0, max_tokens=8,
                                                    structured_outputs=JSON))
     engine.add_request("plain", "b", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    errors = dict(engine.pop_request_errors())
+    finished, errors = run_to_end(engine)
     assert list(errors) == ["json"] and "grammar rejected" in str(errors["json"])
     assert len(finished["plain"].outputs[0].token_ids) == 8

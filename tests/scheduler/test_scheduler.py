@@ -92,13 +92,18 @@ class FakeEngine:
             assert item.sample == (end == len(seq.token_ids))
             if item.sample:
                 sampled[seq.seq_id] = fake_next_token([t for t, _ in context], seq.index)
-        for seq in sched.update(out, sampled):
+        self.update(out, sampled)
+        return out
+
+    def update(self, out, sampled: dict[int, int]) -> None:
+        """The engine's side of a step's end: the scheduler takes the sampled tokens, then the
+        stop checks (EOS, max_tokens)."""
+        for seq in self.sched.update(out, sampled):
             if self.eos and seq.last_token_id == EOS:
                 self.finish(seq, "stop")
             elif seq.num_output_tokens == seq.max_tokens:
                 self.finish(seq, "length")
-        sched.check_invariants()
-        return out
+        self.sched.check_invariants()
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self.sched.finish(seq, reason)
@@ -416,12 +421,7 @@ class PipelinedFakeEngine(FakeEngine):
             assert item.sample == (end == len(toks))
             if item.sample:
                 sampled[item.seq.seq_id] = fake_next_token(toks[:end], item.seq.index)
-        for seq in sched.update(out, sampled):
-            if self.eos and seq.last_token_id == EOS:
-                self.finish(seq, "stop")
-            elif seq.num_output_tokens == seq.max_tokens:
-                self.finish(seq, "length")
-        sched.check_invariants()
+        self.update(out, sampled)
 
 
 @pytest.mark.parametrize("pp", [2, 3])
