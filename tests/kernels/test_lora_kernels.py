@@ -183,3 +183,21 @@ def test_lora_kernels_one_slot():
     got = lora_expand_triton(y0.clone(), h, b, *meta, (0, 40))
     torch.testing.assert_close(got, lora_expand_ref(y0.clone(), want_h, b, *meta, (0, 40)),
                                **tol(torch.float32))
+
+
+def test_one_compiled_kernel_per_tile_row():
+    """The constexprs (what Triton compiles a kernel for) of both launches depend on the
+    LORA_TILES row and the layer, never on the batch size itself: a server that meets a new
+    number of tokens in a step reuses a compiled kernel instead of stalling on the compiler."""
+    from tinypaged.kernels.lora_expand import expand_launch
+    from tinypaged.kernels.lora_shrink import LORA_TILES, lora_tiles, shrink_launch
+
+    for k, n, offsets in [(4096, 48, (0, 4096, 5120, 6144)), (14336, 16, (0, 4096))]:
+        shrink, expand = set(), set()
+        for num_tokens in range(1, 4097):
+            split_k = shrink_splits(num_tokens, k)
+            row = lora_tiles(num_tokens)
+            shrink.add((row, tuple(shrink_launch(num_tokens, k, n, 4, split_k)[1].items())))
+            expand.add((row, tuple(expand_launch(num_tokens, 4, 16, split_k, offsets,
+                                                 row)[2].items())))
+        assert len(shrink) == len(expand) == len(LORA_TILES)

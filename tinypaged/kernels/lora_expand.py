@@ -36,7 +36,9 @@ from tinypaged.kernels._triton import cdiv, dot_precision, jit, next_power_of_2,
 from tinypaged.kernels.lora_shrink import lora_tiles, slot_tile, use_pdl
 
 
-@jit
+# split_k and the plane stride (T * S*R) change with the batch size: specialized, they would
+# compile a new kernel in the middle of serving (PLANES depends on the tile row only)
+@jit(do_not_specialize=("split_k", "stride_hs"))
 def _lora_expand_kernel(
     H, B, SORTED, SEG_START, SEG_LEN, Y,  # h [SPLIT_K, T, S*R] fp32; lora_b [L, O, R]; y [T, O]
     off1, off2, off3,  # shard s owns columns off_s .. off_{s+1} - 1 (off0 = 0)
@@ -105,8 +107,10 @@ def expand_launch(num_tokens: int, num_slots: int, rank: int, split_k: int,
     block_r = max(16, next_power_of_2(rank))
     if block_r > 64:  # keep B's [BR, BN] tile and the delta within registers
         block_n = min(block_n, 32)
-    # at most 8192 fp32 of planes per load: 64 registers a thread
-    planes = min(next_power_of_2(split_k), max(1, 8192 // (block_m * block_r)))
+    # at most 8192 fp32 of planes per load (64 registers a thread); from the tile row alone, not
+    # split_k, so that one compiled kernel serves every batch size of the row (lanes past
+    # split_k are masked)
+    planes = min(64, max(1, 8192 // (block_m * block_r)))
     groups = [cdiv(cdiv(offsets[s + 1] - offsets[s], block_n), tiles)  # per shard
               for s in range(len(offsets) - 1)]
     firsts = [sum(groups[:s]) if s < len(groups) else sum(groups) for s in (1, 2)]

@@ -133,11 +133,13 @@ def slot_tile(SEG_START, SEG_LEN, num_slots, tile, BLOCK_M: tl.constexpr,
     return tl.where(slot < num_slots, slot, -1), local, seg_start, seg_len
 
 
-@jit(do_not_specialize=("K",))
+# split_k and the plane stride (T * N) change with the batch size: as constexprs or specialized
+# integers they would compile a new kernel for many batch sizes, in the middle of serving
+@jit(do_not_specialize=("K", "split_k", "stride_os"))
 def _lora_shrink_kernel(
-    X, A, SORTED, SEG_START, SEG_LEN, OUT,  # x [T, K]; lora_a [L, N, K]; out [SPLIT_K, T, N] fp32
-    K, N, num_slots, stride_xm, stride_al, stride_an, stride_os, stride_om,
-    SPLIT_K: tl.constexpr, MAX_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+    X, A, SORTED, SEG_START, SEG_LEN, OUT,  # x [T, K]; lora_a [L, N, K]; out [split_k, T, N] fp32
+    K, N, num_slots, stride_xm, stride_al, stride_an, stride_os, stride_om, split_k,
+    MAX_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -145,8 +147,8 @@ def _lora_shrink_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     pid_mk, pid_n = tl.program_id(0), tl.program_id(1)
     slot, pid_m, seg_start, seg_len = slot_tile(SEG_START, SEG_LEN, num_slots,
-                                                pid_mk // SPLIT_K, BLOCK_M, MAX_SLOTS)
-    pid_k = pid_mk % SPLIT_K
+                                                pid_mk // split_k, BLOCK_M, MAX_SLOTS)
+    pid_k = pid_mk % split_k
     if slot < 0:  # past the batch's last row tile
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -156,7 +158,7 @@ def _lora_shrink_kernel(
     col_mask = cols < N
     a_base = A + slot.to(tl.int64) * stride_al
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, K, split_k * BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         if EVEN_K:  # an all-true constant lets the x and A loads be vectorized along K
@@ -170,6 +172,20 @@ def _lora_shrink_kernel(
     tl.store(ptrs, acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
+def shrink_launch(num_tokens: int, k: int, n: int, num_slots: int, split_k: int
+                  ) -> tuple[tuple[int, int], dict]:
+    """(grid, the kernel's constexprs) for x [num_tokens, k] and lora_a [num_slots, n, k] over
+    split_k planes. The constexprs depend on the LORA_TILES row and the layer only, never on
+    num_tokens or split_k themselves: one compiled kernel per row and layer shape."""
+    _, block_m, block_n, block_k, _, _, _ = lora_tiles(num_tokens)
+    block_n = min(block_n, max(16, next_power_of_2(n)))
+    block_k = block_k if k >= block_k else max(16, next_power_of_2(k))
+    grid = ((cdiv(num_tokens, block_m) + num_slots) * split_k, cdiv(n, block_n))
+    meta = dict(MAX_SLOTS=next_power_of_2(num_slots), BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_K=block_k, EVEN_K=k % block_k == 0)
+    return grid, meta
+
+
 def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: torch.Tensor,
                        seg_start: torch.Tensor, seg_len: torch.Tensor,
                        out: torch.Tensor) -> torch.Tensor:
@@ -178,18 +194,13 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: 
     num_slots, n, _ = lora_a.shape
     if num_tokens == 0:
         return out
-    _, block_m, block_n, block_k, _, _, _ = lora_tiles(num_tokens)
-    block_n = min(block_n, max(16, next_power_of_2(n)))
-    block_k = block_k if k >= block_k else max(16, next_power_of_2(k))
     split_k = out.shape[0]
-    grid = ((cdiv(num_tokens, block_m) + num_slots) * split_k, cdiv(n, block_n))
+    grid, meta = shrink_launch(num_tokens, k, n, num_slots, split_k)
     _lora_shrink_kernel[grid](
         x, lora_a, sorted_token_ids, seg_start, seg_len, out,
         k, n, num_slots, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-        out.stride(1),
-        SPLIT_K=split_k, MAX_SLOTS=next_power_of_2(num_slots), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype),
-        EVEN_K=k % block_k == 0, USE_PDL=use_pdl(x), num_warps=4,
+        out.stride(1), split_k,
+        **meta, PRECISION=dot_precision(x.dtype), USE_PDL=use_pdl(x), num_warps=4,
     )
     return out
 
