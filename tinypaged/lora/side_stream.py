@@ -44,15 +44,20 @@ class SideStream:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device, priority=-1)
+        # one event each way, re-recorded at every fork and join (a wait reads the event's
+        # latest record, made just before it): no event made per call
+        self.forked, self.joined = torch.cuda.Event(), torch.cuda.Event()
 
     @contextlib.contextmanager
     def fork(self) -> Iterator[None]:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.forked.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(self.forked)
         with torch.cuda.stream(self.stream):
             yield
 
     def join(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.joined.record(self.stream)
+        torch.cuda.current_stream(self.device).wait_event(self.joined)
 
 
 @functools.cache
