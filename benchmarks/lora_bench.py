@@ -7,18 +7,21 @@ give the overhead. The workload is the vLLM anchor's (/work/shared/vllm-anchor/v
                  (t(256 out) - t(1 out)) / 255 (batch 1 runs adapter 0, batch 8 all four)
 
     PYTHONPATH=. python benchmarks/lora_bench.py [--adapters DIR] [--no-base | --base-only]
-                                                 [--check]
+                                                 [--check | --check-only]
 
 `--check` first runs a GPU correctness check of the kernels (Triton vs reference on random
-segments, bf16) and of one engine step with CUDA graphs on vs off. The adapters are written
-to DIR (default /tmp/tinypaged-lora-bench) once; benchmarks/lora_vllm_bench.py reads the same
-folders. Prints one JSON line per measurement; writes lora_bench.json under $OUT when set.
+segments, bf16) and of one engine step with CUDA graphs on vs off (its tokens' digest is the
+same with TINYPAGED_LORA_OVERLAP=0 and =1); `--check-only` stops after the checks. The
+adapters are written to DIR (default /tmp/tinypaged-lora-bench) once;
+benchmarks/lora_vllm_bench.py reads the same folders. Prints one JSON line per measurement;
+writes lora_bench.json under $OUT when set.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import random
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from tinypaged import envs
 from tinypaged.bench.lora_adapters import write_random_adapter
 from tinypaged.bench.model_shapes import SHAPES, shape_dir
 
@@ -153,8 +157,11 @@ def check_graphs(dirs: list[Path]) -> None:
         gc.collect()
         torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(outs[False], outs[True]))
+    # the same digest under TINYPAGED_LORA_OVERLAP=0 and =1: the overlap changes no token
+    digest = hashlib.sha256(json.dumps([list(t) for t in outs[False]]).encode()).hexdigest()
     print(json.dumps({"check": "graphs vs eager with LoRA", "same_requests": same,
-                      "of": len(outs[False])}), flush=True)
+                      "of": len(outs[False]), "tokens_sha256": digest[:16],
+                      "lora_overlap": envs.TINYPAGED_LORA_OVERLAP}), flush=True)
 
 
 def main() -> None:
@@ -163,12 +170,15 @@ def main() -> None:
     p.add_argument("--no-base", action="store_true", help="skip the runs without LoRA")
     p.add_argument("--base-only", action="store_true", help="only the runs without LoRA")
     p.add_argument("--check", action="store_true", help="GPU correctness checks first")
+    p.add_argument("--check-only", action="store_true", help="the checks, no timed runs")
     args = p.parse_args()
     dirs = adapter_dirs(Path(args.adapters))
     results = []
-    if args.check:
+    if args.check or args.check_only:
         check_kernels()
         check_graphs(dirs)
+        if args.check_only:
+            return
     for lora in (False,) if args.base_only else (True,) if args.no_base else (True, False):
         llm = make_llm(lora)
         results += run(llm, dirs if lora else None)

@@ -11,9 +11,11 @@ It prints the current table row's total, then the best candidates by total (shri
 over the four layers, one decoder layer's LoRA time), as LORA_TILES rows to paste.
 
 `--layer` times instead one decoder layer's four linears as a step runs them, in one CUDA graph:
-each base GEMM (torch.mm into y) then its shrink and expand, against the GEMMs alone, with
-programmatic dependent launch on and off (TINYPAGED_LORA_PDL), and checks that the replayed
-graph's y equals x W^T plus the references' delta.
+each base matmul (the engine's dense_linear: the split-K GEMV at decode sizes) then its shrink
+and expand, against the matmuls alone, with programmatic dependent launch on and off
+(TINYPAGED_LORA_PDL), and with the shrink on a side stream beside the matmul (the engine's
+TINYPAGED_LORA_OVERLAP=1), and checks that the replayed graph's y equals x W^T plus the
+references' delta.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from awq_gemv import graph_us
 from lora_kernels import LAYERS, case
 
 from tinypaged.kernels import lora_shrink
+from tinypaged.kernels.dense_gemv import dense_linear
 from tinypaged.kernels.lora_expand import lora_expand_ref, lora_expand_triton
 from tinypaged.kernels.lora_shrink import lora_shrink_ref, lora_shrink_triton, shrink_splits
+from tinypaged.lora.side_stream import SideStream
 
 L2_BYTES = 120 << 20  # weight copies cycled per graph: twice the H200's L2
 
@@ -124,8 +128,10 @@ def sweep(t: int, quick: bool, top: int) -> None:
         print(f"  {total:7.1f} us  {row},")
 
 
-def layer_step(t: int, lora: bool) -> tuple:
-    """(fn running the four linears of one layer, their cases with base weights `w`)."""
+def layer_step(t: int, lora: bool, overlap: bool = False) -> tuple:
+    """(fn running the four linears of one layer, their cases with base weights `w`); with
+    `overlap` each shrink runs on the side stream beside its base matmul (lora/side_stream.py),
+    as the engine's layers do under TINYPAGED_LORA_OVERLAP=1."""
     cases = []
     for layer in LAYERS:
         d = build(t, layer)
@@ -133,25 +139,33 @@ def layer_step(t: int, lora: bool) -> tuple:
                              dtype=torch.bfloat16) * 0.01  # [out, in] base weight
         d["h"] = torch.empty(shrink_splits(t, d["x"].shape[1]), t, d["a"].shape[1], device="cuda")
         cases.append(d)
+    side = SideStream(torch.device("cuda", torch.cuda.current_device())) if overlap else None
 
     def fn():
         for d in cases:
-            torch.mm(d["x"], d["w"].T, out=d["y"])
-            if lora:
+            if side is not None:
+                with side.fork():
+                    lora_shrink_triton(d["x"], d["a"], *d["meta"], d["h"])
+            d["y"] = dense_linear(d["x"], d["w"])  # the engine's base matmul (a GEMV at decode)
+            if side is not None:
+                side.join()
+            elif lora:
                 lora_shrink_triton(d["x"], d["a"], *d["meta"], d["h"])
+            if lora or side is not None:
                 lora_expand_triton(d["y"], d["h"], d["b"], *d["meta"], d["offsets"])
     return fn, cases
 
 
-def graph_correct(t: int) -> bool:
-    fn, cases = layer_step(t, True)
+def graph_correct(t: int, overlap: bool = False) -> bool:
+    """Whether a replay of the layer's graph gives x W^T plus the references' delta."""
+    fn, cases = layer_step(t, True, overlap)
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
     for d in cases:
-        d["y"].fill_(7.0)
+        d["y"].fill_(7.0)  # the graph's own output buffer, rewritten by the replay
     g.replay()
     torch.cuda.synchronize()
     ok = True
@@ -167,10 +181,12 @@ def graph_correct(t: int) -> bool:
 def layer_overhead(t: int) -> None:
     base = graph_us([layer_step(t, False)[0]], reps=6)
     line = f"T={t}: one layer's 4 base GEMMs {base:7.1f} us; LoRA adds"
-    for pdl in ("0", "1"):
+    for pdl, overlap in (("0", False), ("1", False), ("0", True)):
         os.environ["TINYPAGED_LORA_PDL"] = pdl
-        lora = graph_us([layer_step(t, True)[0]], reps=6)
-        line += f" {lora - base:6.1f} us (PDL {pdl}, graph {'ok' if graph_correct(t) else 'WRONG'})"
+        lora = graph_us([layer_step(t, True, overlap)[0]], reps=6)
+        mode = "overlap" if overlap else f"PDL {pdl}"
+        ok = "ok" if graph_correct(t, overlap) else "WRONG"
+        line += f" {lora - base:6.1f} us ({mode}, graph {ok})"
     os.environ.pop("TINYPAGED_LORA_PDL")
     print(line, flush=True)
 
@@ -181,7 +197,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer program targets")
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--layer", action="store_true",
-                        help="one layer's base GEMMs + LoRA in a graph, PDL on and off")
+                        help="one layer's base GEMMs + LoRA in a graph: PDL on and off, overlap")
     args = parser.parse_args()
     for t in args.tokens:
         if args.layer:

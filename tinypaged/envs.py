@@ -107,6 +107,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "up to 16 rows (Hopper and later; off by default: it cost offline throughput)",
         _is_one,
     ),
+    "TINYPAGED_LORA_OVERLAP": EnvVar(
+        "bool", False,
+        "1 runs each LoRA shrink on a side CUDA stream beside its layer's base matmul (the "
+        "shrink reads only x); 0 runs it after, on the same stream",
+        _is_one,
+    ),
     "TINYPAGED_GRAMMAR_THREAD": EnvVar(
         "bool", True,
         "0 runs structured output's batched grammar accepts and mask fills on the engine thread, "

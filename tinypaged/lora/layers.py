@@ -8,6 +8,9 @@ matrices, and all of them read one per-step token -> slot index.
                 with S shards (qkv: 3, gate-up: 2, o / down: 1); `apply(x, y)` adds every token's
                 adapter delta into the base output y = x W^T (dense or quantized: the delta is
                 added after the base matmul, so AWQ/GPTQ/GGUF models take bf16 adapters).
+                With TINYPAGED_LORA_OVERLAP=1 on CUDA the layer calls `shrink_beside(x)` before
+                its base matmul and `expand(y, shrunk)` after: the shrink reads only x, so it
+                runs on a side stream beside the base matmul (side_stream.py).
 
 Tensor parallelism slices A and B as the base weight is sliced. Column-parallel (qkv, gate-up):
 rank r computes y[:, its columns], so it holds all of A and its rows of B (each shard cut as the
@@ -19,6 +22,7 @@ columns and all of B: sum_r (x_r A_r^T) B^T = (x A^T) B^T, no extra communicatio
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +31,7 @@ from torch import nn
 from tinypaged.kernels.lora_expand import lora_expand
 from tinypaged.kernels.lora_shrink import lora_segments, lora_shrink, shrink_splits
 from tinypaged.lora.adapter import LoRAAdapter
+from tinypaged.lora.side_stream import SideStream, overlap_stream
 from tinypaged.models.layers import MergedColumnParallelLinear, RowParallelLinear
 
 ADAPTED = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
@@ -36,6 +41,16 @@ ADAPTED = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
 def planes_numel(max_tokens: int, in_features: int, width: int) -> int:
     """The largest SPLIT_K * T * width over batches of 1..max_tokens rows."""
     return max(shrink_splits(t, in_features) * t for t in range(1, max_tokens + 1)) * width
+
+
+class Shrunk(NamedTuple):
+    """A queued shrink: its input rows x [T, in] (held until the expand: the side stream may
+    still read them), its partial sums h [SPLIT_K, T, S * R] and the side stream it runs on
+    (None: the current stream)."""
+
+    x: torch.Tensor
+    h: torch.Tensor
+    side: SideStream | None
 
 
 class LoRABatch:
@@ -49,8 +64,9 @@ class LoRABatch:
         self.any_adapter = False
         self.max_tokens = max_tokens
         # the shrink's partial-sum planes, shared by every layer (each layer's expand has read
-        # them before the next layer's shrink writes): no allocation per call, and one address
-        # that every captured graph reads
+        # them before the next layer's shrink writes; a shrink on the side stream forks after
+        # the expand before it is queued): no allocation per call, and one address that every
+        # captured graph reads
         self.planes = torch.empty(0, dtype=torch.float32, device=device)
 
     def reserve_planes(self, in_features: int, width: int) -> None:
@@ -156,19 +172,46 @@ class LoRALinear:
             self.lora_b[slot, lo:hi, :r].copy_(b)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y += each token's adapter delta, in place; x [T, in], y [T, out] (this rank's)."""
+        """y += each token's adapter delta, in place; x [T, in], y [T, out] (this rank's): the
+        shrink then the expand, queued after the base matmul that made y."""
+        shrunk = self.shrink(x)
+        return y if shrunk is None else self.expand(y, shrunk)
+
+    def shrink_beside(self, x: torch.Tensor) -> Shrunk | None:
+        """With TINYPAGED_LORA_OVERLAP=1 on CUDA, launch the shrink of x on the side stream
+        (lora/side_stream.py), to be called before the base matmul; `expand` joins it. None: no
+        side stream here, the caller runs `apply` after the base matmul."""
+        side = overlap_stream(x)
+        return None if side is None else self.shrink(x, side)
+
+    def shrink(self, x: torch.Tensor, side: SideStream | None = None) -> Shrunk | None:
+        """Queue h = x A^T as the shrink's partial sums (on `side` when given); None when there
+        is nothing to add (the CPU, no token with an adapter)."""
         batch = self.batch
         if not batch.any_adapter and x.device.type == "cpu":  # no graphs on the CPU: skip
-            return y
+            return None
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         num_tokens = x2.shape[0]
-        sorted_ids = batch.sorted_token_ids[:num_tokens]
         h = batch.planes_for(num_tokens, x2.shape[1], self.lora_a.shape[1])  # no zeroing needed
-        lora_shrink(x2, self.lora_a, sorted_ids, batch.seg_start, batch.seg_len, h)
-        lora_expand(y.view(num_tokens, -1), h, self.lora_b, sorted_ids, batch.seg_start,
-                    batch.seg_len, self.offsets)
+        args = (x2, self.lora_a, batch.sorted_token_ids[:num_tokens], batch.seg_start,
+                batch.seg_len, h)
+        if side is None:
+            lora_shrink(*args)
+        else:
+            with side.fork():
+                lora_shrink(*args)
+        return Shrunk(x2, h, side)
+
+    def expand(self, y: torch.Tensor, shrunk: Shrunk) -> torch.Tensor:
+        """y += h B^T in place (y [T, out], h from `shrink`), after joining the side stream."""
+        if shrunk.side is not None:
+            shrunk.side.join()
+        batch, num_tokens = self.batch, shrunk.x.shape[0]
+        lora_expand(y.view(num_tokens, -1), shrunk.h, self.lora_b,
+                    batch.sorted_token_ids[:num_tokens], batch.seg_start, batch.seg_len,
+                    self.offsets)
         return y
 
 

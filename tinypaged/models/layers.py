@@ -97,7 +97,8 @@ class RMSNorm(nn.Module):
 
 class LinearBase(nn.Module):
     """y = x W^T + b for this rank's slice: dense weight or the quant_config's tensors.
-    With LoRA (lora/layers.py) `lora` adds each token's adapter delta after the base matmul."""
+    With LoRA (lora/layers.py) `lora` adds each token's adapter delta after the base matmul
+    (its shrink may run beside the base matmul: lora/side_stream.py)."""
 
     lora = None
 
@@ -121,12 +122,18 @@ class LinearBase(nn.Module):
                 param.weight_loader = self.weight_loader
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lora = self.lora
+        # overlapped LoRA (TINYPAGED_LORA_OVERLAP=1, CUDA): the shrink starts first, on a side
+        # stream, and runs beside the base matmul; otherwise None and `apply` runs it after
+        shrunk = None if lora is None else lora.shrink_beside(x)
         if self.quant_config is None:
             # F.linear, or at decode batch sizes on CUDA the split-K GEMV where it beats cuBLAS
             y = dense_gemv.dense_linear(x, self.weight, bias)
         else:
             y = self.quant_config.apply(self, x, bias)
-        return y if self.lora is None else self.lora.apply(x, y)
+        if lora is None:
+            return y
+        return lora.apply(x, y) if shrunk is None else lora.expand(y, shrunk)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
