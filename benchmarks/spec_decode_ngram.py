@@ -24,6 +24,8 @@ import json
 import time
 from pathlib import Path
 
+from tinypaged.bench.compile_watch import CompileWatch
+
 TEXT = Path(__file__).resolve().parents[1] / "tinypaged" / "data" / "heldout.txt"
 
 
@@ -33,13 +35,17 @@ def prompts(n: int) -> list[list[dict]]:
               + paragraphs[i % len(paragraphs)]}] for i in range(n)]
 
 
-def timed(llm, batch: list, params) -> tuple[float, list]:
-    llm.chat(batch[:1], type(params)(max_tokens=8), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.chat(batch, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+def timed(llm, batch: list, params) -> tuple[float, list, dict]:
+    """(tok/s, each request's tokens, the kernels compiled while timed) of the second of two
+    identical runs: the first compiles what these shapes need (in either engine) and fills the
+    prefix cache, so both engines and both configurations are timed warm."""
+    llm.chat(batch, params, use_tqdm=False)
+    with CompileWatch() as watch:
+        start = time.perf_counter()
+        outs = llm.chat(batch, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outs]
-    return sum(map(len, tokens)) / elapsed, tokens
+    return sum(map(len, tokens)) / elapsed, tokens, watch.summary()
 
 
 def counters(llm) -> dict[str, int]:
@@ -91,12 +97,13 @@ def main() -> None:
     llm = LLM(speculative_config=dict(spec), **engine)  # vLLM fills in the dict it is given
     result: dict = {"engine": args.engine, "speculative_config": spec}
     for b in args.batch_sizes:
-        rate, tokens = timed(llm, prompts(b), params)
+        rate, tokens, compiles = timed(llm, prompts(b), params)
         same = sum(x == y for x, y in zip(tokens, base[b][1]))
         result[f"speedup_batch_{b}"] = rate / base[b][0]
         print(json.dumps({"engine": args.engine, "batch": b, "base_tok_s": round(base[b][0], 1),
                           "spec_tok_s": round(rate, 1), "speedup": round(rate / base[b][0], 3),
-                          "identical": f"{same}/{b}"}))
+                          "identical": f"{same}/{b}", "base_compiles": base[b][2]["compiles"],
+                          "spec_compiles": compiles["compiles"]}), flush=True)
     c = counters(llm)
     accepted = c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1)
     print(f"{args.engine} {spec}: acceptance rate {100 * accepted:.1f}%, mean acceptance length "
