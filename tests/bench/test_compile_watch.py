@@ -27,3 +27,9 @@ def test_counts_compiles_by_kernel_and_restores_the_hooks():
     assert summary["kernels"] == {"_lora_shrink_kernel": 2, "_lora_expand_kernel": 1}
     assert summary["compile_s"] >= 0
     assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
+
+
+def test_verbose_prints_each_compile(capsys):
+    with CompileWatch(verbose=True):
+        fake_compile("_dense_gemv_kernel")
+    assert "_dense_gemv_kernel" in capsys.readouterr().err

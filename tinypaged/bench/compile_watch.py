@@ -8,10 +8,17 @@ count beside their figures so that such a run is recognised (and the kernel name
     with CompileWatch() as watch:
         ...timed work...
     watch.summary()  # {"compiles": 3, "compile_s": 2.41, "kernels": {"_lora_shrink_kernel": 3}}
+
+Or around a whole script, each compile printed to stderr as it happens (its time from the start,
+its seconds, the kernel), between the script's own lines:
+
+    python -m tinypaged.bench.compile_watch SCRIPT.py [ARGS...]
 """
 
 from __future__ import annotations
 
+import runpy
+import sys
 import time
 from collections import Counter
 
@@ -19,7 +26,8 @@ from collections import Counter
 class CompileWatch:
     """Installs Triton's JIT hooks for the `with` block (a no-op where Triton is missing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, verbose: bool = False) -> None:
+        self.verbose, self.created = verbose, time.perf_counter()
         self.kernels: Counter[str] = Counter()
         self.seconds = 0.0
         self._started: float | None = None
@@ -30,10 +38,15 @@ class CompileWatch:
         return None  # go on and compile
 
     def _after(self, **hook_args):
+        name, took = hook_args["fn"].name, 0.0
         if self._started is not None:
-            self.seconds += time.perf_counter() - self._started
+            took = time.perf_counter() - self._started
+            self.seconds += took
             self._started = None
-        self.kernels[hook_args["fn"].name] += 1
+        self.kernels[name] += 1
+        if self.verbose:
+            print(f"[compile] t={time.perf_counter() - self.created:.1f}s {took:.2f}s {name}",
+                  file=sys.stderr, flush=True)
 
     def __enter__(self) -> CompileWatch:
         try:
@@ -54,3 +67,18 @@ class CompileWatch:
     def summary(self) -> dict:
         return {"compiles": sum(self.kernels.values()), "compile_s": round(self.seconds, 2),
                 "kernels": dict(self.kernels)}
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m tinypaged.bench.compile_watch SCRIPT.py [ARGS...]")
+    sys.argv = sys.argv[1:]
+    with CompileWatch(verbose=True) as watch:
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        finally:
+            print(f"[compile] {watch.summary()}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
