@@ -9,12 +9,17 @@ difference in step time is the machinery's cost). The oracle's table is the firs
 output.
 
 gpu   Llama-3-8B shape (random weights), prompts of --prompt-len tokens, async scheduling and
-      CUDA graphs as served. Per decode step: wall ms (timed, no profiler), then, from
-      torch.profiler over --profiled steps, GPU ms per kernel kind (GEMMs, attention, the
-      sampler / rejection sampler, the rest), GPU busy (the union of the kernels' intervals)
-      and idle (profiled wall - busy: the GPU waiting for the host), and the mean of each
-      step's largest idle gap. Kernels are put in a kind by the range they were launched in
-      ("sample": the sampler or rejection sampler) or else by name.
+      CUDA graphs as served (TINYPAGED_SPEC_DECODE_ATTENTION=0 in front: the verification
+      graphs' attention through the varlen kernel, as before). Per decode step: wall ms (timed,
+      no profiler); from torch.profiler over --profiled steps, GPU ms per kernel kind (GEMMs,
+      attention, the sampler / rejection sampler, the rest), GPU busy (the union of the
+      kernels' intervals), idle (profiled span - busy: the GPU waiting for the host) and the
+      mean of each step's largest idle gap; CUDA-graph replays per step (1: every step replayed
+      one; a verification step replays the graphs captured for k + 1 tokens a sequence).
+      Kernels are put in a kind by the range they were launched in ("sampling": the sampler or
+      the rejection sampler) or else by name. Host columns (timed steps, wall ms): the engine
+      thread blocked on a step's tokens, and (speculation) from their arrival to the next
+      forward's launch: host work that the GPU waits for.
 host  a tiny random Llama on the CPU (torch references), async scheduling on: this thread's
       CPU time per step outside the model's forward and logits, split into the part before
       the forward is launched (under speculation the GPU idles through it: the step needs the
@@ -141,19 +146,58 @@ def _attribute(trace: dict, num_steps: int) -> dict:
     return out
 
 
+class _HostClock:
+    """Wall time the engine thread spends waiting for a step's tokens (`collect`), and, where
+    a step's launch follows the tokens it needs (speculation), from their arrival to the return
+    of the launch (its forward queued): the host work the GPU waits for."""
+
+    def __init__(self, executor) -> None:
+        self.executor, self.collect, self.execute = executor, executor.collect, executor.execute
+        self.waited = self.critical = 0.0
+        self.num_critical, self.arrived = 0, None
+
+        def collect(tokens):
+            start = time.perf_counter()
+            try:
+                return self.collect(tokens)
+            finally:
+                self.arrived = time.perf_counter()
+                self.waited += self.arrived - start
+
+        def execute(*args, **kwargs):
+            try:
+                return self.execute(*args, **kwargs)
+            finally:
+                if self.arrived is not None:
+                    self.critical += time.perf_counter() - self.arrived
+                    self.num_critical += 1
+                    self.arrived = None
+
+        executor.collect, executor.execute = collect, execute
+
+    def undo(self) -> None:
+        del self.executor.collect, self.executor.execute  # back to the class's methods
+
+
 def _gpu_run(llm: LLM, prompts, args, tag: str) -> dict:
     engine = llm.engine
     samplers = [engine]
     if engine.spec is not None:
         samplers.append(engine.spec)
     saved = [s.sampler for s in samplers]
+    runner = engine.runner
+    graphs = [g for g in (runner.graphs, runner.spec_graphs) if g is not None]
     _start(engine, prompts, args.output_len, tag + "-t", warm=4)
     torch.cuda.synchronize()
+    replays = sum(g.num_runs for g in graphs)
+    host = _HostClock(engine.executor)
     start = time.perf_counter()
     for _ in range(args.timed):
         engine.step(finished_only=True)
     torch.cuda.synchronize()
     wall = 1e3 * (time.perf_counter() - start) / args.timed
+    host.undo()
+    replays = (sum(g.num_runs for g in graphs) - replays) / args.timed
     for s in samplers:
         s.sampler = _scoped("sp:sample", s.sampler)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -167,7 +211,9 @@ def _gpu_run(llm: LLM, prompts, args, tag: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(f"{tmp}/trace.json")
         row = _attribute(json.loads(Path(f"{tmp}/trace.json").read_text()), args.profiled)
-    row["wall"] = wall
+    row["wall"], row["graph_replays"] = wall, replays
+    row["host_wait"] = 1e3 * host.waited / args.timed
+    row["tokens_to_launch"] = 1e3 * host.critical / max(host.num_critical, 1)
     row["idle"] = max(row["span"] - row["busy"], 0.0)
     return row
 
@@ -177,7 +223,8 @@ def run_gpu(args) -> None:
 
     cfg, path = SHAPES[args.model_shape], str(shape_dir(args.model_shape))
     kwargs = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=max(args.batches),
-                  gpu_memory_utilization=args.gpu_memory_utilization)
+                  gpu_memory_utilization=args.gpu_memory_utilization,
+                  cudagraph_mode=args.cudagraph_mode)
     prompts = {b: _prompts(b, args.prompt_len, cfg["vocab_size"], seed=b) for b in args.batches}
     rows = {}
     llm = _engine(path, None, **kwargs)
@@ -197,12 +244,14 @@ def run_gpu(args) -> None:
           f"k={args.k}: ms per decode step (one token per sequence in both; acceptance "
           f"{100 * stats['acceptance_rate']:.1f}%)")
     print("| run | batch | wall | " + " | ".join(kinds)
-          + " | GPU busy | GPU idle | largest gap |")
-    print("|---|---|---|" + "---|" * (len(kinds) + 3))
+          + " | GPU busy | GPU idle | largest gap | graph replays | host wait | tokens to launch |")
+    print("|---|---|---|" + "---|" * (len(kinds) + 6))
     for (name, b), r in rows.items():
+        launch = "-" if name == "no spec" else f"{r['tokens_to_launch']:.3f}"
         cells = " | ".join(f"{r.get(k, 0.0):.3f}" for k in kinds)
         print(f"| {name} | {b} | {r['wall']:.3f} | {cells} | {r['busy']:.3f} | {r['idle']:.3f} "
-              f"| {r['largest_gap']:.3f} |")
+              f"| {r['largest_gap']:.3f} | {r['graph_replays']:.2f} | {r['host_wait']:.3f} "
+              f"| {launch} |")
     for b in args.batches:
         base, spec = rows["no spec", b], rows["oracle_miss", b]
         print(json.dumps({"batch": b, "ratio": round(base["wall"] / spec["wall"], 3),
@@ -313,6 +362,9 @@ def main() -> None:
     parser.add_argument("--timed", type=int, default=40, help="gpu: decode steps timed")
     parser.add_argument("--profiled", type=int, default=20, help="gpu: decode steps profiled")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="gpu")
+    parser.add_argument("--cudagraph-mode", default="FULL_DECODE_ONLY",
+                        help="gpu: the decode steps measured replay full graphs either way; "
+                             "piecewise graphs (prompt steps) only cost capture time here")
     parser.add_argument("--steps", type=int, default=60, help="host: steps timed")
     parser.add_argument("--profile", action="store_true", help="host: cProfile the spec run")
     parser.add_argument("--sort", default="tottime", help="host: cProfile order")
