@@ -106,7 +106,8 @@ def build_step(
             ) from None
         input_ids[holes] = 0
 
-    width = int(-(-seq_lens.max() // bs))
+    max_seq_len = int(seq_lens.max())
+    width = -(-max_seq_len // bs)
     tables = block_tables.rows(seqs)[:, :width].copy()
     slot_mapping = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
     if prompt_logits is not None and all(prompt_logits):  # a verification: every row
@@ -120,7 +121,8 @@ def build_step(
             logits_indices = np.flatnonzero(keep)  # in token order: sequence by sequence
     return StepInput(
         input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
-        tables, logits_indices, int(q_lens.max()), int(seq_lens.max()), prev_sample_indices,
+        tables, logits_indices, 1 if total == num_seqs else int(q_lens.max()), max_seq_len,
+        prev_sample_indices,
     )
 
 
