@@ -12,14 +12,15 @@ gpu   Llama-3-8B shape (random weights), prompts of --prompt-len tokens, async s
       CUDA graphs as served (TINYPAGED_SPEC_DECODE_ATTENTION=0 in front: the verification
       graphs' attention through the varlen kernel, as before). Per decode step: wall ms (timed,
       no profiler); from torch.profiler over --profiled steps, GPU ms per kernel kind (GEMMs,
-      attention, the sampler / rejection sampler, the rest), GPU busy (the union of the
-      kernels' intervals), idle (profiled span - busy: the GPU waiting for the host) and the
-      mean of each step's largest idle gap; CUDA-graph replays per step (1: every step replayed
-      one; a verification step replays the graphs captured for k + 1 tokens a sequence).
-      Kernels are put in a kind by the range they were launched in ("sampling": the sampler or
-      the rejection sampler) or else by name. Host columns (timed steps, wall ms): the engine
-      thread blocked on a step's tokens, and (speculation) from their arrival to the next
-      forward's launch: host work that the GPU waits for.
+      attention, the sampler / rejection sampler, the rest) and GPU busy (the union of the
+      kernels' intervals); idle = timed wall - busy (the GPU waiting for the host); the mean of
+      each step's largest idle gap (profiled: the profiler slows the host, so somewhat longer);
+      CUDA-graph replays per step (1: every step replayed one; a verification step replays the
+      graphs captured for k + 1 tokens a sequence). Kernels are put in a kind by the range they
+      were launched in ("sampling": the sampler or the rejection sampler) or else by name. Host
+      columns (timed steps, wall ms): the engine thread blocked on a step's tokens, and
+      (speculation) from their arrival to the next forward's launch: host work that the GPU
+      waits for.
 host  a tiny random Llama on the CPU (torch references), async scheduling on: this thread's
       CPU time per step outside the model's forward and logits, split into the part before
       the forward is launched (under speculation the GPU idles through it: the step needs the
@@ -214,7 +215,7 @@ def _gpu_run(llm: LLM, prompts, args, tag: str) -> dict:
     row["wall"], row["graph_replays"] = wall, replays
     row["host_wait"] = 1e3 * host.waited / args.timed
     row["tokens_to_launch"] = 1e3 * host.critical / max(host.num_critical, 1)
-    row["idle"] = max(row["span"] - row["busy"], 0.0)
+    row["idle"] = max(wall - row["busy"], 0.0)  # the profiler slows the host, not the GPU
     return row
 
 
