@@ -244,8 +244,12 @@ def run_gpu(args) -> None:
     llm.shutdown()
     del llm
     _release()
+    print_gpu(rows, stats, args, torch.cuda.get_device_name())
+
+
+def print_gpu(rows: dict, stats: dict, args, device: str) -> None:
     kinds = ["gemm", "attention", "sampling", "copies", "other"]
-    print(f"{torch.cuda.get_device_name()}, {args.model_shape} shape, prompt {args.prompt_len}, "
+    print(f"{device}, {args.model_shape} shape, prompt {args.prompt_len}, "
           f"k={args.k}: ms per decode step (one token per sequence in both; acceptance "
           f"{100 * stats['acceptance_rate']:.1f}%)")
     print("| run | batch | wall | " + " | ".join(kinds)
