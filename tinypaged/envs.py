@@ -101,6 +101,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "0 sends every dense decode linear to F.linear, not the Triton GEMV (for A/B benchmarks)",
         _is_not_zero,
     ),
+    "TINYPAGED_SPEC_DECODE_ATTENTION": EnvVar(
+        "bool", True,
+        "0 runs the attention of speculative verification graphs (k + 1 tokens a sequence) "
+        "through the varlen kernel, not as one split-KV decode per token (for A/B benchmarks)",
+        _is_not_zero,
+    ),
     "TINYPAGED_LORA_PDL": EnvVar(
         "bool", False,
         "1 chains the LoRA expand to its shrink by programmatic dependent launch for batches of "

@@ -15,6 +15,7 @@ from tinypaged.kernels.attention import paged_attention, paged_attention_ref, pa
 from tinypaged.kernels.attention_decode import decode_attention_triton
 from tinypaged.kernels.attention_hopper import hopper_attention_triton
 from tinypaged.kernels.attention_varlen import varlen_attention_triton
+from tinypaged.models.attention_metadata import AttentionMetadata, as_decodes
 
 # Triton 3.6's interpreter turns loop bounds into ints through 1-element arrays (numpy < 2.4 warns),
 # and an empty decode split takes log2(0) = -inf on purpose
@@ -143,6 +144,28 @@ def test_decode_one_split(combo):
 def test_mixed_batch(combo):
     # a decode, a prefill and a chunk over a prefix in one launch
     check_kernel([1, 20, 5, 1], [37, 20, 45, 16], combo)
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+def test_verification_batch_as_one_token_decodes(combo):
+    # speculative verification (q = 5 new tokens for every sequence, one of them a whole
+    # prompt): as_decodes sends each token through the split-KV decode kernel, attending to
+    # the keys up to its own position; the output is the reference's over the original batch
+    dtype, head_dim, group, block_size, block_n = combo
+    q = 5
+    batch = Batch([q] * 3, [5, 23, 70], group, head_dim, block_size, dtype)
+    md = AttentionMetadata(torch.zeros(3 * q, dtype=torch.int64), batch.query_start_loc,
+                           batch.seq_lens, batch.block_tables, max_query_len=q, max_seq_len=70)
+    decodes = as_decodes(md, q)
+    assert decodes.max_query_len == 1 and decodes.max_seq_len == 70
+    assert decodes.seq_lens.tolist() == [*range(1, 6), *range(19, 24), *range(66, 71)]
+    assert decodes.query_start_loc.tolist() == list(range(3 * q + 1))
+    assert torch.equal(decodes.block_tables[5:10], batch.block_tables[1].expand(5, -1))
+    out = paged_attention_triton(
+        batch.q, batch.k_cache, batch.v_cache, decodes.block_tables, decodes.seq_lens,
+        decodes.query_start_loc, batch.scale, max_query_len=1, max_seq_len=70, num_splits=3,
+        config={"block_n": block_n})
+    assert_close(out, batch.run(paged_attention_ref), dtype)
 
 
 # windows of 1 token, smaller than a key tile, between tiles, equal to the longest context, larger

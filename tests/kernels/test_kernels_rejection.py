@@ -47,6 +47,12 @@ def test_kernel_all_greedy_and_no_drafts():
     got = ops.rejection_sample_triton(draft, num, starts, greedy, None, None, uniform, recovered)
     assert torch.equal(got, ops.rejection_sample_ref(draft, num, starts, greedy, None, None,
                                                      uniform, recovered))
+    # as the rejection sampler passes them: int64 counts and flags, no uniforms
+    packed = ops.rejection_sample_triton(draft, num.long(), starts, greedy.long(), None, None,
+                                         torch.empty(0), recovered)
+    assert torch.equal(packed, got)
+    assert torch.equal(packed, ops.rejection_sample_ref(draft, num.long(), starts, greedy.long(),
+                                                        None, None, torch.empty(0), recovered))
     s = starts[1].item()
     assert got[1, :3].tolist() == recovered[s : s + 3].tolist()  # 2 accepted + the correction
     assert got[2, 0] == recovered[starts[2]] and (got[2, 1:] == -1).all()  # the bonus alone

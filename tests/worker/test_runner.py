@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.models import tiny_hf_model
 
-from tinypaged import LLM, SamplingParams
+from tinypaged import LLM, SamplingParams, envs
 from tinypaged.kernels import norm
 from tinypaged.scheduler import ScheduledSequence, Sequence
 from tinypaged.worker.input_batch import HostBlockTables, build_step
@@ -164,6 +164,47 @@ def test_block_rows_grow_for_a_batch_wider_than_max_num_seqs(tables):
         s.block_table = [i]
     check(tables, [ScheduledSequence(s, 3, 0, sample=True) for s in seqs])
     assert np.array_equal(build_step([decode(seqs[0])], BLOCK, tables).block_tables, [[0]])
+
+
+@pytest.mark.parametrize("decodes", [True, False])
+def test_verification_graph_attends_as_the_eager_step(decodes, monkeypatch):
+    """A verification step (q = 3 tokens for each of 3 sequences) staged in a bucket of 4, as
+    DecodeGraphs.run stages it: the metadata the graph's attention reads (one-token decodes, or
+    with TINYPAGED_SPEC_DECODE_ATTENTION=0 the varlen batch) gives the eager step's attention
+    on the real rows; the padding row reads block 0 only."""
+    from types import SimpleNamespace
+
+    from tinypaged.kernels.attention import paged_attention_ref
+    from tinypaged.models.attention_metadata import AttentionMetadata
+    from tinypaged.worker.cuda_graphs import DecodeGraphs, _Fields
+
+    monkeypatch.setenv("TINYPAGED_SPEC_DECODE_ATTENTION", "1" if decodes else "0")
+    q, bs, mb, batch = 3, 4, 6, 3
+    seqs = [Sequence(f"v{i}", list(range(5 + 4 * i))) for i in range(batch)]
+    for i, s in enumerate(seqs):
+        s.block_table = list(range(1 + 6 * i, 1 + 6 * i + mb))
+    # the last token and q - 1 drafts: k + 1 = q new tokens each
+    items = [ScheduledSequence(s, q, len(s) - 1, True, [7] * (q - 1)) for s in seqs]
+    step = build_step(items, BLOCK, HostBlockTables(8, mb), [True] * batch)
+    host64, host32 = np.zeros(4 * bs * q, np.int64), np.zeros(bs * (1 + mb), np.int32)
+    _Fields(host64, host32, bs, mb, q).fill(step, batch)
+    dev = _Fields(torch.from_numpy(host64), torch.from_numpy(host32), bs, mb, q)
+    graphs = SimpleNamespace(q=q, runner=SimpleNamespace(max_model_len=64),
+                             query_start_loc=torch.arange(bs + 1, dtype=torch.int32) * q,
+                             decodes=q > 1 and envs.TINYPAGED_SPEC_DECODE_ATTENTION)  # __init__'s
+    md = DecodeGraphs._metadata(graphs, dev, bs)
+    assert md.max_query_len == (1 if decodes else q)
+    g = torch.Generator().manual_seed(0)
+    cache = [torch.randn(1 + 6 * batch, BLOCK, 2, 8, generator=g) for _ in range(2)]
+    queries = torch.randn(bs * q, 4, 8, generator=g)
+    graph_out = paged_attention_ref(queries, *cache, md.block_tables, md.seq_lens,
+                                    md.query_start_loc, 0.3)
+    eager = AttentionMetadata(*(torch.from_numpy(a) for a in (
+        step.slot_mapping, step.query_start_loc, step.seq_lens, step.block_tables)),
+        max_query_len=q, max_seq_len=step.max_seq_len)
+    eager_out = paged_attention_ref(queries[: batch * q], *cache, eager.block_tables,
+                                    eager.seq_lens, eager.query_start_loc, 0.3)
+    torch.testing.assert_close(graph_out[: batch * q], eager_out)
 
 
 def test_graph_staging_layout_reads_back_on_the_device_side():

@@ -31,12 +31,12 @@ from tinypaged.kernels._triton import jit, tl, use_triton
 def _rejection_kernel(
     OUT,  # [N, K + 1] int64, filled with -1 beforehand
     DRAFT,  # [N, K] int64
-    NUM_DRAFT,  # [N] int32
+    NUM_DRAFT,  # [N] int32 or int64
     ROW_START,  # [N] int64
-    GREEDY,  # [N] int32 (1 = greedy)
+    GREEDY,  # [N] int32 or int64 (1 = greedy)
     TARGET_PROBS,  # [R, V] float32 (unused when ALL_GREEDY)
     DRAFT_PROBS,  # [R, V] float32 (unused unless HAS_DRAFT_PROBS)
-    UNIFORM,  # [R] float32
+    UNIFORM,  # [R] float32 (unused when ALL_GREEDY)
     RECOVERED,  # [R] int64
     vocab_size,
     K: tl.constexpr,
@@ -84,10 +84,14 @@ def rejection_sample_triton(
         out[:, 0] = recovered[row_start]
         return out
     all_greedy = target_probs is None
-    probs = uniform if all_greedy else target_probs  # a placeholder pointer when unused
+    probs = recovered if all_greedy else target_probs  # a placeholder pointer when unused
+    # Integer inputs are read as they come (the rejection sampler packs them as int64 in one
+    # copy): a cast would be one more launch after the forward, which the step waits for.
+    if greedy.dtype == torch.bool:
+        greedy = greedy.to(torch.int32)
     _rejection_kernel[(num_seqs,)](
-        out, draft.contiguous(), num_draft.to(torch.int32), row_start,
-        greedy.to(torch.int32), probs, probs if draft_probs is None else draft_probs,
+        out, draft.contiguous(), num_draft, row_start,
+        greedy, probs, probs if draft_probs is None else draft_probs,
         uniform, recovered, 0 if all_greedy else target_probs.shape[1],
         K=k, HAS_DRAFT_PROBS=draft_probs is not None, ALL_GREEDY=all_greedy, num_warps=1,
     )
@@ -130,9 +134,10 @@ def rejection_sample(
     """Emitted tokens [N, K + 1] (int64, -1 after each row's last) of the accept/reject walk.
 
     draft [N, K] int64 (entries past num_draft[i] ignored); num_draft [N] int; row_start [N]
-    int64: row of position 0 of sequence i in the flat [R] / [R, V] arrays; greedy [N] bool;
-    target_probs [R, V] float32 or None when every row is greedy; draft_probs [R, V] or None
-    (proposals with certainty); uniform [R] float32; recovered [R] int64 (module docstring)."""
+    int64: row of position 0 of sequence i in the flat [R] / [R, V] arrays; greedy [N] bool
+    or int (1 = greedy); target_probs [R, V] float32 or None when every row is greedy;
+    draft_probs [R, V] or None (proposals with certainty); uniform [R] float32 (not read when
+    target_probs is None: may be empty); recovered [R] int64 (module docstring)."""
     if draft.dim() != 2 or num_draft.shape != (draft.shape[0],):
         raise ValueError(
             f"draft must be [N, K] and num_draft [N], got {tuple(draft.shape)} and "

@@ -4,6 +4,14 @@ B sequences, T new tokens in all. Sequence b's new tokens are rows
 `query_start_loc[b] : query_start_loc[b+1]` of every [T, ...] tensor; its whole context
 (cached + new, new ones last) is `seq_lens[b]` tokens long and lives in the KV-cache blocks
 `block_tables[b, :ceil(seq_lens[b] / block_size)]`.
+
+`as_decodes` rewrites a batch in which every sequence has the same q new tokens (a speculative
+verification: k + 1 each) as B * q one-token decodes: new token i of sequence b, at position
+seq_lens[b] - q + i, attends causally to exactly the keys a decode of a sequence of length
+seq_lens[b] - q + i + 1 over the same blocks attends to. The attention then runs the split-KV
+decode kernel, whose grid (Hk, B * q, splits) fills the GPU, where the varlen kernel would give
+a short query of one sequence a single program per KV head walking the whole context; the q
+copies of a sequence read the same K/V, mostly from L2.
 """
 
 from __future__ import annotations
@@ -21,3 +29,16 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int  # max over b of new tokens; 1 means a pure-decode batch
     max_seq_len: int  # max over b of seq_lens
+
+
+def as_decodes(md: AttentionMetadata, q: int) -> AttentionMetadata:
+    """`md` of B sequences with q new tokens each (T = B * q) as T one-token decodes, built on
+    the device with no host sync (CUDA-graph capturable); the slots stay as they are."""
+    num_seqs = md.seq_lens.shape[0]
+    offsets = torch.arange(1 - q, 1, dtype=md.seq_lens.dtype, device=md.seq_lens.device)
+    seq_lens = (md.seq_lens[:, None] + offsets[None, :]).reshape(-1)  # [B * q]
+    block_tables = md.block_tables[:, None].expand(-1, q, -1).reshape(num_seqs * q, -1)
+    query_start_loc = torch.arange(num_seqs * q + 1, dtype=md.query_start_loc.dtype,
+                                   device=md.query_start_loc.device)  # [B * q + 1]
+    return AttentionMetadata(md.slot_mapping, query_start_loc, seq_lens, block_tables,
+                             max_query_len=1, max_seq_len=md.max_seq_len)

@@ -56,7 +56,8 @@ class RejectionSampler:
         device = logits.device
         n = len(drafts)
         k = max(map(len, drafts), default=0)
-        # One host->device copy: drafts [N, K] (0-padded) | num_draft [N] | row_start [N].
+        # One host->device copy: drafts [N, K] (0-padded) | num_draft [N] | row_start [N]
+        # (| greedy [N], all 1, when every row is greedy: no kernels fill it after the forward).
         packed, counts, starts, num_rows = [], [], [], 0
         for d in drafts:
             packed += d
@@ -69,14 +70,16 @@ class RejectionSampler:
                 f"{n} sequences with {num_rows - n} drafts need {num_rows} rows; got "
                 f"{logits.shape[0]} logits rows and a batch of {batch.num_rows}"
             )
-        on_device = self._to_device(packed + counts + starts, device)
+        all_greedy = batch.all_greedy
+        on_device = self._to_device(packed + counts + starts + [1] * (n if all_greedy else 0),
+                                    device)
         draft = on_device[: n * k].view(n, k)
-        num_draft, row_start = on_device[n * k : n * k + n], on_device[n * k + n :]
+        num_draft, row_start = on_device[n * k : n * k + n], on_device[n * k + n : n * k + 2 * n]
 
         argmax, probs, raw = processed_probs(logits, batch)
-        if probs is None:  # every row greedy
-            greedy = torch.ones(len(drafts), dtype=torch.bool, device=device)
-            uniform = torch.zeros(num_rows, dtype=torch.float32, device=device)
+        if probs is None:  # every row greedy: no uniforms are read (an empty placeholder)
+            greedy = on_device[n * k + 2 * n :]
+            uniform = torch.empty(0, dtype=torch.float32, device=device)
             out = rejection_sample(draft, num_draft, row_start, greedy, None, None, uniform,
                                    argmax)
             return out, raw

@@ -15,9 +15,11 @@ staging that would make the host wait for the copy (a strided or pageable source
 The runner's StepInput of B decodes (the same arrays an eager step reads) fills the first B
 entries of each field; entries B..bs-1 are padding: slot -1 (no KV store), seq_len 1 over the
 first block their row names, and their logits are dropped. Attention is captured with
-`max_seq_len = max_model_len` so its split count does not depend on the live batch. The graph
-begins with the placeholders' gather from the runner's `sampled_ids` (async scheduling), so a
-replay reads the previous step's samples where that step left them.
+`max_seq_len = max_model_len` so its split count does not depend on the live batch. Graphs
+of verification steps (q = k + 1 tokens a sequence) run their attention as B * q one-token
+decodes (attention_metadata.as_decodes): a batch of one or a few sequences then keeps every SM
+streaming K/V. The graph begins with the placeholders' gather from the runner's `sampled_ids`
+(async scheduling), so a replay reads the previous step's samples where that step left them.
 
 The pinned buffers come in two sets used in turn: under async scheduling the host stages step
 N+1 while step N's copy may still be queued behind the GPU's work (step N-1 has been processed by
@@ -32,7 +34,8 @@ import logging
 
 import torch
 
-from tinypaged.models.attention_metadata import AttentionMetadata
+from tinypaged import envs
+from tinypaged.models.attention_metadata import AttentionMetadata, as_decodes
 from tinypaged.worker.input_batch import StepInput, gather_input_ids
 
 logger = logging.getLogger(__name__)
@@ -107,6 +110,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.aux: dict[int, torch.Tensor | None] = {}  # the EAGLE / MTP heads' hidden states
+        self.decodes = q > 1 and envs.TINYPAGED_SPEC_DECODE_ATTENTION  # read before capture
         self._capture()
 
     def fits(self, batch_size: int) -> bool:
@@ -119,19 +123,14 @@ class DecodeGraphs:
         for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
             f = _Fields(self.ids64, self.ids32, bs, self.mb, self.q)
             f.pad(0)
-            md = AttentionMetadata(
-                slot_mapping=f.slot_mapping, query_start_loc=self.query_start_loc[: bs + 1],
-                seq_lens=f.seq_lens, block_tables=f.block_tables, max_query_len=self.q,
-                max_seq_len=self.runner.max_model_len,
-            )
             for _ in range(2):  # warm up: compile kernels, settle the allocator
-                model.compute_logits(model(f.input_ids, f.positions, md))
+                model.compute_logits(model(f.input_ids, f.positions, self._metadata(f, bs)))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 input_ids = gather_input_ids(f.input_ids, f.prev_sample_indices,
                                              self.runner.sampled_ids)
-                hidden = model(input_ids, f.positions, md)
+                hidden = model(input_ids, f.positions, self._metadata(f, bs))
                 self.logits[bs] = model.compute_logits(hidden)
             self.aux[bs] = getattr(model, "aux_hidden_states", None)  # None: none kept
             pool = graph.pool()
@@ -139,6 +138,17 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s%s", self.buckets,
                     f" ({self.q} tokens per sequence)" if self.q > 1 else "")
+
+    def _metadata(self, f: _Fields, bs: int) -> AttentionMetadata:
+        """The attention's view of bucket bs; with q > 1 (verification) built in the graph as
+        bs * q one-token decodes (attention_metadata.as_decodes), unless
+        TINYPAGED_SPEC_DECODE_ATTENTION=0 keeps the varlen kernel."""
+        md = AttentionMetadata(
+            slot_mapping=f.slot_mapping, query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=f.seq_lens, block_tables=f.block_tables, max_query_len=self.q,
+            max_seq_len=self.runner.max_model_len,
+        )
+        return as_decodes(md, self.q) if self.decodes else md
 
     def run(self, step: StepInput) -> torch.Tensor:
         """Replay the bucket that fits a decode step of B sequences; returns logits [B, vocab]

@@ -106,18 +106,23 @@ def build_step(
             ) from None
         input_ids[holes] = 0
 
-    width = int(-(-seq_lens.max() // bs))
+    max_seq_len = int(seq_lens.max())
+    width = -(-max_seq_len // bs)
     tables = block_tables.rows(seqs)[:, :width].copy()
     slot_mapping = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
-    sample = np.fromiter(map(_sample, scheduled), bool, num_seqs)
-    logits_indices = (cu[1:] - 1)[sample]  # [S]: the last new token of each sampled seq
-    if prompt_logits is not None and any(prompt_logits):  # every step of speculative decoding
-        keep = np.fromiter(prompt_logits, bool, num_seqs)[seq_idx]  # [T]: every row of its seq
-        keep[logits_indices] = True
-        logits_indices = np.flatnonzero(keep)  # in token order: sequence by sequence
+    if prompt_logits is not None and all(prompt_logits):  # a verification: every row
+        logits_indices = np.arange(total)
+    else:
+        sample = np.fromiter(map(_sample, scheduled), bool, num_seqs)
+        logits_indices = (cu[1:] - 1)[sample]  # [S]: the last new token of each sampled seq
+        if prompt_logits is not None and any(prompt_logits):
+            keep = np.fromiter(prompt_logits, bool, num_seqs)[seq_idx]  # [T]: all its rows
+            keep[logits_indices] = True
+            logits_indices = np.flatnonzero(keep)  # in token order: sequence by sequence
     return StepInput(
         input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
-        tables, logits_indices, int(q_lens.max()), int(seq_lens.max()), prev_sample_indices,
+        tables, logits_indices, 1 if total == num_seqs else int(q_lens.max()), max_seq_len,
+        prev_sample_indices,
     )
 
 
