@@ -144,13 +144,17 @@ def _step(acc, x_ptr, u8_ptr, i8_ptr, f16_ptr, row, nb, step, stride_xm, M, K,
         s_hi = d * tl.load(s_ptr + 2 + a).to(tl.float32)  # quarter 2 + a
         q_lo = (qs & 0xF) | (((qh >> (2 * a)) & 3) << 4)
         q_hi = (qs >> 4) | (((qh >> (4 + 2 * a)) & 3) << 4)
-        i = tl.arange(0, 128)[:, None]  # the product's column 16 u + c
-        ih = i // 16 % 4
-        k_lo = step * 256 + ih // 2 * 128 + i // 64 * 32 + ih % 2 * 16 + _chunk_pos(i % 16)
-        acc = _dot(acc, _weights(q_lo, s_lo, -32.0 * s_lo, 6, DTYPE), x_ptr, stride_xm, M, K,
-                   k_lo, BLOCK_N, BLOCK_M, DOT_PRECISION)
-        acc = _dot(acc, _weights(q_hi, s_hi, -32.0 * s_hi, 6, DTYPE), x_ptr, stride_xm, M, K,
-                   k_lo + 64, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        # one product of K = 256: the two nibbles of a byte side by side ([BN 8, 16, 2], each
+        # thread then holds 32 consecutive weights of a row, which it stores to shared memory
+        # for the MMA as whole vectors; two [BN 8, 16] products stored them 2 bytes at a time)
+        w = tl.join(_weights(q_lo, s_lo, -32.0 * s_lo, 6, DTYPE),
+                    _weights(q_hi, s_hi, -32.0 * s_hi, 6, DTYPE))
+        i = tl.arange(0, 256)[:, None]  # the product's column 32 u + 2 c + nibble
+        iu, ic = i // 32, i % 32 // 2
+        k = (step * 256 + iu % 4 // 2 * 128 + (iu // 4 + i % 2 * 2) * 32 + iu % 2 * 16
+             + _chunk_pos(ic))
+        acc = _dot(acc, tl.reshape(w, (BLOCK_N * 8, 32)), x_ptr, stride_xm, M, K, k, BLOCK_N,
+                   BLOCK_M, DOT_PRECISION)
     else:  # legacy: sub-row b is block 8 step + b (those < nb: a row's last step may be short)
         blk = step * 8 + tl.arange(0, BLOCK_N * 8)[:, None] % 8  # [BN 8, 1]
         ok = blk < nb
