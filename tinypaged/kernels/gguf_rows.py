@@ -24,8 +24,8 @@ go through the tensor cores, as the dense GEMV (dense_gemv.py) does:
 gguf_mma.py (Q4_K / Q6_K only) computes the same product one sub-block at a time: 8 (Q4_K) or
 16 (Q6_K) tl.dot calls of K = 32 / 16 a super-block, each staging its operands, applying the
 sub-block's scale to the fp32 accumulator, and loading the scale bytes one sub-block at a time.
-This kernel makes two products of K = 128 (Q8_0: one of 256) a step and pipelines the steps'
-loads (num_stages).
+This kernel makes one or two products of K = 256 or 128 a step, with scales applied to the
+weights before the product, and pipelines the steps' loads (num_stages).
 """
 
 from __future__ import annotations
@@ -54,7 +54,13 @@ SUB_ROWS = tl.constexpr({2: 8, 3: 8, 8: 8, 12: 4, 13: 4, 14: 8})
 def _weights(q, scale, mn, BITS: tl.constexpr, DTYPE: tl.constexpr):
     # scale * q + mn in DTYPE for integers 0 <= q < 2**BITS (scale, mn broadcast against q):
     # f = 1 + q 2**-BITS by OR-ing q into 1.0's mantissa, then one FMA with a = scale 2**BITS
-    f = ((q << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True)
+    return _scaled(((q << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True), scale, mn,
+                   BITS, DTYPE)
+
+
+@jit
+def _scaled(f, scale, mn, BITS: tl.constexpr, DTYPE: tl.constexpr):
+    # scale * q + mn in DTYPE from f = 1 + q 2**-BITS: one FMA with a = scale 2**BITS
     a = scale * (1 << BITS)
     return (f * a + (mn - a)).to(DTYPE)
 
@@ -160,14 +166,16 @@ def _step(acc, x_ptr, u8_ptr, i8_ptr, f16_ptr, row, nb, step, stride_xm, M, K,
         ok = blk < nb
         if QTYPE == 8:  # Q8_0: qs 32 T | d
             t = tl.arange(0, 32)[None, :]
-            qs = tl.load(u8_ptr + row + blk * 32 + t, mask=ok, other=0).to(tl.int32)
+            q = tl.load(i8_ptr + row + blk * 32 + t, mask=ok, other=0).to(tl.int32)
             d = tl.load(f16_ptr + (row + nb * 32) // 2 + blk, mask=ok, other=0.0)
             d = d.to(tl.float32)
+            # int8 q: 1 + (q + 128) 2**-8 is the float of bits (q << 15) + those of 1 + 2**-1
+            # (q + 128 < 256 never carries into the exponent): one multiply-add a weight
+            f = ((q << 15) + 0x3FC00000).to(tl.float32, bitcast=True)
             i = tl.arange(0, 256)[:, None]  # the product's column 32 b + t
             k = (step * 8 + i // 32) * 32 + i % 32 // 16 * 16 + _chunk_pos(i % 16)
-            # int8 q: the byte XOR 0x80 is q + 128, 8 bits
-            acc = _dot(acc, _weights(qs ^ 0x80, d, -128.0 * d, 8, DTYPE), x_ptr, stride_xm, M,
-                       K, k, BLOCK_N, BLOCK_M, DOT_PRECISION)
+            acc = _dot(acc, _scaled(f, d, -128.0 * d, 8, DTYPE), x_ptr, stride_xm, M, K, k,
+                       BLOCK_N, BLOCK_M, DOT_PRECISION)
         else:  # Q4_0: qs 16 T | d; Q4_1: qs 16 T | d | m; byte j: weights j and 16 + j
             c = tl.arange(0, 16)[None, :]
             qs = tl.load(u8_ptr + row + blk * 16 + c, mask=ok, other=0).to(tl.int32)
