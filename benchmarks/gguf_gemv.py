@@ -192,7 +192,8 @@ def kernels(args, deadline):
             del weights, ref
 
 
-ROWS_SWEEP = ["64/4/2", "32/4/2", "64/4/3", "128/4/2", "128/8/2", "64/8/3"]
+ROWS_SWEEP = ["64/4/2", "64/4/2/a", "32/4/2/a", "64/4/3/a", "128/4/2/a", "128/8/2/a",
+              "64/4/2/2/a"]
 ROWS_SHAPES = ["qkv", "o", "gate_up", "down"]  # a layer's linears, summed by --sweep-rows
 
 
@@ -252,13 +253,14 @@ def rows_table(args, deadline):
 
 
 def rows_sweep(args, deadline):
-    """gguf_rows' tiles (block_n/warps/stages[/programs per SM]) per type and M, summed over a
+    """gguf_rows' tiles (block_n/warps/stages[/programs per SM][/a]) per type and M, summed over a
     layer's linears; prints the fastest as kernels/gguf.py's ROWS_CONFIGS."""
     configs = []
-    for c in args.rows_configs:
-        b, w, st, *pps = map(int, c.split("/"))
+    for c in args.rows_configs:  # /a: the 4-bit types' PTX nibbles (Q4_K, Q5_K, Q4_0, Q4_1)
+        b, w, st, *pps = map(int, c.removesuffix("/a").split("/"))
         configs.append(dict(block_n=b, num_warps=w, num_stages=st,
-                            **({"programs_per_sm": pps[0]} if pps else {})))
+                            **({"programs_per_sm": pps[0]} if pps else {}),
+                            **({"asm": True} if c.endswith("/a") else {})))
     best = {}
     print("| type | M | block_n/warps/stages[/pps] | " + " | ".join(ROWS_SHAPES)
           + " | layer us |")
@@ -274,6 +276,8 @@ def rows_sweep(args, deadline):
                 if time.time() > deadline:
                     print("(time budget spent: stopping)")
                     break
+                if config.get("asm") and type_id not in (2, 3, 12, 13):  # the same kernel
+                    continue
                 t = timed(x, weights, type_id, dict(rows=config))
                 per_shape[i].append(t if t is not None else float("inf"))
             del weights
@@ -481,7 +485,8 @@ def main():
     parser.add_argument("--sweep-rows", action="store_true",
                         help="rows stage: sweep gguf_rows' tiles at --sweep-m rows instead")
     parser.add_argument("--rows-configs", nargs="+", default=ROWS_SWEEP,
-                        help="block_n/warps/stages[/programs per SM] of gguf_rows (--sweep-rows)")
+                        help="block_n/warps/stages[/programs per SM][/a] of gguf_rows "
+                        "(--sweep-rows; /a: PTX nibbles)")
     args = parser.parse_args()
     args.sweep_m = args.sweep_m or ([8, 16] if args.sweep_rows else [1])
     args.types_given = args.types is not None

@@ -194,9 +194,11 @@ GGUF_LAUNCHES = r"""import os
 from tinypaged.kernels import gguf
 from tinypaged.kernels.gguf_format import QUANTIZED_TYPES, row_bytes
 from tinypaged.kernels.gguf_mma import gguf_mma
+from tinypaged.kernels import gguf_rows as rows_module
 from tinypaged.kernels.gguf_rows import gguf_rows
 
 os.environ["TRITON_INTERPRET"] = "1"  # after the import: only so the launchers pick the kernels
+rows_module.interpreting = lambda: False  # gguf_rows' PTX (asm=True) is compiled, not skipped
 
 for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 on Q4_K_M's two
     qweight = torch.zeros(4096, row_bytes(type_id, 4096), dtype=torch.uint8)
@@ -208,7 +210,7 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
         gguf_mma(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, xs_dot=True)
         gguf.gguf_gemv(torch.randn(1, 4096).to(torch.bfloat16), qweight, type_id, block_n=32,
                        prefetch=True, asm=True)
-    for config in ({}, dict(block_n=128, num_warps=8, num_stages=3)):  # the sweep's extremes
+    for config in ({}, dict(block_n=128, num_warps=8, num_stages=3, asm=True)):  # the sweep's
         gguf_rows(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, split_k=4, **config)
     gguf_rows(torch.randn(16, 4096).to(torch.float16), qweight, type_id, block_n=32, split_k=1)
 """

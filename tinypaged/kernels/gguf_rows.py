@@ -32,7 +32,14 @@ from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels._triton import cdiv, dot_precision, jit, next_power_of_2, tl
+from tinypaged.kernels._triton import (
+    cdiv,
+    dot_precision,
+    interpreting,
+    jit,
+    next_power_of_2,
+    tl,
+)
 from tinypaged.kernels.gguf_format import check_qweight, gguf_dequantize_reference
 from tinypaged.kernels.gguf_layout import to_file_layout
 from tinypaged.kernels.split_k import (
@@ -63,6 +70,33 @@ def _scaled(f, scale, mn, BITS: tl.constexpr, DTYPE: tl.constexpr):
     # scale * q + mn in DTYPE from f = 1 + q 2**-BITS: one FMA with a = scale 2**BITS
     a = scale * (1 << BITS)
     return (f * a + (mn - a)).to(DTYPE)
+
+
+def _nibble_asm(at: int, high: int) -> str:
+    # PTX for 4 bytes packed in $4 -> $0..$3: nibble `high` of byte j moved to bits at..at + 3
+    # (one shift) and masked and OR-ed into 1.0's bits (one lop3: (a & b) | c)
+    lines = ["{ .reg .b32 t, one; mov.b32 one, 0x3F800000;"]
+    for j in range(4):
+        shift = at - 8 * j - 4 * high
+        lines.append(f"shl.b32 t, $4, {shift};" if shift >= 0 else f"shr.u32 t, $4, {-shift};")
+        lines.append(f"lop3.b32 ${j}, t, {0xF << at:#x}, one, 0xEA;")
+    return " ".join(lines) + " }"
+
+
+# (bit the nibble goes to, which nibble) -> the PTX of _nibble_bits (Q4_K / Q4_0 / Q4_1: 19,
+# Q5_K: 18, below its fifth bit)
+NIBBLE_ASM = tl.constexpr({(at, high): _nibble_asm(at, high) for at in (18, 19) for high in (0, 1)})
+
+
+@jit
+def _nibble_bits(qs, HIGH: tl.constexpr, AT: tl.constexpr, ASM: tl.constexpr):
+    # uint8 qs -> int32: nibble HIGH of each byte at bits AT .. AT + 3, OR-ed into 1.0's bits.
+    # ASM (GPU only): 4 bytes of one register a PTX block, 2 instructions a weight; portable:
+    # each byte unpacked to a register first
+    if ASM:
+        return tl.inline_asm_elementwise(NIBBLE_ASM[(AT, HIGH)], "=r,=r,=r,=r,r", [qs],
+                                         dtype=tl.int32, is_pure=True, pack=4)
+    return (((qs.to(tl.int32) >> (4 * HIGH)) & 0xF) << AT) | 0x3F800000
 
 
 @jit
@@ -104,7 +138,7 @@ def _dot(acc, w, x_ptr, stride_xm, M, K, k, BLOCK_N: tl.constexpr, BLOCK_M: tl.c
 @jit
 def _step(acc, x_ptr, u8_ptr, i8_ptr, f16_ptr, row, nb, step, stride_xm, M, K,
           QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-          DOT_PRECISION: tl.constexpr):
+          DOT_PRECISION: tl.constexpr, ASM: tl.constexpr):
     # one step (256 weights) of BLOCK_N rows of W, each as G sub-rows r = G n + u (G: SUB_ROWS)
     # so that a scale is one number a sub-row [BN G, 1], broadcast along it; row [BN G, 1]: the
     # first byte of each sub-row's row of W. A row's sub-rows, read row-major, are its step in
@@ -116,23 +150,26 @@ def _step(acc, x_ptr, u8_ptr, i8_ptr, f16_ptr, row, nb, step, stride_xm, M, K,
         # (high); header d, dmin, 12 scale bytes
         g = tl.arange(0, BLOCK_N * 4)[:, None] % 4  # [BN 4, 1]
         t = tl.arange(0, 32)[None, :]
-        qs = tl.load(u8_ptr + row + step * 128 + t // 16 * 64 + g * 16 + t % 16).to(tl.int32)
+        qs = tl.load(u8_ptr + row + step * 128 + t // 16 * 64 + g * 16 + t % 16)
         hdr = row + nb * (128 if QTYPE == 12 else 160) + step * 16
         d = tl.load(f16_ptr + hdr // 2).to(tl.float32)
         dmin = tl.load(f16_ptr + hdr // 2 + 1).to(tl.float32)
         sc_lo, mn_lo = _k_scale_min(u8_ptr, hdr + 4, 2 * g)
         sc_hi, mn_hi = _k_scale_min(u8_ptr, hdr + 4, 2 * g + 1)
-        q_lo, q_hi = qs & 0xF, qs >> 4
         BITS: tl.constexpr = 4 if QTYPE == 12 else 5
-        if QTYPE == 13:  # bit s of qh[l]: the T plane puts l's byte at t
+        f_lo = _nibble_bits(qs, 0, 23 - BITS, ASM)  # q at bits 23 - BITS .. 22
+        f_hi = _nibble_bits(qs, 1, 23 - BITS, ASM)
+        if QTYPE == 13:  # bit s of qh[l] (the T plane puts l's byte at t) at bit 22
             qh = tl.load(u8_ptr + row + nb * 128 + step * 32 + t).to(tl.int32)
-            q_lo |= ((qh >> (2 * g)) & 1) << 4
-            q_hi |= ((qh >> (2 * g + 1)) & 1) << 4
+            f_lo |= ((qh >> (2 * g)) & 1) << 22
+            f_hi |= ((qh >> (2 * g + 1)) & 1) << 22
+        f_lo = f_lo.to(tl.float32, bitcast=True)
+        f_hi = f_hi.to(tl.float32, bitcast=True)
         i = tl.arange(0, 128)[:, None]  # the product's column 32 g + t
         k_lo = step * 256 + i // 32 * 64 + i % 32 // 16 * 16 + _chunk_pos(i % 16)
-        acc = _dot(acc, _weights(q_lo, d * sc_lo, -dmin * mn_lo, BITS, DTYPE), x_ptr,
+        acc = _dot(acc, _scaled(f_lo, d * sc_lo, -dmin * mn_lo, BITS, DTYPE), x_ptr,
                    stride_xm, M, K, k_lo, BLOCK_N, BLOCK_M, DOT_PRECISION)
-        acc = _dot(acc, _weights(q_hi, d * sc_hi, -dmin * mn_hi, BITS, DTYPE), x_ptr,
+        acc = _dot(acc, _scaled(f_hi, d * sc_hi, -dmin * mn_hi, BITS, DTYPE), x_ptr,
                    stride_xm, M, K, k_lo + 32, BLOCK_N, BLOCK_M, DOT_PRECISION)
     elif QTYPE == 14:
         # Q6_K TQ plane: sub-row u = 4 a + h, byte c is plane byte 64 a + 16 h + c: ql chunk h
@@ -178,7 +215,7 @@ def _step(acc, x_ptr, u8_ptr, i8_ptr, f16_ptr, row, nb, step, stride_xm, M, K,
                        BLOCK_N, BLOCK_M, DOT_PRECISION)
         else:  # Q4_0: qs 16 T | d; Q4_1: qs 16 T | d | m; byte j: weights j and 16 + j
             c = tl.arange(0, 16)[None, :]
-            qs = tl.load(u8_ptr + row + blk * 16 + c, mask=ok, other=0).to(tl.int32)
+            qs = tl.load(u8_ptr + row + blk * 16 + c, mask=ok, other=0)
             d = tl.load(f16_ptr + (row + nb * 16) // 2 + blk, mask=ok, other=0.0)
             d = d.to(tl.float32)
             if QTYPE == 3:
@@ -186,12 +223,14 @@ def _step(acc, x_ptr, u8_ptr, i8_ptr, f16_ptr, row, nb, step, stride_xm, M, K,
                 mn = mn.to(tl.float32)
             else:
                 mn = -8.0 * d
+            f_lo = _nibble_bits(qs, 0, 19, ASM).to(tl.float32, bitcast=True)
+            f_hi = _nibble_bits(qs, 1, 19, ASM).to(tl.float32, bitcast=True)
             i = tl.arange(0, 128)[:, None]  # the product's column 16 b + c
             k_lo = (step * 8 + i // 16) * 32 + _chunk_pos(i % 16)
-            acc = _dot(acc, _weights(qs & 0xF, d, mn, 4, DTYPE), x_ptr, stride_xm, M, K, k_lo,
+            acc = _dot(acc, _scaled(f_lo, d, mn, 4, DTYPE), x_ptr, stride_xm, M, K, k_lo,
                        BLOCK_N, BLOCK_M, DOT_PRECISION)
-            acc = _dot(acc, _weights(qs >> 4, d, mn, 4, DTYPE), x_ptr, stride_xm, M, K,
-                       k_lo + 16, BLOCK_N, BLOCK_M, DOT_PRECISION)
+            acc = _dot(acc, _scaled(f_hi, d, mn, 4, DTYPE), x_ptr, stride_xm, M, K, k_lo + 16,
+                       BLOCK_N, BLOCK_M, DOT_PRECISION)
     return acc
 
 
@@ -202,7 +241,7 @@ def _gguf_rows_kernel(
     partial_ptr, count_ptr,  # fp32 [M, N] and int32 [cdiv(N, BLOCK_N)], zero before and after
     M, N, K, stride_xm, stride_w, split_k,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
-    STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, ASM: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums steps split_k_range(.., s) of
     # y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
@@ -218,7 +257,7 @@ def _gguf_rows_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # y^T
     for step in tl.range(first, last, num_stages=STAGES):
         acc = _step(acc, x_ptr, u8_ptr, i8_ptr, f16_ptr, row, nb, step, stride_xm, M, K, QTYPE,
-                    BLOCK_N, BLOCK_M, DOT_PRECISION)
+                    BLOCK_N, BLOCK_M, DOT_PRECISION, ASM)
     m = tl.arange(0, BLOCK_M)[None, :]
     at = m * N + rows[:, None]  # y[m, n], [BN, BM]
     mask = (rows < N)[:, None] & (m < M)
@@ -237,14 +276,15 @@ def rows_supported(type_id: int, K: int) -> bool:
 
 def gguf_rows(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int = 64,
               num_warps: int = 4, num_stages: int = 2, split_k: int | None = None,
-              programs_per_sm: int = 4, min_block_m: int = 8) -> torch.Tensor:
+              programs_per_sm: int = 4, min_block_m: int = 8, asm: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T in x's dtype, 1 <= M <= ROWS_MAX_M, qweight uint8
     [N, row_bytes] of GGML type `type_id` in the device layout.
 
     block_n: rows of W per program (16 and up: the MMA's M slot); num_stages: K steps whose
     loads are in flight at once; split_k: programs sharing a row block's K (default: about
     programs_per_sm programs per SM); min_block_m: x^T padded to at least this many columns
-    (8 or 16; the interpreter takes 16)."""
+    (8 or 16; the interpreter takes 16); asm: the 4-bit types' nibbles to floats by PTX, 4 bytes
+    of a register at a time (compiled kernels; the interpreter runs the portable shifts)."""
     M, K = x.shape
     N = qweight.shape[0]
     if not 1 <= M <= ROWS_MAX_M or not rows_supported(type_id, K):
@@ -268,7 +308,7 @@ def gguf_rows(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
         M, N, K, x.stride(0), qweight.shape[1], split_k,
         QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=max(min_block_m, next_power_of_2(M)),
         SPLIT=split_k > 1, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
-        num_warps=num_warps,
+        ASM=asm and not interpreting(), num_warps=num_warps,
     )
     return y
 
