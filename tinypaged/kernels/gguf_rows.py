@@ -9,14 +9,17 @@ go through the tensor cores, as the dense GEMV (dense_gemv.py) does:
 - y^T [BLOCK_N, BLOCK_M] = W x^T: a program owns BLOCK_N rows of W (the M slot of tl.dot) and a
   range of K steps; x^T, padded to BLOCK_M = 8 or 16 columns, is the N slot. A step is 256
   weights a row: one k-quant super-block, or 8 blocks of 32 (Q8_0, Q4_0, Q4_1).
-- A step's quant bytes are contiguous in the quant plane (128 bytes a row; Q8_0 256), so they
-  load as one [BLOCK_N, ...] uint8 tile of 16-byte vectors. The tile keeps its bytes where they
-  are: its axes are (chunk half, sub-block group, byte), so that each sub-block's scale and min
-  broadcast from a [BLOCK_N, 1, G, 1] tile, and x^T is gathered in the bytes' K order (inside a
-  16-byte chunk position 4w + b holds weight 4b + w) instead of moving weights.
+- A step's quant bytes are contiguous in the quant plane (128 bytes a row; Q8_0 256) and load
+  as 16-byte vectors into a [BLOCK_N G, bytes / G] uint8 tile: each row of W as G sub-rows
+  whose weights share one scale and min ([BLOCK_N G, 1], broadcast along the sub-row; with a
+  4-D [BLOCK_N, a, g, byte] tile instead, the compiler spread the bytes one a thread). Read
+  row-major, a row's sub-rows are its bytes in plane order, so a reshape makes the tile
+  [BLOCK_N, K step] for tl.dot; the bytes stay where they are, and x^T is gathered in their K
+  order (inside a 16-byte chunk position 4w + b holds weight 4b + w).
 - w = scale * q + min per weight, in fp32 with one FMA: q is OR-ed into the mantissa of 1.0,
   f = 1 + q 2**-BITS exactly (gguf_gemv_step.py's trick), and w = f a + (min - a) with
-  a = scale 2**BITS; then rounded to x's dtype (as dequantize + cuBLAS rounds W).
+  a = scale 2**BITS; then rounded to x's dtype (as dequantize + cuBLAS rounds W). With asm the
+  4-bit types take the nibbles of 4 bytes from one register by PTX (2 instructions a weight).
 - fp32 accumulation; K is split so that ~programs_per_sm programs per SM stream weights, and the
   split sums finish as split_k.py says (atomics into the shared workspace, the last program of a
   row block writes y). Rows past N read row n % N (unmasked loads) and are not stored.
