@@ -203,11 +203,13 @@ def weight_copies(type_id, N, K):
     return [random_qweight(type_id, N, K) for _ in range(max(2, cdiv(3 * L2_BYTES, nbytes)))]
 
 
-def timed(x, weights, type_id, config):
-    """us per call in a CUDA graph, after a check against the reference (None: it failed)."""
-    ref = x.float() @ gguf.dequantize_reference(weights[0], type_id, x.shape[1]).T
+def timed(x, weights, type_id, config, w_ref=None):
+    """us per call in a CUDA graph, after a check against the reference (None: it failed);
+    w_ref: weights[0] dequantized in fp32, if at hand."""
+    if w_ref is None:
+        w_ref = gguf.dequantize_reference(weights[0], type_id, x.shape[1])
     try:
-        check(x, weights[0], type_id, config, ref)
+        check(x, weights[0], type_id, config, x.float() @ w_ref.T)
     except AssertionError as error:
         print(f"CHECK FAILED {type_id} M={x.shape[0]} {config}: {error}", flush=True)
         return None
@@ -225,31 +227,36 @@ def speedup(base, t):
 def rows_table(args, deadline):
     """gguf_rows (ROWS_CONFIGS' tiles) vs the old path vs bf16, per layer, type and M."""
     print(f"copy bandwidth {copy_bandwidth() / 1e12:.2f} TB/s")
-    print("| layer | K x N | M | type | old path | old us | rows us | bf16 us (dense_linear / "
+    print("| layer | K x N | type | M | old path | old us | rows us | bf16 us (dense_linear / "
           "cuBLAS) | rows vs bf16 | old vs bf16 | rows GB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, M in itertools.product(args.shapes, args.rows_m):
+    for name in args.shapes:
         K, N = SHAPES[name]
-        x = torch.randn(M, K, device=DEVICE).to(X_DTYPE)
+        xs = {M: torch.randn(M, K, device=DEVICE).to(X_DTYPE) for M in args.rows_m}
         dense = [torch.randn(N, K, device=DEVICE).to(X_DTYPE)
                  for _ in range(max(2, cdiv(3 * L2_BYTES, 2 * N * K)))]
-        ours = graph_us([lambda w=w, x=x: dense_linear(x, w) for w in dense], reps=20)
-        cublas = graph_us([lambda w=w, x=x: F.linear(x, w) for w in dense], reps=20)
+        bf16 = {M: (graph_us([lambda w=w, x=x: dense_linear(x, w) for w in dense], reps=20),
+                    graph_us([lambda w=w, x=x: F.linear(x, w) for w in dense], reps=20))
+                for M, x in xs.items()}
         del dense
         for tname, type_id in args.types:
-            if time.time() > deadline:
-                print("(time budget spent: stopping)")
-                return
-            weights = weight_copies(type_id, N, K)
-            with rows_off():
-                path = gguf.decode_path(type_id, K, M)
-            old = timed(x, weights, type_id, dict(old=True))
-            new = timed(x, weights, type_id, dict(rows=gguf.rows_config(type_id, M)))
-            gbs = "-" if new is None else f"{N * row_bytes(type_id, K) / new / 1e3:.0f}"
-            print(f"| {name} | {K}x{N} | {M} | {tname} | {path[0] if path else 'dequant+cuBLAS'} "
-                  f"| {fmt_us(old)} | {fmt_us(new)} | {ours:.1f} / {cublas:.1f} | "
-                  f"{speedup(ours, new)} | {speedup(ours, old)} | {gbs} |", flush=True)
-            del weights
+            weights = weight_copies(type_id, N, K)  # once per layer and type, for every M
+            w_ref = gguf.dequantize_reference(weights[0], type_id, K)
+            for M, x in xs.items():
+                if time.time() > deadline:
+                    print("(time budget spent: stopping)")
+                    return
+                with rows_off():
+                    path = gguf.decode_path(type_id, K, M)
+                old = timed(x, weights, type_id, dict(old=True), w_ref)
+                new = timed(x, weights, type_id, dict(rows=gguf.rows_config(type_id, M)), w_ref)
+                ours, cublas = bf16[M]
+                gbs = "-" if new is None else f"{N * row_bytes(type_id, K) / new / 1e3:.0f}"
+                print(f"| {name} | {K}x{N} | {tname} | {M} | "
+                      f"{path[0] if path else 'dequant+cuBLAS'} | {fmt_us(old)} | {fmt_us(new)} "
+                      f"| {ours:.1f} / {cublas:.1f} | {speedup(ours, new)} | "
+                      f"{speedup(ours, old)} | {gbs} |", flush=True)
+            del weights, w_ref
 
 
 def rows_sweep(args, deadline):
@@ -272,15 +279,16 @@ def rows_sweep(args, deadline):
             K, N = SHAPES[name]
             x = torch.randn(M, K, device=DEVICE).to(X_DTYPE)
             weights = weight_copies(type_id, N, K)
+            w_ref = gguf.dequantize_reference(weights[0], type_id, K)
             for i, config in enumerate(configs):
                 if time.time() > deadline:
                     print("(time budget spent: stopping)")
                     break
                 if config.get("asm") and type_id not in (2, 3, 12, 13):  # the same kernel
                     continue
-                t = timed(x, weights, type_id, dict(rows=config))
+                t = timed(x, weights, type_id, dict(rows=config), w_ref)
                 per_shape[i].append(t if t is not None else float("inf"))
-            del weights
+            del weights, w_ref
         for i in range(len(configs)):
             if len(per_shape[i]) == len(ROWS_SHAPES):
                 totals[i] = sum(per_shape[i])
