@@ -192,6 +192,7 @@ def kernels(args, deadline):
             del weights, ref
 
 
+# block_n/warps/stages[/programs per SM][/a: PTX nibbles, the 4-bit types only]
 ROWS_SWEEP = ["64/4/2", "64/4/2/a", "32/4/2/a", "64/4/3/a", "128/4/2/a", "128/8/2/a",
               "64/4/2/2/a"]
 ROWS_SHAPES = ["qkv", "o", "gate_up", "down"]  # a layer's linears, summed by --sweep-rows
@@ -262,41 +263,48 @@ def rows_table(args, deadline):
 def rows_sweep(args, deadline):
     """gguf_rows' tiles (block_n/warps/stages[/programs per SM][/a]) per type and M, summed over a
     layer's linears; prints the fastest as kernels/gguf.py's ROWS_CONFIGS."""
-    configs = []
-    for c in args.rows_configs:  # /a: the 4-bit types' PTX nibbles (Q4_K, Q5_K, Q4_0, Q4_1)
-        b, w, st, *pps = map(int, c.removesuffix("/a").split("/"))
-        configs.append(dict(block_n=b, num_warps=w, num_stages=st,
-                            **({"programs_per_sm": pps[0]} if pps else {}),
-                            **({"asm": True} if c.endswith("/a") else {})))
+    def configs_of(type_id):
+        """(label, gguf_rows keyword arguments) of --rows-configs for a type: /a (PTX nibbles)
+        only applies to the 4-bit types, elsewhere it is dropped and repeats are skipped."""
+        configs = {}
+        for c in args.rows_configs:
+            asm = c.endswith("/a") and type_id in (2, 3, 12, 13)
+            b, w, st, *pps = map(int, c.removesuffix("/a").split("/"))
+            config = dict(block_n=b, num_warps=w, num_stages=st,
+                          **({"programs_per_sm": pps[0]} if pps else {}),
+                          **({"asm": True} if asm else {}))
+            label = c if asm or not c.endswith("/a") else c.removesuffix("/a")
+            configs.setdefault(label, config)
+        return list(configs.items())
+
     best = {}
-    print("| type | M | block_n/warps/stages[/pps] | " + " | ".join(ROWS_SHAPES)
+    print("| type | M | block_n/warps/stages[/pps][/a] | " + " | ".join(ROWS_SHAPES)
           + " | layer us |")
     print("|---|---|---|" + "---|" * len(ROWS_SHAPES) + "---|")
     for (tname, type_id), M in itertools.product(args.types, args.sweep_m):
-        totals = {}
-        per_shape = {i: [] for i in range(len(configs))}
+        configs = configs_of(type_id)
+        per_shape = {label: [] for label, _ in configs}
         for name in ROWS_SHAPES:
             K, N = SHAPES[name]
             x = torch.randn(M, K, device=DEVICE).to(X_DTYPE)
             weights = weight_copies(type_id, N, K)
             w_ref = gguf.dequantize_reference(weights[0], type_id, K)
-            for i, config in enumerate(configs):
+            for label, config in configs:
                 if time.time() > deadline:
                     print("(time budget spent: stopping)")
                     break
-                if config.get("asm") and type_id not in (2, 3, 12, 13):  # the same kernel
-                    continue
                 t = timed(x, weights, type_id, dict(rows=config), w_ref)
-                per_shape[i].append(t if t is not None else float("inf"))
+                per_shape[label].append(t if t is not None else float("inf"))
             del weights, w_ref
-        for i in range(len(configs)):
-            if len(per_shape[i]) == len(ROWS_SHAPES):
-                totals[i] = sum(per_shape[i])
-                print(f"| {tname} | {M} | {args.rows_configs[i]} | "
-                      + " | ".join(f"{t:.1f}" for t in per_shape[i])
-                      + f" | {totals[i]:.1f} |", flush=True)
+        totals = {}
+        for label, _ in configs:
+            if len(per_shape[label]) == len(ROWS_SHAPES):
+                totals[label] = sum(per_shape[label])
+                print(f"| {tname} | {M} | {label} | "
+                      + " | ".join(f"{t:.1f}" for t in per_shape[label])
+                      + f" | {totals[label]:.1f} |", flush=True)
         if totals:
-            best[(type_id, M)] = configs[min(totals, key=totals.get)]
+            best[(type_id, M)] = dict(configs)[min(totals, key=totals.get)]
     print("\n# kernels/gguf.py (fastest summed over qkv, o, gate_up, down at each swept M; "
           "each M covers the rows up to it)")
     print("ROWS_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {")
