@@ -16,11 +16,22 @@ decode of a Llama-3-8B-shape model with Q4_K_M-like weights beside bf16.
     PYTHONPATH=. python benchmarks/gguf_gemv.py            # all of it, ~5 minutes
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only kernels --m 1 --sweep  # GEMV configs
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only kernels --m 8 --dequant  # vs cuBLAS
+
+4. Rows (`--only rows`, not in the default run): 2..16-row decode, gguf_rows.py (each weight
+   dequantized once, rows on tensor cores) beside the path DECODE_PATHS takes without
+   TINYPAGED_GGUF_ROWS and beside bf16 (the engine's dense_linear and cuBLAS), for M = 1, 2,
+   4, 8, 16 on the Llama-3-8B layer shapes; --sweep-rows times gguf_rows' tile grid at
+   --sweep-m rows instead and prints kernels/gguf.py's ROWS_CONFIGS table:
+
+    PYTHONPATH=. python benchmarks/gguf_gemv.py --only rows --types Q4_K Q6_K --no-awq
+    PYTHONPATH=. python benchmarks/gguf_gemv.py --only rows --sweep-rows --sweep-m 8 16
 """
 import argparse
+import contextlib
 import gc
 import itertools
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -32,8 +43,10 @@ from awq_gemv import L2_BYTES, awq_weights, copy_bandwidth, gemv, graph_us
 from tinypaged.bench import offline as bench
 from tinypaged.kernels import gguf
 from tinypaged.kernels._triton import cdiv
+from tinypaged.kernels.dense_gemv import dense_linear
 from tinypaged.kernels.gguf_format import GGML_TYPES, row_bytes
 from tinypaged.kernels.gguf_mma import MMA_TYPES, gguf_mma
+from tinypaged.kernels.gguf_rows import gguf_rows
 from tinypaged.models import loader
 from tinypaged.quantization import gguf as gguf_layers
 
@@ -45,6 +58,7 @@ SCALE = {2: 5e-3, 3: 5e-3, 8: 5e-4, 12: 4e-4, 13: 2e-4, 14: 6e-5}  # weights of 
 # --sweep: (block_n, num_warps, num_stages) of the GEMV (--configs picks others)
 SWEEP = ["64/2/1/p", "32/2/1/p", "32/2/1", "64/4/1/p", "16/2/1/p", "32/2/2"]
 DEVICE = "cuda"  # of the checks' tensors (a CPU test of kernels.py's wiring sets "cpu")
+X_DTYPE = torch.bfloat16  # of the rows stage's x (a CPU run under the interpreter: fp16)
 
 
 def random_rows(type_id: int, N: int, K: int) -> torch.Tensor:
@@ -63,7 +77,26 @@ def random_qweight(type_id: int, N: int, K: int) -> torch.Tensor:
     return gguf.to_device_layout(random_rows(type_id, N, K), type_id, K)
 
 
+@contextlib.contextmanager
+def rows_off():
+    """TINYPAGED_GGUF_ROWS=0 inside (gguf_linear's paths before gguf_rows), as it was after."""
+    before = os.environ.get("TINYPAGED_GGUF_ROWS")
+    os.environ["TINYPAGED_GGUF_ROWS"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TINYPAGED_GGUF_ROWS"]
+        else:
+            os.environ["TINYPAGED_GGUF_ROWS"] = before
+
+
 def run(x, qweight, type_id, config):
+    if config.get("rows") is not None:  # gguf_rows with these tiles
+        return gguf_rows(x, qweight, type_id, **config["rows"])
+    if config.get("old"):  # what gguf_linear runs without TINYPAGED_GGUF_ROWS
+        with rows_off():
+            return gguf.gguf_linear(x, qweight, type_id)
     if config.get("mma"):
         return gguf_mma(x, qweight, type_id, block_n=config["block_n"],
                         num_warps=config["num_warps"], xs_dot=config["xs_dot"])
@@ -157,6 +190,130 @@ def kernels(args, deadline):
                 print(f"| {name} | {K}x{N} | {tname} | {M} | {label} | {base:.1f} | {awq_t} | "
                       f"{t:.1f} | {base / t:.2f}x | {nbytes / t / 1e3:.0f} |", flush=True)
             del weights, ref
+
+
+# block_n/warps/stages[/programs per SM][/a: PTX nibbles, the 4-bit types only]
+ROWS_SWEEP = ["64/4/2", "64/4/2/a", "32/4/2/a", "64/4/3/a", "128/4/2/a", "128/8/2/a",
+              "64/4/2/2/a"]
+ROWS_SHAPES = ["qkv", "o", "gate_up", "down"]  # a layer's linears, summed by --sweep-rows
+
+
+def weight_copies(type_id, N, K):
+    """Enough random qweights (device layout) to stream past L2 between calls."""
+    nbytes = N * row_bytes(type_id, K)
+    return [random_qweight(type_id, N, K) for _ in range(max(2, cdiv(3 * L2_BYTES, nbytes)))]
+
+
+def timed(x, weights, type_id, config, w_ref=None):
+    """us per call in a CUDA graph, after a check against the reference (None: it failed);
+    w_ref: weights[0] dequantized in fp32, if at hand."""
+    if w_ref is None:
+        w_ref = gguf.dequantize_reference(weights[0], type_id, x.shape[1])
+    try:
+        check(x, weights[0], type_id, config, x.float() @ w_ref.T)
+    except AssertionError as error:
+        print(f"CHECK FAILED {type_id} M={x.shape[0]} {config}: {error}", flush=True)
+        return None
+    return graph_us([lambda w=w: run(x, w, type_id, config) for w in weights], reps=20)
+
+
+def fmt_us(t):
+    return "FAILED" if t is None else f"{t:.1f}"
+
+
+def speedup(base, t):
+    return "-" if t is None else f"{base / t:.2f}x"
+
+
+def rows_table(args, deadline):
+    """gguf_rows (ROWS_CONFIGS' tiles) vs the old path vs bf16, per layer, type and M."""
+    print(f"copy bandwidth {copy_bandwidth() / 1e12:.2f} TB/s")
+    print("| layer | K x N | type | M | old path | old us | rows us | bf16 us (dense_linear / "
+          "cuBLAS) | rows vs bf16 | old vs bf16 | rows GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.shapes:
+        K, N = SHAPES[name]
+        xs = {M: torch.randn(M, K, device=DEVICE).to(X_DTYPE) for M in args.rows_m}
+        dense = [torch.randn(N, K, device=DEVICE).to(X_DTYPE)
+                 for _ in range(max(2, cdiv(3 * L2_BYTES, 2 * N * K)))]
+        bf16 = {M: (graph_us([lambda w=w, x=x: dense_linear(x, w) for w in dense], reps=20),
+                    graph_us([lambda w=w, x=x: F.linear(x, w) for w in dense], reps=20))
+                for M, x in xs.items()}
+        del dense
+        for tname, type_id in args.types:
+            weights = weight_copies(type_id, N, K)  # once per layer and type, for every M
+            w_ref = gguf.dequantize_reference(weights[0], type_id, K)
+            for M, x in xs.items():
+                if time.time() > deadline:
+                    print("(time budget spent: stopping)")
+                    return
+                with rows_off():
+                    path = gguf.decode_path(type_id, K, M)
+                old = timed(x, weights, type_id, dict(old=True), w_ref)
+                new = timed(x, weights, type_id, dict(rows=gguf.rows_config(type_id, M)), w_ref)
+                ours, cublas = bf16[M]
+                gbs = "-" if new is None else f"{N * row_bytes(type_id, K) / new / 1e3:.0f}"
+                print(f"| {name} | {K}x{N} | {tname} | {M} | "
+                      f"{path[0] if path else 'dequant+cuBLAS'} | {fmt_us(old)} | {fmt_us(new)} "
+                      f"| {ours:.1f} / {cublas:.1f} | {speedup(ours, new)} | "
+                      f"{speedup(ours, old)} | {gbs} |", flush=True)
+            del weights, w_ref
+
+
+def rows_sweep(args, deadline):
+    """gguf_rows' tiles (block_n/warps/stages[/programs per SM][/a]) per type and M, summed over a
+    layer's linears; prints the fastest as kernels/gguf.py's ROWS_CONFIGS."""
+    def configs_of(type_id):
+        """(label, gguf_rows keyword arguments) of --rows-configs for a type: /a (PTX nibbles)
+        only applies to the 4-bit types, elsewhere it is dropped and repeats are skipped."""
+        configs = {}
+        for c in args.rows_configs:
+            asm = c.endswith("/a") and type_id in (2, 3, 12, 13)
+            b, w, st, *pps = map(int, c.removesuffix("/a").split("/"))
+            config = dict(block_n=b, num_warps=w, num_stages=st,
+                          **({"programs_per_sm": pps[0]} if pps else {}),
+                          **({"asm": True} if asm else {}))
+            label = c if asm or not c.endswith("/a") else c.removesuffix("/a")
+            configs.setdefault(label, config)
+        return list(configs.items())
+
+    best = {}
+    print("| type | M | block_n/warps/stages[/pps][/a] | " + " | ".join(ROWS_SHAPES)
+          + " | layer us |")
+    print("|---|---|---|" + "---|" * len(ROWS_SHAPES) + "---|")
+    for (tname, type_id), M in itertools.product(args.types, args.sweep_m):
+        configs = configs_of(type_id)
+        per_shape = {label: [] for label, _ in configs}
+        for name in ROWS_SHAPES:
+            K, N = SHAPES[name]
+            x = torch.randn(M, K, device=DEVICE).to(X_DTYPE)
+            weights = weight_copies(type_id, N, K)
+            w_ref = gguf.dequantize_reference(weights[0], type_id, K)
+            for label, config in configs:
+                if time.time() > deadline:
+                    print("(time budget spent: stopping)")
+                    break
+                t = timed(x, weights, type_id, dict(rows=config), w_ref)
+                per_shape[label].append(t if t is not None else float("inf"))
+            del weights, w_ref
+        totals = {}
+        for label, _ in configs:
+            if len(per_shape[label]) == len(ROWS_SHAPES):
+                totals[label] = sum(per_shape[label])
+                print(f"| {tname} | {M} | {label} | "
+                      + " | ".join(f"{t:.1f}" for t in per_shape[label])
+                      + f" | {totals[label]:.1f} |", flush=True)
+        if totals:
+            best[(type_id, M)] = dict(configs)[min(totals, key=totals.get)]
+    print("\n# kernels/gguf.py (fastest summed over qkv, o, gate_up, down at each swept M; "
+          "each M covers the rows up to it)")
+    print("ROWS_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {")
+    for tname, type_id in args.types:
+        rows = [f"        ({M}, dict({', '.join(f'{k}={v}' for k, v in config.items())})),"
+                for M in sorted(args.sweep_m) if (config := best.get((type_id, M)))]
+        if rows:
+            print(f"    {type_id}: (  # {tname}\n" + "\n".join(rows) + "\n    ),")
+    print("}")
 
 
 def q4_k_m_type(name: str, num_layers: int) -> int:
@@ -273,33 +430,47 @@ def free_gpu():
 
 
 def decode(args):
-    """bench latency of the GGUF blocks (first: it is what this measures), then bf16."""
+    """bench latency of the GGUF blocks (first: it is what this measures; --rows-ab: with
+    TINYPAGED_GGUF_ROWS=0, then 1), then bf16."""
     cfg = bench.SHAPES["llama3-8b"]
     # each engine takes 40% of the GPU for weights and KV cache: both fit even side by side
     batches = [str(b) for b in args.batch_sizes]
     argv = ["latency", "--batch-sizes", *batches, "--max-num-seqs", str(max(args.batch_sizes)),
             "--gpu-memory-utilization", "0.4", "--output-len", str(args.output_len)]
-    original = loader.iterate_weights
-    patched_weights(cfg)
-    q = bench.main(argv + ["--model-shape", gguf_model_dir(cfg, quantized=True)])
-    loader.iterate_weights = original
-    free_gpu()
+    runs = {}
+    for rows in ("0", "1") if args.rows_ab else (None,):
+        before = os.environ.get("TINYPAGED_GGUF_ROWS")
+        if rows is not None:  # read when the engine runs (and captures its graphs)
+            os.environ["TINYPAGED_GGUF_ROWS"] = rows
+        original = loader.iterate_weights
+        patched_weights(cfg)
+        label = "GGUF" if rows is None else f"GGUF ROWS={rows}"
+        runs[label] = bench.main(argv + ["--model-shape", gguf_model_dir(cfg, quantized=True)])
+        loader.iterate_weights = original
+        if before is None:
+            os.environ.pop("TINYPAGED_GGUF_ROWS", None)
+        else:
+            os.environ["TINYPAGED_GGUF_ROWS"] = before
+        free_gpu()
     bf16 = bench.main(argv + ["--model-shape", "llama3-8b"])
     packed = q4_k_m_bytes(cfg)
-    print(f"\n| Llama-3-8B shape, decode | bf16 tok/s | Q4_K_M-like GGUF tok/s | speed-up | "
+    print(f"\n| Llama-3-8B shape, decode | bf16 tok/s | Q4_K_M-like tok/s | speed-up | "
           f"GGUF weights GB/s ({packed / 1e9:.2f} GB a step) |")
     print("|---|---|---|---|---|")
     for batch in args.batch_sizes:
-        a, b = bf16[batch]["tok_s_per_seq"], q[batch]["tok_s_per_seq"]
-        print(f"| batch {batch} (per sequence) | {a:.1f} | {b:.1f} | {b / a:.2f}x | "
-              f"{packed * b / 1e9:,.0f} |")
+        a = bf16[batch]["tok_s_per_seq"]
+        for label, q in runs.items():
+            b = q[batch]["tok_s_per_seq"]
+            print(f"| batch {batch} (per sequence), {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x | "
+                  f"{packed * b / 1e9:,.0f} |")
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="block_n / warps / stages")
     parser.add_argument("--sweep-types", nargs="+", default=["Q4_K"])
-    parser.add_argument("--sweep-m", type=int, nargs="+", default=[1])
+    parser.add_argument("--sweep-m", type=int, nargs="+",
+                        help="rows of x of the sweeps (default: 1; --sweep-rows: 8 16)")
     parser.add_argument("--configs", nargs="+", default=SWEEP,
                         help="block_n/warps/stages[/p][/a]: /p prefetches the next step, "
                         "/a: Q6_K's PTX byte permutes")
@@ -311,7 +482,8 @@ def main():
     parser.add_argument("--check-m", type=int, nargs="+", help="rows of x of the checks")
     parser.add_argument("--check-shapes", nargs="+", default=CHECK_SHAPES,
                         help="KxN of the checks")
-    parser.add_argument("--types", nargs="+", default=list(TYPES), choices=list(TYPES))
+    parser.add_argument("--types", nargs="+", choices=list(TYPES),
+                        help="GGML types (default: all; rows: the k-quants and Q8_0)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--no-awq", dest="awq", action="store_false")
     parser.add_argument("--budget-s", type=float, default=1e9,
@@ -319,9 +491,24 @@ def main():
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8],
                         help="decode batch sizes")
     parser.add_argument("--output-len", type=int, default=256, help="decode tokens")
-    parser.add_argument("--only", nargs="+", choices=["checks", "kernels", "tokens", "decode"],
-                        help="stages to run (default: all)")
+    parser.add_argument("--rows-ab", action="store_true",
+                        help="decode: the GGUF engine with TINYPAGED_GGUF_ROWS=0, then 1")
+    parser.add_argument("--only", nargs="+",
+                        choices=["checks", "kernels", "tokens", "decode", "rows"],
+                        help="stages to run (default: all but rows)")
+    parser.add_argument("--rows-m", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                        help="rows of x of the rows stage's table")
+    parser.add_argument("--sweep-rows", action="store_true",
+                        help="rows stage: sweep gguf_rows' tiles at --sweep-m rows instead")
+    parser.add_argument("--rows-configs", nargs="+", default=ROWS_SWEEP,
+                        help="block_n/warps/stages[/programs per SM][/a] of gguf_rows "
+                        "(--sweep-rows; /a: PTX nibbles)")
     args = parser.parse_args()
+    args.sweep_m = args.sweep_m or ([8, 16] if args.sweep_rows else [1])
+    args.types_given = args.types is not None
+    args.types = args.types or list(TYPES)
+    if args.only and "rows" in args.only and not args.types_given:
+        args.types = ["Q4_K", "Q5_K", "Q6_K", "Q8_0"]
     args.types = [(t, TYPES[t]) for t in args.types]
     deadline = time.time() + args.budget_s
     torch.manual_seed(0)
@@ -334,6 +521,11 @@ def main():
         same_tokens()
     if "decode" in stages:
         decode(args)
+    if "rows" in stages:
+        if args.sweep_rows:
+            rows_sweep(args, deadline)
+        else:
+            rows_table(args, deadline)
 
 
 if __name__ == "__main__":

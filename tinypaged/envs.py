@@ -107,6 +107,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "through the varlen kernel, not as one split-KV decode per token (for A/B benchmarks)",
         _is_not_zero,
     ),
+    "TINYPAGED_GGUF_ROWS": EnvVar(
+        "bool", False,
+        "1 sends GGUF decode linears of 2 to 16 rows to the tensor-core GEMV of "
+        "kernels/gguf_rows.py (each weight dequantized once); 0 keeps the per-type paths of "
+        "kernels/gguf.py's DECODE_PATHS (for A/B benchmarks)",
+        _is_one,
+    ),
     "TINYPAGED_LORA_PDL": EnvVar(
         "bool", False,
         "1 chains the LoRA expand to its shrink by programmatic dependent launch for batches of "

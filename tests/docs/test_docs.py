@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -111,3 +112,43 @@ def test_kernels_gguf_check_drives_every_type_m_and_shape(monkeypatch):
     assert not bench.FAILURES
     assert sorted(seen) == sorted((m, t, N, K) for t in bench.GGUF_TYPES.values() for m in (1, 8)
                                   for K, N in ((4096, 4096), (2048, 1000)))
+
+
+ROWS_STAGE = r"""
+import sys
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+import gguf_gemv
+
+for name, value in (("DEVICE", "cpu"), ("X_DTYPE", torch.float16), ("L2_BYTES", 1),
+                    ("graph_us", lambda calls, reps=20: (calls[0](), 1.0)[1]),
+                    ("copy_bandwidth", lambda: 1e12),
+                    ("dense_linear", torch.nn.functional.linear),
+                    ("SHAPES", {"qkv": (512, 48), "o": (256, 32), "gate_up": (256, 64),
+                                "down": (512, 32)})):
+    setattr(gguf_gemv, name, value)
+sys.argv = ["gguf_gemv.py", "--only", "rows", "--types", "Q4_K", "--shapes", "o", *sys.argv[1:]]
+gguf_gemv.main()
+"""
+
+
+@pytest.mark.parametrize("argv", [["--rows-m", "1", "8"],
+                                  ["--sweep-rows", "--sweep-m", "8", "--rows-configs", "16/4/2",
+                                   "32/4/1/2/a"]], ids=["table", "sweep"])
+def test_gguf_rows_stage_runs_on_the_cpu(argv):
+    """benchmarks/gguf_gemv.py --only rows (the 2..16-row kernel vs the old paths and bf16) and
+    its tile sweep, under the interpreter on tiny layers with the timing stubbed: every path is
+    checked against the reference, and the sweep prints a ROWS_CONFIGS table. In a child: an
+    earlier `import triton.testing` (benchmarks/kernels.py) leaves Triton unable to interpret."""
+    pytest.importorskip("gguf")
+    result = subprocess.run([sys.executable, "-c", ROWS_STAGE, *argv], cwd=ROOT, text=True,
+                            capture_output=True, timeout=600, check=False,
+                            env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "FAILED" not in result.stdout
+    if "--sweep-rows" in argv:
+        assert "    12: (  # Q4_K\n        (8, dict(block_n=" in result.stdout
+    else:
+        assert "| o | 256x32 | Q4_K | 8 | mma | 1.0 | 1.0 |" in result.stdout

@@ -20,6 +20,7 @@ from tinypaged.kernels.gguf_format import (
 )
 from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
 from tinypaged.kernels.gguf_mma import gguf_mma
+from tinypaged.kernels.gguf_rows import gguf_rows, gguf_rows_reference
 
 NAMES = {t: GGML_TYPES[t].name for t in QUANTIZED_TYPES}
 
@@ -193,8 +194,11 @@ GGUF_LAUNCHES = r"""import os
 from tinypaged.kernels import gguf
 from tinypaged.kernels.gguf_format import QUANTIZED_TYPES, row_bytes
 from tinypaged.kernels.gguf_mma import gguf_mma
+from tinypaged.kernels import gguf_rows as rows_module
+from tinypaged.kernels.gguf_rows import gguf_rows
 
 os.environ["TRITON_INTERPRET"] = "1"  # after the import: only so the launchers pick the kernels
+rows_module.interpreting = lambda: False  # gguf_rows' PTX (asm=True) is compiled, not skipped
 
 for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 on Q4_K_M's two
     qweight = torch.zeros(4096, row_bytes(type_id, 4096), dtype=torch.uint8)
@@ -206,10 +210,76 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
         gguf_mma(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, xs_dot=True)
         gguf.gguf_gemv(torch.randn(1, 4096).to(torch.bfloat16), qweight, type_id, block_n=32,
                        prefetch=True, asm=True)
+    for config in ({}, dict(block_n=128, num_warps=8, num_stages=3, asm=True)):  # the sweep's
+        gguf_rows(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, split_k=4, **config)
+    gguf_rows(torch.randn(16, 4096).to(torch.float16), qweight, type_id, block_n=32, split_k=1)
 """
 
 
 def test_kernels_compile_for_sm90():
     """The interpreter accepts programs ptxas rejects: build every variant for the H200."""
     assert compile_for_sm90(GGUF_LAUNCHES) == ["_gguf_dequantize_kernel", "_gguf_gemv_kernel",
-                                               "_gguf_mma_kernel"]
+                                               "_gguf_mma_kernel", "_gguf_rows_kernel"]
+
+
+ROWS_CASES = [(torch.float32, 2), (torch.float16, 5), (torch.float32, 8), (torch.float16, 16)]
+
+
+@pytest.mark.parametrize("dtype,M", ROWS_CASES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("type_id", [12, 13, 14, 8, 2, 3], ids=NAMES.get)
+def test_rows_kernel(interpret, type_id, dtype, M):
+    """gguf_rows (2..16 rows, every type) against its torch reference: 20 rows of W in two
+    programs of 16 (the second mostly past N), legacy rows of 576 with a short last step."""
+    K = _k(type_id)
+    raw = torch.from_numpy(random_blocks(type_id, 20, K, seed=9))
+    qweight = to_device_layout(raw, type_id, K)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(3)).to(dtype)
+    y = gguf_rows(x, qweight, type_id, block_n=16)
+    assert y.shape == (M, 20) and y.dtype == dtype
+    reference = gguf_rows_reference(x, qweight, type_id, block_n=16)
+    assert torch.equal(reference.float(), (x.float() @ gguf_dequantize_reference(
+        raw, type_id, K).T).to(dtype).float())
+    # fp32: f = 1 + q 2**-BITS times scale 2**BITS spends BITS of fp32's bits; fp16: W and y are
+    # rounded to fp16
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(y.float(), reference.float(), rtol=tol,
+                               atol=tol * reference.float().abs().max())
+
+
+@pytest.mark.parametrize("type_id", [12, 14, 8], ids=["Q4_K", "Q6_K", "Q8_0"])
+def test_rows_split_k(interpret, type_id):
+    """K split over 3 programs a row block (Q8_0's 36 blocks: a short last step): the last to
+    finish writes y and re-zeroes the workspace, so a second call agrees."""
+    K = {12: 768, 14: 1024, 8: 1152}[type_id]
+    raw = torch.from_numpy(random_blocks(type_id, 24, K, seed=10))
+    qweight = to_device_layout(raw, type_id, K)
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(4))
+    reference = gguf_rows_reference(x, qweight, type_id)
+    for _ in range(2):
+        y = gguf_rows(x, qweight, type_id, block_n=16, split_k=3)
+        torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
+
+
+def test_rows_dispatch(interpret, monkeypatch):
+    """$TINYPAGED_GGUF_ROWS=1 sends 2..16 rows of every type to gguf_rows (ROWS_CONFIGS' tiles),
+    one row and prefill keep their paths; unset, DECODE_PATHS as before."""
+    assert gguf.decode_path(12, 512, 8) == ("mma", {"xs_dot": True})
+    monkeypatch.setenv("TINYPAGED_GGUF_ROWS", "1")
+    monkeypatch.setitem(gguf.ROWS_CONFIGS, 12, ((8, {"block_n": 16}), (16, {"block_n": 32})))
+    assert gguf.decode_path(12, 512, 8) == ("rows", {"block_n": 16})
+    assert gguf.decode_path(12, 512, 9) == ("rows", {"block_n": 32})
+    assert gguf.decode_path(13, 512, 2) == ("rows", {})
+    assert gguf.decode_path(14, 256, 16) == ("rows", {})  # 210-byte rows: fine here
+    assert gguf.decode_path(12, 512, 1) == ("gemv", {})
+    assert gguf.decode_path(8, 512, 17) is None
+    K, type_id = 256, 13
+    raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=11))
+    qweight = to_device_layout(raw, type_id, K)
+    x = torch.randn(6, K)
+    calls = []
+    monkeypatch.setattr(gguf, "gguf_rows",
+                        lambda *a, **kw: (calls.append(kw), gguf_rows(*a, **kw))[1])
+    y = gguf.gguf_linear(x, qweight, type_id)
+    assert calls == [{}]
+    reference = gguf.linear_reference(x, qweight, type_id)
+    torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())

@@ -3,7 +3,9 @@
 W is the uint8 `qweight [N, row_bytes]` of one GGML type in the device layout: the file's blocks
 regrouped into planes at load (gguf_layout.py; gguf_format.py has the block formats). Decode
 runs the kernel DECODE_PATHS picks per type and M: the GEMV of gguf_gemv.py, which streams the
-packed bytes once, or (Q4_K / Q6_K batches) the tensor-core matmul of gguf_mma.py. Larger M
+packed bytes once, or (Q4_K / Q6_K batches) the tensor-core matmul of gguf_mma.py; with
+$TINYPAGED_GGUF_ROWS=1, 2 to 16 rows of every type take gguf_rows.py (each weight dequantized
+once in registers, the rows on tensor cores). Larger M
 (prefill) dequantizes W into x's dtype with `_gguf_dequantize_kernel` and multiplies with cuBLAS,
 where the matmul, not the weight read, is the cost. The dequantize kernel (also the embedding's
 row lookup) takes BLOCK_N rows and a chunk of 256 weights (one k-quant super-block, or 8 legacy
@@ -21,15 +23,17 @@ from __future__ import annotations
 
 import torch
 
+from tinypaged import envs
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
 from tinypaged.kernels.gguf_format import DENSE_TYPES, check_qweight, gguf_dequantize_reference
 from tinypaged.kernels.gguf_gemv import GEMV_MAX_M, gemv_supported, gguf_gemv
 from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
 from tinypaged.kernels.gguf_mma import gguf_mma
+from tinypaged.kernels.gguf_rows import ROWS_MAX_M, gguf_rows, rows_supported
 
 __all__ = ["DECODE_PATHS", "GEMV_MAX_M", "decode_path", "dequantize_reference", "gguf_dequantize",
-           "gguf_gemv", "gguf_linear", "gguf_mma", "linear_reference", "to_device_layout",
-           "to_file_layout"]
+           "gguf_gemv", "gguf_linear", "gguf_mma", "gguf_rows", "linear_reference",
+           "rows_config", "to_device_layout", "to_file_layout"]
 
 # Decode-sized x: per GGML type, rows (max M, kernel, its keyword arguments), the first whose
 # max M >= M wins; an M past the last row (prefill) dequantizes and calls cuBLAS. "gemv":
@@ -46,6 +50,11 @@ DECODE_PATHS: dict[int, tuple[tuple[int, str, dict], ...]] = {
          (16, "mma", {"xs_dot": True})),
 }
 _GEMV_ONLY = ((GEMV_MAX_M, "gemv", {}),)
+# With $TINYPAGED_GGUF_ROWS=1, 2..ROWS_MAX_M rows of every type take gguf_rows.py instead (each
+# weight dequantized once, the rows on tensor cores): per type, rows (max M, tile keyword
+# arguments), the first whose max M >= M wins; a type or M not listed takes gguf_rows'
+# defaults. benchmarks/gguf_gemv.py --only rows --sweep prints this table.
+ROWS_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {}
 
 CHUNK = 256
 # type id -> (SUBS, SUBLEN): the sub-blocks of a 256-weight chunk that share a scale (and min)
@@ -212,15 +221,28 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.T
         kernel, config = path
         if kernel == "mma":
             return gguf_mma(x, qweight, type_id, **config)
+        if kernel == "rows":
+            return gguf_rows(x, qweight, type_id, **config)
         return gguf_gemv(x, qweight, type_id, **config)
     return x @ gguf_dequantize(qweight, type_id, K, x.dtype).T
 
 
 def decode_path(type_id: int, K: int, M: int) -> tuple[str, dict] | None:
-    """(kernel, keyword arguments) DECODE_PATHS gives an M-row x; None: dequantize + cuBLAS."""
+    """(kernel, keyword arguments) for an M-row x: gguf_rows for 2..ROWS_MAX_M rows when
+    $TINYPAGED_GGUF_ROWS is 1, else the row of DECODE_PATHS; None: dequantize + cuBLAS."""
+    if 2 <= M <= ROWS_MAX_M and envs.TINYPAGED_GGUF_ROWS and rows_supported(type_id, K):
+        return "rows", rows_config(type_id, M)
     if not gemv_supported(type_id, K):
         return None
     for max_m, kernel, config in DECODE_PATHS.get(type_id, _GEMV_ONLY):
         if M <= max_m:
             return kernel, config
     return None
+
+
+def rows_config(type_id: int, M: int) -> dict:
+    """gguf_rows' tile keyword arguments for M rows of a type_id weight (ROWS_CONFIGS)."""
+    for max_m, config in ROWS_CONFIGS.get(type_id, ()):
+        if M <= max_m:
+            return config
+    return {}
