@@ -108,12 +108,13 @@ for dtype in (torch.bfloat16, torch.float16):  # dense and int8 split-K (the fin
     for m, config in ((1, dict(programs_per_sm=2)), (8, dense_gemv._TENSOR_CORES)):
         dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), weight, bias, split_k=4, **config)
     w8 = weight.to(torch.float8_e4m3fn)  # FP8 weights (W8A16): e4m3 converted in registers
-    for m in (1, 8):
+    for m, mode in ((1, "w8a16"), (8, "w8a16"), (1, "w8a8dot"), (16, "w8a8dot")):
         for scale, block in ((torch.ones(1024, 1), None), (torch.ones(8, 32), (128, 128))):
+            config = dense_gemv.fp8_gemv_config(m, block, mode)  # w8a8dot: e4m3 x, FP8 wgmma
             dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), w8, bias, scale, block,
-                                  split_k=4, **dense_gemv.fp8_gemv_config(m, block))
+                                  split_k=4, **config)
             dense_gemv.dense_gemv(torch.randn(m, 8192).to(dtype), w8, None, scale, block,
-                                  silu_and_mul=True, **dense_gemv.fp8_gemv_config(m, block))
+                                  silu_and_mul=True, **config)
     for group in (None, 128):  # RMSNorm with its output quantized to e4m3 (W8A8 prefill)
         x = torch.randn(4, 4096).to(dtype)
         norm.rms_norm_quant_fp8_triton(x, torch.randn(4096).to(dtype), 1e-6, x.clone(), group)

@@ -22,6 +22,14 @@ once, at the copy bandwidth, from every SM at once:
 - 2 <= M <= 16 (USE_DOT True): y^T = W x^T on tensor cores, W in the MMA's M slot and x^T,
   padded to BLOCK_M (8 or 16) columns, in the N slot; M FMAs per weight would swamp the CUDA
   cores at 16 rows, a tensor-core product costs the same for any M up to 16.
+- quantize_x (FP8 weights, any M; $TINYPAGED_FP8_GEMV=w8a8dot): W8A8 with no conversion per
+  weight. Each step quantizes its [BLOCK_K, BLOCK_M] slice of x^T to e4m3 in registers, one
+  scale per row of x, s = max|x| / 448 (per token group of BLOCK_K, as quantize_fp8's groups),
+  and tl.dot(w e4m3 [BLOCK_N, BLOCK_K], xq^T [BLOCK_K, BLOCK_M]) runs on FP8 tensor cores
+  (wgmma m64n16k32 on sm_90: BLOCK_M 16, BLOCK_N >= 16 * num_warps; narrower tiles compile to
+  an fp16 mma.sync on converted operands); the step's product is scaled by s per column (and
+  the weight block's scale). The quantization costs O(BLOCK_K * BLOCK_M) per step against the
+  BLOCK_N * BLOCK_K conversions of W8A16.
 - fp32 accumulation. Split-K partial sums go by atomics into the persistent zeroed fp32
   workspace that every split-K GEMV shares (split_k.py); the last program of each column block
   (an arrival counter) adds the bias, writes y in x's dtype and re-zeroes it: one launch, no
@@ -210,8 +218,10 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         block_k = min(block_k, weight_block[1])
     w_scale, scale_block, scale_strides = _scale_layout(weight_scale, weight_block, N, K,
                                                         block_n, block_k)
-    if not x.is_cuda and not quantize_x:  # the interpreter's tl.dot takes 16 columns and up
-        min_block_m = max(min_block_m, 16)  # (its FP8 one takes any)
+    if not x.is_cuda or quantize_x:  # the interpreter's tl.dot takes 16 columns and up; on
+        # sm_90 Triton 3.6 takes an e4m3 x^T of 8 columns, but to an fp16 mma.sync after
+        # converting both operands: the wgmma on e4m3 (m64n16k32) wants 16
+        min_block_m = max(min_block_m, 16)
     block_m = max(min_block_m, 1 << (M - 1).bit_length()) if use_dot else 1
     n_blocks = cdiv(N, block_n)
     steps = cdiv(K, block_k)
@@ -342,7 +352,7 @@ def gemv_config(M: int, N: int, K: int) -> dict | None:
 # benchmarks/fp8_gemv.py --sweep-dot times candidate tiles and prints this table.
 FP8_GEMV_MODES = ("w8a16", "w8a8dot")
 FP8_GEMV_MAX_M = {"w8a16": 1, "w8a8dot": GEMV_MAX_M}  # rows up to which FP8 takes the GEMV
-_DOT = dict(block_n=64, block_k=256, num_stages=4, min_block_m=16, quantize_x=True)
+_DOT = dict(block_n=64, block_k=256, num_stages=4, quantize_x=True)
 _DOT_BLOCK = dict(_DOT, block_k=128)
 FP8_GEMV_CONFIGS = {
     "one_row": dict(block_n=16, block_k=512, programs_per_sm=2),
