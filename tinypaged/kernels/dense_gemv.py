@@ -96,11 +96,13 @@ def _dense_gemv_kernel(
     STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QUANTIZE_X: tl.constexpr,  # W8A8 on FP8 tensor cores: each step's x^T quantized to e4m3
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+    X_COLS: tl.constexpr,  # BLOCK_M, or 1 for one row under QUANTIZE_X (no padded columns)
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums K-steps split_k_range(.., s) of
     # y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
+    offs_xm = tl.arange(0, X_COLS)  # the rows of x loaded (and quantized) for tl.dot
     m_mask = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -123,13 +125,15 @@ def _dense_gemv_kernel(
         if W_SCALE != 0 and USE_DOT and not QUANTIZE_X:  # e4m3 -> x's dtype, exact
             w = w.to(x_ptr.dtype.element_ty)
         if USE_DOT:
-            xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + k[:, None]  # [BLOCK_K, BLOCK_M]
-            xt_mask = m_mask[None, :] & (k < K)[:, None]
+            xt_ptrs = x_ptr + offs_xm[None, :] * stride_xm + k[:, None]  # [BLOCK_K, X_COLS]
+            xt_mask = (offs_xm < M)[None, :] & (k < K)[:, None]
             xt = tl.load(xt_ptrs, mask=xt_mask, other=0.0)
             if SILU_AND_MUL:
                 xt = _silu_and_mul(xt, tl.load(xt_ptrs + K, mask=xt_mask, other=0.0))
             if QUANTIZE_X:  # W8A8: e4m3 x^T, one scale per row of x and step -> [BLOCK_M]
                 xq, sx = _quantize_columns(xt.to(tl.float32), FP8_MAX, MIN_SCALE, ROUND_IN_FP32)
+                if X_COLS < BLOCK_M:  # one row, quantized alone; zero columns pad x^T
+                    xq = tl.where(offs_m[None, :] == 0, xq, 0.0)
                 part = tl.dot(w, xq.to(w.dtype), out_dtype=tl.float32) * sx[None, :]
                 if W_SCALE == 2:
                     part *= tl.load(ws_row + (step * BLOCK_K // SCALE_BK) * stride_wsk)
@@ -242,7 +246,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         W_SCALE=w_scale, SCALE_BN=scale_block[0], SCALE_BK=scale_block[1],
         SILU_AND_MUL=silu_and_mul, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
         QUANTIZE_X=quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-        ROUND_IN_FP32=not x.is_cuda, num_warps=num_warps,
+        ROUND_IN_FP32=not x.is_cuda, X_COLS=1 if quantize_x and M == 1 else block_m,
+        num_warps=num_warps,
     )
     return y
 
