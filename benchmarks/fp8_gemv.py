@@ -178,10 +178,11 @@ def table(bw, sweep, rows, deadline):
 # --sweep-dot: the w8a8dot mode (dense_gemv quantize_x) --------------------------------------
 DOT_MS = (1, 2, 4, 8, 16)
 # tiles, most promising first (the sweep stops at its budget): wgmma on e4m3 wants BLOCK_N >=
-# 16 * num_warps; BLOCK_N x BLOCK_K x stages within the 227 KiB of shared memory
+# 16 * num_warps; the stages of W and of x^T (gate and up with SiLU-and-mul: 2 x BLOCK_K x 16 x
+# 2 bytes a stage) within the 227 KiB of shared memory (each compiles for sm_90 on a CPU)
 DOT_TILES = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st) for n, k, w, st in (
-    (64, 256, 4, 4), (128, 256, 4, 4), (64, 512, 4, 4), (128, 128, 4, 4), (64, 128, 4, 4),
-    (128, 256, 8, 3), (64, 512, 8, 3), (64, 256, 8, 3), (128, 128, 8, 4), (64, 512, 4, 3))]
+    (64, 256, 4, 4), (128, 256, 4, 4), (64, 512, 4, 3), (128, 128, 4, 4), (64, 128, 4, 4),
+    (128, 256, 8, 3), (64, 512, 8, 3), (64, 256, 8, 3), (128, 128, 8, 4), (128, 256, 4, 3))]
 DOT_PROGRAMS = (2, 3, 4)  # programs_per_sm: the split-K depth
 
 
