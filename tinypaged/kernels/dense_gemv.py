@@ -29,7 +29,8 @@ once, at the copy bandwidth, from every SM at once:
   (wgmma m64n16k32 on sm_90: BLOCK_M 16, BLOCK_N >= 16 * num_warps; narrower tiles compile to
   an fp16 mma.sync on converted operands); the step's product is scaled by s per column (and
   the weight block's scale). The quantization costs O(BLOCK_K * BLOCK_M) per step against the
-  BLOCK_N * BLOCK_K conversions of W8A16.
+  BLOCK_N * BLOCK_K conversions of W8A16; at one row only the row's BLOCK_K values are
+  quantized (X_COLS 1), zero columns then pad x^T to 16.
 - fp32 accumulation. Split-K partial sums go by atomics into the persistent zeroed fp32
   workspace that every split-K GEMV shares (split_k.py); the last program of each column block
   (an arrival counter) adds the bias, writes y in x's dtype and re-zeroes it: one launch, no
@@ -190,7 +191,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     two rows on). A block-wise weight's scale block must be whole tiles: block_k is cut to BK,
     and BN must be a multiple of block_n.
     quantize_x (FP8 weights, W8A8 on FP8 tensor cores, any M): each K step's [M, block_k] slice
-    of x is quantized to e4m3 in registers, one scale per row (dense_gemv_reference's too)."""
+    of x is quantized to e4m3 in registers, one scale per row (dense_gemv_reference's too);
+    x^T is padded to 16 columns whatever min_block_m says."""
     M, K = x.shape[0], x.shape[1] // 2 if silu_and_mul else x.shape[1]
     N = weight.shape[0]
     if silu_and_mul and x.shape[1] != 2 * weight.shape[1]:
