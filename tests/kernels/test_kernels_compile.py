@@ -1,5 +1,5 @@
 """Every kernel (AWQ too), through its real launcher, compiles for the H200 (sm_90) on a CPU
-(see helpers/compile_sm90.py for how)."""
+(see helpers/compile_sm90.py for how); the FP8 GEMV's w8a8dot tiles to FP8 wgmma."""
 
 from helpers.compile_sm90 import compile_for_sm90
 
@@ -136,3 +136,34 @@ def test_every_launcher_compiles_for_sm90():
         "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel", "_two_shot_all_reduce_kernel",
         "_dense_gemv_kernel", "_int8_gemv1_kernel", "_int8_gemm_kernel", "_int8_dequantize_kernel",
     ])
+
+
+FP8_DOT_LAUNCHES = r"""
+from tinypaged.kernels import dense_gemv
+
+ptx = []
+
+
+def keep_ptx(self, *args, grid, warmup, **kwargs):
+    kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+    assert kernel.metadata.shared <= 227 * 1024, (self.__name__, kernel.metadata.shared)
+    ptx.append(kernel.asm["ptx"])
+    compiled.add(self.__name__)
+
+
+JITFunction.run = keep_ptx
+w8 = torch.zeros(1024, 4096).to(torch.float8_e4m3fn)
+for m in (1, 2, 4, 8, 16):
+    for scale, block in ((torch.ones(1024, 1), None), (torch.ones(8, 32), (128, 128))):
+        for silu in (False, True):
+            dense_gemv.dense_gemv(torch.randn(m, 8192 if silu else 4096).to(torch.bfloat16), w8,
+                                  None, scale, block, silu_and_mul=silu,
+                                  **dense_gemv.fp8_gemv_config(m, block, "w8a8dot"))
+# e4m3 operands straight into Hopper's FP8 wgmma: no fp16 mma.sync on converted weights
+assert ptx and all("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in p
+                   and "mma.sync" not in p for p in ptx)
+"""
+
+
+def test_fp8_dot_tiles_multiply_on_fp8_wgmma():
+    assert compile_for_sm90(FP8_DOT_LAUNCHES) == ["_dense_gemv_kernel"]
