@@ -1,5 +1,6 @@
 # ruff: noqa: B023  (each lambda is timed at once, in its own iteration)
-"""The FP8 decode GEMV (W8A16: kernels/dense_gemv.py reading an e4m3 weight) on the GPU.
+"""The FP8 decode GEMV (kernels/dense_gemv.py reading an e4m3 weight: W8A16, and W8A8 on FP8
+tensor cores with --sweep-dot) on the GPU.
 
 1. Checks: against dense_gemv_reference for every scale kind (per tensor, per channel,
    block-wise [128, 128]), M = 1..16 (1, 8, 16 with the SiLU-and-mul input), bf16 and fp16
