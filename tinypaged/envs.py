@@ -114,6 +114,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "kernels/gguf.py's DECODE_PATHS (for A/B benchmarks)",
         _is_one,
     ),
+    "TINYPAGED_FP8_GEMV": EnvVar(
+        "str", "w8a16",
+        "how FP8 weights run at decode: w8a16 (x as it is, 1 row) or w8a8dot (x quantized to "
+        "e4m3 in the GEMV, FP8 tensor cores, 1-16 rows)",
+        lambda name, text: _one_of(name, text, ("w8a16", "w8a8dot")),
+    ),
     "TINYPAGED_LORA_PDL": EnvVar(
         "bool", False,
         "1 chains the LoRA expand to its shrink by programmatic dependent launch for batches of "

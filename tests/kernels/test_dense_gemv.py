@@ -1,7 +1,8 @@
 """The dense decode GEMV (kernels/dense_gemv.py) under the Triton interpreter, fp32 and fp16,
-against its torch reference and F.linear, and dense_linear's dispatch; with FP8 weights (W8A16)
-in every scale layout too. bf16 (whose tl.dot the interpreter gets wrong: only the one-row
-CUDA-core path is checked here) and the timings are checked on the GPU (benchmarks/dense_gemv.py,
+against its torch reference and F.linear, and dense_linear's dispatch; with FP8 weights (W8A16,
+and W8A8 on FP8 tensor cores: quantize_x, bf16 included) in every scale layout too. bf16
+W8A16 (whose tl.dot the interpreter gets wrong: only the one-row CUDA-core path is checked
+here) and the timings are checked on the GPU (benchmarks/dense_gemv.py,
 benchmarks/fp8_gemv.py)."""
 
 import pytest
@@ -135,6 +136,58 @@ def test_silu_and_mul_input(dtype, M, kind):
         dense_gemv.dense_gemv(act, w, b, scale, block, silu_and_mul=True)
 
 
+DOT_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3),
+           torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}  # one ulp of the output dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
+def test_fp8_dot_quantizes_x_per_row_and_step(dtype, kind, M):
+    # W8A8 in the GEMV (quantize_x): the e4m3 x^T of each K step on FP8 tensor cores; the
+    # reference quantizes the same [M, block_k] slices, so only fp32 sums differ. K = 300 is
+    # no multiple of block_k (a masked last step), x^T padded to 8 or 16 columns
+    K, N = 300, 200
+    x, w, scale, block, b = fp8_linear(M, K, N, kind, dtype, seed=M + 10, bias=kind != "tensor")
+    x[0, :40] *= 50  # one large step: its own scale, not the row's
+    full = dense_gemv.dense_gemv_reference(x, w, b, scale, block).float()
+    for config in (dense_gemv.fp8_gemv_config(M, block, "w8a8dot"),
+                   dict(block_n=32, block_k=64, split_k=2, min_block_m=8, quantize_x=True)):
+        y = dense_gemv.dense_gemv(x, w, b, scale, block, **config)
+        assert y.dtype == dtype and y.shape == (M, N)
+        ref = dense_gemv.dense_gemv_reference(x, w, b, scale, block, **config)
+        torch.testing.assert_close(y, ref, **DOT_TOL[dtype])
+        assert (ref.float() - full).norm() / full.norm() < 0.05  # x's e4m3 rounding, no more
+        assert_workspace_zero()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("kind", ["channel", "block"])
+def test_fp8_dot_silu_and_mul_input(dtype, M, kind):
+    # (not bf16: the interpreter rounds fp32 -> bf16 otherwise than torch, and the product
+    # formed on load is rounded to x's dtype before it is quantized)
+    K, N = 200, 136
+    _, w, scale, block, b = fp8_linear(M, K, N, kind, dtype, seed=8, bias=True)
+    gate_up = torch.randn(M, 2 * K, generator=torch.Generator().manual_seed(9)).to(dtype)
+    config = dict(block_n=32, block_k=128, split_k=2, min_block_m=8, quantize_x=True)
+    y = dense_gemv.dense_gemv(gate_up, w, b, scale, block, silu_and_mul=True, **config)
+    act = activation.silu_and_mul_ref(gate_up)  # x rounded to its dtype before the quantization
+    torch.testing.assert_close(y, dense_gemv.dense_gemv_reference(
+        gate_up, w, b, scale, block, silu_and_mul=True, **config), **DOT_TOL[dtype])
+    torch.testing.assert_close(y, dense_gemv.dense_gemv(act, w, b, scale, block, **config),
+                               **DOT_TOL[dtype])
+
+
+def test_fp8_dot_configs_cover_every_m():
+    for M in range(1, dense_gemv.FP8_GEMV_MAX_M["w8a8dot"] + 1):
+        for block in (None, (128, 128)):
+            config = dense_gemv.fp8_gemv_config(M, block, "w8a8dot")
+            assert config["quantize_x"] and (block is None or 128 % config["block_n"] == 0)
+    assert "quantize_x" not in dense_gemv.fp8_gemv_config(1, None)  # W8A16, the default
+    assert dense_gemv.FP8_GEMV_MAX_M["w8a16"] == 1
+
+
 def test_fp8_rejects_bad_scales():
     x, w, scale, block, _ = fp8_linear(2, 256, 128, "block", torch.float32, seed=1)
     with pytest.raises(ValueError, match="needs its weight_scale"):
@@ -147,6 +200,10 @@ def test_fp8_rejects_bad_scales():
         dense_gemv.dense_gemv(x, w, None, torch.ones(3, 1))
     with pytest.raises(ValueError, match="float32"):
         dense_gemv.dense_gemv(x, w, None, torch.ones(128, 1).half())
+    with pytest.raises(ValueError, match="quantize_x needs an FP8 weight"):
+        dense_gemv.dense_gemv(x, torch.randn(128, 256), quantize_x=True)
+    with pytest.raises(ValueError, match="quantize_x=True"):
+        dense_gemv.dense_gemv(x[:1], w, None, scale, block, quantize_x=True, tensor_cores=False)
 
 
 def test_rejects_bad_arguments():

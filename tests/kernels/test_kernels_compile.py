@@ -1,5 +1,5 @@
 """Every kernel (AWQ too), through its real launcher, compiles for the H200 (sm_90) on a CPU
-(see helpers/compile_sm90.py for how)."""
+(see helpers/compile_sm90.py for how); the FP8 GEMV's w8a8dot tiles to FP8 wgmma."""
 
 from helpers.compile_sm90 import compile_for_sm90
 
@@ -108,12 +108,13 @@ for dtype in (torch.bfloat16, torch.float16):  # dense and int8 split-K (the fin
     for m, config in ((1, dict(programs_per_sm=2)), (8, dense_gemv._TENSOR_CORES)):
         dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), weight, bias, split_k=4, **config)
     w8 = weight.to(torch.float8_e4m3fn)  # FP8 weights (W8A16): e4m3 converted in registers
-    for m in (1, 8):
+    for m, mode in ((1, "w8a16"), (8, "w8a16"), (1, "w8a8dot"), (16, "w8a8dot")):
         for scale, block in ((torch.ones(1024, 1), None), (torch.ones(8, 32), (128, 128))):
+            config = dense_gemv.fp8_gemv_config(m, block, mode)  # w8a8dot: e4m3 x, FP8 wgmma
             dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), w8, bias, scale, block,
-                                  split_k=4, **dense_gemv.fp8_gemv_config(m, block))
+                                  split_k=4, **config)
             dense_gemv.dense_gemv(torch.randn(m, 8192).to(dtype), w8, None, scale, block,
-                                  silu_and_mul=True, **dense_gemv.fp8_gemv_config(m, block))
+                                  silu_and_mul=True, **config)
     for group in (None, 128):  # RMSNorm with its output quantized to e4m3 (W8A8 prefill)
         x = torch.randn(4, 4096).to(dtype)
         norm.rms_norm_quant_fp8_triton(x, torch.randn(4096).to(dtype), 1e-6, x.clone(), group)
@@ -135,3 +136,34 @@ def test_every_launcher_compiles_for_sm90():
         "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel", "_two_shot_all_reduce_kernel",
         "_dense_gemv_kernel", "_int8_gemv1_kernel", "_int8_gemm_kernel", "_int8_dequantize_kernel",
     ])
+
+
+FP8_DOT_LAUNCHES = r"""
+from tinypaged.kernels import dense_gemv
+
+ptx = []
+
+
+def keep_ptx(self, *args, grid, warmup, **kwargs):
+    kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+    assert kernel.metadata.shared <= 227 * 1024, (self.__name__, kernel.metadata.shared)
+    ptx.append(kernel.asm["ptx"])
+    compiled.add(self.__name__)
+
+
+JITFunction.run = keep_ptx
+w8 = torch.zeros(1024, 4096).to(torch.float8_e4m3fn)
+for m in (1, 2, 4, 8, 16):
+    for scale, block in ((torch.ones(1024, 1), None), (torch.ones(8, 32), (128, 128))):
+        for silu in (False, True):
+            dense_gemv.dense_gemv(torch.randn(m, 8192 if silu else 4096).to(torch.bfloat16), w8,
+                                  None, scale, block, silu_and_mul=silu,
+                                  **dense_gemv.fp8_gemv_config(m, block, "w8a8dot"))
+# e4m3 operands straight into Hopper's FP8 wgmma: no fp16 mma.sync on converted weights
+assert ptx and all("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in p
+                   and "mma.sync" not in p for p in ptx)
+"""
+
+
+def test_fp8_dot_tiles_multiply_on_fp8_wgmma():
+    assert compile_for_sm90(FP8_DOT_LAUNCHES) == ["_dense_gemv_kernel"]

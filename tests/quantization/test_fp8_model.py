@@ -21,10 +21,12 @@ from safetensors.torch import load_file, save_file
 
 from tinypaged import LLM
 from tinypaged.config import EngineConfig
+from tinypaged.kernels import dense_gemv
 from tinypaged.kernels.dense_gemv import FP8_GEMV_MAX_M
 from tinypaged.kernels.fp8 import FP8_MAX, dequantize_fp8
 from tinypaged.models import layers
 from tinypaged.models.loader import load_model
+from tinypaged.quantization import fp8 as fp8_module
 from tinypaged.quantization.fp8 import CompressedTensorsFp8Config, Fp8Config
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
@@ -143,8 +145,8 @@ def test_quantize_at_load_is_close_to_the_dense_model(tmp_path):
 def test_w8a8_path_of_a_fused_layer(monkeypatch, method, rows):
     """The Triton path (interpreted): 20 rows W8A8 (activations quantized, the FP8 GEMM with the
     layer's scale layout), within 5% of x @ W^T with the dequantized weights, and so do 5 rows
-    (past FP8_GEMV_MAX_M); 1 row the W8A16 decode GEMV (activations as they are), as close as
-    fp32 sums get."""
+    (past FP8_GEMV_MAX_M["w8a16"]); 1 row the W8A16 decode GEMV (activations as they are), as
+    close as fp32 sums get."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gen = torch.Generator().manual_seed(3)
     layer = layers.MergedColumnParallelLinear(256, [128, 256], quant_config=method)
@@ -162,9 +164,64 @@ def test_w8a8_path_of_a_fused_layer(monkeypatch, method, rows):
     x = torch.randn(rows, 256, generator=gen)
     ref = x @ torch.cat(dense).t()
     y = layer.matmul(x, None)
-    assert (y - ref).norm() / ref.norm() < (0.05 if rows > FP8_GEMV_MAX_M else 1e-5)
+    assert (y - ref).norm() / ref.norm() < (0.05 if rows > FP8_GEMV_MAX_M["w8a16"] else 1e-5)
     monkeypatch.delenv("TRITON_INTERPRET")
     torch.testing.assert_close(layer.matmul(x, None), ref, rtol=1e-4, atol=1e-3)  # weight-only
+
+
+@pytest.mark.parametrize("method", [Fp8Config(weight_scheme="tensor", static_input=True),
+                                    Fp8Config(weight_scheme="block", block=(128, 128)),
+                                    Fp8Config.online()])
+def test_w8a8dot_mode_takes_the_gemv_up_to_16_rows(monkeypatch, method):
+    """$TINYPAGED_FP8_GEMV=w8a8dot: 1-16 rows go to the decode GEMV with x quantized per row and
+    K step inside it (the same numbers as its reference), 17 rows to quantize_fp8 + fp8_gemm;
+    the down projection's SiLU-and-mul input too."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TINYPAGED_FP8_GEMV", "w8a8dot")
+    seen = []
+    real = fp8_module.dense_gemv
+
+    def spy(*args, **kwargs):
+        seen.append((args[0].shape[0], kwargs.get("quantize_x")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_module, "dense_gemv", spy)
+    gen = torch.Generator().manual_seed(4)
+    layer = layers.RowParallelLinear(256, 128, quant_config=method)
+    if method.from_dense:
+        layer.weight.data.copy_(torch.randn(128, 256, generator=gen) * 0.05)
+    else:
+        stored, _ = quantize(torch.randn(128, 256, generator=gen), method.weight_scheme)
+        for name, t in stored.items():
+            getattr(layer, name).weight_loader(getattr(layer, name), t)
+        if method.static_input:
+            layer.input_scale.weight_loader(layer.input_scale, torch.tensor(4.0 / FP8_MAX))
+    method.process_weights_after_loading(layer)
+    scale = layer.weight_scale
+    for rows in (1, 5, 16, 17):
+        x = torch.randn(rows, 256, generator=gen)
+        y = layer.matmul(x, None)
+        config = dense_gemv.fp8_gemv_config(min(rows, 16), method.block, "w8a8dot")
+        if rows <= 16:
+            assert seen.pop() == (rows, True)
+            ref = dense_gemv.dense_gemv_reference(x, layer.weight, None, scale, method.block,
+                                                  **config)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        else:
+            assert not seen
+        gate_up = torch.randn(rows, 512, generator=gen)
+        y = fp8_module.fp8_silu_and_mul_down(layer, gate_up)
+        if rows <= 16:
+            assert seen.pop() == (rows, True)
+            ref = dense_gemv.dense_gemv_reference(gate_up, layer.weight, None, scale,
+                                                  method.block, silu_and_mul=True, **config)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        else:
+            assert not seen and (y is None) == method.static_input
+    monkeypatch.setenv("TINYPAGED_FP8_GEMV", "w8a16")  # one row only, x as it is
+    layer.matmul(torch.randn(2, 256), None)
+    layer.matmul(torch.randn(1, 256), None)
+    assert seen == [(1, None)]
 
 
 def test_row_parallel_rank_loads_its_scale_blocks(monkeypatch):

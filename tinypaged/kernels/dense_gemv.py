@@ -22,6 +22,15 @@ once, at the copy bandwidth, from every SM at once:
 - 2 <= M <= 16 (USE_DOT True): y^T = W x^T on tensor cores, W in the MMA's M slot and x^T,
   padded to BLOCK_M (8 or 16) columns, in the N slot; M FMAs per weight would swamp the CUDA
   cores at 16 rows, a tensor-core product costs the same for any M up to 16.
+- quantize_x (FP8 weights, any M; $TINYPAGED_FP8_GEMV=w8a8dot): W8A8 with no conversion per
+  weight. Each step quantizes its [BLOCK_K, BLOCK_M] slice of x^T to e4m3 in registers, one
+  scale per row of x, s = max|x| / 448 (per token group of BLOCK_K, as quantize_fp8's groups),
+  and tl.dot(w e4m3 [BLOCK_N, BLOCK_K], xq^T [BLOCK_K, BLOCK_M]) runs on FP8 tensor cores
+  (wgmma m64n16k32 on sm_90: BLOCK_M 16, BLOCK_N >= 16 * num_warps; narrower tiles compile to
+  an fp16 mma.sync on converted operands); the step's product is scaled by s per column (and
+  the weight block's scale). The quantization costs O(BLOCK_K * BLOCK_M) per step against the
+  BLOCK_N * BLOCK_K conversions of W8A16; at one row only the row's BLOCK_K values are
+  quantized (X_COLS 1), zero columns then pad x^T to 16.
 - fp32 accumulation. Split-K partial sums go by atomics into the persistent zeroed fp32
   workspace that every split-K GEMV shares (split_k.py); the last program of each column block
   (an arrival counter) adds the bias, writes y in x's dtype and re-zeroes it: one launch, no
@@ -44,7 +53,7 @@ import torch.nn.functional as F
 from tinypaged import envs
 from tinypaged.kernels._triton import cdiv, dot_precision, jit, tl, use_triton
 from tinypaged.kernels.activation import silu_and_mul_ref
-from tinypaged.kernels.fp8 import dequantize_fp8
+from tinypaged.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, _round_e4m3, dequantize_fp8
 from tinypaged.kernels.split_k import (
     programs_target,
     split_k_finish,
@@ -62,6 +71,18 @@ def _silu_and_mul(gate, up):
     return (g * tl.sigmoid(g) * up.to(tl.float32)).to(gate.dtype)
 
 
+@jit
+def _quantize_columns(xt, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                      ROUND_IN_FP32: tl.constexpr):
+    """xt [BLOCK_K, BLOCK_M] fp32 -> (e4m3 values as fp32, the scales [BLOCK_M]): column m
+    (row m of x) scaled by max|xt[:, m]| / FP8_MAX, as kernels/fp8.py's quantize_fp8."""
+    sx = tl.maximum(tl.max(tl.abs(xt), axis=0) / FP8_MAX, MIN_SCALE)
+    xq = tl.minimum(tl.maximum(xt * (1.0 / sx)[None, :], -FP8_MAX), FP8_MAX)
+    if ROUND_IN_FP32:  # the interpreter's own fp32 -> e4m3 conversion truncates (fp8.py)
+        xq = _round_e4m3(xq)
+    return xq, sx
+
+
 @jit(do_not_specialize=("M", "split_k"))
 def _dense_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,  # x [M, K] (row stride stride_xm), W [N, K], b [N],
@@ -74,11 +95,15 @@ def _dense_gemv_kernel(
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,  # the scale block (W_SCALE 2)
     SILU_AND_MUL: tl.constexpr,  # x_ptr is gate_up [M, 2K]: x = silu(gate) * up
     STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANTIZE_X: tl.constexpr,  # W8A8 on FP8 tensor cores: each step's x^T quantized to e4m3
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+    X_COLS: tl.constexpr,  # BLOCK_M, or 1 for one row under QUANTIZE_X (no padded columns)
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums K-steps split_k_range(.., s) of
     # y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
+    offs_xm = tl.arange(0, X_COLS)  # the rows of x loaded (and quantized) for tl.dot
     m_mask = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -98,15 +123,23 @@ def _dense_gemv_kernel(
             w = tl.load(w_ptrs + step * BLOCK_K)
         else:
             w = tl.load(w_ptrs + step * BLOCK_K, mask=(k < K)[None, :], other=0.0)
-        if W_SCALE != 0 and USE_DOT:  # e4m3 -> x's dtype for tl.dot, exact (module docstring)
+        if W_SCALE != 0 and USE_DOT and not QUANTIZE_X:  # e4m3 -> x's dtype, exact
             w = w.to(x_ptr.dtype.element_ty)
         if USE_DOT:
-            xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + k[:, None]  # [BLOCK_K, BLOCK_M]
-            xt_mask = m_mask[None, :] & (k < K)[:, None]
+            xt_ptrs = x_ptr + offs_xm[None, :] * stride_xm + k[:, None]  # [BLOCK_K, X_COLS]
+            xt_mask = (offs_xm < M)[None, :] & (k < K)[:, None]
             xt = tl.load(xt_ptrs, mask=xt_mask, other=0.0)
             if SILU_AND_MUL:
                 xt = _silu_and_mul(xt, tl.load(xt_ptrs + K, mask=xt_mask, other=0.0))
-            if W_SCALE == 2:  # this step's product times its block's scale, in fp32
+            if QUANTIZE_X:  # W8A8: e4m3 x^T, one scale per row of x and step -> [BLOCK_M]
+                xq, sx = _quantize_columns(xt.to(tl.float32), FP8_MAX, MIN_SCALE, ROUND_IN_FP32)
+                if X_COLS < BLOCK_M:  # one row, quantized alone; zero columns pad x^T
+                    xq = tl.where(offs_m[None, :] == 0, xq, 0.0)
+                part = tl.dot(w, xq.to(w.dtype), out_dtype=tl.float32) * sx[None, :]
+                if W_SCALE == 2:
+                    part *= tl.load(ws_row + (step * BLOCK_K // SCALE_BK) * stride_wsk)
+                acc += part
+            elif W_SCALE == 2:  # this step's product times its block's scale, in fp32
                 s = tl.load(ws_row + (step * BLOCK_K // SCALE_BK) * stride_wsk)
                 acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * s
             else:
@@ -143,7 +176,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                weight_block: tuple[int, int] | None = None, silu_and_mul: bool = False,
                block_n: int | None = None, block_k: int = 256, split_k: int | None = None,
                num_warps: int = 4, num_stages: int = 3, min_block_m: int = 16,
-               programs_per_sm: int = 3, tensor_cores: bool | None = None) -> torch.Tensor:
+               programs_per_sm: int = 3, tensor_cores: bool | None = None,
+               quantize_x: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), 1 <= M <= 16, fp32 accumulation, in
     x's dtype (the Triton kernel; dense_linear and the FP8 linear decide when to call it).
 
@@ -155,7 +189,10 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     programs per SM); min_block_m: x^T padded to at least this many columns for tl.dot (8 or 16;
     the interpreter needs 16); tensor_cores: tl.dot instead of CUDA-core FMAs (default: from
     two rows on). A block-wise weight's scale block must be whole tiles: block_k is cut to BK,
-    and BN must be a multiple of block_n."""
+    and BN must be a multiple of block_n.
+    quantize_x (FP8 weights, W8A8 on FP8 tensor cores, any M): each K step's [M, block_k] slice
+    of x is quantized to e4m3 in registers, one scale per row (dense_gemv_reference's too);
+    x^T is padded to 16 columns whatever min_block_m says."""
     M, K = x.shape[0], x.shape[1] // 2 if silu_and_mul else x.shape[1]
     N = weight.shape[0]
     if silu_and_mul and x.shape[1] != 2 * weight.shape[1]:
@@ -174,17 +211,22 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError("dense_gemv: an FP8 weight needs its weight_scale, and only an FP8 "
                          f"weight takes one (weight {weight.dtype}, weight_scale "
                          f"{None if weight_scale is None else tuple(weight_scale.shape)})")
+    if quantize_x and not fp8:
+        raise ValueError(f"dense_gemv: quantize_x needs an FP8 weight, got {weight.dtype}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    use_dot = M > 1 if tensor_cores is None else tensor_cores
-    if M > 1 and not use_dot:
-        raise ValueError(f"dense_gemv: the CUDA-core path takes one row of x, got {M}")
+    use_dot = (M > 1 or quantize_x) if tensor_cores is None else tensor_cores
+    if (M > 1 or quantize_x) and not use_dot:
+        raise ValueError(f"dense_gemv: the CUDA-core path takes one row of x and no quantize_x, "
+                         f"got {M} rows, quantize_x={quantize_x}")
     block_n = block_n or (64 if use_dot else 16)
     if weight_block is not None:
         block_k = min(block_k, weight_block[1])
     w_scale, scale_block, scale_strides = _scale_layout(weight_scale, weight_block, N, K,
                                                         block_n, block_k)
-    if not x.is_cuda:  # the interpreter's tl.dot takes 16 columns and up
+    if not x.is_cuda or quantize_x:  # the interpreter's tl.dot takes 16 columns and up; on
+        # sm_90 Triton 3.6 takes an e4m3 x^T of 8 columns, but to an fp16 mma.sync after
+        # converting both operands: the wgmma on e4m3 (m64n16k32) wants 16
         min_block_m = max(min_block_m, 16)
     block_m = max(min_block_m, 1 << (M - 1).bit_length()) if use_dot else 1
     n_blocks = cdiv(N, block_n)
@@ -205,6 +247,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         W_SCALE=w_scale, SCALE_BN=scale_block[0], SCALE_BK=scale_block[1],
         SILU_AND_MUL=silu_and_mul, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
+        QUANTIZE_X=quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        ROUND_IN_FP32=not x.is_cuda, X_COLS=1 if quantize_x and M == 1 else block_m,
         num_warps=num_warps,
     )
     return y
@@ -240,16 +284,43 @@ def dense_gemv_reference(x: torch.Tensor, weight: torch.Tensor,
                          weight_scale: torch.Tensor | None = None,
                          weight_block: tuple[int, int] | None = None,
                          silu_and_mul: bool = False, **config) -> torch.Tensor:
-    """The torch reference of dense_gemv (same signature; tile settings are ignored): fp32
-    products and sums of the (dequantized) weight, the result in x's dtype."""
-    w = weight.float() if weight_scale is None else \
-        dequantize_fp8(weight, weight_scale, weight_block)
+    """The torch reference of dense_gemv (same signature; tile settings are ignored but for
+    quantize_x's block_k): fp32 products and sums of the (dequantized) weight, the result in
+    x's dtype."""
     if silu_and_mul:
         x = silu_and_mul_ref(x)
-    y = x.float() @ w.t()
+    if config.get("quantize_x"):
+        y = _w8a8_steps(x, weight, weight_scale, weight_block, config.get("block_k", 256))
+    else:
+        w = weight.float() if weight_scale is None else \
+            dequantize_fp8(weight, weight_scale, weight_block)
+        y = x.float() @ w.t()
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype)
+
+
+def _w8a8_steps(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                weight_block: tuple[int, int] | None, block_k: int) -> torch.Tensor:
+    """quantize_x's product, fp32 [M, N]: x [M, K] in K steps of block_k, each step's slice
+    quantized to e4m3 with one scale per row (as the kernel: times 1 / scale, then rounded to
+    nearest), its product with the e4m3 weight times that scale (and the weight block's)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight_block is not None:
+        block_k = min(block_k, weight_block[1])
+    steps = cdiv(K, block_k)
+    xs = F.pad(x.float(), (0, steps * block_k - K)).reshape(M, steps, block_k)
+    sx = (xs.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)  # [M, steps, 1]
+    xq = (xs * (1.0 / sx)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+    wq = F.pad(weight.float(), (0, steps * block_k - K)).reshape(N, steps, block_k)
+    parts = torch.einsum("msk,nsk->smn", xq, wq) * sx.permute(1, 0, 2)  # [steps, M, N]
+    if weight_block is not None:  # the scale of the weight block each (step, column) lies in
+        ws = weight_scale.repeat_interleave(weight_block[0], 0)[:N]  # [N, K / BK]
+        step_block = torch.arange(steps, device=ws.device) * block_k // weight_block[1]
+        parts *= ws[:, step_block].t()[:, None, :]
+        return parts.sum(0)
+    return parts.sum(0) * weight_scale.reshape(1, -1)
 
 
 _ANY = 1 << 30
@@ -277,24 +348,45 @@ def gemv_config(M: int, N: int, K: int) -> dict | None:
     return None
 
 
-# FP8 weights (W8A16): the tiles of dense_gemv per number of rows. Each stage moves as many
-# bytes as the bf16 tables' tiles (twice the values: block_k doubled); block-wise weights keep
-# block_k at the scale block (128) and widen block_n instead. Only one row takes the GEMV for
-# now (FP8_GEMV_MAX_M): on an H200 the one-row tiles beat W8A8 at batch 1, while the untuned
-# "rows" tiles lost to it at batch 8 (benchmarks/RESULTS.md, Quantized decode); sweep them with
-# benchmarks/fp8_gemv.py --sweep before raising FP8_GEMV_MAX_M.
-FP8_GEMV_MAX_M = 1
+# FP8 weights at decode, two modes ($TINYPAGED_FP8_GEMV, fp8_gemv_mode):
+# - "w8a16": x as it is, the e4m3 weight converted in registers. Each stage moves as many bytes
+#   as the bf16 tables' tiles (twice the values: block_k doubled); block-wise weights keep
+#   block_k at the scale block (128) and widen block_n instead. One row only: on an H200 the
+#   one-row tiles beat W8A8 at batch 1, while the untuned "rows" tiles lost to it at batch 8
+#   (benchmarks/RESULTS.md, Quantized decode).
+# - "w8a8dot" (quantize_x): FP8 tensor cores, no conversion per weight, 1-16 rows; one entry
+#   per power of two of rows (fp8_gemv_config rounds M up).
+# benchmarks/fp8_gemv.py --sweep-dot times candidate tiles and prints this table.
+FP8_GEMV_MODES = ("w8a16", "w8a8dot")
+FP8_GEMV_MAX_M = {"w8a16": 1, "w8a8dot": GEMV_MAX_M}  # rows up to which FP8 takes the GEMV
+_DOT = dict(block_n=64, block_k=256, num_stages=4, quantize_x=True)
+_DOT_BLOCK = dict(_DOT, block_k=128)
 FP8_GEMV_CONFIGS = {
     "one_row": dict(block_n=16, block_k=512, programs_per_sm=2),
     "one_row_block": dict(block_n=64, block_k=128, programs_per_sm=2),
     "rows": dict(block_n=64, block_k=256, num_stages=4, min_block_m=8),
     "rows_block": dict(block_n=64, block_k=128, num_stages=4, min_block_m=8),
+    "w8a8dot_m1": _DOT, "w8a8dot_m1_block": _DOT_BLOCK,
+    "w8a8dot_m2": _DOT, "w8a8dot_m2_block": _DOT_BLOCK,
+    "w8a8dot_m4": _DOT, "w8a8dot_m4_block": _DOT_BLOCK,
+    "w8a8dot_m8": _DOT, "w8a8dot_m8_block": _DOT_BLOCK,
+    "w8a8dot_m16": _DOT, "w8a8dot_m16_block": _DOT_BLOCK,
 }
 
 
-def fp8_gemv_config(M: int, block: tuple[int, int] | None) -> dict:
+def fp8_gemv_mode() -> str:
+    """$TINYPAGED_FP8_GEMV: "w8a16" (the default) or "w8a8dot"; read at call time, so set it
+    before CUDA graphs are captured."""
+    return envs.TINYPAGED_FP8_GEMV
+
+
+def fp8_gemv_config(M: int, block: tuple[int, int] | None, mode: str = "w8a16") -> dict:
     """dense_gemv's tiles for an FP8 weight at M rows (block: the weight's scale block)."""
-    return FP8_GEMV_CONFIGS[("one_row" if M == 1 else "rows") + ("_block" if block else "")]
+    if mode == "w8a8dot":
+        key = f"w8a8dot_m{1 << (M - 1).bit_length()}"
+    else:
+        key = "one_row" if M == 1 else "rows"
+    return FP8_GEMV_CONFIGS[key + ("_block" if block else "")]
 
 
 def gemv_enabled() -> bool:

@@ -21,14 +21,15 @@ static `input_scale` is kept per layer, the largest of a fused layer's shards (a
 
 apply(): on CUDA (or under TRITON_INTERPRET=1) W8A8, kernels/fp8.py: the activations are
 quantized (per token, per token group, or with the static scale) and the FP8 GEMM multiplies
-them by the FP8 weights, fp32 accumulators, the scales applied in the GEMM. At decode (one row
-for now: kernels/dense_gemv.py says why) W8A16 instead: kernels/dense_gemv.py streams the e4m3
-weight, converts it in registers and multiplies it by the activations as they are; quantizing
-them would cost a launch and save no bytes, the weight being all the traffic (a static
-input_scale is then unused). On the CPU the weights are dequantized and multiplied in the
-activations' dtype (weight-only FP8, as vLLM's fallback on GPUs without FP8 tensor cores): the
-fp32 CPU path is then exactly the checkpoint's dequantized model, which is what the tests
-compare with transformers.
+them by the FP8 weights, fp32 accumulators, the scales applied in the GEMM. At decode the
+kernels/dense_gemv.py GEMV instead, one launch, in one of two modes ($TINYPAGED_FP8_GEMV):
+"w8a16" (the default; one row for now: kernels/dense_gemv.py says why) streams the e4m3 weight,
+converts it in registers and multiplies it by the activations as they are; "w8a8dot" (1-16
+rows) quantizes each K step of the activations to e4m3 in registers (one scale per row and
+step) and multiplies on FP8 tensor cores. A static input_scale is unused by both. On the CPU
+the weights are dequantized and multiplied in the activations' dtype (weight-only FP8, as
+vLLM's fallback on GPUs without FP8 tensor cores): the fp32 CPU path is then exactly the
+checkpoint's dequantized model, which is what the tests compare with transformers.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from tinypaged.kernels.dense_gemv import (
     FP8_GEMV_MAX_M,
     dense_gemv,
     fp8_gemv_config,
+    fp8_gemv_mode,
     gemv_enabled,
 )
 from tinypaged.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_gemm, quantize_fp8
@@ -158,9 +160,10 @@ class Fp8Config(QuantizationMethod):
         """y [..., N] = x [..., K] @ W^T + bias: W8A8 through kernels/fp8.py where the Triton
         kernels run, else the dequantized weights in x's dtype (module docstring)."""
         x2 = x.reshape(-1, x.shape[-1])
-        if use_triton(x2) and self.takes_gemv(x2):
+        mode = fp8_gemv_mode()
+        if use_triton(x2) and self.takes_gemv(x2, mode):
             y = dense_gemv(x2, layer.weight, bias, layer.weight_scale, self.block,
-                           **fp8_gemv_config(x2.shape[0], self.block))
+                           **fp8_gemv_config(x2.shape[0], self.block, mode))
             return y.reshape(*x.shape[:-1], -1)
         if use_triton(x2):
             if self.weight_scheme == "block":
@@ -173,16 +176,18 @@ class Fp8Config(QuantizationMethod):
         y = y.reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 
-    def takes_gemv(self, x2: torch.Tensor) -> bool:
-        """Whether x2 [M, K] goes to the W8A16 decode GEMV: up to FP8_GEMV_MAX_M rows (the
-        kernel takes 1-16; kernels/dense_gemv.py says why fewer), unless $TINYPAGED_DENSE_GEMV=0
-        (then W8A8 at every size: the A/B switch)."""
-        return 1 <= x2.shape[0] <= FP8_GEMV_MAX_M and gemv_enabled()
+    def takes_gemv(self, x2: torch.Tensor, mode: str | None = None) -> bool:
+        """Whether x2 [M, K] goes to the decode GEMV in `mode` (default $TINYPAGED_FP8_GEMV):
+        up to FP8_GEMV_MAX_M[mode] rows (the kernel takes 1-16; kernels/dense_gemv.py says why
+        W8A16 takes fewer), unless $TINYPAGED_DENSE_GEMV=0 (then W8A8 through fp8_gemm at every
+        size: the A/B switch). A static input_scale is not used by either GEMV mode."""
+        mode = mode or fp8_gemv_mode()
+        return 1 <= x2.shape[0] <= FP8_GEMV_MAX_M[mode] and gemv_enabled()
 
 
 def fp8_silu_and_mul_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
     """down(silu_and_mul(gate_up)) for an FP8 row-parallel `down` where the Triton kernels run,
-    one launch before the all-reduce and the bias: at decode (takes_gemv) the W8A16 GEMV forms
+    one launch before the all-reduce and the bias: at decode (takes_gemv) the decode GEMV forms
     silu(gate) * up as it loads its input (kernels/dense_gemv.py); on the W8A8 path with dynamic
     activations SiLU-and-mul and the per-token (group) quantization are one kernel
     (kernels/fp8_act.py), then the FP8 GEMM. None where neither applies (another method, static
@@ -191,9 +196,10 @@ def fp8_silu_and_mul_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tenso
     if not isinstance(method, Fp8Config) or not use_triton(gate_up):
         return None
     x2 = gate_up.reshape(-1, gate_up.shape[-1])
-    if method.takes_gemv(x2):
+    mode = fp8_gemv_mode()
+    if method.takes_gemv(x2, mode):
         y = dense_gemv(x2, down.weight, None, down.weight_scale, method.block, silu_and_mul=True,
-                       **fp8_gemv_config(x2.shape[0], method.block))
+                       **fp8_gemv_config(x2.shape[0], method.block, mode))
     elif method.static_input:
         return None
     else:
