@@ -220,7 +220,7 @@ def test_a_worker_failure_fails_the_constrained_requests_of_its_step(model_dir, 
     engine = llm.engine
     calls = []
 
-    def failing(matchers, tokens):
+    def failing(matchers, tokens, *pool):
         calls.append(len(matchers))
         raise RuntimeError("boom")
 
