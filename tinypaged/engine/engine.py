@@ -453,7 +453,8 @@ class Engine:
         try:
             if any(prompt_rows):
                 logits = take_prompt_logprobs(items, reqs, prompt_rows, logits)
-            sampled_reqs = [r for r, it in zip(reqs, items) if it.sample]
+            sampled_reqs = reqs if len(reqs) == len(step.seqs) else [
+                r for r, it in zip(reqs, items) if it.sample]
             sampled, step.logprobs = (
                 self._sample(step.seqs, sampled_reqs, logits) if step.seqs else (None, [])
             )
@@ -463,7 +464,7 @@ class Engine:
         step.tokens = self.executor.keep_sampled(sampled)
         if self.mask_builder.worker is not None and step.tokens is not None:
             step.grammar = self.mask_builder.worker.advance_step(  # while the next one launches
-                step.seqs, [r for r, it in zip(reqs, items) if it.sample], step.tokens)
+                step.seqs, sampled_reqs, step.tokens)
 
     def _process(self, step: _LaunchedStep, finished_only: bool) -> list[RequestOutput]:
         """Take a launched step's tokens: scheduler update, stop checks, detokenization; returns
