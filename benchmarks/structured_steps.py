@@ -30,6 +30,7 @@ import cProfile
 import json
 import pstats
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -161,7 +162,12 @@ def main() -> None:
     ap.add_argument("--sync-debug", action="store_true",
                     help="a GPU: count torch's synchronizing-call warnings in the last repeat")
     ap.add_argument("--profile", default=None, help="one of the runs: cProfile its last repeat")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval: how long the grammar worker may wait for the GIL "
+                         "while the engine thread runs Python (Python's default: 5 ms)")
     args = ap.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
 
     model = args.model or tiny_model_dir()
     llm = LLM(model, device=args.device, load_format=args.load_format,

@@ -1,13 +1,14 @@
 """Structured output off the engine thread: after a step is sampled, the grammar matchers of its
-constrained rows take their tokens in one batched call and fill their next masks in another, on a
-thread of its own, while the engine thread schedules and launches the next step.
+constrained rows take their tokens in batched calls (chunks on a few threads: xgrammar walks one
+batch on one thread) and fill their next masks in one call, on a thread of its own, while the
+engine thread schedules and launches the next step.
 
     step N sampled (tokens on their way to the host)  -> GrammarWorker.advance(...)   engine thread
         wait for the tokens; batch_accept_token;         (GrammarAdvance.run)         worker thread
         batch_fill_next_token_bitmask -> next masks; flag the rows whose grammar ended
     schedule N+1, launch its forward                                                   engine thread
-    process N: stop checks read the verdicts           (GrammarAdvance.verdict)       engine thread
-    sample N+1: its mask rows are copied from the worker's bitmask (LogitsMaskBuilder.build)
+    process N: text first, then the verdicts           (GrammarAdvance.verdict)       engine thread
+    sample N+1: the worker's bitmask rows go to the device (LogitsMaskBuilder.build)
 
 Both xgrammar calls release the GIL (its FFI drops it around every call), so the worker's work
 runs beside the engine thread's Python instead of adding to it; per constrained row the engine

@@ -148,7 +148,7 @@ class LogitsMaskBuilder:
         self._rows = torch.empty((0,), dtype=torch.int64)
         self._filler = None  # structured_output.MaskFiller, at the first grammar row
         # grammar_worker.GrammarWorker (set by the engine): the last step's matchers took their
-        # tokens there and filled their next masks, which `build` copies instead of filling
+        # tokens there and filled their next masks, which `build` sends (or copies) unfilled
         self.worker = None
 
     def _buffer(self, num_rows: int) -> torch.Tensor:

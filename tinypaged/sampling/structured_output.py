@@ -11,11 +11,11 @@ How one request is constrained:
    int32 bitmask [R, ceil(V / 32)] (bit t = token t may come next); the rows go to the device in
    one copy and `kernels/logits.py` sets the other tokens' logits to -inf. With async scheduling
    this happens while the step's forward runs (engine.py: such a step samples late).
-3. After sampling, the step's matchers take their tokens in one batched call and fill their next
-   rows in another (`batch_accept`, `MaskFiller`), on a worker thread while the engine launches
-   the next step (grammar_worker.py); step 2 copies those rows. When the grammar is complete, the
-   mask lets the stop tokens (eos) through; the request ends when one is sampled, or at once
-   when the grammar allows nothing but a stop token.
+3. After sampling, the step's matchers take their tokens in batched calls split over a few
+   threads and fill their next rows in one call (`batch_accept`, `MaskFiller`), on a worker
+   thread while the engine launches the next step (grammar_worker.py); step 2 sends those rows.
+   When the grammar is complete, the mask lets the stop tokens (eos) through; the request ends
+   when one is sampled, or at once when the grammar allows nothing but a stop token.
 4. With speculative decoding, a speculating sequence gets one mask per verified position, the
    matcher walked along its drafts and rolled back (spec_decode/grammar.py).
 
