@@ -18,8 +18,9 @@ TINYPAGED_GRAMMAR_THREAD=0 runs the grammar work on the engine thread, for an A/
 
 On the CPU even this model's forward (the torch reference attention, the 49,152-wide head)
 outweighs the host's work; `--skip-forward` keeps the runner's input preparation but returns
-fixed random logits instead of running the model (each step copies them: the sampler masks its
-logits in place), so the steps measure the host path that a GPU step overlaps with its forward.
+fixed random logits instead of running the model (each step copies them into one buffer: the
+sampler masks its logits in place), so the steps measure the host path that a GPU step overlaps
+with its forward.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import cProfile
 import json
 import pstats
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -71,10 +73,14 @@ def skip_forward(llm: LLM, max_rows: int) -> None:
     vocab = llm.engine.vocab_size
     fixed = torch.randn(max_rows, vocab, generator=torch.Generator().manual_seed(0))
     fixed = fixed.to(runner.device)
+    # One buffer refilled each step: a fresh tensor each step would be freed (unmapped) on the
+    # engine thread, a CPU allocator's cost that the GPU's caching allocator does not have.
+    out = torch.empty_like(fixed)
 
     def execute(step):
         t0, w0 = time.thread_time(), time.perf_counter()
-        logits = fixed[: len(step.logits_indices)].clone()
+        logits = out[: len(step.logits_indices)]
+        logits.copy_(fixed[: len(logits)])
         COMPUTE[0] += time.thread_time() - t0
         COMPUTE[1] += time.perf_counter() - w0
         return logits
@@ -156,7 +162,12 @@ def main() -> None:
     ap.add_argument("--sync-debug", action="store_true",
                     help="a GPU: count torch's synchronizing-call warnings in the last repeat")
     ap.add_argument("--profile", default=None, help="one of the runs: cProfile its last repeat")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval: how long the grammar worker may wait for the GIL "
+                         "while the engine thread runs Python (Python's default: 5 ms)")
     args = ap.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
 
     model = args.model or tiny_model_dir()
     llm = LLM(model, device=args.device, load_format=args.load_format,

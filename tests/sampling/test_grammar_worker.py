@@ -220,7 +220,7 @@ def test_a_worker_failure_fails_the_constrained_requests_of_its_step(model_dir, 
     engine = llm.engine
     calls = []
 
-    def failing(matchers, tokens):
+    def failing(matchers, tokens, *pool):
         calls.append(len(matchers))
         raise RuntimeError("boom")
 
@@ -235,3 +235,101 @@ def test_a_worker_failure_fails_the_constrained_requests_of_its_step(model_dir, 
     out = gen(llm, ["again"], SamplingParams(temperature=0, max_tokens=60,
                                              structured_outputs=JSON))[0].outputs[0]
     jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_accepts_in_chunks_equal_one_matcher_at_a_time(llm, monkeypatch):
+    """batch_accept with a pool: the matchers are cut into chunks taken on several threads; the
+    rejected indices (sorted, over the whole batch) and every matcher's next mask are those of
+    one matcher taking its token at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tinypaged.sampling import structured_output as so
+
+    compiler = llm.engine._get_grammar_compiler()
+    kinds = [JSON, SOME_DIGITS, CHOICE] * 34  # 102 matchers: chunks of 26 on 4 threads
+    live = [compiler.matcher(compiler.compile(k)) for k in kinds]
+    ref = [compiler.matcher(compiler.compile(k)) for k in kinds]
+    chunks = []
+    accept_chunk = so._accept_chunk
+
+    def recording(matchers, tokens, offset):
+        chunks.append((offset, len(matchers)))
+        return accept_chunk(matchers, tokens, offset)
+
+    monkeypatch.setattr(so, "_accept_chunk", recording)
+    monkeypatch.setattr(so, "MIN_ROWS_PER_CHUNK", 16)
+    rng = random.Random(1)
+    got, want = (torch.empty((len(kinds), (VOCAB + 31) // 32), dtype=torch.int32)
+                 for _ in range(2))
+    filler = so.MaskFiller()
+    seen_rejected = False
+    with ThreadPoolExecutor(3) as pool:
+        for step in range(6):
+            for i, m in enumerate(ref):
+                m.fill_next_token_bitmask(want, i)
+            filler.fill(live, got)
+            assert torch.equal(got, want), step
+            tokens = []
+            for i in range(len(kinds)):
+                allowed = allowed_ids(want[i])
+                others = [t for t in allowed if t != EOS]
+                if not others or rng.random() < 0.1:  # a token the grammar does not allow
+                    tokens.append(next(t for t in range(3, VOCAB) if t not in set(allowed)))
+                else:
+                    tokens.append(rng.choice(others))
+            chunks.clear()
+            rejected = so.batch_accept(live, tokens, pool, 4)
+            assert rejected == [i for i, m in enumerate(ref) if not m.accept_token(tokens[i])]
+            assert sorted(chunks) == [(0, 26), (26, 26), (52, 26), (78, 24)]
+            seen_rejected |= bool(rejected)
+    assert seen_rejected
+
+
+def test_worker_rows_are_the_steps_mask_as_they_stand(llm):
+    """When the worker's matchers are the step's masked rows in order and nothing else masks
+    them, LogitsMaskBuilder.build sends the worker's bitmask itself (no host copy); otherwise
+    (another order, allowed_token_ids on a row) it builds its own rows. Either way every row is
+    what its matcher fills alone (and'ed with allowed_token_ids)."""
+    from tinypaged.sampling.logits_processors import LogitsConstraints, LogitsMaskBuilder
+
+    compiler = llm.engine._get_grammar_compiler()
+    kinds = [JSON, DIGITS, CHOICE, SOME_DIGITS] * 3
+    live = [compiler.matcher(compiler.compile(k)) for k in kinds]
+    ref = [compiler.matcher(compiler.compile(k)) for k in kinds]
+    worker = GrammarWorker(VOCAB, [EOS], torch.device("cpu"))
+    builder = LogitsMaskBuilder(VOCAB, torch.device("cpu"))
+    builder.worker = worker
+    mask = torch.empty((1, (VOCAB + 31) // 32), dtype=torch.int32)
+    tokens = []
+    for m in ref:
+        m.fill_next_token_bitmask(mask, 0)
+        tokens.append(min(t for t in allowed_ids(mask[0]) if t != EOS))
+        assert m.accept_token(tokens[-1])
+    seqs = [Seq(i) for i in range(len(kinds))]
+    advance = worker.advance(seqs, list(range(len(kinds))), live, Tokens(tokens))
+    constraints = [LogitsConstraints(matchers=[m]) for m in live]
+
+    def expected(i: int) -> list[int]:
+        ref[i].fill_next_token_bitmask(mask, 0)
+        return allowed_ids(mask[0])
+
+    rows = [(2 * i, c, 0, ()) for i, c in enumerate(constraints)]
+    masks = builder.build(rows)
+    assert masks.bitmask.data_ptr() == advance.wait().bitmask.data_ptr()  # as they stand
+    assert masks.bitmask_rows.tolist() == [2 * i for i in range(len(kinds))]
+    assert [allowed_ids(r) for r in masks.bitmask] == [expected(i) for i in range(len(kinds))]
+
+    masks = builder.build(rows[::-1])  # another order: copied row by row
+    assert masks.bitmask.data_ptr() != advance.bitmask.data_ptr()
+    assert [allowed_ids(r) for r in masks.bitmask] == [
+        expected(i) for i in reversed(range(len(kinds)))]
+
+    allowed = expected(0)[:3] + [7]
+    constraints[0].allowed_words = np.zeros((VOCAB + 31) // 32, dtype=np.uint32)
+    for t in allowed:
+        constraints[0].allowed_words[t >> 5] |= np.uint32(1 << (t & 31))
+    masks = builder.build(rows)  # a row with allowed_token_ids: its own rows
+    assert masks.bitmask.data_ptr() != advance.bitmask.data_ptr()
+    assert allowed_ids(masks.bitmask[0]) == sorted(set(expected(0)) & set(allowed))
+    assert [allowed_ids(r) for r in masks.bitmask[1:]] == [
+        expected(i) for i in range(1, len(kinds))]

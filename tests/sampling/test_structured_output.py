@@ -149,15 +149,15 @@ def test_batched_mask_fill_equals_one_fill_per_matcher(llm, monkeypatch):
 
     fill, checked = MaskFiller.fill, []
 
-    def checking_fill(self, rows, bitmask):
+    def checking_fill(self, matchers, bitmask, rows=None):
         bitmask.fill_(0)
-        fill(self, rows, bitmask)
+        fill(self, matchers, bitmask, rows)
         want = torch.zeros_like(bitmask)
-        for i, m in rows:
+        for i, m in zip(rows or range(len(matchers)), matchers):
             m.fill_next_token_bitmask(want, i)
             assert bitmask[i].any()
         assert torch.equal(bitmask, want)
-        checked.append(len(rows))
+        checked.append(len(matchers))
 
     monkeypatch.setattr(MaskFiller, "fill", checking_fill)
     choice = StructuredOutputsParams(choice=["red", "green"])

@@ -453,7 +453,8 @@ class Engine:
         try:
             if any(prompt_rows):
                 logits = take_prompt_logprobs(items, reqs, prompt_rows, logits)
-            sampled_reqs = [r for r, it in zip(reqs, items) if it.sample]
+            sampled_reqs = reqs if len(reqs) == len(step.seqs) else [
+                r for r, it in zip(reqs, items) if it.sample]
             sampled, step.logprobs = (
                 self._sample(step.seqs, sampled_reqs, logits) if step.seqs else (None, [])
             )
@@ -463,7 +464,7 @@ class Engine:
         step.tokens = self.executor.keep_sampled(sampled)
         if self.mask_builder.worker is not None and step.tokens is not None:
             step.grammar = self.mask_builder.worker.advance_step(  # while the next one launches
-                step.seqs, [r for r, it in zip(reqs, items) if it.sample], step.tokens)
+                step.seqs, sampled_reqs, step.tokens)
 
     def _process(self, step: _LaunchedStep, finished_only: bool) -> list[RequestOutput]:
         """Take a launched step's tokens: scheduler update, stop checks, detokenization; returns
@@ -482,6 +483,7 @@ class Engine:
             grown = self.scheduler.update(step.out, tokens)
         now = time.monotonic()
         self.iteration_stats.observe_outputs(grown, tokens, self.requests)
+        deferred = []  # (request, sequence, its stop checks so far): grammar rows (step.grammar)
         for seq in grown:
             req = self.requests.get(seq.request_id)
             if req is None:  # a sibling sample failed this request earlier in the loop
@@ -493,13 +495,21 @@ class Engine:
             try:
                 if self.spec is not None:  # several tokens: grammar and stop checks per token
                     self.spec.after_tokens(req, seq, lp_by_seq.get(seq.seq_id))
+                elif step.grammar is not None and req.constraints is not None \
+                        and req.constraints.matchers:  # the worker's verdict: read below
+                    checks = req.take_token(seq, lp_by_seq.get(seq.seq_id), self.eos_token_ids)
+                    deferred.append((req, seq, checks))
                 else:
-                    self._after_token(req, seq, lp_by_seq.get(seq.seq_id), None, step.grammar)
+                    self._after_token(req, seq, lp_by_seq.get(seq.seq_id))
             except Exception as exc:  # a fault in one request (e.g. detokenizing) ends only it
-                logger.exception("request %s failed", req.request_id)
-                self._errors.append((req.request_id, exc))
-                self.abort_request(req.request_id)
-                touched.pop(req.request_id, None)
+                self._fail(req, exc, touched)
+        # The grammar rows' verdicts last: the worker's accepts and fills run beside the text.
+        for req, seq, (reason, stop_reason) in deferred:
+            if self.requests.get(req.request_id) is req:  # no sibling failed it above
+                try:
+                    self._end_checks(req, seq, reason, stop_reason, None, step.grammar)
+                except Exception as exc:
+                    self._fail(req, exc, touched)
         outputs = []
         for req in touched.values():
             finished = req.finished
@@ -549,29 +559,27 @@ class Engine:
             logprobs.append(lp)
         return torch.cat(rows), logprobs
 
+    def _fail(self, req: RequestState, exc: Exception, touched: dict) -> None:
+        logger.exception("request %s failed", req.request_id)
+        self._errors.append((req.request_id, exc))
+        self.abort_request(req.request_id)
+        touched.pop(req.request_id, None)
+
     def _after_token(
         self, req: RequestState, seq: Sequence, logprobs: dict[int, float] | None,
         grammar_rejected: bool | None = None, advance: GrammarAdvance | None = None,
     ) -> None:
-        token = seq.last_token_id
-        params = req.params
-        if logprobs is not None and req.logprobs[seq.index] is not None:
-            req.logprobs[seq.index].append(logprobs)
-            req.cumulative_logprob[seq.index] += logprobs[token]
-        detok = req.detoks[seq.index]
-        num_out = seq.num_output_tokens
-        reason: str | None = None
-        stop_reason: int | str | None = None
-        min_done = num_out >= params.min_tokens
-        if min_done and not params.ignore_eos and token in self.eos_token_ids:
-            reason, stop_reason = "stop", None
-        elif min_done and params.stop_token_ids and token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
-        if detok is not None:
-            # The stop token itself is not part of the text (vLLM drops eos / stop ids).
-            stop_str = detok.update(token, skip=reason is not None, check_stop=min_done)
-            if reason is None and stop_str is not None:
-                reason, stop_reason = "stop", stop_str
+        reason, stop_reason = req.take_token(seq, logprobs, self.eos_token_ids)
+        self._end_checks(req, seq, reason, stop_reason, grammar_rejected, advance)
+
+    def _end_checks(
+        self, req: RequestState, seq: Sequence, reason: str | None,
+        stop_reason: int | str | None, grammar_rejected: bool | None,
+        advance: GrammarAdvance | None,
+    ) -> None:
+        """The stop checks after RequestState.take_token's: grammar complete, max_tokens,
+        max_model_len; finishes the sequence when one holds."""
+        token, params = seq.last_token_id, req.params
         if req.constraints is not None and req.constraints.matchers:
             grammar_rejected, ended = grammar_verdict(
                 req.constraints.matchers[seq.index], seq.seq_id, token, advance,
@@ -580,7 +588,8 @@ class Engine:
                 raise RuntimeError(f"the grammar rejected sampled token {token}")
             if reason is None and ended:
                 reason = "stop"
-        if reason is None and params.max_tokens is not None and num_out >= params.max_tokens:
+        if reason is None and params.max_tokens is not None \
+                and seq.num_output_tokens >= params.max_tokens:
             reason = "length"
         if reason is None and len(seq) >= self.config.max_model_len:
             reason = "length"

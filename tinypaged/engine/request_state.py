@@ -43,6 +43,31 @@ class RequestState:
             return seqs[0].finish_reason is not None
         return all(s.finish_reason is not None for s in seqs)
 
+    def take_token(self, seq: Sequence, logprobs: dict[int, float] | None,
+                   eos_token_ids: frozenset[int]) -> tuple[str | None, int | str | None]:
+        """The first stop checks of `seq`'s new token, in engine.py's order: a stop token (eos
+        unless ignore_eos, then stop_token_ids), then a stop string in its text, which grows
+        here (its logprobs too). Returns (finish reason, stop reason), (None, None) when none
+        holds; the engine's `_end_checks` take it from there."""
+        token, params, index = seq.last_token_id, self.params, seq.index
+        if logprobs is not None and self.logprobs[index] is not None:
+            self.logprobs[index].append(logprobs)
+            self.cumulative_logprob[index] += logprobs[token]
+        reason: str | None = None
+        stop_reason: int | str | None = None
+        min_done = seq.num_output_tokens >= params.min_tokens
+        if min_done and not params.ignore_eos and token in eos_token_ids:
+            reason = "stop"
+        elif min_done and params.stop_token_ids and token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        detok = self.detoks[index]
+        if detok is not None:
+            # The stop token itself is not part of the text (vLLM drops eos / stop ids).
+            stop_str = detok.update(token, skip=reason is not None, check_stop=min_done)
+            if reason is None and stop_str is not None:
+                reason, stop_reason = "stop", stop_str
+        return reason, stop_reason
+
     def output(self) -> RequestOutput:
         outputs = [
             CompletionOutput(

@@ -1,13 +1,14 @@
 """Structured output off the engine thread: after a step is sampled, the grammar matchers of its
-constrained rows take their tokens in one batched call and fill their next masks in another, on a
-thread of its own, while the engine thread schedules and launches the next step.
+constrained rows take their tokens in batched calls (chunks on a few threads: xgrammar walks one
+batch on one thread) and fill their next masks in one call, on a thread of its own, while the
+engine thread schedules and launches the next step.
 
     step N sampled (tokens on their way to the host)  -> GrammarWorker.advance(...)   engine thread
         wait for the tokens; batch_accept_token;         (GrammarAdvance.run)         worker thread
         batch_fill_next_token_bitmask -> next masks; flag the rows whose grammar ended
     schedule N+1, launch its forward                                                   engine thread
-    process N: stop checks read the verdicts           (GrammarAdvance.verdict)       engine thread
-    sample N+1: its mask rows are copied from the worker's bitmask (LogitsMaskBuilder.build)
+    process N: text first, then the verdicts           (GrammarAdvance.verdict)       engine thread
+    sample N+1: the worker's bitmask rows go to the device (LogitsMaskBuilder.build)
 
 Both xgrammar calls release the GIL (its FFI drops it around every call), so the worker's work
 runs beside the engine thread's Python instead of adding to it; per constrained row the engine
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from tinypaged.sampling.structured_output import (
     MaskFiller,
     batch_accept,
     grammar_only_allows_stop,
+    grammar_threads,
 )
 
 
@@ -55,8 +57,8 @@ class GrammarAdvance:
         self.seqs, self.positions, self.matchers, self.tokens = seqs, positions, matchers, tokens
         self.rejected: set[int] = set()  # seq_ids whose token the grammar rejected
         self.ended: set[int] = set()  # seq_ids whose grammar now allows only a stop token
-        self.rows: dict[int, int] = {}  # id(matcher) -> its next mask's row in `bitmask`
-        self.bitmask: torch.Tensor | None = None  # int32 [len(rows), W], host
+        self.live: list[Any] = []  # the matchers that filled a next mask: row i of `bitmask`
+        self.bitmask: torch.Tensor | None = None  # int32 [>= len(live), W], host
         self.error: BaseException | None = None
         self._stop_token_ids: frozenset[int] = frozenset()
         self._finished = False  # read without the event's lock once set (every verdict)
@@ -88,21 +90,27 @@ class GrammarAdvance:
             return True, False
         return False, token in self._stop_token_ids or seq_id in self.ended
 
+    @property
+    def rows(self) -> dict[int, int]:
+        """id(matcher) -> the row of `bitmask` that holds its next mask."""
+        return {id(m): i for i, m in enumerate(self.live)}
+
     def run(self, filler: MaskFiller, bitmask: torch.Tensor, stop_words: np.ndarray,
-            stop_bits: np.ndarray) -> None:
+            stop_bits: np.ndarray, pool: Executor | None = None, num_chunks: int = 1) -> None:
         """The worker thread's part. bitmask: int32 [>= len(matchers), W] host rows it owns;
-        stop_words / stop_bits: the words holding stop-token bits and those bits (uint32)."""
+        stop_words / stop_bits: the words holding stop-token bits and those bits (uint32);
+        pool, num_chunks: threads that take chunks of the accepts (batch_accept)."""
         try:
             sampled = self.tokens.tolist()  # waits for the device with the GIL released
             tokens = [sampled[p] for p in self.positions]
-            rejected = batch_accept(self.matchers, tokens)
+            rejected = batch_accept(self.matchers, tokens, pool, num_chunks)
             stop = self._stop_token_ids
             # A terminated matcher (it took a stop token) has no next mask: xgrammar raises.
             live = self.matchers if stop.isdisjoint(tokens) else [
                 m for m, t in zip(self.matchers, tokens) if t not in stop
             ]
             if live:
-                filler.fill(list(enumerate(live)), bitmask)
+                filler.fill(live, bitmask)
                 words = bitmask[: len(live)].numpy().view(np.uint32)  # [k, W]
                 has_stop = (words[:, stop_words] & stop_bits).any(axis=1)
                 if has_stop.any():  # a complete grammar: ended when nothing else is allowed
@@ -115,7 +123,7 @@ class GrammarAdvance:
                         for r in rows[~other.any(axis=1)]
                     }
             self.rejected = {self.seqs[self.positions[i]].seq_id for i in rejected}
-            self.rows = {id(m): i for i, m in enumerate(live)}
+            self.live = live
             self.bitmask = bitmask
         except BaseException as exc:  # surfaces on the engine thread, at wait()
             self.error = exc
@@ -143,8 +151,19 @@ class GrammarWorker:
                          (1 << (ids & 31)).astype(np.uint32))
         self._stop_bits = bits
         self._filler = MaskFiller()
+        # Pinned on a GPU: the next step copies these rows straight to the device (one
+        # asynchronous copy, LogitsMaskBuilder.build). The copy is queued before that step's
+        # sampling, and the next advance refills the rows only once that sampling's tokens are
+        # on the host, so the copy has finished by then.
+        self._pin = device.type == "cuda"
         self._bitmask = torch.empty((0, (vocab_size + 31) // 32), dtype=torch.int32)
         self._latest: GrammarAdvance | None = None
+        # xgrammar takes a batch's tokens on one thread: chunks go to these threads as well.
+        self._num_chunks = grammar_threads()
+        self._accept_pool = None
+        if self._num_chunks > 1:
+            self._accept_pool = ThreadPoolExecutor(self._num_chunks - 1,
+                                                   thread_name_prefix="tinypaged-grammar-accept")
         # Not a daemon thread: one killed at exit inside an xgrammar call aborts the process.
         # The executor joins it at exit and ends it when the worker is collected. Without it
         # (TINYPAGED_GRAMMAR_THREAD=0) the same calls run on the engine thread, at the verdicts.
@@ -159,11 +178,13 @@ class GrammarWorker:
         self.latest()  # the last advance has finished: its bitmask rows were read
         if self._bitmask.shape[0] < len(matchers):
             self._bitmask = torch.empty((max(len(matchers), 2 * self._bitmask.shape[0]),
-                                         self._bitmask.shape[1]), dtype=torch.int32)
+                                         self._bitmask.shape[1]), dtype=torch.int32,
+                                        pin_memory=self._pin)
         job = GrammarAdvance(seqs, positions, matchers, tokens)
         job._stop_token_ids = self.stop_token_ids
         self._latest = job
-        args = (self._filler, self._bitmask, self._stop_words, self._stop_bits)
+        args = (self._filler, self._bitmask, self._stop_words, self._stop_bits,
+                self._accept_pool, self._num_chunks)
         if self._thread is None:
             job._deferred = args
         else:

@@ -148,7 +148,7 @@ class LogitsMaskBuilder:
         self._rows = torch.empty((0,), dtype=torch.int64)
         self._filler = None  # structured_output.MaskFiller, at the first grammar row
         # grammar_worker.GrammarWorker (set by the engine): the last step's matchers took their
-        # tokens there and filled their next masks, which `build` copies instead of filling
+        # tokens there and filled their next masks, which `build` sends (or copies) unfilled
         self.worker = None
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
@@ -172,35 +172,62 @@ class LogitsMaskBuilder:
         masked = [r for r in rows if r[1].has_mask]
         if masked:
             host, row_ids = self._buffer(len(masked)), self._rows[: len(masked)]
-            words = host.numpy().view(np.uint32)  # the same memory, bit ops without sign
             row_ids.numpy()[:] = [r[0] for r in masked]
-            grammar = [(i, c.matchers[index]) for i, (_, c, index, _) in enumerate(masked)
-                       if c.matchers]
-            if grammar:
-                self._fill_grammar(grammar, host)
-            others = [(i, c, out) for i, (_, c, _, out) in enumerate(masked)
-                      if not c.matchers or c.allowed_words is not None or c.bad_words_ids]
-            for i, c, output_ids in others:
-                if not c.matchers:
-                    words[i] = 0xFFFFFFFF
-                if c.allowed_words is not None:
-                    words[i] &= c.allowed_words
-                if c.bad_words_ids:
-                    clear_bits(words[i], c.banned_tokens(output_ids))
+            worker_rows = self._worker_rows(masked)
+            if worker_rows is not None:  # the worker's rows as they are: no host copy
+                host = worker_rows
+            else:
+                self._fill(masked, host)
             masks.bitmask = host.to(self.device, non_blocking=True)
             masks.bitmask_rows = row_ids.to(self.device, non_blocking=True)
         entries = [
-            (row, t, b) for row, c, _, _ in rows for t, b in zip(c.bias_ids, c.bias_values)
+            (row, t, b) for row, c, _, _ in rows if c.bias_ids
+            for t, b in zip(c.bias_ids, c.bias_values)
         ]
         return self._finish(masks, entries)
+
+    def _worker_rows(self, masked: list[tuple[int, LogitsConstraints, int, Any]]
+                     ) -> torch.Tensor | None:
+        """The worker's last bitmask [R, W] when its rows are this step's mask as they stand:
+        every masked row a grammar alone (no allowed_token_ids or bad_words to combine), the
+        worker's matchers these rows' matchers in their order (the steady state of a decode
+        batch). Else None."""
+        advance = self.worker.latest() if self.worker is not None else None  # waits for it
+        if advance is None or len(advance.live) != len(masked):
+            return None
+        for (_, c, index, _), m in zip(masked, advance.live):
+            if not c.matchers or c.matchers[index] is not m or c.allowed_words is not None \
+                    or c.bad_words_ids:
+                return None
+        return advance.bitmask[: len(masked)]
+
+    def _fill(self, masked: list[tuple[int, LogitsConstraints, int, Any]],
+              host: torch.Tensor) -> None:
+        """Each masked row's mask into its row of `host` [R, W]: the grammar's, and'ed with
+        allowed_token_ids, less the banned bad words."""
+        words = host.numpy().view(np.uint32)  # the same memory, bit ops without sign
+        grammar = [(i, c.matchers[index]) for i, (_, c, index, _) in enumerate(masked)
+                   if c.matchers]
+        if grammar:
+            self._fill_grammar(grammar, host)
+        others = [(i, c, out) for i, (_, c, _, out) in enumerate(masked)
+                  if not c.matchers or c.allowed_words is not None or c.bad_words_ids]
+        for i, c, output_ids in others:
+            if not c.matchers:
+                words[i] = 0xFFFFFFFF
+            if c.allowed_words is not None:
+                words[i] &= c.allowed_words
+            if c.bad_words_ids:
+                clear_bits(words[i], c.banned_tokens(output_ids))
 
     def _fill_grammar(self, grammar: list[tuple[int, Any]], host: torch.Tensor) -> None:
         """The host rows of the grammar rows (host row, matcher): copied from the worker's last
         advance where it filled the matcher's next mask (every row, once decoding runs), the
         others filled here in one call (structured_output.MaskFiller)."""
         advance = self.worker.latest() if self.worker is not None else None  # waits for it
-        if advance is not None and advance.rows:
-            src = [advance.rows.get(id(m), -1) for _, m in grammar]
+        worker_rows = advance.rows if advance is not None else {}
+        if worker_rows:
+            src = [worker_rows.get(id(m), -1) for _, m in grammar]
             if len(grammar) == host.shape[0] and -1 not in src:  # rows 0.. in order: one copy
                 torch.index_select(advance.bitmask, 0, torch.tensor(src), out=host)
                 return
@@ -212,7 +239,7 @@ class LogitsMaskBuilder:
             if self._filler is None:
                 from tinypaged.sampling.structured_output import MaskFiller
                 self._filler = MaskFiller()
-            self._filler.fill(grammar, host)
+            self._filler.fill([m for _, m in grammar], host, [i for i, _ in grammar])
 
     def _finish(self, masks: LogitsMasks,
                 entries: list[tuple[int, int, float]]) -> LogitsMasks | None:
@@ -235,8 +262,8 @@ def step_sampling_batch(seqs: Sequence[Any], reqs: Sequence[Any], builder: Logit
     the constrained rows' masks from `builder` (not for a row whose sequence the previous step
     ended: its token is dropped). Token histories are read only by penalties and min_tokens:
     without `read_histories` (no live request has either) none is copied."""
-    masks = builder.build([
-        (row, r.constraints, s.index, s.output_token_ids)
+    masks = builder.build([  # the output so far only for bad_words (a copy of the list)
+        (row, r.constraints, s.index, s.output_token_ids if r.constraints.bad_words_ids else ())
         for row, (r, s) in enumerate(zip(reqs, seqs))
         if r.constraints is not None and s.finish_reason is None
     ])

@@ -11,11 +11,11 @@ How one request is constrained:
    int32 bitmask [R, ceil(V / 32)] (bit t = token t may come next); the rows go to the device in
    one copy and `kernels/logits.py` sets the other tokens' logits to -inf. With async scheduling
    this happens while the step's forward runs (engine.py: such a step samples late).
-3. After sampling, the step's matchers take their tokens in one batched call and fill their next
-   rows in another (`batch_accept`, `MaskFiller`), on a worker thread while the engine launches
-   the next step (grammar_worker.py); step 2 copies those rows. When the grammar is complete, the
-   mask lets the stop tokens (eos) through; the request ends when one is sampled, or at once
-   when the grammar allows nothing but a stop token.
+3. After sampling, the step's matchers take their tokens in batched calls split over a few
+   threads and fill their next rows in one call (`batch_accept`, `MaskFiller`), on a worker
+   thread while the engine launches the next step (grammar_worker.py); step 2 sends those rows.
+   When the grammar is complete, the mask lets the stop tokens (eos) through; the request ends
+   when one is sampled, or at once when the grammar allows nothing but a stop token.
 4. With speculative decoding, a speculating sequence gets one mask per verified position, the
    matcher walked along its drafts and rolled back (spec_decode/grammar.py).
 
@@ -33,6 +33,7 @@ import json
 import os
 import re
 from collections import OrderedDict
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,37 +180,63 @@ class GrammarCompiler:
         return self._xgr.GrammarMatcher(compiled)
 
 
+def grammar_threads() -> int:
+    """Threads for the batched grammar calls: half the usable cores, at most 4 (the engine
+    thread and the rest of the process keep the others)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
+    return max(1, min(4, cores // 2))
+
+
 class MaskFiller:
     """Fills the bitmask rows of many matchers in one call: xgrammar's BatchGrammarMatcher, on
-    up to 4 threads of its own (half the usable cores), without the GIL. One per mask builder
-    and one per grammar worker: an instance is never called from two threads at once."""
+    `grammar_threads()` threads of its own, without the GIL. One per mask builder and one per
+    grammar worker: an instance is never called from two threads at once."""
 
     def __init__(self) -> None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
-        self._batch = _import_xgrammar().BatchGrammarMatcher(max(1, min(4, cores // 2)))
+        self._batch = _import_xgrammar().BatchGrammarMatcher(grammar_threads())
 
-    def fill(self, rows: list[tuple[int, Any]], bitmask: Any) -> None:
-        """rows: (bitmask row, matcher) pairs; each matcher fills its row of `bitmask` (int32
-        [R, ceil(V / 32)] on the CPU)."""
-        self._batch.batch_fill_next_token_bitmask(
-            [m for _, m in rows], bitmask, [i for i, _ in rows]
-        )
+    def fill(self, matchers: list[Any], bitmask: Any, rows: list[int] | None = None) -> None:
+        """Matcher i fills row rows[i] of `bitmask` (int32 [R, ceil(V / 32)] on the CPU); row i
+        without `rows`."""
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
 
-def batch_accept(matchers: list[Any], tokens: list[int]) -> list[int]:
-    """Each matcher takes its token, all in one xgrammar call (which releases the GIL); returns
-    the indices of the matchers whose token was rejected (they keep their state)."""
+# Below this many matchers one call is cheaper than handing chunks to other threads.
+MIN_ROWS_PER_CHUNK = 32
+
+
+def batch_accept(matchers: list[Any], tokens: list[int], pool: Executor | None = None,
+                 num_chunks: int = 1) -> list[int]:
+    """Each matcher takes its token in batched xgrammar calls (which release the GIL); returns
+    the indices of the matchers whose token was rejected (they keep their state). xgrammar walks
+    one batch on one thread, so with a `pool` the batch is cut into up to `num_chunks` chunks of
+    at least MIN_ROWS_PER_CHUNK matchers, all but the last taken by the pool's threads while the
+    caller takes the last."""
+    n = len(matchers)
+    chunks = min(num_chunks, n // MIN_ROWS_PER_CHUNK) if pool is not None else 1
+    if chunks <= 1:
+        return _accept_chunk(matchers, tokens, 0)
+    size = -(-n // chunks)
+    futures = [pool.submit(_accept_chunk, matchers[i : i + size], tokens[i : i + size], i)
+               for i in range(0, n - size, size)]
+    last = len(futures) * size
+    rejected = _accept_chunk(matchers[last:], tokens[last:], last)
+    return [i for f in futures for i in f.result()] + rejected  # in order: sorted
+
+
+def _accept_chunk(matchers: list[Any], tokens: list[int], offset: int) -> list[int]:
+    """batch_accept of one chunk whose first matcher is matchers' `offset`-th."""
     xgr = _import_xgrammar()
     raw = getattr(getattr(xgr.base, "_core", None), "BatchGrammarMatcher", None)
     if raw is None:  # another xgrammar layout: its public call, which converts every result
         accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-        return [i for i, ok in enumerate(accepted) if not ok]
+        return [offset + i for i, ok in enumerate(accepted) if not ok]
     # The public wrapper reads its result array element by element (an FFI call each, ~1.7 us
     # a row with the GIL held); `0 in result` is one call, and a rejection is rare.
     result = raw.batch_accept_token([m._handle for m in matchers], tokens, False)
     if 0 not in result:
         return []
-    return [i for i, ok in enumerate(list(result)) if not ok]
+    return [offset + i for i, ok in enumerate(list(result)) if not ok]
 
 
 def grammar_only_allows_stop(matcher: Any, vocab_size: int, stop_token_ids: list[int]) -> bool:
