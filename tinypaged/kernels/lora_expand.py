@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from tinypaged.kernels._triton import cdiv, dot_precision, jit, next_power_of_2, tl, use_triton
-from tinypaged.kernels.lora_shrink import lora_tiles, slot_tile, use_pdl
+from tinypaged.kernels.lora_shrink import LORA_TILES, lora_tiles, slot_tile, use_pdl
 
 
 # split_k and the plane stride (T * S*R) change with the batch size: specialized, they would
@@ -107,10 +107,13 @@ def expand_launch(num_tokens: int, num_slots: int, rank: int, split_k: int,
     block_r = max(16, next_power_of_2(rank))
     if block_r > 64:  # keep B's [BR, BN] tile and the delta within registers
         block_n = min(block_n, 32)
-    # at most 8192 fp32 of planes per load (64 registers a thread); from the tile row alone, not
-    # split_k, so that one compiled kernel serves every batch size of the row (lanes past
-    # split_k are masked)
+    # at most 8192 fp32 of planes per load (64 registers a thread). Past the first row
+    # (T > 16) split_k changes with T, so PLANES comes from the cap alone and one compiled kernel
+    # serves every batch size of the row (lanes past split_k masked); within the first row
+    # (decode: one row tile) split_k is fixed by the layer's K, and PLANES fits it exactly
     planes = min(64, max(1, 8192 // (block_m * block_r)))
+    if num_tokens <= LORA_TILES[0][0]:
+        planes = min(planes, next_power_of_2(split_k))
     groups = [cdiv(cdiv(offsets[s + 1] - offsets[s], block_n), tiles)  # per shard
               for s in range(len(offsets) - 1)]
     firsts = [sum(groups[:s]) if s < len(groups) else sum(groups) for s in (1, 2)]
