@@ -79,7 +79,7 @@ def random_qweight(type_id: int, N: int, K: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def rows_off():
-    """TINYPAGED_GGUF_ROWS=0 inside (gguf_linear's paths before gguf_rows), as it was after."""
+    """TINYPAGED_GGUF_ROWS=0 inside (DECODE_PATHS' choice), as it was after."""
     before = os.environ.get("TINYPAGED_GGUF_ROWS")
     os.environ["TINYPAGED_GGUF_ROWS"] = "0"
     try:

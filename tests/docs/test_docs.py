@@ -151,4 +151,4 @@ def test_gguf_rows_stage_runs_on_the_cpu(argv):
     if "--sweep-rows" in argv:
         assert "    12: (  # Q4_K\n        (8, dict(block_n=" in result.stdout
     else:
-        assert "| o | 256x32 | Q4_K | 8 | mma | 1.0 | 1.0 |" in result.stdout
+        assert "| o | 256x32 | Q4_K | 8 | rows | 1.0 | 1.0 |" in result.stdout

@@ -152,7 +152,7 @@ def test_mma_kernel(interpret, type_id, dtype, M, split_k, xs_dot):
 
 
 def test_linear_dispatch(interpret, monkeypatch):
-    """DECODE_PATHS picks the kernel by M: Q4_K's GEMV up to 4 rows, mma up to 16, then
+    """DECODE_PATHS picks the kernel by M: Q4_K's GEMV up to 3 rows, gguf_rows up to 16, then
     dequantize + cuBLAS; each agrees with the reference (the kernels are spied on)."""
     K, type_id = 256, 12
     raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=3))
@@ -161,12 +161,12 @@ def test_linear_dispatch(interpret, monkeypatch):
     reference = x @ gguf_dequantize_reference(raw, type_id, K).T
     assert torch.equal(gguf.linear_reference(x, qweight, type_id), reference)
     calls = []
-    for name in ("gguf_gemv", "gguf_mma", "gguf_dequantize"):
+    for name in ("gguf_gemv", "gguf_rows", "gguf_dequantize"):
         kernel = getattr(gguf, name)
         monkeypatch.setattr(gguf, name, lambda *a, _k=kernel, _n=name, **kw: (
             calls.append(_n), _k(*a, **kw))[1])
     tol = dict(rtol=1e-4, atol=1e-4 * reference.abs().max())
-    for M, kernel in ((2, "gguf_gemv"), (4, "gguf_gemv"), (5, "gguf_mma"), (16, "gguf_mma"),
+    for M, kernel in ((2, "gguf_gemv"), (3, "gguf_gemv"), (4, "gguf_rows"), (16, "gguf_rows"),
                       (17, "gguf_dequantize")):
         torch.testing.assert_close(gguf.gguf_linear(x[:M], qweight, type_id), reference[:M], **tol)
         assert calls.pop() == kernel, M
@@ -262,8 +262,12 @@ def test_rows_split_k(interpret, type_id):
 
 def test_rows_dispatch(interpret, monkeypatch):
     """$TINYPAGED_GGUF_ROWS=1 sends 2..16 rows of every type to gguf_rows (ROWS_CONFIGS' tiles),
-    one row and prefill keep their paths; unset, DECODE_PATHS as before."""
-    assert gguf.decode_path(12, 512, 8) == ("mma", {"xs_dot": True})
+    one row and prefill keep their paths; unset, DECODE_PATHS: gguf_rows from 4 rows for Q4_K
+    and Q6_K, the GEMV below, and Q5_K's GEMV at every decode size."""
+    assert gguf.decode_path(12, 512, 3) == ("gemv", {})
+    assert gguf.decode_path(12, 512, 8) == ("rows", gguf.rows_config(12, 8))
+    assert gguf.decode_path(14, 512, 16) == ("rows", gguf.rows_config(14, 16))
+    assert gguf.decode_path(13, 512, 8) == ("gemv", {})
     monkeypatch.setenv("TINYPAGED_GGUF_ROWS", "1")
     monkeypatch.setitem(gguf.ROWS_CONFIGS, 12, ((8, {"block_n": 16}), (16, {"block_n": 32})))
     assert gguf.decode_path(12, 512, 8) == ("rows", {"block_n": 16})

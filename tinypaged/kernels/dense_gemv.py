@@ -355,22 +355,39 @@ def gemv_config(M: int, N: int, K: int) -> dict | None:
 #   one-row tiles beat W8A8 at batch 1, while the untuned "rows" tiles lost to it at batch 8
 #   (benchmarks/RESULTS.md, Quantized decode).
 # - "w8a8dot" (quantize_x): FP8 tensor cores, no conversion per weight, 1-16 rows; one entry
-#   per power of two of rows (fp8_gemv_config rounds M up).
-# benchmarks/fp8_gemv.py --sweep-dot times candidate tiles and prints this table.
+#   per power of two of rows (fp8_gemv_config rounds M up). Its tiles below are the H200
+#   sweep's best (benchmarks/fp8_gemv.py --sweep-dot prints this table), and even so it
+#   streamed the weights no faster than w8a16 at one row nor than quantizing x for the W8A8
+#   GEMM at 2-16 rows (benchmarks/RESULTS.md, Quantized decode): each K step's quantization of
+#   x and the scaling of its partial product cost what the conversion per weight saved. So
+#   w8a16 stays the default.
 FP8_GEMV_MODES = ("w8a16", "w8a8dot")
 FP8_GEMV_MAX_M = {"w8a16": 1, "w8a8dot": GEMV_MAX_M}  # rows up to which FP8 takes the GEMV
-_DOT = dict(block_n=64, block_k=256, num_stages=4, quantize_x=True)
-_DOT_BLOCK = dict(_DOT, block_k=128)
 FP8_GEMV_CONFIGS = {
     "one_row": dict(block_n=16, block_k=512, programs_per_sm=2),
     "one_row_block": dict(block_n=64, block_k=128, programs_per_sm=2),
     "rows": dict(block_n=64, block_k=256, num_stages=4, min_block_m=8),
     "rows_block": dict(block_n=64, block_k=128, num_stages=4, min_block_m=8),
-    "w8a8dot_m1": _DOT, "w8a8dot_m1_block": _DOT_BLOCK,
-    "w8a8dot_m2": _DOT, "w8a8dot_m2_block": _DOT_BLOCK,
-    "w8a8dot_m4": _DOT, "w8a8dot_m4_block": _DOT_BLOCK,
-    "w8a8dot_m8": _DOT, "w8a8dot_m8_block": _DOT_BLOCK,
-    "w8a8dot_m16": _DOT, "w8a8dot_m16_block": _DOT_BLOCK,
+    "w8a8dot_m1": dict(block_n=128, block_k=256, num_warps=4, num_stages=3,
+                       programs_per_sm=2, quantize_x=True),
+    "w8a8dot_m1_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=4,
+                             programs_per_sm=3, quantize_x=True),
+    "w8a8dot_m2": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
+                       programs_per_sm=2, quantize_x=True),
+    "w8a8dot_m2_block": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
+                             programs_per_sm=2, quantize_x=True),
+    "w8a8dot_m4": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
+                       programs_per_sm=2, quantize_x=True),
+    "w8a8dot_m4_block": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
+                             programs_per_sm=2, quantize_x=True),
+    "w8a8dot_m8": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
+                       programs_per_sm=2, quantize_x=True),
+    "w8a8dot_m8_block": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
+                             programs_per_sm=2, quantize_x=True),
+    "w8a8dot_m16": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
+                        programs_per_sm=3, quantize_x=True),
+    "w8a8dot_m16_block": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
+                              programs_per_sm=3, quantize_x=True),
 }
 
 

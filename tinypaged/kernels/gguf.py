@@ -41,20 +41,28 @@ __all__ = ["DECODE_PATHS", "GEMV_MAX_M", "decode_path", "dequantize_reference", 
 # a cost that does not grow with M). Q6_K's GEMV takes prefetch and PTX byte permutes (its
 # decode is instruction-bound, and they cut the instructions a weight; Q4_K's would spill
 # registers); at a few rows the tensor-core kernel beats the GEMV, whose FMAs grow with M, and
-# dequantize + cuBLAS loses to both (it writes and reads a bf16 copy). The crossover (M = 4 to
-# 5) is interpolated from measurements at M = 1 and 8 (benchmarks/gguf_gemv.py; figures in
-# benchmarks/RESULTS.md).
+# dequantize + cuBLAS loses to both (it writes and reads a bf16 copy). "rows": gguf_rows.py
+# (each weight dequantized once, the rows on tensor cores; its tiles from ROWS_CONFIGS): on the
+# H200 it beat the GEMV from 4 rows and gguf_mma at every size for Q4_K and Q6_K, on each of the
+# Llama-3-8B layers but the o projection at 4 rows (benchmarks/gguf_gemv.py --only rows; figures
+# in benchmarks/RESULTS.md); 3 rows is interpolated between the measured 2 and 4.
 DECODE_PATHS: dict[int, tuple[tuple[int, str, dict], ...]] = {
-    12: ((4, "gemv", {}), (16, "mma", {"xs_dot": True})),
-    14: ((1, "gemv", {"prefetch": True, "asm": True}), (4, "gemv", {}),
-         (16, "mma", {"xs_dot": True})),
+    12: ((3, "gemv", {}), (16, "rows", {})),
+    14: ((1, "gemv", {"prefetch": True, "asm": True}), (3, "gemv", {}), (16, "rows", {})),
 }
 _GEMV_ONLY = ((GEMV_MAX_M, "gemv", {}),)
-# With $TINYPAGED_GGUF_ROWS=1, 2..ROWS_MAX_M rows of every type take gguf_rows.py instead (each
-# weight dequantized once, the rows on tensor cores): per type, rows (max M, tile keyword
-# arguments), the first whose max M >= M wins; a type or M not listed takes gguf_rows'
-# defaults. benchmarks/gguf_gemv.py --only rows --sweep prints this table.
-ROWS_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {}
+# gguf_rows' tiles (DECODE_PATHS' "rows", and 2..ROWS_MAX_M rows of every type with
+# $TINYPAGED_GGUF_ROWS=1): per type, rows (max M, tile keyword arguments), the first whose max
+# M >= M wins; a type or M not listed takes gguf_rows' defaults. benchmarks/gguf_gemv.py --only
+# rows --sweep-rows prints this table (the H200's best at 8 rows).
+ROWS_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {
+    12: (  # Q4_K
+        (8, dict(block_n=64, num_warps=4, num_stages=3, asm=True)),
+    ),
+    14: (  # Q6_K
+        (8, dict(block_n=64, num_warps=4, num_stages=3)),
+    ),
+}
 
 CHUNK = 256
 # type id -> (SUBS, SUBLEN): the sub-blocks of a 256-weight chunk that share a scale (and min)
@@ -230,12 +238,15 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.T
 def decode_path(type_id: int, K: int, M: int) -> tuple[str, dict] | None:
     """(kernel, keyword arguments) for an M-row x: gguf_rows for 2..ROWS_MAX_M rows when
     $TINYPAGED_GGUF_ROWS is 1, else the row of DECODE_PATHS; None: dequantize + cuBLAS."""
-    if 2 <= M <= ROWS_MAX_M and envs.TINYPAGED_GGUF_ROWS and rows_supported(type_id, K):
+    rows = 2 <= M <= ROWS_MAX_M and rows_supported(type_id, K)
+    if rows and envs.TINYPAGED_GGUF_ROWS:
         return "rows", rows_config(type_id, M)
     if not gemv_supported(type_id, K):
         return None
     for max_m, kernel, config in DECODE_PATHS.get(type_id, _GEMV_ONLY):
         if M <= max_m:
+            if kernel == "rows":
+                return ("rows", rows_config(type_id, M)) if rows else ("mma", {"xs_dot": True})
             return kernel, config
     return None
 
