@@ -43,9 +43,9 @@ __all__ = ["DECODE_PATHS", "GEMV_MAX_M", "decode_path", "dequantize_reference", 
 # registers); at a few rows the tensor-core kernel beats the GEMV, whose FMAs grow with M, and
 # dequantize + cuBLAS loses to both (it writes and reads a bf16 copy). "rows": gguf_rows.py
 # (each weight dequantized once, the rows on tensor cores; its tiles from ROWS_CONFIGS): on the
-# H200 it beat the GEMV from 4 rows and gguf_mma at every size for Q4_K and Q6_K, on each of the
-# Llama-3-8B layers but the o projection at 4 rows (benchmarks/gguf_gemv.py --only rows; figures
-# in benchmarks/RESULTS.md); 3 rows is interpolated between the measured 2 and 4.
+# H200 it beat the GEMV from 4 rows and gguf_mma at every size for Q4_K and Q6_K, on the sum of
+# the Llama-3-8B layers (the o projection alone lost at 4 and 16 rows; benchmarks/gguf_gemv.py
+# --only rows, figures in benchmarks/RESULTS.md); 3 rows is interpolated between 2 and 4.
 DECODE_PATHS: dict[int, tuple[tuple[int, str, dict], ...]] = {
     12: ((3, "gemv", {}), (16, "rows", {})),
     14: ((1, "gemv", {"prefetch": True, "asm": True}), (3, "gemv", {}), (16, "rows", {})),
