@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from tinypaged import LLM, SamplingParams
+from tinypaged.bench.tiny_models import tiny_llama_config_dir
 
 GPU_KINDS = [  # (kind, pattern on the lower-cased kernel name), first match wins
     ("attention", r"attention|_decode_split|_decode_merge"),
@@ -272,16 +273,6 @@ def print_gpu(rows: dict, stats: dict, args, device: str) -> None:
 # ------------------------------------------------------------------------------------ host
 
 
-def _tiny_llama() -> str:
-    path = Path(tempfile.mkdtemp(prefix="tinypaged-spec-host-"))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "torch_dtype": "float32"}))
-    return str(path)
-
-
 def _host_run(llm: LLM, prompts, args, tag: str, profiler: cProfile.Profile | None) -> dict:
     """ms of this thread's CPU per step: before the forward's launch, and the rest (the
     forward and the logits excluded)."""
@@ -336,7 +327,7 @@ def _host_best(llm: LLM, prompts, args, tag: str, profiler: cProfile.Profile | N
 
 def run_host(args) -> None:
     torch.set_num_threads(1)
-    path = _tiny_llama()
+    path = tiny_llama_config_dir("tinypaged-spec-host-")
     kwargs = dict(dtype="float32", device="cpu", max_num_seqs=max(args.batches),
                   num_kv_blocks=4096, kernels="torch", async_scheduling=True)
     prompts = {b: [[3 + (i + j) % 97 for j in range(32)] for i in range(b)] for b in args.batches}

@@ -52,6 +52,7 @@ from tinypaged.bench.offline import (
     shape_dir,
     warmup_requests,
 )
+from tinypaged.bench.tiny_models import tiny_llama_config_dir
 
 KINDS = [  # (kind, pattern on the lower-cased kernel name), first match wins
     ("attention prefill", r"_hopper_attention|_varlen_attention"),
@@ -302,13 +303,8 @@ def run_decode(args) -> None:
 
 def run_host(args) -> None:
     torch.set_num_threads(1)
-    path = Path(tempfile.mkdtemp(prefix="tinypaged-host-"))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "torch_dtype": "float32"}))
-    llm = LLM(str(path), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+    path = tiny_llama_config_dir("tinypaged-host-")
+    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
               device="cpu", max_num_seqs=max(args.batch_sizes), num_kv_blocks=4096,
               kernels="torch", **({} if args.async_scheduling is None
                                   else {"async_scheduling": args.async_scheduling}))

@@ -165,3 +165,19 @@ def save_tiny(kind: str, path) -> torch.nn.Module:
     else:
         hf.save_pretrained(path)
     return hf
+
+
+def tiny_llama_config_dir(prefix: str = "tinypaged-tiny-") -> str:
+    """A new temporary folder holding only the config.json of a 2-layer Llama (hidden 64, 512
+    ids): what the host-time benchmarks load with load_format="dummy" on the CPU, where the
+    model's forward must cost next to nothing."""
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "torch_dtype": "float32"}))
+    return str(path)
