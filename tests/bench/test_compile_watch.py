@@ -3,9 +3,9 @@
 
 from types import SimpleNamespace
 
-from triton import knobs
+from tinypaged.bench.compile_watch import CompileWatch, triton_knobs
 
-from tinypaged.bench.compile_watch import CompileWatch
+knobs = triton_knobs()  # through tinypaged: importing triton first would break the interpreter
 
 
 def fake_compile(name: str) -> None:

@@ -23,6 +23,15 @@ import time
 from collections import Counter
 
 
+def triton_knobs():
+    """triton.knobs, or None where Triton is missing. Imported through tinypaged's kernels
+    module, which must import triton first (kernels/_triton.py: the interpreter's helpers are
+    built only when triton is imported with TRITON_INTERPRET set)."""
+    from tinypaged.kernels import _triton
+
+    return _triton.triton.knobs if _triton.HAS_TRITON else None
+
+
 class CompileWatch:
     """Installs Triton's JIT hooks for the `with` block (a no-op where Triton is missing)."""
 
@@ -49,9 +58,8 @@ class CompileWatch:
                   file=sys.stderr, flush=True)
 
     def __enter__(self) -> CompileWatch:
-        try:
-            from triton import knobs
-        except ImportError:
+        knobs = triton_knobs()
+        if knobs is None:
             return self
         runtime = knobs.runtime
         self._saved = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
@@ -60,9 +68,8 @@ class CompileWatch:
 
     def __exit__(self, *exc) -> None:
         if self._saved is not None:
-            from triton import knobs
-
-            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+            runtime = triton_knobs().runtime
+            runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._saved
 
     def summary(self) -> dict:
         return {"compiles": sum(self.kernels.values()), "compile_s": round(self.seconds, 2),
