@@ -21,7 +21,11 @@ import time
 
 import numpy as np
 import pytest
-from helpers.models import single_thread, tiny_hf_model  # noqa: F401 - autouse fixture
+from helpers.models import (  # noqa: F401 - single_thread: autouse fixture
+    run_engine,
+    saved_tiny_model,
+    single_thread,
+)
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.models.pipeline import is_last_stage
@@ -52,18 +56,13 @@ def greedy(llm: LLM, batch: list[list[int]], same: SamplingParams | None = None
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    tiny_hf_model("llama", seed=5, num_hidden_layers=3).save_pretrained(path)
-    return str(path)
+    return saved_tiny_model(tmp_path_factory, "llama", seed=5, num_hidden_layers=3)
 
 
 @pytest.fixture(scope="module")
 def expected(model_dir):
-    llm = LLM(model_dir, **ENGINE)
-    try:
-        return {seed: greedy(llm, prompts(seed=seed)) for seed in (1, 2, 3)}
-    finally:
-        llm.shutdown()
+    return run_engine(model_dir, lambda llm: {seed: greedy(llm, prompts(seed=seed))
+                                              for seed in (1, 2, 3)}, **ENGINE)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,9 @@
   full-sequence logits; `check_llm_greedy(llm, hf_model, prompts)`: LLM's greedy tokens are it.
 - `write_dummy_llama(path)`: a tiny Llama checkpoint with no weights (load_format="dummy"), for
   the tests that start whole engines (engine processes, data parallelism).
+- `saved_tiny_model(tmp_path_factory, kind, ...)` a tiny random checkpoint in a new folder, and
+  `run_engine(model_dir, run, **engine_args)`: run(llm) on an LLM that is shut down after (the
+  reference tokens of the multi-process tests' module fixtures).
 - `PagedRunner`: what the engine does for a batch, on a small scale: a paged KV cache per layer,
   blocks handed out from a random permutation, and `step({seq: new_tokens})` building the flat
   batch (`build_flat_batch`) and returning the logits of every new token.
@@ -36,6 +39,25 @@ from tinypaged.models.attention_metadata import AttentionMetadata
 from tinypaged.models.layers import Attention
 from tinypaged.models.registry import get_model_class
 from tinypaged.sampling.params import SamplingParams
+
+
+def saved_tiny_model(tmp_path_factory, kind: str, seed: int, **overrides) -> str:
+    """A tiny random `kind` checkpoint (tiny_hf_model) saved in a new temporary folder."""
+    path = tmp_path_factory.mktemp(kind)
+    tiny_hf_model(kind, seed=seed, **overrides).save_pretrained(path)
+    return str(path)
+
+
+def run_engine(model_dir: str, run, **engine_args):
+    """run(llm) on a new LLM over model_dir; the LLM (and its worker processes) is shut down
+    after, whatever run does."""
+    from tinypaged import LLM
+
+    llm = LLM(model_dir, **engine_args)
+    try:
+        return run(llm)
+    finally:
+        llm.shutdown()
 
 
 def save_byte_tokenizer(path) -> None:

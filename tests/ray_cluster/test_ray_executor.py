@@ -20,7 +20,11 @@ import time
 
 import numpy as np
 import pytest
-from helpers.models import single_thread, tiny_hf_model  # noqa: F401 - autouse fixture
+from helpers.models import (  # noqa: F401 - single_thread: autouse fixture
+    run_engine,
+    saved_tiny_model,
+    single_thread,
+)
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.worker.ray_executor import import_ray
@@ -45,18 +49,12 @@ def prompts() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    tiny_hf_model("llama", seed=11, num_hidden_layers=3).save_pretrained(path)
-    return str(path)
+    return saved_tiny_model(tmp_path_factory, "llama", seed=11, num_hidden_layers=3)
 
 
 @pytest.fixture(scope="module")
 def expected(model_dir):
-    one = LLM(model_dir, **ENGINE)
-    try:
-        return tokens(one)
-    finally:
-        one.shutdown()
+    return run_engine(model_dir, tokens, **ENGINE)
 
 
 def tokens(llm) -> list[list[int]]:

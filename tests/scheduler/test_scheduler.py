@@ -171,6 +171,26 @@ def test_every_request_completes_with_the_right_output(kw):
     assert_no_leaks(sched)
 
 
+def drive_random_workload(engine, sched, rng, seed: int, idle=lambda engine: True) -> None:
+    """workload(seed)'s 30 requests arriving at random, a few aborted at random, until all are
+    done and idle(engine) (nothing left in flight); then every request not aborted has its right
+    output and no block is leaked."""
+    pending = workload(seed, num_requests=30)
+    reqs, aborted = list(pending), set()
+    for _ in range(3000):
+        while pending and rng.random() < 0.3:
+            engine.add(*pending.pop(0))
+        if sched.requests and rng.random() < 0.03:
+            rid = rng.choice(sorted(sched.requests))
+            assert all(s.finish_reason == "abort" for s in sched.abort(rid))
+            aborted.add(rid)
+        if not pending and not sched.has_unfinished() and idle(engine):
+            break
+        engine.step()
+    check_outputs(engine, reqs, skip=aborted)
+    assert_no_leaks(sched)
+
+
 def test_randomized_arrivals_aborts_and_tiny_caches():
     for seed in range(20):
         rng = random.Random(100 + seed)
@@ -181,21 +201,7 @@ def test_randomized_arrivals_aborts_and_tiny_caches():
             enable_prefix_caching=rng.random() < 0.7,
             max_model_len=64,
         )
-        engine = FakeEngine(sched)
-        pending = workload(seed, num_requests=30)
-        reqs, aborted = list(pending), set()
-        for _ in range(3000):
-            while pending and rng.random() < 0.3:
-                engine.add(*pending.pop(0))
-            if sched.requests and rng.random() < 0.03:
-                rid = rng.choice(sorted(sched.requests))
-                assert all(s.finish_reason == "abort" for s in sched.abort(rid))
-                aborted.add(rid)
-            if not pending and not sched.has_unfinished():
-                break
-            engine.step()
-        check_outputs(engine, reqs, skip=aborted)
-        assert_no_leaks(sched)
+        drive_random_workload(FakeEngine(sched), sched, rng, seed)
 
 
 def test_chunked_prefill_splits_a_long_prompt_while_decodes_run():
@@ -437,21 +443,8 @@ def test_pipelined_batches_in_flight_with_aborts_and_preemption(pp):
             enable_prefix_caching=rng.random() < 0.7, max_model_len=64,
             pipeline_parallel_size=pp,
         )
-        engine = PipelinedFakeEngine(sched)
-        pending = workload(seed, num_requests=30)
-        reqs, aborted = list(pending), set()
-        for _ in range(3000):
-            while pending and rng.random() < 0.3:
-                engine.add(*pending.pop(0))
-            if sched.requests and rng.random() < 0.03:  # often while its batch is in flight
-                rid = rng.choice(sorted(sched.requests))
-                assert all(s.finish_reason == "abort" for s in sched.abort(rid))
-                aborted.add(rid)
-            if not pending and not sched.has_unfinished() and not engine.batches:
-                break
-            engine.step()
-        check_outputs(engine, reqs, skip=aborted)
-        assert_no_leaks(sched)
+        engine = PipelinedFakeEngine(sched)  # aborts come often while their batch is in flight
+        drive_random_workload(engine, sched, rng, seed, idle=lambda e: not e.batches)
         assert not sched.in_flight and sched.num_batches_in_flight == 0
         most = max(most, engine.max_in_flight)
         preemptions += engine.num_preemptions

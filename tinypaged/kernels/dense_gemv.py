@@ -363,6 +363,9 @@ def gemv_config(M: int, N: int, K: int) -> dict | None:
 #   w8a16 stays the default.
 FP8_GEMV_MODES = ("w8a16", "w8a8dot")
 FP8_GEMV_MAX_M = {"w8a16": 1, "w8a8dot": GEMV_MAX_M}  # rows up to which FP8 takes the GEMV
+# the sweep's best w8a8dot tile from 2 rows on (it prints one row per key; equal rows kept once)
+_DOT_ROWS = dict(block_n=128, block_k=128, num_warps=8, num_stages=4, programs_per_sm=2,
+                 quantize_x=True)
 FP8_GEMV_CONFIGS = {
     "one_row": dict(block_n=16, block_k=512, programs_per_sm=2),
     "one_row_block": dict(block_n=64, block_k=128, programs_per_sm=2),
@@ -372,22 +375,8 @@ FP8_GEMV_CONFIGS = {
                        programs_per_sm=2, quantize_x=True),
     "w8a8dot_m1_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=4,
                              programs_per_sm=3, quantize_x=True),
-    "w8a8dot_m2": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                       programs_per_sm=2, quantize_x=True),
-    "w8a8dot_m2_block": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                             programs_per_sm=2, quantize_x=True),
-    "w8a8dot_m4": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                       programs_per_sm=2, quantize_x=True),
-    "w8a8dot_m4_block": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                             programs_per_sm=2, quantize_x=True),
-    "w8a8dot_m8": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                       programs_per_sm=2, quantize_x=True),
-    "w8a8dot_m8_block": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                             programs_per_sm=2, quantize_x=True),
-    "w8a8dot_m16": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                        programs_per_sm=3, quantize_x=True),
-    "w8a8dot_m16_block": dict(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                              programs_per_sm=3, quantize_x=True),
+    **{f"w8a8dot_m{m}{block}": _DOT_ROWS for m in (2, 4, 8) for block in ("", "_block")},
+    **{f"w8a8dot_m16{block}": dict(_DOT_ROWS, programs_per_sm=3) for block in ("", "_block")},
 }
 
 
