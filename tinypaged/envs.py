@@ -127,9 +127,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         _is_one,
     ),
     "TINYPAGED_LORA_OVERLAP": EnvVar(
-        "bool", False,
-        "1 runs each LoRA shrink on a side CUDA stream beside its layer's base matmul (the "
-        "shrink reads only x); 0 runs it after, on the same stream",
+        "bool", True,
+        "1 runs each LoRA shrink (and at decode its expand's product) on a side CUDA stream "
+        "beside its layer's base matmul (both read only x); 0 runs them after, on one stream",
         _is_one,
     ),
     "TINYPAGED_GRAMMAR_THREAD": EnvVar(

@@ -4,7 +4,12 @@ references vs a per-token loop that reads each token's own adapter (no segments)
 import pytest
 import torch
 
-from tinypaged.kernels.lora_expand import lora_expand_ref, lora_expand_triton
+from tinypaged.kernels.lora_expand import (
+    lora_add_ref,
+    lora_add_triton,
+    lora_expand_ref,
+    lora_expand_triton,
+)
 from tinypaged.kernels.lora_shrink import (
     lora_segments,
     lora_shrink_ref,
@@ -85,6 +90,30 @@ def test_lora_expand(dtype, num_tokens, rank, offsets, splits):
         torch.testing.assert_close(want[t].double(), expect, **tol(dtype))
     torch.testing.assert_close(got, want, **tol(dtype))
     assert torch.equal(got[slots < 0], y0[slots < 0])  # tokens of no adapter: untouched
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the NaN rows
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,rank,offsets", [(6, 16, (0, 64, 96, 128)), (3, 8, (0, 1100))])
+def test_split_expand_equals_the_expand(dtype, num_tokens, rank, offsets):
+    """The delta stored by lora_expand(accumulate=False), then lora_add into y: the same values
+    as the one-kernel expand, bit for bit (one fp32 sum, rounded once), in each implementation;
+    the delta's rows of tokens of no adapter are never read."""
+    num_slots, shards = 3, len(offsets) - 1
+    y0 = randn(num_tokens, offsets[-1], dtype=dtype, seed=2)
+    h = randn(2, num_tokens, shards * rank, seed=3)
+    b = randn(num_slots, offsets[-1], rank, dtype=dtype, seed=4, scale=0.5)
+    slots = torch.tensor([1, -1, 0, 2, 0, -1][:num_tokens], dtype=torch.int32)
+    meta = lora_segments(slots, num_slots)
+    has = torch.cat([(slots >= 0).to(torch.int32), torch.ones(4, dtype=torch.int32)])  # [>= T]
+    for expand, add in ((lora_expand_ref, lora_add_ref), (lora_expand_triton, lora_add_triton)):
+        whole = expand(y0.clone(), h, b, *meta, offsets)
+        delta = torch.full((num_tokens, offsets[-1]), float("nan"))  # unwritten rows: NaN
+        expand(delta, h, b, *meta, offsets, accumulate=False)
+        assert delta[slots >= 0].isfinite().all()
+        split = add(y0.clone(), delta, has)
+        assert torch.equal(split, whole)
+        assert torch.equal(split[slots < 0], y0[slots < 0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,6 +1,7 @@
-"""The overlapped LoRA path (TINYPAGED_LORA_OVERLAP=1, lora/side_stream.py) on the CPU: which path
+"""The overlapped LoRA path (TINYPAGED_LORA_OVERLAP, lora/side_stream.py) on the CPU: which path
 a layer takes, the order of its calls (fork, shrink on the side stream, base matmul, join,
-expand) and that its output equals the plain path's. The CPU has no streams, so a fake side
+expand; at decode sizes the expand's product inside the fork and only the add after the join)
+and that its output equals the plain path's. The CPU has no streams, so a fake side
 stream stands in; that the fork and join make parallel branches of a captured CUDA graph, and
 that graphs equal eager with the overlap on, only the GPU can show (benchmarks/lora_bench.py
 --check)."""
@@ -60,7 +61,8 @@ class Calls:
         self.log, self.side = [], None
         for module, name, tag in ((dense_gemv, "dense_linear", "base"),
                                   (lora_layers, "lora_shrink", "shrink"),
-                                  (lora_layers, "lora_expand", "expand")):
+                                  (lora_layers, "lora_expand", "expand"),
+                                  (lora_layers, "lora_add", "add")):
             monkeypatch.setattr(module, name, self.logging(getattr(module, name), tag))
         monkeypatch.setattr(lora_layers, "overlap_stream", lambda x: self.side)
 
@@ -87,12 +89,52 @@ def test_overlapped_order_and_output_equal_the_plain_path(monkeypatch, kernels):
         plain, plain_log = calls.run(layer, x)
         overlapped, side_log = calls.run(layer, x, FakeSide)
     assert plain_log == ["base", "shrink", "expand"]
-    # the shrink is queued inside the fork, before the base matmul; the expand after the join
-    assert side_log == ["fork", "shrink", "forked", "base", "join", "expand"]
+    # 6 rows (decode): the shrink and the expand's product are queued inside the fork, before
+    # the base matmul; only the add waits for the join
+    assert side_log == ["fork", "shrink", "expand", "forked", "base", "join", "add"]
     assert torch.equal(plain, overlapped)
     assert not torch.allclose(plain, base)  # the adapters did add something
     # the tokens of no adapter keep the base output
     torch.testing.assert_close(plain[slots < 0], base[slots < 0])
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_past_split_max_tokens_the_expand_follows_the_join(monkeypatch, kernels):
+    slots = np.array([1, -1, 0, 1, 0, -1], dtype=np.int32)
+    layer, x = adapted_layer(slots)
+    monkeypatch.setattr(lora_layers, "SPLIT_MAX_TOKENS", 4)
+    calls = Calls(monkeypatch)
+    with kernel_choice(kernels):
+        plain, _ = calls.run(layer, x)
+        overlapped, side_log = calls.run(layer, x, FakeSide)
+    assert side_log == ["fork", "shrink", "forked", "base", "join", "expand"]
+    assert torch.equal(plain, overlapped)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the NaN rows
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_split_delta_is_reused_across_layers_and_steps(monkeypatch, kernels):
+    """Two layers share one batch's delta buffer, and each later step (another size, other
+    slots: a token of no adapter where one had an adapter) reads nothing a step before left."""
+    layer, _ = adapted_layer(np.array([1, -1, 0, 1, 0, -1], dtype=np.int32))
+    batch = layer.lora.batch
+    other = MergedColumnParallelLinear(32, [24, 24])
+    other.weight.data = layer.weight.data.flip(0).contiguous()
+    other.lora = LoRALinear(other, batch, max_rank=4, dtype=torch.float32,
+                            device=torch.device("cpu"))
+    other.lora.lora_a.copy_(layer.lora.lora_a.flip(2))
+    other.lora.lora_b.copy_(layer.lora.lora_b.flip(1))
+    calls = Calls(monkeypatch)
+    batch.deltas.fill_(float("nan"))  # rows that no token writes hold anything
+    with kernel_choice(kernels):
+        for step, slots in enumerate(([1, -1, 0, 1, 0, -1], [-1, 0, 1, 1], [0, 0, -1, 1, -1])):
+            batch.prepare(np.array(slots, dtype=np.int32))
+            x = torch.randn(len(slots), 32, generator=torch.Generator().manual_seed(step))
+            got = [calls.run(m, x, FakeSide)[0] for m in (layer, other)]
+            want = [calls.run(m, x)[0] for m in (layer, other)]
+            for g, w in zip(got, want):
+                assert torch.equal(g, w)
+            assert calls.log == ["base", "shrink", "expand"]  # the plain path, the last run
 
 
 def test_apply_is_shrink_then_expand():

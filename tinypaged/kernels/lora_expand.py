@@ -23,6 +23,14 @@ than once per column tile is what keeps the expand near copy speed: a prefill ga
 column tiles of 64, each of which would re-read up to 16 planes of its rows. The activations are
 cast to B's dtype before the product, as the reference does. The tile choices by batch size are
 one table with the shrink's (`LORA_TILES`, lora_shrink.py).
+
+Split in two at decode (lora/layers.py, with the shrink on a side stream): the expand only reads
+h and B, so with `accumulate=False` it stores the delta d [T, O] fp32 instead of adding it into y,
+and runs on the side stream beside the base matmul; `lora_add` then adds d into the rows of y
+whose token has an adapter. The add's loads of y, d and the row flags depend on nothing but the
+program's index, so it is one round trip to memory on the critical path where the expand is a
+chain of four (segments, token ids, planes, y). The sum is the same fp32 sum as the expand's,
+rounded once.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ def _lora_expand_kernel(
     rank, split_k, num_slots, stride_hs, stride_hm, stride_bl, stride_bo, stride_ym,
     MAX_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, PLANES: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, ACCUMULATE: tl.constexpr,  # False: y = the delta (fp32), not y +=
 ):
     slot, pid_m, seg_start, seg_len = slot_tile(SEG_START, SEG_LEN, num_slots, tl.program_id(0),
                                                 BLOCK_M, MAX_SLOTS)
@@ -90,8 +98,9 @@ def _lora_expand_kernel(
                              other=0.0)
         delta = tl.dot(h, b, input_precision=PRECISION)  # [BM, BN] fp32
         mask = row_mask[:, None] & col_mask[None, :]
-        y = tl.load(y_ptrs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs + cols[None, :], (y + delta).to(Y.dtype.element_ty), mask=mask)
+        if ACCUMULATE:
+            delta += tl.load(y_ptrs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs + cols[None, :], delta.to(Y.dtype.element_ty), mask=mask)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -126,7 +135,8 @@ def expand_launch(num_tokens: int, num_slots: int, rank: int, split_k: int,
 
 def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
                        sorted_token_ids: torch.Tensor, seg_start: torch.Tensor,
-                       seg_len: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
+                       seg_len: torch.Tensor, offsets: Sequence[int],
+                       accumulate: bool = True) -> torch.Tensor:
     """The Triton launcher: one launch for every shard (at most 3)."""
     num_tokens = y.shape[0]
     num_slots, _, rank = lora_b.shape
@@ -139,7 +149,8 @@ def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
         h, lora_b, sorted_token_ids, seg_start, seg_len, y, *shard_args,
         rank, h.shape[0], num_slots, h.stride(0), h.stride(1), lora_b.stride(0),
         lora_b.stride(1), y.stride(0),
-        **meta, PRECISION=dot_precision(lora_b.dtype), USE_PDL=pdl, num_warps=4,
+        **meta, PRECISION=dot_precision(lora_b.dtype), USE_PDL=pdl, ACCUMULATE=accumulate,
+        num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
     )
     return y
@@ -147,8 +158,10 @@ def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
 
 def lora_expand_ref(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
                     sorted_token_ids: torch.Tensor, seg_start: torch.Tensor,
-                    seg_len: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
-    """The torch reference: per slot and shard, y[tok, cols] += h(cast to B's dtype) @ B^T."""
+                    seg_len: torch.Tensor, offsets: Sequence[int],
+                    accumulate: bool = True) -> torch.Tensor:
+    """The torch reference: per slot and shard, y[tok, cols] += h(cast to B's dtype) @ B^T
+    (accumulate=False: y[tok, cols] = that product)."""
     rank = lora_b.shape[2]
     for slot, (start, length) in enumerate(zip(seg_start.tolist(), seg_len.tolist())):
         if not length:
@@ -158,15 +171,59 @@ def lora_expand_ref(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
             lo, hi = offsets[s], offsets[s + 1]
             hs = h[:, tok, s * rank : (s + 1) * rank].sum(0).to(lora_b.dtype).float()
             delta = hs @ lora_b[slot, lo:hi].float().T
-            y[tok, lo:hi] = (y[tok, lo:hi].float() + delta).to(y.dtype)
+            if accumulate:
+                delta = y[tok, lo:hi].float() + delta
+            y[tok, lo:hi] = delta.to(y.dtype)
     return y
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
                 sorted_token_ids: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
-                offsets: Sequence[int]) -> torch.Tensor:
+                offsets: Sequence[int], accumulate: bool = True) -> torch.Tensor:
     """y[t, shard s] += h[t, shard s] @ lora_b[slot(t), shard s]^T in place (module docstring),
     h = the planes' sum of h [SPLIT_K, T, S*R]; `offsets` [S + 1]: where each shard's output
-    columns start in y. Returns y."""
+    columns start in y. accumulate=False stores the product instead (y: the fp32 delta of
+    `lora_add`). Only the rows of tokens with an adapter are written. Returns y."""
     impl = lora_expand_triton if use_triton(y) else lora_expand_ref
-    return impl(y, h, lora_b, sorted_token_ids, seg_start, seg_len, offsets)
+    return impl(y, h, lora_b, sorted_token_ids, seg_start, seg_len, offsets, accumulate)
+
+
+@jit
+def _lora_add_kernel(Y, D, HAS, N, stride_ym, stride_dm, BLOCK_N: tl.constexpr):
+    # grid: (T, cdiv(N, BLOCK_N)); program (t, j) adds columns j * BLOCK_N.. of row t. Its three
+    # loads are issued together: none waits for another (the row flag only masks the store)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    has = tl.load(HAS + row)
+    y = tl.load(Y + row * stride_ym + cols, mask=col_mask, other=0.0)
+    d = tl.load(D + row * stride_dm + cols, mask=col_mask, other=0.0)
+    tl.store(Y + row * stride_ym + cols, (y.to(tl.float32) + d).to(Y.dtype.element_ty),
+             mask=col_mask & (has != 0))
+
+
+def lora_add_triton(y: torch.Tensor, delta: torch.Tensor,
+                    has_adapter: torch.Tensor) -> torch.Tensor:
+    """The Triton launcher."""
+    num_tokens, n = y.shape
+    if num_tokens == 0:
+        return y
+    block_n = 1024
+    _lora_add_kernel[(num_tokens, cdiv(n, block_n))](
+        y, delta, has_adapter, n, y.stride(0), delta.stride(0), BLOCK_N=block_n, num_warps=4)
+    return y
+
+
+def lora_add_ref(y: torch.Tensor, delta: torch.Tensor, has_adapter: torch.Tensor) -> torch.Tensor:
+    """The torch reference (no host sync: a where, not a boolean index)."""
+    rows = has_adapter[: y.shape[0], None] != 0
+    y.copy_(torch.where(rows, (y.float() + delta).to(y.dtype), y))
+    return y
+
+
+def lora_add(y: torch.Tensor, delta: torch.Tensor, has_adapter: torch.Tensor) -> torch.Tensor:
+    """y[t] = y[t] + delta[t] (summed in fp32, rounded to y's dtype) in place for every row t with
+    has_adapter[t] != 0; y [T, O], delta [T, O] fp32 (from lora_expand with accumulate=False:
+    its rows of tokens of no adapter hold anything), has_adapter [>= T] int32. Returns y."""
+    impl = lora_add_triton if use_triton(y) else lora_add_ref
+    return impl(y, delta, has_adapter)

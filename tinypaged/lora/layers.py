@@ -8,9 +8,13 @@ matrices, and all of them read one per-step token -> slot index.
                 with S shards (qkv: 3, gate-up: 2, o / down: 1); `apply(x, y)` adds every token's
                 adapter delta into the base output y = x W^T (dense or quantized: the delta is
                 added after the base matmul, so AWQ/GPTQ/GGUF models take bf16 adapters).
-                With TINYPAGED_LORA_OVERLAP=1 on CUDA the layer calls `shrink_beside(x)` before
-                its base matmul and `expand(y, shrunk)` after: the shrink reads only x, so it
-                runs on a side stream beside the base matmul (side_stream.py).
+                On CUDA (TINYPAGED_LORA_OVERLAP, on by default) the layer calls
+                `shrink_beside(x)` before its base matmul and `expand(y, shrunk)` after: the
+                shrink reads only x, so it runs on a side stream beside the base matmul
+                (side_stream.py). At decode (up to SPLIT_MAX_TOKENS rows) the expand's product
+                runs there too, into an fp32 delta, and `expand` only adds the delta into y
+                (kernels/lora_expand.py `lora_add`): the one LoRA kernel left on the critical
+                path is a single round trip to memory.
 
 Tensor parallelism slices A and B as the base weight is sliced. Column-parallel (qkv, gate-up):
 rank r computes y[:, its columns], so it holds all of A and its rows of B (each shard cut as the
@@ -28,13 +32,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from tinypaged.kernels.lora_expand import lora_expand
+from tinypaged.kernels.lora_expand import lora_add, lora_expand
 from tinypaged.kernels.lora_shrink import lora_segments, lora_shrink, shrink_splits
 from tinypaged.lora.adapter import LoRAAdapter
 from tinypaged.lora.side_stream import SideStream, overlap_stream
 from tinypaged.models.layers import MergedColumnParallelLinear, RowParallelLinear
 
 ADAPTED = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
+# the most rows for which a side-stream shrink takes its expand's product along (decode): there
+# the expand is a chain of dependent loads, a long wait on the critical path for a few FLOPs
+SPLIT_MAX_TOKENS = 16
 
 
 @functools.cache
@@ -45,12 +52,14 @@ def planes_numel(max_tokens: int, in_features: int, width: int) -> int:
 
 class Shrunk(NamedTuple):
     """A queued shrink: its input rows x [T, in] (held until the expand: the side stream may
-    still read them), its partial sums h [SPLIT_K, T, S * R] and the side stream it runs on
-    (None: the current stream)."""
+    still read them), its partial sums h [SPLIT_K, T, S * R], the side stream it runs on
+    (None: the current stream) and, when the expand's product was queued there as well, the
+    delta [T, out] fp32 it makes (None: the expand does all of it)."""
 
     x: torch.Tensor
     h: torch.Tensor
     side: SideStream | None
+    delta: torch.Tensor | None = None
 
 
 class LoRABatch:
@@ -61,6 +70,7 @@ class LoRABatch:
         self.sorted_token_ids = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.seg_start = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.seg_len = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.has_adapter = torch.zeros(max_tokens, dtype=torch.int32, device=device)  # [T] 0/1
         self.any_adapter = False
         self.max_tokens = max_tokens
         # the shrink's partial-sum planes, shared by every layer (each layer's expand has read
@@ -68,6 +78,8 @@ class LoRABatch:
         # the expand before it is queued): no allocation per call, and one address that every
         # captured graph reads
         self.planes = torch.empty(0, dtype=torch.float32, device=device)
+        # the split expand's deltas [T <= SPLIT_MAX_TOKENS, out] fp32, shared the same way
+        self.deltas = torch.empty(0, dtype=torch.float32, device=device)
 
     def reserve_planes(self, in_features: int, width: int) -> None:
         """Grow `planes` to the most any batch of up to max_tokens rows needs for a linear of
@@ -75,6 +87,16 @@ class LoRABatch:
         need = planes_numel(self.max_tokens, in_features, width)
         if need > self.planes.numel():
             self.planes = torch.empty(need, dtype=torch.float32, device=self.device)
+
+    def reserve_delta(self, out_features: int) -> None:
+        """Grow `deltas` to hold a split expand's delta for a linear of out_features outputs."""
+        need = min(SPLIT_MAX_TOKENS, self.max_tokens) * out_features
+        if need > self.deltas.numel():
+            self.deltas = torch.empty(need, dtype=torch.float32, device=self.device)
+
+    def delta_for(self, num_tokens: int, out_features: int) -> torch.Tensor:
+        """delta [T, out_features] fp32 for one split expand, a view of `deltas`."""
+        return self.deltas[: num_tokens * out_features].view(num_tokens, out_features)
 
     def planes_for(self, num_tokens: int, in_features: int, width: int) -> torch.Tensor:
         """h [SPLIT_K, T, width] fp32 for one shrink, a view of `planes` (allocated only for a
@@ -90,18 +112,22 @@ class LoRABatch:
         self.any_adapter = token_slots is not None and bool((token_slots >= 0).any())
         if not self.any_adapter:
             self.seg_len.zero_()
+            self.has_adapter.zero_()
             return
         if len(token_slots) > len(self.sorted_token_ids):  # only the profiling pass is this wide
             self.sorted_token_ids = torch.zeros(len(token_slots), dtype=torch.int32,
                                                 device=self.device)
-        meta = torch.cat(lora_segments(torch.from_numpy(token_slots), self.num_slots))
+            self.has_adapter = torch.zeros_like(self.sorted_token_ids)
+        slots = torch.from_numpy(token_slots)
+        meta = torch.cat((*lora_segments(slots, self.num_slots), (slots >= 0).to(torch.int32)))
         if self.device.type == "cuda":  # a pageable source would make the host wait for the GPU
             meta = meta.pin_memory()
-        meta = meta.to(self.device, non_blocking=True)  # one copy: [T] | [L] | [L]
+        meta = meta.to(self.device, non_blocking=True)  # one copy: [T] | [L] | [L] | [T]
         num_tokens, num_slots = len(token_slots), self.num_slots
         self.sorted_token_ids[:num_tokens].copy_(meta[:num_tokens])
         self.seg_start.copy_(meta[num_tokens : num_tokens + num_slots])
-        self.seg_len.copy_(meta[num_tokens + num_slots :])
+        self.seg_len.copy_(meta[num_tokens + num_slots : num_tokens + 2 * num_slots])
+        self.has_adapter[:num_tokens].copy_(meta[num_tokens + 2 * num_slots :])
 
 
 class LoRALinear:
@@ -123,6 +149,7 @@ class LoRALinear:
         self.lora_b = torch.zeros(num_slots, layer.output_size, max_rank, dtype=dtype,
                                   device=device)  # [L, out, R]
         batch.reserve_planes(layer.input_size, self.lora_a.shape[1])
+        batch.reserve_delta(layer.output_size)
 
     def shard_pieces(self, weights: dict, name: str) -> list[tuple[int, torch.Tensor,
                                                                   torch.Tensor]]:
@@ -178,9 +205,10 @@ class LoRALinear:
         return y if shrunk is None else self.expand(y, shrunk)
 
     def shrink_beside(self, x: torch.Tensor) -> Shrunk | None:
-        """With TINYPAGED_LORA_OVERLAP=1 on CUDA, launch the shrink of x on the side stream
-        (lora/side_stream.py), to be called before the base matmul; `expand` joins it. None: no
-        side stream here, the caller runs `apply` after the base matmul."""
+        """On CUDA with TINYPAGED_LORA_OVERLAP, launch the shrink of x on the side stream
+        (lora/side_stream.py), and at decode the expand's product with it, to be called before
+        the base matmul; `expand` joins it. None: no side stream here, the caller runs `apply`
+        after the base matmul."""
         side = overlap_stream(x)
         return None if side is None else self.shrink(x, side)
 
@@ -199,20 +227,33 @@ class LoRALinear:
                 batch.seg_len, h)
         if side is None:
             lora_shrink(*args)
-        else:
-            with side.fork():
-                lora_shrink(*args)
-        return Shrunk(x2, h, side)
+            return Shrunk(x2, h, None)
+        delta = None
+        with side.fork():
+            lora_shrink(*args)
+            if num_tokens <= SPLIT_MAX_TOKENS:  # the product too: only the add waits for y
+                delta = batch.delta_for(num_tokens, self.layer.output_size)
+                self.expand_into(delta, h, num_tokens, accumulate=False)
+        return Shrunk(x2, h, side, delta)
 
     def expand(self, y: torch.Tensor, shrunk: Shrunk) -> torch.Tensor:
-        """y += h B^T in place (y [T, out], h from `shrink`), after joining the side stream."""
+        """y += h B^T in place (y [T, out], h from `shrink`), after joining the side stream;
+        a delta made there is only added."""
         if shrunk.side is not None:
             shrunk.side.join()
-        batch, num_tokens = self.batch, shrunk.x.shape[0]
-        lora_expand(y.view(num_tokens, -1), shrunk.h, self.lora_b,
-                    batch.sorted_token_ids[:num_tokens], batch.seg_start, batch.seg_len,
-                    self.offsets)
+        num_tokens = shrunk.x.shape[0]
+        if shrunk.delta is not None:
+            lora_add(y.view(num_tokens, -1), shrunk.delta, self.batch.has_adapter)
+        else:
+            self.expand_into(y.view(num_tokens, -1), shrunk.h, num_tokens)
         return y
+
+    def expand_into(self, out: torch.Tensor, h: torch.Tensor, num_tokens: int,
+                    accumulate: bool = True) -> None:
+        """out [T, out] += h B^T (accumulate=False: out = h B^T, fp32) for the step's tokens."""
+        batch = self.batch
+        lora_expand(out, h, self.lora_b, batch.sorted_token_ids[:num_tokens], batch.seg_start,
+                    batch.seg_len, self.offsets, accumulate)
 
 
 def attach_lora(model: nn.Module, batch: LoRABatch, max_rank: int, dtype: torch.dtype,

@@ -2,26 +2,28 @@
 
 At decode each LoRA kernel is tiny (it reads under a megabyte) and its time is mostly launch and
 ramp-up, paid in series after the base matmul. The shrink h = x A^T reads only x, as the base
-matmul does, so it need not wait for it:
+matmul does, so it need not wait for it, and at decode neither does the expand's product
+d = h B^T (lora/layers.py SPLIT_MAX_TOKENS); only adding it into y does:
 
-    current stream:  ...  --fork-->  base y = x W^T  --join-->  expand y += h B^T
-    side stream:          \\-> shrink h = x A^T  ----/
+    current stream:  ...  --fork-->  base y = x W^T  --join-->  y += d    (larger batches:
+    side stream:          \\-> shrink h = x A^T, d = h B^T  --/            y += h B^T after
+                                                                         the join)
 
 fork: the side stream waits for what the current stream has queued (x is ready); join: the
 current stream waits for the side stream's work (h is ready) before the expand reads it. Under
 CUDA graph capture (decode graphs, piecewise graphs) the same calls make two parallel branches
 of the graph: waiting on an event recorded by the capturing stream pulls the side stream into
 the capture, and the join brings it back before the capture ends (as CUDA requires). The side
-stream allocates nothing (the shrink writes the preallocated planes of lora/layers.py), so the
-graph's memory pool is never touched from it.
+stream allocates nothing (the shrink and the expand write the preallocated planes and deltas of
+lora/layers.py), so the graph's memory pool is never touched from it.
 
 Every tensor the side stream reads must stay alive until the join: the caching allocator frees
 on the current stream's order, and the join orders the side stream's reads before any reuse.
 The stream is made at high priority, so the shrink's few programs are scheduled ahead of the
 base matmul's many when both wait for a free SM.
 
-The side stream is only taken with TINYPAGED_LORA_OVERLAP=1, for CUDA tensors that the Triton
-kernels handle; the CPU (and the torch references, whose `.tolist()` would sync inside a
+The side stream is taken under TINYPAGED_LORA_OVERLAP (on by default), for CUDA tensors that the
+Triton kernels handle; the CPU (and the torch references, whose `.tolist()` would sync inside a
 capture) take the plain path: shrink and expand after the base matmul on one stream.
 """
 
@@ -68,7 +70,7 @@ def _side_stream(device_index: int) -> SideStream:
 
 
 def overlap_stream(x: torch.Tensor) -> SideStream | None:
-    """The side stream to run x's LoRA shrink on (TINYPAGED_LORA_OVERLAP=1, x on CUDA and
+    """The side stream to run x's LoRA shrink on (TINYPAGED_LORA_OVERLAP, x on CUDA and
     the Triton kernels chosen), else None: the plain path."""
     if not (envs.TINYPAGED_LORA_OVERLAP and x.is_cuda and use_triton(x)):
         return None

@@ -123,7 +123,7 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         lora = self.lora
-        # overlapped LoRA (TINYPAGED_LORA_OVERLAP=1, CUDA): the shrink starts first, on a side
+        # overlapped LoRA (TINYPAGED_LORA_OVERLAP, on CUDA): the shrink starts first, on a side
         # stream, and runs beside the base matmul; otherwise None and `apply` runs it after
         shrunk = None if lora is None else lora.shrink_beside(x)
         if self.quant_config is None:
