@@ -43,6 +43,12 @@ import torch
 from tinypaged.kernels._triton import cdiv, dot_precision, jit, next_power_of_2, tl, use_triton
 from tinypaged.kernels.lora_shrink import LORA_TILES, lora_tiles, slot_tile, use_pdl
 
+# Column tiles per program when the expand stores the delta (accumulate=False). That expand runs
+# on the side stream beside the base GEMM, where its time is hidden but every SM it holds is one
+# the GEMM waits for: a few column tiles a program keep its grid small without making each
+# program's chain of loads long (an H200 sweep of 1, 4 and 16 at batch 8 chose 4).
+DELTA_TILES = 4
+
 
 # split_k and the plane stride (T * S*R) change with the batch size: specialized, they would
 # compile a new kernel in the middle of serving (PLANES depends on the tile row only)
@@ -142,8 +148,11 @@ def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor,
     num_slots, _, rank = lora_b.shape
     if num_tokens == 0:
         return y
+    tiles_row = lora_tiles(num_tokens)
+    if not accumulate:  # the delta, made beside the base GEMM: fewer, longer programs
+        tiles_row = (*tiles_row[:-1], DELTA_TILES)
     grid, shard_args, meta = expand_launch(num_tokens, num_slots, rank, h.shape[0],
-                                           tuple(offsets), lora_tiles(num_tokens))
+                                           tuple(offsets), tiles_row)
     pdl = use_pdl(y)
     _lora_expand_kernel[grid](
         h, lora_b, sorted_token_ids, seg_start, seg_len, y, *shard_args,
