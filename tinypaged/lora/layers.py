@@ -231,7 +231,7 @@ class LoRALinear:
         delta = None
         with side.fork():
             lora_shrink(*args)
-            if num_tokens <= SPLIT_MAX_TOKENS:  # the product too: only the add waits for y
+            if num_tokens <= min(SPLIT_MAX_TOKENS, batch.max_tokens):  # only the add waits for y
                 delta = batch.delta_for(num_tokens, self.layer.output_size)
                 self.expand_into(delta, h, num_tokens, accumulate=False)
         return Shrunk(x2, h, side, delta)
