@@ -3,13 +3,21 @@ Triton interpreter: a speculative verification's q = k + 1 new tokens per sequen
 per (KV head, sequence, split), against the torch reference, a dense float64 softmax, and the
 same batch run as B * q one-token decodes (attention_metadata.as_decodes)."""
 
+import dataclasses
 import inspect
 
 import pytest
 import torch
 from helpers.attention import Batch, assert_close
+from helpers.models import (
+    PagedRunner,
+    build_flat_batch,
+    build_model,
+    checkpoint_weights,
+    tiny_hf_model,
+)
 
-from tinypaged.kernels import attention
+from tinypaged.kernels import attention, attention_decode
 from tinypaged.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
 from tinypaged.models.attention_metadata import AttentionMetadata, as_decodes
 
@@ -150,3 +158,30 @@ def test_public_op_takes_uniform_decode_on_both_paths(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert_close(batch.run(paged_attention, uniform_decode=True, config={"block_n": 16}), ref,
                  torch.float32)
+
+
+def test_tiny_llama_verification_step_through_uniform_decode(monkeypatch, decode_kernel_only):
+    # the plumbing, interpreted end to end: AttentionMetadata.uniform_decode reaches every
+    # layer's attention, which runs the multi-query decode (QUERIES = q); the step's logits
+    # equal those of the same step through the torch references
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # torch references first
+    hf = tiny_hf_model("llama", seed=0)
+    model = build_model(hf.config, checkpoint_weights(hf))
+    runner = PagedRunner(model, block_size=4, num_blocks=32)
+    seqs = [runner.add_sequence() for _ in range(3)]
+    runner.step({s: list(range(5 + 4 * s, 14 + 9 * s)) for s in seqs})  # prompts of 9, 14, 19
+    q = 4
+    new = {s: [30 + 7 * s + i for i in range(q)] for s in seqs}
+    expected = torch.cat(list(runner.step(new).values()))  # [3 * q, vocab]
+    ids, positions, md = build_flat_batch(
+        list(new.values()), [runner.num_cached[s] - q for s in seqs], runner.block_tables, 4)
+    calls = []
+    real = attention_decode.decode_attention_triton
+    monkeypatch.setattr(attention, "decode_attention_triton",
+                        lambda *a, **k: calls.append(k["max_query_len"]) or real(*a, **k))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with torch.no_grad():
+        hidden = model(ids, positions, dataclasses.replace(md, uniform_decode=True))
+        logits = model.compute_logits(hidden)
+    assert calls == [q] * hf.config.num_hidden_layers
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

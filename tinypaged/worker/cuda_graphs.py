@@ -20,8 +20,9 @@ of verification steps (q = k + 1 tokens a sequence) run their attention through 
 decode kernel, so that a batch of one or a few sequences keeps every SM streaming K/V: as a
 uniform decode (its multi-query mode, each sequence's K/V read once for its q tokens) or, with
 TINYPAGED_SPEC_DECODE_ATTENTION=decodes, as B * q one-token decodes
-(attention_metadata.as_decodes); =varlen keeps the varlen kernel. The graph begins with the placeholders' gather from the runner's `sampled_ids`
-(async scheduling), so a replay reads the previous step's samples where that step left them.
+(attention_metadata.as_decodes); =varlen keeps the varlen kernel. The graph begins with the
+placeholders' gather from the runner's `sampled_ids` (async scheduling), so a replay reads the
+previous step's samples where that step left them.
 
 The pinned buffers come in two sets used in turn: under async scheduling the host stages step
 N+1 while step N's copy may still be queued behind the GPU's work (step N-1 has been processed by
