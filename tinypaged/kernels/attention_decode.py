@@ -85,7 +85,10 @@ def _decode_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
 
     rows = tl.arange(0, BLOCK_H)  # row r = j * GROUP + h: new token j, query head h of the group
-    j = rows // GROUP  # [BLOCK_H]
+    if QUERIES == 1:  # a plain decode: one token, whose address and position fold to scalars
+        j = tl.zeros((BLOCK_H,), dtype=tl.int32)
+    else:
+        j = rows // GROUP  # [BLOCK_H]
     head = kv_head * GROUP + rows % GROUP  # [BLOCK_H] query heads of this KV head
     row_valid = (rows < QUERIES * GROUP) & (j < q_len)
     token = q_start.to(tl.int64) + j  # [BLOCK_H]: the row's token in q and out
