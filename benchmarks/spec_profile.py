@@ -9,8 +9,9 @@ difference in step time is the machinery's cost). The oracle's table is the firs
 output.
 
 gpu   Llama-3-8B shape (random weights), prompts of --prompt-len tokens, async scheduling and
-      CUDA graphs as served (TINYPAGED_SPEC_DECODE_ATTENTION=0 in front: the verification
-      graphs' attention through the varlen kernel, as before). Per decode step: wall ms (timed,
+      CUDA graphs as served (TINYPAGED_SPEC_DECODE_ATTENTION=decodes or =varlen in front: the
+      verification graphs' attention as one-token decodes or through the varlen kernel, as
+      before the multi-query decode). Per decode step: wall ms (timed,
       no profiler); from torch.profiler over --profiled steps, GPU ms per kernel kind (GEMMs,
       attention, the sampler / rejection sampler, the rest) and GPU busy (the union of the
       kernels' intervals); idle = timed wall - busy (the GPU waiting for the host); the mean of

@@ -62,6 +62,11 @@ def _one_of(name: str, text: str, choices: tuple[str, ...]) -> str:
     return text
 
 
+def _spec_decode_attention(name: str, text: str) -> str:
+    text = {"0": "varlen", "1": "decodes"}.get(text, text)  # the on/off switch it was
+    return _one_of(name, text, ("multi_query", "decodes", "varlen"))
+
+
 ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "TINYPAGED_KERNELS": EnvVar(
         "str", "auto",
@@ -102,10 +107,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         _is_not_zero,
     ),
     "TINYPAGED_SPEC_DECODE_ATTENTION": EnvVar(
-        "bool", True,
-        "0 runs the attention of speculative verification graphs (k + 1 tokens a sequence) "
-        "through the varlen kernel, not as one split-KV decode per token (for A/B benchmarks)",
-        _is_not_zero,
+        "str", "multi_query",
+        "how the attention of speculative verification graphs (k + 1 tokens a sequence) runs: "
+        "multi_query (split-KV decode, a sequence's tokens in one program), decodes (one "
+        "split-KV decode per token) or varlen (the varlen kernel); 0 and 1, its earlier "
+        "values, mean varlen and decodes (for A/B benchmarks)",
+        _spec_decode_attention,
     ),
     "TINYPAGED_GGUF_ROWS": EnvVar(
         "bool", False,

@@ -66,6 +66,9 @@ def test_defaults_when_unset(clean_env):
     ("TINYPAGED_DENSE_GEMV", "0", False),
     ("TINYPAGED_DENSE_GEMV", "no", True),  # only "0" turns it off
     ("TINYPAGED_PIECEWISE_UNCHECKED", "1", True),
+    ("TINYPAGED_SPEC_DECODE_ATTENTION", "decodes", "decodes"),
+    ("TINYPAGED_SPEC_DECODE_ATTENTION", "0", "varlen"),  # the on/off switch it was
+    ("TINYPAGED_SPEC_DECODE_ATTENTION", "1", "decodes"),
     ("TINYPAGED_PIECEWISE_UNCHECKED", "0", False),
 ])
 def test_parsing_is_read_at_each_lookup(clean_env, name, text, value):
@@ -91,6 +94,8 @@ def test_cache_expands_the_home_directory(clean_env):
     ("TINYPAGED_ENABLE_MULTIPROCESSING", "", "must be 0 or 1, got ''"),
     ("TINYPAGED_WORKER_MULTIPROC_METHOD", "forkserver",
      "TINYPAGED_WORKER_MULTIPROC_METHOD must be 'fork' or 'spawn', got 'forkserver'"),
+    ("TINYPAGED_SPEC_DECODE_ATTENTION", "split",
+     "TINYPAGED_SPEC_DECODE_ATTENTION must be one of multi_query, decodes, varlen, got 'split'"),
 ])
 def test_a_value_outside_the_choices_names_the_variable(clean_env, name, text, message):
     clean_env.setenv(name, text)

@@ -1,1 +1,2 @@
-"""Helpers the tests share: tiny models, GGUF blocks, chat templates, a running server."""
+"""Helpers the tests share: tiny models, paged attention batches, GGUF blocks, chat templates, a
+running server."""

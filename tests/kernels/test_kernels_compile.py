@@ -39,6 +39,11 @@ for dtype in (torch.bfloat16, torch.float16):
                     *args, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1, max_query_len=1,
                     max_seq_len=40, num_splits=num_splits, sliding_window=window,
                     softcap=softcap)
+                for max_query_len in (2, 5):  # a verification's k + 1 tokens in one program
+                    attention.paged_attention_triton(
+                        *args, torch.tensor([0, 2, 4], dtype=torch.int32), 0.1,
+                        max_query_len=max_query_len, max_seq_len=40, num_splits=num_splits,
+                        sliding_window=window, softcap=softcap, uniform_decode=True)
         # the sm_90 prefill kernel at its config: pointer loads from 16-token blocks, TMA from
         # 64-token blocks (CPU tensors never dispatch to it, so call its launcher)
         for block_size in (16, 64):

@@ -166,19 +166,23 @@ def test_block_rows_grow_for_a_batch_wider_than_max_num_seqs(tables):
     assert np.array_equal(build_step([decode(seqs[0])], BLOCK, tables).block_tables, [[0]])
 
 
-@pytest.mark.parametrize("decodes", [True, False])
-def test_verification_graph_attends_as_the_eager_step(decodes, monkeypatch):
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")  # empty splits
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")  # the interpreter's
+@pytest.mark.parametrize("mode", ["multi_query", "decodes", "varlen"])
+def test_verification_graph_attends_as_the_eager_step(mode, monkeypatch):
     """A verification step (q = 3 tokens for each of 3 sequences) staged in a bucket of 4, as
-    DecodeGraphs.run stages it: the metadata the graph's attention reads (one-token decodes, or
-    with TINYPAGED_SPEC_DECODE_ATTENTION=0 the varlen batch) gives the eager step's attention
-    on the real rows; the padding row reads block 0 only."""
+    DecodeGraphs.run stages it: the metadata the graph's attention reads (TINYPAGED_SPEC_DECODE_
+    ATTENTION: a uniform decode, one-token decodes, or the varlen batch), run through the Triton
+    kernel it selects (interpreted), gives the eager step's attention on the real rows; the
+    padding row reads block 0 only."""
     from types import SimpleNamespace
 
-    from tinypaged.kernels.attention import paged_attention_ref
+    from tinypaged.kernels import attention
+    from tinypaged.kernels.attention import paged_attention_ref, paged_attention_triton
     from tinypaged.models.attention_metadata import AttentionMetadata
     from tinypaged.worker.cuda_graphs import DecodeGraphs, _Fields
 
-    monkeypatch.setenv("TINYPAGED_SPEC_DECODE_ATTENTION", "1" if decodes else "0")
+    monkeypatch.setenv("TINYPAGED_SPEC_DECODE_ATTENTION", mode)
     q, bs, mb, batch = 3, 4, 6, 3
     seqs = [Sequence(f"v{i}", list(range(5 + 4 * i))) for i in range(batch)]
     for i, s in enumerate(seqs):
@@ -191,20 +195,25 @@ def test_verification_graph_attends_as_the_eager_step(decodes, monkeypatch):
     dev = _Fields(torch.from_numpy(host64), torch.from_numpy(host32), bs, mb, q)
     graphs = SimpleNamespace(q=q, runner=SimpleNamespace(max_model_len=64),
                              query_start_loc=torch.arange(bs + 1, dtype=torch.int32) * q,
-                             decodes=q > 1 and envs.TINYPAGED_SPEC_DECODE_ATTENTION)  # __init__'s
+                             attention=envs.TINYPAGED_SPEC_DECODE_ATTENTION)  # __init__'s
     md = DecodeGraphs._metadata(graphs, dev, bs)
-    assert md.max_query_len == (1 if decodes else q)
+    assert md.max_query_len == (1 if mode == "decodes" else q)
+    assert md.uniform_decode == (mode == "multi_query")
+    if mode != "varlen":  # the split-KV decode kernel, not the varlen one
+        monkeypatch.setattr(attention, "varlen_attention_triton", None)
     g = torch.Generator().manual_seed(0)
-    cache = [torch.randn(1 + 6 * batch, BLOCK, 2, 8, generator=g) for _ in range(2)]
-    queries = torch.randn(bs * q, 4, 8, generator=g)
-    graph_out = paged_attention_ref(queries, *cache, md.block_tables, md.seq_lens,
-                                    md.query_start_loc, 0.3)
+    cache = [torch.randn(1 + 6 * batch, BLOCK, 2, 16, generator=g) for _ in range(2)]
+    queries = torch.randn(bs * q, 4, 16, generator=g)
+    graph_out = paged_attention_triton(
+        queries, *cache, md.block_tables, md.seq_lens, md.query_start_loc, 0.3,
+        max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, num_splits=2,
+        config={"block_n": 16, "block_m": 16}, uniform_decode=md.uniform_decode)
     eager = AttentionMetadata(*(torch.from_numpy(a) for a in (
         step.slot_mapping, step.query_start_loc, step.seq_lens, step.block_tables)),
         max_query_len=q, max_seq_len=step.max_seq_len)
     eager_out = paged_attention_ref(queries[: batch * q], *cache, eager.block_tables,
                                     eager.seq_lens, eager.query_start_loc, 0.3)
-    torch.testing.assert_close(graph_out[: batch * q], eager_out)
+    torch.testing.assert_close(graph_out[: batch * q], eager_out, atol=1e-5, rtol=1e-5)
 
 
 def test_graph_staging_layout_reads_back_on_the_device_side():

@@ -23,9 +23,10 @@ dtype. A prefill is q_len = seq_len; a chunked prefill q_len < seq_len; a decode
 Three Triton kernels (see their files): batches with a query longer than 1 run the varlen kernel
 (attention_varlen.py), or on Hopper GPUs (sm_90), when the query tiles fill 128 rows and there
 is no window or soft-cap, its Hopper-shaped twin (attention_hopper.py); pure-decode batches
-(max_query_len == 1) the split-KV flash-decoding kernel (attention_decode.py). None reads a
-tensor on the host when max_query_len and max_seq_len are passed, so a step stays asynchronous
-and graph-capturable.
+(max_query_len == 1) and uniform decodes (every sequence q new tokens, a speculative
+verification: `uniform_decode`) the split-KV flash-decoding kernel (attention_decode.py). None
+reads a tensor on the host when max_query_len and max_seq_len are passed, so a step stays
+asynchronous and graph-capturable.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def paged_attention_triton(
     config: dict | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    uniform_decode: bool = False,
 ) -> torch.Tensor:
     """The Triton launcher; arguments as checked by `paged_attention`."""
     if out is None:
@@ -105,16 +107,16 @@ def paged_attention_triton(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
     window = {"sliding_window": sliding_window, "softcap": softcap}
-    if max_query_len == 1:
+    if max_query_len == 1 or uniform_decode:
         if num_splits is None:
             if max_seq_len is None:
                 max_seq_len = int(seq_lens.max().item())
-            if sliding_window is not None:  # the splits share the window, not the context
-                max_seq_len = min(max_seq_len, sliding_window)
+            if sliding_window is not None:  # the splits share the windows, not the context
+                max_seq_len = min(max_seq_len, sliding_window + max_query_len - 1)
             sms = num_sms(q.device.index or 0) if q.is_cuda else 8
             num_splits = decode_num_splits(seq_lens.shape[0], k_cache.shape[2], max_seq_len, sms)
-        return decode_attention_triton(*args, num_splits=num_splits, **window,
-                                       **_override(DECODE_CONFIG, config))
+        return decode_attention_triton(*args, num_splits=num_splits, max_query_len=max_query_len,
+                                       **window, **_override(DECODE_CONFIG, config))
     group = q.shape[1] // k_cache.shape[2]
     if (max_query_len * group > 64 and q.is_cuda and is_hopper(q.device.index or 0)
             and hopper_supports(q, sliding_window, softcap)
@@ -138,8 +140,10 @@ def paged_attention_ref(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    uniform_decode: bool = False,
 ) -> torch.Tensor:
-    """The torch reference: per sequence, gather its K/V through the block table, fp32 softmax."""
+    """The torch reference: per sequence, gather its K/V through the block table, fp32 softmax
+    (uniform_decode picks a Triton kernel, not a result: ignored here)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     block_size = k_cache.shape[1]
     group = q.shape[1] // num_kv_heads
@@ -236,6 +240,7 @@ def paged_attention(
     config: dict | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    uniform_decode: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each new token over its paged context; returns [T, Hq, D].
 
@@ -247,6 +252,10 @@ def paged_attention(
     the Triton path.
     sliding_window: each token sees only itself and the sliding_window - 1 keys before it
     (None: the whole causal context). softcap: scores become softcap * tanh(scores / softcap).
+    uniform_decode (vLLM's term): every sequence has max_query_len new tokens, few of them, as a
+    speculative verification's k + 1 (fewer, 0 included, are right too): the split-KV decode
+    kernel takes all of a sequence's tokens in one program (attention_decode.py's multi-query
+    mode) instead of the varlen kernel.
     """
     _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, config)
     if num_splits is not None and num_splits < 1:
@@ -260,7 +269,7 @@ def paged_attention(
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len, out=out,
-            num_splits=num_splits, config=config, **window,
+            num_splits=num_splits, config=config, uniform_decode=uniform_decode, **window,
         )
     return paged_attention_ref(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,

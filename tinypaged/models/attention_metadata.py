@@ -5,13 +5,17 @@ B sequences, T new tokens in all. Sequence b's new tokens are rows
 (cached + new, new ones last) is `seq_lens[b]` tokens long and lives in the KV-cache blocks
 `block_tables[b, :ceil(seq_lens[b] / block_size)]`.
 
-`as_decodes` rewrites a batch in which every sequence has the same q new tokens (a speculative
-verification: k + 1 each) as B * q one-token decodes: new token i of sequence b, at position
-seq_lens[b] - q + i, attends causally to exactly the keys a decode of a sequence of length
-seq_lens[b] - q + i + 1 over the same blocks attends to. The attention then runs the split-KV
-decode kernel, whose grid (Hk, B * q, splits) fills the GPU, where the varlen kernel would give
-a short query of one sequence a single program per KV head walking the whole context; the q
-copies of a sequence read the same K/V, mostly from L2.
+A batch in which every sequence has the same q new tokens (a speculative verification: k + 1
+each) can take the split-KV decode kernel, whose splits fill the GPU where the varlen kernel
+would give a short query of one sequence a single program per KV head walking the whole
+context, in one of two ways:
+
+- `uniform_decode=True` (vLLM's term for such a batch): the kernel's multi-query mode, one
+  program per (KV head, sequence, split) for all q tokens, so each K/V tile is read once;
+- `as_decodes`: B * q one-token decodes, new token i of sequence b, at position
+  seq_lens[b] - q + i, attending causally to exactly the keys a decode of a sequence of length
+  seq_lens[b] - q + i + 1 over the same blocks attends to; the q copies of a sequence read the
+  same K/V (mostly from L2) q times.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int  # max over b of new tokens; 1 means a pure-decode batch
     max_seq_len: int  # max over b of seq_lens
+    uniform_decode: bool = False  # every sequence has max_query_len new tokens (or 0: padding)
 
 
 def as_decodes(md: AttentionMetadata, q: int) -> AttentionMetadata:

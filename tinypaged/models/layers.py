@@ -372,5 +372,6 @@ class Attention(nn.Module):
             self.scale * kv.get("k_scale", 1.0), max_query_len=md.max_query_len,
             max_seq_len=md.max_seq_len,
             out=out, sliding_window=self.sliding_window, softcap=self.logits_soft_cap,
+            uniform_decode=md.uniform_decode,
         )  # [T, num_heads, head_dim]
         return out if kv.get("v_scale", 1.0) == 1.0 else out.mul_(kv["v_scale"])

@@ -16,10 +16,13 @@ The runner's StepInput of B decodes (the same arrays an eager step reads) fills 
 entries of each field; entries B..bs-1 are padding: slot -1 (no KV store), seq_len 1 over the
 first block their row names, and their logits are dropped. Attention is captured with
 `max_seq_len = max_model_len` so its split count does not depend on the live batch. Graphs
-of verification steps (q = k + 1 tokens a sequence) run their attention as B * q one-token
-decodes (attention_metadata.as_decodes): a batch of one or a few sequences then keeps every SM
-streaming K/V. The graph begins with the placeholders' gather from the runner's `sampled_ids`
-(async scheduling), so a replay reads the previous step's samples where that step left them.
+of verification steps (q = k + 1 tokens a sequence) run their attention through the split-KV
+decode kernel, so that a batch of one or a few sequences keeps every SM streaming K/V: as a
+uniform decode (its multi-query mode, each sequence's K/V read once for its q tokens) or, with
+TINYPAGED_SPEC_DECODE_ATTENTION=decodes, as B * q one-token decodes
+(attention_metadata.as_decodes); =varlen keeps the varlen kernel. The graph begins with the
+placeholders' gather from the runner's `sampled_ids` (async scheduling), so a replay reads the
+previous step's samples where that step left them.
 
 The pinned buffers come in two sets used in turn: under async scheduling the host stages step
 N+1 while step N's copy may still be queued behind the GPU's work (step N-1 has been processed by
@@ -110,7 +113,8 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.aux: dict[int, torch.Tensor | None] = {}  # the EAGLE / MTP heads' hidden states
-        self.decodes = q > 1 and envs.TINYPAGED_SPEC_DECODE_ATTENTION  # read before capture
+        # multi_query, decodes or varlen (q > 1 only), read once: the capture fixes it
+        self.attention = envs.TINYPAGED_SPEC_DECODE_ATTENTION if q > 1 else None
         self._capture()
 
     def fits(self, batch_size: int) -> bool:
@@ -140,15 +144,16 @@ class DecodeGraphs:
                     f" ({self.q} tokens per sequence)" if self.q > 1 else "")
 
     def _metadata(self, f: _Fields, bs: int) -> AttentionMetadata:
-        """The attention's view of bucket bs; with q > 1 (verification) built in the graph as
-        bs * q one-token decodes (attention_metadata.as_decodes), unless
-        TINYPAGED_SPEC_DECODE_ATTENTION=0 keeps the varlen kernel."""
+        """The attention's view of bucket bs; with q > 1 (verification) a uniform decode
+        (TINYPAGED_SPEC_DECODE_ATTENTION=multi_query), bs * q one-token decodes built in the
+        graph (=decodes, attention_metadata.as_decodes) or the varlen batch (=varlen)."""
         md = AttentionMetadata(
             slot_mapping=f.slot_mapping, query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=f.seq_lens, block_tables=f.block_tables, max_query_len=self.q,
             max_seq_len=self.runner.max_model_len,
+            uniform_decode=self.attention == "multi_query",
         )
-        return as_decodes(md, self.q) if self.decodes else md
+        return as_decodes(md, self.q) if self.attention == "decodes" else md
 
     def run(self, step: StepInput) -> torch.Tensor:
         """Replay the bucket that fits a decode step of B sequences; returns logits [B, vocab]
