@@ -107,11 +107,11 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         _is_not_zero,
     ),
     "TINYPAGED_SPEC_DECODE_ATTENTION": EnvVar(
-        "str", "multi_query",
+        "str", "decodes",
         "how the attention of speculative verification graphs (k + 1 tokens a sequence) runs: "
-        "multi_query (split-KV decode, a sequence's tokens in one program), decodes (one "
-        "split-KV decode per token) or varlen (the varlen kernel); 0 and 1, its earlier "
-        "values, mean varlen and decodes (for A/B benchmarks)",
+        "decodes (one split-KV decode per token), multi_query (split-KV decode, a sequence's "
+        "tokens in one program; not yet measured on a GPU) or varlen (the varlen kernel); 0 "
+        "and 1, its earlier values, mean varlen and decodes (for A/B benchmarks)",
         _spec_decode_attention,
     ),
     "TINYPAGED_GGUF_ROWS": EnvVar(

@@ -66,7 +66,7 @@ def test_defaults_when_unset(clean_env):
     ("TINYPAGED_DENSE_GEMV", "0", False),
     ("TINYPAGED_DENSE_GEMV", "no", True),  # only "0" turns it off
     ("TINYPAGED_PIECEWISE_UNCHECKED", "1", True),
-    ("TINYPAGED_SPEC_DECODE_ATTENTION", "decodes", "decodes"),
+    ("TINYPAGED_SPEC_DECODE_ATTENTION", "multi_query", "multi_query"),
     ("TINYPAGED_SPEC_DECODE_ATTENTION", "0", "varlen"),  # the on/off switch it was
     ("TINYPAGED_SPEC_DECODE_ATTENTION", "1", "decodes"),
     ("TINYPAGED_PIECEWISE_UNCHECKED", "0", False),

@@ -17,10 +17,11 @@ entries of each field; entries B..bs-1 are padding: slot -1 (no KV store), seq_l
 first block their row names, and their logits are dropped. Attention is captured with
 `max_seq_len = max_model_len` so its split count does not depend on the live batch. Graphs
 of verification steps (q = k + 1 tokens a sequence) run their attention through the split-KV
-decode kernel, so that a batch of one or a few sequences keeps every SM streaming K/V: as a
-uniform decode (its multi-query mode, each sequence's K/V read once for its q tokens) or, with
-TINYPAGED_SPEC_DECODE_ATTENTION=decodes, as B * q one-token decodes
-(attention_metadata.as_decodes); =varlen keeps the varlen kernel. The graph begins with the
+decode kernel, so that a batch of one or a few sequences keeps every SM streaming K/V: as B * q
+one-token decodes (attention_metadata.as_decodes; TINYPAGED_SPEC_DECODE_ATTENTION=decodes, the
+default) or, with =multi_query, as a uniform decode (the kernel's multi-query mode, each
+sequence's K/V read once for its q tokens; the default once a GPU has measured it); =varlen
+keeps the varlen kernel. The graph begins with the
 placeholders' gather from the runner's `sampled_ids` (async scheduling), so a replay reads the
 previous step's samples where that step left them.
 
@@ -144,9 +145,9 @@ class DecodeGraphs:
                     f" ({self.q} tokens per sequence)" if self.q > 1 else "")
 
     def _metadata(self, f: _Fields, bs: int) -> AttentionMetadata:
-        """The attention's view of bucket bs; with q > 1 (verification) a uniform decode
-        (TINYPAGED_SPEC_DECODE_ATTENTION=multi_query), bs * q one-token decodes built in the
-        graph (=decodes, attention_metadata.as_decodes) or the varlen batch (=varlen)."""
+        """The attention's view of bucket bs; with q > 1 (verification) bs * q one-token decodes
+        built in the graph (TINYPAGED_SPEC_DECODE_ATTENTION=decodes, as_decodes), a uniform
+        decode (=multi_query) or the varlen batch (=varlen)."""
         md = AttentionMetadata(
             slot_mapping=f.slot_mapping, query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=f.seq_lens, block_tables=f.block_tables, max_query_len=self.q,
