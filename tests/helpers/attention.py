@@ -52,6 +52,19 @@ class Batch:
         kwargs.setdefault("max_seq_len", max(self.seq_lens_list))
         return fn(*self.args(), **kwargs)
 
+    def poison_before_windows(self, window, block_n):
+        """NaN in every cache row of the key tiles wholly before each sequence's first new
+        token's window: reading one (even masked, since 0 * NaN = NaN in the P @ V product)
+        poisons that sequence's output."""
+        block_size = self.k_cache.shape[1]
+        for b, (q_len, seq_len) in enumerate(zip(self.q_lens, self.seq_lens_list)):
+            skipped = (seq_len - q_len + 1 - window) // block_n * block_n
+            assert skipped >= block_n  # else the test would check nothing
+            for pos in range(skipped):
+                block = self.block_tables[b, pos // block_size]
+                self.k_cache[block, pos % block_size] = float("nan")
+                self.v_cache[block, pos % block_size] = float("nan")
+
     def dense_float64(self, sliding_window=None, softcap=None):
         """Causal softmax attention per sequence, from the dense K/V, in float64: keys
         max(0, pos - sliding_window + 1) .. pos, scores soft-capped when asked."""

@@ -100,17 +100,9 @@ def test_multi_query_sliding_window_and_softcap(window, softcap, num_splits, dec
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_multi_query_tiles_outside_the_windows_are_not_read(num_splits, decode_kernel_only):
-    # NaN in every cache row of the key tiles wholly before the first new token's window
-    # (0 * NaN = NaN in P @ V: reading one, even masked, poisons the output)
     q, window, block_n, seq_lens = 4, 20, 16, [70, 45]
     batch = Batch([q, q], seq_lens, 2, 64, 16, torch.float32)
-    for b, seq_len in enumerate(seq_lens):
-        skipped = (seq_len - q + 1 - window) // block_n * block_n
-        assert skipped >= 16
-        for pos in range(skipped):
-            block = batch.block_tables[b, pos // 16]
-            batch.k_cache[block, pos % 16] = float("nan")
-            batch.v_cache[block, pos % 16] = float("nan")
+    batch.poison_before_windows(window, block_n)
     out = multi_query(batch, num_splits=num_splits, config={"block_n": block_n},
                       sliding_window=window)
     assert_close(out, batch.dense_float64(sliding_window=window), torch.float32)
