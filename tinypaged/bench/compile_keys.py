@@ -140,13 +140,13 @@ def main() -> None:
     parser.add_argument("--speculative", action="store_true",
                         help="n-gram speculation as spec_decode_ngram.py's default")
     args = parser.parse_args()
-    import sys
+    import runpy
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from spec_decode_ngram import prompts
-
     from tinypaged import LLM, SamplingParams
+
+    benchmark = Path(__file__).resolve().parents[2] / "benchmarks" / "spec_decode_ngram.py"
+    prompts = runpy.run_path(str(benchmark))["prompts"]  # the benchmark's chat prompts
 
     engine = dict(model=args.model, max_model_len=2048, kernels="triton")
     if args.speculative:
