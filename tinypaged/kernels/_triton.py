@@ -94,7 +94,9 @@ def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
     if not _has_gpu():
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(fn)
+        # the interpreter ignores do_not_specialize; kept for tools that compute the GPU
+        # compiler's specialization key of a launch (tinypaged/bench/compile_keys.py)
+        return InterpretedFunction(fn, do_not_specialize=list(do_not_specialize))
     return triton.jit(fn, do_not_specialize=list(do_not_specialize))
 
 

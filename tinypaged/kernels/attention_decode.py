@@ -52,7 +52,9 @@ from tinypaged.kernels.attention_varlen import LOG2E, attention_tile, tile_block
 from tinypaged.kernels.online_softmax import log_sum_exp, merge_splits, online_softmax_finish
 
 
-@jit(do_not_specialize=('num_splits',))
+# stride_bt is the step's block-table width, ceil(max_seq_len / block_size): 1 in the
+# start-up warm-up, anything in serving (a cached prompt's prefill met it first: a compile)
+@jit(do_not_specialize=('num_splits', 'stride_bt'))
 def _decode_split_kernel(
     Q, K_CACHE, V_CACHE, OUT, O_PART, LSE_PART, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC,
     stride_qt, stride_qh, stride_ot, stride_oh,

@@ -108,7 +108,9 @@ def _hopper_tile(acc, m_i, l_i, q, K_CACHE, V_CACHE, blocks, kv_head, start_n, q
     return acc, m_new, l_i
 
 
-@jit(do_not_specialize=('num_seqs',))
+# stride_bt is the step's block-table width, ceil(max_seq_len / block_size): 1 in the
+# start-up warm-up, anything in serving (a cached prompt's prefill met it first: a compile)
+@jit(do_not_specialize=('num_seqs', 'stride_bt'))
 def _hopper_attention_kernel(
     Q, K_CACHE, V_CACHE, OUT, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC,
     stride_qt, stride_qh, stride_ot, stride_oh,

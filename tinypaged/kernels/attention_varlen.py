@@ -104,7 +104,9 @@ def _find_sequence(QUERY_START_LOC, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@jit(do_not_specialize=('num_seqs',))
+# stride_bt is the step's block-table width, ceil(max_seq_len / block_size): 1 in the
+# start-up warm-up, anything in serving (a cached prompt's prefill met it first: a compile)
+@jit(do_not_specialize=('num_seqs', 'stride_bt'))
 def _varlen_attention_kernel(
     Q, K_CACHE, V_CACHE, OUT, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC,
     stride_qt, stride_qh, stride_ot, stride_oh,
