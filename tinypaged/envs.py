@@ -64,7 +64,7 @@ def _one_of(name: str, text: str, choices: tuple[str, ...]) -> str:
 
 def _spec_decode_attention(name: str, text: str) -> str:
     text = {"0": "varlen", "1": "decodes"}.get(text, text)  # the on/off switch it was
-    return _one_of(name, text, ("multi_query", "decodes", "varlen"))
+    return _one_of(name, text, ("auto", "multi_query", "decodes", "varlen"))
 
 
 ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
@@ -107,11 +107,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         _is_not_zero,
     ),
     "TINYPAGED_SPEC_DECODE_ATTENTION": EnvVar(
-        "str", "decodes",
+        "str", "auto",
         "how the attention of speculative verification graphs (k + 1 tokens a sequence) runs: "
-        "decodes (one split-KV decode per token), multi_query (split-KV decode, a sequence's "
-        "tokens in one program; not yet measured on a GPU) or varlen (the varlen kernel); 0 "
-        "and 1, its earlier values, mean varlen and decodes (for A/B benchmarks)",
+        "multi_query (split-KV decode, a sequence's tokens in one program), decodes (one "
+        "split-KV decode per token), varlen (the varlen kernel), or auto (multi_query up to 16 "
+        "sequences, varlen above); 0 and 1, its earlier values, mean varlen and decodes (for A/B "
+        "benchmarks)",
         _spec_decode_attention,
     ),
     "TINYPAGED_GGUF_ROWS": EnvVar(

@@ -95,7 +95,8 @@ def test_cache_expands_the_home_directory(clean_env):
     ("TINYPAGED_WORKER_MULTIPROC_METHOD", "forkserver",
      "TINYPAGED_WORKER_MULTIPROC_METHOD must be 'fork' or 'spawn', got 'forkserver'"),
     ("TINYPAGED_SPEC_DECODE_ATTENTION", "split",
-     "TINYPAGED_SPEC_DECODE_ATTENTION must be one of multi_query, decodes, varlen, got 'split'"),
+     "TINYPAGED_SPEC_DECODE_ATTENTION must be one of auto, multi_query, decodes, varlen, "
+     "got 'split'"),
 ])
 def test_a_value_outside_the_choices_names_the_variable(clean_env, name, text, message):
     clean_env.setenv(name, text)

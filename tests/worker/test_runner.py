@@ -166,9 +166,19 @@ def test_block_rows_grow_for_a_batch_wider_than_max_num_seqs(tables):
     assert np.array_equal(build_step([decode(seqs[0])], BLOCK, tables).block_tables, [[0]])
 
 
+def test_auto_verification_attention_follows_the_bucket():
+    from tinypaged.worker.cuda_graphs import MULTI_QUERY_MAX_SEQS, verification_attention
+
+    assert verification_attention("auto", 1) == "multi_query"
+    assert verification_attention("auto", MULTI_QUERY_MAX_SEQS) == "multi_query"
+    assert verification_attention("auto", MULTI_QUERY_MAX_SEQS + 1) == "varlen"
+    assert verification_attention("decodes", 1) == "decodes"
+    assert verification_attention(None, 1) is None  # a graph of one token a sequence
+
+
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")  # empty splits
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")  # the interpreter's
-@pytest.mark.parametrize("mode", ["multi_query", "decodes", "varlen"])
+@pytest.mark.parametrize("mode", ["auto", "multi_query", "decodes", "varlen"])
 def test_verification_graph_attends_as_the_eager_step(mode, monkeypatch):
     """A verification step (q = 3 tokens for each of 3 sequences) staged in a bucket of 4, as
     DecodeGraphs.run stages it: the metadata the graph's attention reads (TINYPAGED_SPEC_DECODE_
@@ -180,7 +190,7 @@ def test_verification_graph_attends_as_the_eager_step(mode, monkeypatch):
     from tinypaged.kernels import attention
     from tinypaged.kernels.attention import paged_attention_ref, paged_attention_triton
     from tinypaged.models.attention_metadata import AttentionMetadata
-    from tinypaged.worker.cuda_graphs import DecodeGraphs, _Fields
+    from tinypaged.worker.cuda_graphs import DecodeGraphs, _Fields, verification_attention
 
     monkeypatch.setenv("TINYPAGED_SPEC_DECODE_ATTENTION", mode)
     q, bs, mb, batch = 3, 4, 6, 3
@@ -197,6 +207,7 @@ def test_verification_graph_attends_as_the_eager_step(mode, monkeypatch):
                              query_start_loc=torch.arange(bs + 1, dtype=torch.int32) * q,
                              attention=envs.TINYPAGED_SPEC_DECODE_ATTENTION)  # __init__'s
     md = DecodeGraphs._metadata(graphs, dev, bs)
+    mode = verification_attention(mode, bs)  # auto: multi_query for a bucket this small
     assert md.max_query_len == (1 if mode == "decodes" else q)
     assert md.uniform_decode == (mode == "multi_query")
     if mode != "varlen":  # the split-KV decode kernel, not the varlen one

@@ -17,11 +17,13 @@ entries of each field; entries B..bs-1 are padding: slot -1 (no KV store), seq_l
 first block their row names, and their logits are dropped. Attention is captured with
 `max_seq_len = max_model_len` so its split count does not depend on the live batch. Graphs
 of verification steps (q = k + 1 tokens a sequence) run their attention through the split-KV
-decode kernel, so that a batch of one or a few sequences keeps every SM streaming K/V: as B * q
-one-token decodes (attention_metadata.as_decodes; TINYPAGED_SPEC_DECODE_ATTENTION=decodes, the
-default) or, with =multi_query, as a uniform decode (the kernel's multi-query mode, each
-sequence's K/V read once for its q tokens; the default once a GPU has measured it); =varlen
-keeps the varlen kernel. The graph begins with the
+decode kernel where that pays, so that a batch of one or a few sequences keeps every SM
+streaming K/V: TINYPAGED_SPEC_DECODE_ATTENTION=auto (the default) captures buckets of up to
+MULTI_QUERY_MAX_SEQS sequences as a uniform decode (the kernel's multi-query mode, each
+sequence's K/V read once for its q tokens) and larger ones through the varlen kernel, which has
+programs enough by then; =multi_query, =varlen or =decodes (B * q one-token decodes,
+attention_metadata.as_decodes, each context read q times) take one way for every bucket. The
+graph begins with the
 placeholders' gather from the runner's `sampled_ids` (async scheduling), so a replay reads the
 previous step's samples where that step left them.
 
@@ -43,6 +45,21 @@ from tinypaged.models.attention_metadata import AttentionMetadata, as_decodes
 from tinypaged.worker.input_batch import StepInput, gather_input_ids
 
 logger = logging.getLogger(__name__)
+
+# TINYPAGED_SPEC_DECODE_ATTENTION=auto: the largest verification bucket whose attention runs as
+# the multi-query decode. On an H200 (benchmarks/spec_attention.py, k = 4) it beat the varlen
+# kernel at 1 and 8 sequences for every context and lost at 32, where the varlen kernel has a
+# program per query block and KV head enough to fill the GPU without splits to merge.
+MULTI_QUERY_MAX_SEQS = 16
+
+
+def verification_attention(setting: str | None, batch_size: int) -> str | None:
+    """The attention mode of a verification graph of `batch_size` sequences under the setting
+    (None: a graph of one token a sequence, the plain decode)."""
+    if setting == "auto":
+        return "multi_query" if batch_size <= MULTI_QUERY_MAX_SEQS else "varlen"
+    return setting
+
 
 
 def batch_size_buckets(max_num_seqs: int) -> list[int]:
@@ -114,7 +131,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.aux: dict[int, torch.Tensor | None] = {}  # the EAGLE / MTP heads' hidden states
-        # multi_query, decodes or varlen (q > 1 only), read once: the capture fixes it
+        # auto, multi_query, decodes or varlen (q > 1 only), read once: the capture fixes it
         self.attention = envs.TINYPAGED_SPEC_DECODE_ATTENTION if q > 1 else None
         self._capture()
 
@@ -145,16 +162,17 @@ class DecodeGraphs:
                     f" ({self.q} tokens per sequence)" if self.q > 1 else "")
 
     def _metadata(self, f: _Fields, bs: int) -> AttentionMetadata:
-        """The attention's view of bucket bs; with q > 1 (verification) bs * q one-token decodes
-        built in the graph (TINYPAGED_SPEC_DECODE_ATTENTION=decodes, as_decodes), a uniform
-        decode (=multi_query) or the varlen batch (=varlen)."""
+        """The attention's view of bucket bs; with q > 1 (verification) as
+        verification_attention picks it: a uniform decode (multi_query), the varlen batch
+        (varlen) or bs * q one-token decodes built in the graph (decodes, as_decodes)."""
+        mode = verification_attention(self.attention, bs)
         md = AttentionMetadata(
             slot_mapping=f.slot_mapping, query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=f.seq_lens, block_tables=f.block_tables, max_query_len=self.q,
             max_seq_len=self.runner.max_model_len,
-            uniform_decode=self.attention == "multi_query",
+            uniform_decode=mode == "multi_query",
         )
-        return as_decodes(md, self.q) if self.attention == "decodes" else md
+        return as_decodes(md, self.q) if mode == "decodes" else md
 
     def run(self, step: StepInput) -> torch.Tensor:
         """Replay the bucket that fits a decode step of B sequences; returns logits [B, vocab]
