@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from tinypaged.scheduler import ScheduledSequence, Sequence
 
@@ -35,25 +34,60 @@ class Proposer:
 class NgramProposer(Proposer):
     """Prompt lookup (vLLM's "ngram"): for n from prompt_lookup_max down to prompt_lookup_min,
     find the latest earlier place where the sequence's last n tokens (prompt + output) occurred
-    and propose the tokens that followed it there."""
+    and propose the tokens that followed it there.
+
+    It runs before every verification step, on the path the GPU waits for, so each sequence's
+    tokens are kept in an array that grows by the step's new tokens (not rebuilt from the list),
+    and one pass over it finds every candidate (see `lookup`)."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
+        self.arrays: dict[int, tuple[np.ndarray, int]] = {}  # seq_id -> (buffer, tokens in it)
+
+    def finish(self, seq: Sequence) -> None:
+        self.arrays.pop(seq.seq_id, None)
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
-        return [self.lookup(seq.token_ids, k) if k > 0 else [] for seq, k in zip(seqs, ks)]
+        if len(self.arrays) > 2 * len(seqs):  # aborted sequences are not finish()ed
+            live = {seq.seq_id for seq in seqs}
+            self.arrays = {i: a for i, a in self.arrays.items() if i in live}
+        return [self.lookup(self.tokens(seq), k) if k > 0 else [] for seq, k in zip(seqs, ks)]
 
-    def lookup(self, token_ids: list[int], k: int) -> list[int]:
-        tokens = np.asarray(token_ids, dtype=np.int64)
+    def tokens(self, seq: Sequence) -> np.ndarray:
+        """seq.token_ids as an int64 array, extended by what was appended since the last call
+        (a sequence's tokens only grow)."""
+        ids = seq.token_ids
+        buffer, n = self.arrays.get(seq.seq_id, (None, 0))
+        if buffer is None or n > len(ids):
+            buffer, n = np.empty(2 * len(ids) + 64, dtype=np.int64), 0
+        elif len(ids) > len(buffer):
+            buffer = np.concatenate([buffer[:n], np.empty(len(ids) + n, dtype=np.int64)])
+        buffer[n : len(ids)] = ids[n:]
+        self.arrays[seq.seq_id] = (buffer, len(ids))
+        return buffer[: len(ids)]
+
+    def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+        """The drafts after the latest earlier occurrence of the longest suffix of `tokens`
+        (n tokens, min_n <= n <= max_n) that occurred before; [] if none did.
+
+        An occurrence ending at e < L - 1 matches j tokens when tokens[e - i] = tokens[L-1 - i]
+        for every i < j. The candidates are the e with tokens[e] = tokens[L-1] (one pass over
+        the sequence); each one's match length is then read off a [candidates, max_n]
+        comparison."""
         length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows over tokens[:-1]: every match is followed by at least one token.
-            windows = sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start : start + k].tolist()
-        return []
+        max_n = min(self.max_n, length - 1)
+        if max_n < self.min_n:
+            return []
+        ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # ascending
+        back = np.arange(max_n)
+        at = ends[:, None] - back  # [C, max_n]: the positions compared, backwards from each end
+        equal = (tokens[np.maximum(at, 0)] == tokens[length - 1 - back]) & (at >= 0)
+        matched = np.logical_and.accumulate(equal, axis=1).sum(axis=1)  # [C]
+        n = int(matched.max(initial=0))
+        if n < self.min_n:
+            return []
+        start = int(ends[np.flatnonzero(matched == n)[-1]]) + 1  # the latest of the longest
+        return tokens[start : start + k].tolist()
 
 
 class OracleProposer(Proposer):

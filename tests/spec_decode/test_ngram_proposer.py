@@ -1,0 +1,47 @@
+"""The n-gram proposer against a direct statement of prompt lookup, on token streams with many
+repeats (a small vocabulary), and its per-sequence arrays as the sequence grows."""
+
+import random
+
+import numpy as np
+import pytest
+
+from tinypaged.scheduler import Sequence
+from tinypaged.spec_decode.proposers import NgramProposer
+
+
+def prompt_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """For n from max_n down to min_n: the tokens after the latest earlier occurrence of the
+    last n tokens (one that some token follows), the first n that has one."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 1), (2, 5), (3, 3), (1, 8)])
+def test_lookup_matches_prompt_lookup(min_n, max_n):
+    rng = random.Random(min_n * 10 + max_n)
+    proposer = NgramProposer(min_n, max_n)
+    for _ in range(400):
+        vocab = rng.choice([2, 3, 5, 50])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        k = rng.randrange(1, 6)
+        got = proposer.lookup(np.asarray(tokens, dtype=np.int64), k)
+        assert got == prompt_lookup(tokens, k, min_n, max_n), tokens
+
+
+def test_arrays_follow_the_growing_sequences():
+    rng = random.Random(0)
+    proposer = NgramProposer(2, 4)
+    seqs = [Sequence(f"r{i}", [rng.randrange(4) for _ in range(5 + i)]) for i in range(3)]
+    for _ in range(60):  # the buffers start small: this outgrows them
+        drafts = proposer.propose(seqs, [3, 0, 2])
+        for seq, k, got in zip(seqs, [3, 0, 2], drafts):
+            assert got == (prompt_lookup(seq.token_ids, k, 2, 4) if k else [])
+        for seq in seqs:
+            seq.token_ids.extend(rng.randrange(4) for _ in range(rng.randrange(1, 4)))
+    proposer.finish(seqs[0])
+    assert seqs[0].seq_id not in proposer.arrays
