@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from tinypaged import envs
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
 from tinypaged.kernels.fp8 import FP8_DTYPE, _scale_strides, fp8_gemm_reference
 from tinypaged.kernels.split_k import (
@@ -45,6 +46,14 @@ from tinypaged.kernels.split_k import (
 )
 
 ROWS_MAX_M = 16  # a^T padded to 16 columns: the narrowest e4m3 wgmma (m64n16k32)
+ROWS_MIN_M = 2  # one row takes the W8A16 GEMV (kernels/dense_gemv.py), not the W8A8 path
+
+
+def fp8_rows_enabled(M: int) -> bool:
+    """Whether the W8A8 path multiplies an M-row x with fp8_rows (2 to 16 rows, unless
+    $TINYPAGED_FP8_ROWS=0: then fp8_gemm, the A/B switch); read at call time, so set it before
+    CUDA graphs are captured."""
+    return ROWS_MIN_M <= M <= ROWS_MAX_M and envs.TINYPAGED_FP8_ROWS
 
 
 @jit(do_not_specialize=("M", "split_k"))
