@@ -120,6 +120,9 @@ for dtype in (torch.bfloat16, torch.float16):  # dense and int8 split-K (the fin
                                   split_k=4, **config)
             dense_gemv.dense_gemv(torch.randn(m, 8192).to(dtype), w8, None, scale, block,
                                   silu_and_mul=True, **config)
+            if m == 1 and mode == "w8a16":  # e4m3 bytes to fp32 by integer ops (w8_words)
+                dense_gemv.dense_gemv(torch.randn(m, 8192).to(dtype), w8, None, scale, block,
+                                      silu_and_mul=True, w8_words=True, **config)
     for group in (None, 128):  # RMSNorm with its output quantized to e4m3 (W8A8 prefill)
         x = torch.randn(4, 4096).to(dtype)
         norm.rms_norm_quant_fp8_triton(x, torch.randn(4096).to(dtype), 1e-6, x.clone(), group)
