@@ -38,6 +38,8 @@ from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 from tinypaged.models.layers import ColumnParallelLinear
 from tinypaged.quantization.fp8 import Fp8Config
 
+DEV = "cuda"
+CHECK_SHAPES = ((4096, 6144), (1024, 1000))  # (K, N): a Llama-3-8B layer, an odd shape
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
           ("down", 14336, 4096)]  # Llama-3-8B, (layer, K, N)
 ROWS_MS = (2, 4, 8, 16)
@@ -60,8 +62,9 @@ WORDS_TILES = {
 KEYS = ("block_n", "block_k", "num_warps", "num_stages", "programs_per_sm")
 
 
-def fp8_weight(N, K, kind, dev="cuda"):
+def fp8_weight(N, K, kind, dev=None):
     """(e4m3 weight [N, K], fp32 scale, block) as quantization/fp8.py holds them."""
+    dev = dev or DEV
     w = torch.randn(N, K, device=dev) / K**0.5
     if kind == "block":
         s = torch.rand(cdiv(N, 128), cdiv(K, 128), device=dev) * 1e-3 + 1e-4
@@ -102,11 +105,11 @@ def checks():
     """Part 1 of the module docstring; -> the number of failed checks."""
     bad = 0
     for kind in ("tensor", "channel", "block"):
-        for K, N in ((4096, 6144), (1024, 1000)):
+        for K, N in CHECK_SHAPES:
             w, s, block = fp8_weight(N, K, kind)
             worst, ok = 0.0, True
             for M in range(1, 17):
-                q, qs = quantize(torch.randn(M, K, device="cuda", dtype=torch.bfloat16), block,
+                q, qs = quantize(torch.randn(M, K, device=DEV, dtype=torch.bfloat16), block,
                                  False)
                 ref = R.fp8_rows_reference(q, qs, w, s, torch.bfloat16, block)
                 for cfg in (R.fp8_rows_config(M, block), dict(R.fp8_rows_config(M, block),
@@ -119,9 +122,9 @@ def checks():
         for silu in (False, True):  # one row, e4m3 bytes to fp32 by integer ops
             if kind == "tensor":
                 continue
-            K, N = 4096, 6144
+            K, N = CHECK_SHAPES[0]
             w, s, block = fp8_weight(N, K, kind)
-            x = torch.randn(1, 2 * K if silu else K, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(1, 2 * K if silu else K, device=DEV, dtype=torch.bfloat16)
             cfg = dict(D.fp8_gemv_config(1, block), silu_and_mul=silu)
             ref = D.dense_gemv_reference(x.float(), w, None, s, block, silu_and_mul=silu)
             conv = D.dense_gemv(x, w, None, s, block, **cfg)
@@ -142,7 +145,7 @@ def checks():
             layer.weight.data.copy_(w)
             layer.weight_scale_inv.data.copy_(s)
         method.process_weights_after_loading(layer)
-        layer.to("cuda")
+        layer.to(DEV)
         deq = method.dequantized_weight(layer)
         for M, err in graph_replay_errors(layer, lambda x, deq=deq: x.float() @ deq.t(),
                                           sizes=(2, 8, 16)):
@@ -157,7 +160,7 @@ def setups(kind, weights):
     out = {}
     for (layer, K, _), M in itertools.product(SHAPES, (1, *ROWS_MS)):
         silu = layer == "down"
-        out[layer, M] = (torch.randn(M, 2 * K if silu else K, device="cuda",
+        out[layer, M] = (torch.randn(M, 2 * K if silu else K, device=DEV,
                                      dtype=torch.bfloat16), silu)
     return out
 
