@@ -209,8 +209,7 @@ def time_kind(kind, deadline, times):
             put(M, "quant+fp8_rows", layer, rows(layer, M, cfg, True))
     print(f"  {kind}: baselines timed; {deadline - time.time():.0f} s left for the candidates",
           flush=True)
-    cands = [("words", dict(zip(KEYS, tile), w8_words=True)) for tile in WORDS_TILES[kind]] + \
-            [("rows", dict(zip(KEYS, tile))) for tile in ROWS_TILES[kind]]
+    cands = candidates(kind)
     for i, (what, cfg) in enumerate(cands):
         if time.time() > deadline:
             print(f"  {kind}: budget spent after {i} of {len(cands)} candidates", flush=True)
@@ -227,6 +226,15 @@ def time_kind(kind, deadline, times):
             for by_path in t.values():
                 by_path.pop(i, None)
     return cands
+
+
+def candidates(kind):
+    """[(what, config)]: the one-row words tiles and the fp8_rows tiles taken in turn, so that
+    a budget cut short still times the first of each."""
+    words = [("words", dict(zip(KEYS, tile), w8_words=True)) for tile in WORDS_TILES[kind]]
+    rows = [("rows", dict(zip(KEYS, tile))) for tile in ROWS_TILES[kind]]
+    turns = itertools.zip_longest(rows, words)
+    return [c for pair in turns for c in pair if c is not None]
 
 
 def best(t_m, cands, fallback):
@@ -300,21 +308,20 @@ def dry_run():
     """The tables on made-up timings (no GPU): the printing and the paste format."""
     times, cands = {}, {}
     for kind in ("channel", "block"):
-        cands[kind] = [("words", dict(zip(KEYS, tile), w8_words=True))
-                       for tile in WORDS_TILES[kind]] + \
-                      [("rows", dict(zip(KEYS, tile))) for tile in ROWS_TILES[kind]]
+        cands[kind] = candidates(kind)
+        words = [i for i, (what, _) in enumerate(cands[kind]) if what == "words"]
+        rows = [i for i, (what, _) in enumerate(cands[kind]) if what == "rows"]
         layers = [layer for layer, _, _ in SHAPES]
         times[kind] = {1: {"convert": dict.fromkeys(layers, 30.0),
                            "words": dict.fromkeys(layers, 28.0),
-                           **{i: dict.fromkeys(layers, 25.0 + i)
-                              for i in range(len(WORDS_TILES[kind]))}}}
+                           **{i: dict.fromkeys(layers, 25.0 + i) for i in words}}}
         for M in ROWS_MS:
             times[kind][M] = {
                 path: dict.fromkeys(layers, us) for path, us in (
                     ("fp8_gemm", 40.0), ("fp8_rows", 33.0), ("quant+fp8_gemm", 44.0),
                     ("quant+fp8_rows", 37.0))}
             times[kind][M].update({i: dict.fromkeys(layers, 20.0 + (i * 7 + M) % 11)
-                                   for i in range(len(WORDS_TILES[kind]), len(cands[kind]))})
+                                   for i in rows})
     summary(times, cands, 4.25e12)
 
 

@@ -3,6 +3,8 @@ interpreter against its torch reference: per-tensor, per-channel and [128, 128] 
 fp32 and fp16 outputs, every M from 1 to 16, odd N (rows past N read but not stored) and odd K
 (a masked last step), split K or not; and the split-K workspace left zeroed."""
 
+import os
+
 import pytest
 import torch
 
@@ -83,3 +85,25 @@ def test_rejects_bad_arguments():
         fp8_rows.fp8_rows(a.float(), a_scale, w, w_scale, torch.float32, block)
     with pytest.raises(ValueError, match="whole tiles"):
         fp8_rows.fp8_rows(a, a_scale, w, w_scale, torch.float32, block, block_n=256)
+
+
+def test_sweep_prints_tables_that_paste():
+    # benchmarks/fp8_gemv.py --sweep-rows on made-up timings: the two tables it prints for
+    # .gpu/paste.py are Python that gives every key the kernels look up
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tinypaged.kernels import dense_gemv
+
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "benchmarks/fp8_gemv.py", "--sweep-rows", "--dry-run"],
+                         cwd=repo, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(repo)}, check=True).stdout
+    for name, table in (("FP8_ROWS_CONFIGS", fp8_rows.FP8_ROWS_CONFIGS),
+                        ("FP8_ONE_ROW_CONFIGS", dense_gemv.FP8_ONE_ROW_CONFIGS)):
+        block = re.findall(rf"^{name} = \{{\n.*?^\}}$", out, flags=re.S | re.M)[-1]
+        pasted = {}
+        exec(block, {}, pasted)  # noqa: S102  (our own printed table)
+        assert pasted[name].keys() == table.keys()
