@@ -1,7 +1,8 @@
 """kernels/fp8_rows.py (the W8A8 decode product of an e4m3 x, 1-16 rows) under the Triton
 interpreter against its torch reference: per-tensor, per-channel and [128, 128] block scales,
 fp32 and fp16 outputs, every M from 1 to 16, odd N (rows past N read but not stored) and odd K
-(a masked last step), split K or not; and the split-K workspace left zeroed."""
+(a masked last step), split K or not; the split-K workspace left zeroed; and the tables that
+benchmarks/fp8_gemv.py --sweep-rows prints to paste."""
 
 import os
 
