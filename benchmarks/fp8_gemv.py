@@ -16,6 +16,10 @@ tensor cores with --sweep-dot) on the GPU.
 
     PYTHONPATH=. python benchmarks/fp8_gemv.py [--sweep] [--json out.json]
     PYTHONPATH=. python benchmarks/fp8_gemv.py --sweep-dot [--tiles 0:5]  # w8a8dot only, ~90 s
+    PYTHONPATH=. python benchmarks/fp8_gemv.py --sweep-rows --budget-s 180  # < 4 min
+
+--sweep-rows: fp8_rows (W8A8 at 2-16 rows, x already e4m3) and the one-row w8_words GEMV
+against the paths they replace, checks, tile sweep and the tables to paste (fp8_rows_sweep.py).
 
 --sweep-dot: the w8a8dot mode (dense_gemv quantize_x, TINYPAGED_FP8_GEMV=w8a8dot) alone: its
 candidate tiles (DOT_TILES x DOT_PROGRAMS, in order until --budget) at M = 1, 2, 4, 8, 16 on
@@ -30,6 +34,7 @@ import json
 import os
 import time
 
+import fp8_rows_sweep
 import torch
 from awq_gemv import L2_BYTES, copy_bandwidth, graph_us
 from dense_gemv import graph_replay_errors
@@ -279,8 +284,10 @@ def dot_table(times, cands, bw):
     print("\n# ready to paste into kernels/dense_gemv.py (w8a8dot rows from this sweep; _block:")
     print("# the best BLOCK_K 128 tile, timed on per-channel weights)")
     print("FP8_GEMV_CONFIGS = {")
+    print("    **FP8_ONE_ROW_CONFIGS,")  # --sweep-rows prints those
     for key, cfg in {**{k: v for k, v in D.FP8_GEMV_CONFIGS.items()
-                        if not k.startswith("w8a8dot")}, **entries}.items():
+                        if not k.startswith("w8a8dot") and k not in D.FP8_ONE_ROW_CONFIGS},
+                     **entries}.items():
         args = [f"{k}={v}" for k, v in cfg.items()]
         line = f'    "{key}": dict({", ".join(args)}),'
         if len(line) > 100:  # two lines
@@ -346,16 +353,24 @@ def main():
                         help="only the w8a8dot mode: sweep its tiles at M = 1, 2, 4, 8, 16 over "
                              "the Llama-3-8B layers, print the best per M against W8A16 and "
                              "W8A8 and the FP8_GEMV_CONFIGS table (then check the table's)")
-    parser.add_argument("--budget", type=float, default=None,
+    parser.add_argument("--sweep-rows", action="store_true",
+                        help="only fp8_rows (2-16 rows) and the one-row w8_words GEMV: checks, "
+                             "old vs new per Llama-3-8B layer, a tile sweep, the tables to paste")
+    parser.add_argument("--budget", "--budget-s", type=float, default=None,
                         help="seconds from the start after which the sweep stops (default 420; "
-                             "--sweep-dot: 50, then the checks)")
+                             "--sweep-dot: 50, then the checks; --sweep-rows: 180, checks "
+                             "first)")
     parser.add_argument("--tiles", default=":",
                         help="--sweep-dot: a slice of DOT_TILES, e.g. 0:5 or 5: (two runs)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="--sweep-dot's grid and printing on made-up timings (no GPU)")
+                        help="--sweep-dot's or --sweep-rows' grid and printing on made-up "
+                             "timings (no GPU)")
     parser.add_argument("--json", help="write every timing here")
     args = parser.parse_args()
     start = time.time()
+    if args.sweep_rows:
+        fp8_rows_sweep.main(args.budget or 180.0, args.dry_run, args.json)
+        return
     if args.sweep_dot:
         cands = dot_candidates(slice(*(int(p) if p else None for p in args.tiles.split(":"))))
         if args.dry_run:

@@ -128,6 +128,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "e4m3 in the GEMV, FP8 tensor cores, 1-16 rows)",
         lambda name, text: _one_of(name, text, ("w8a16", "w8a8dot")),
     ),
+    "TINYPAGED_FP8_ROWS": EnvVar(
+        "bool", True,
+        "0 sends FP8 W8A8 linears of 2 to 16 rows (x quantized to e4m3 by its own kernel) to "
+        "fp8_gemm's decode tiles instead of kernels/fp8_rows.py (for A/B benchmarks)",
+        _is_not_zero,
+    ),
     "TINYPAGED_LORA_PDL": EnvVar(
         "bool", False,
         "1 chains the LoRA expand to its shrink by programmatic dependent launch for batches of "

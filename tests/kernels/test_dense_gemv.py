@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from tinypaged.kernels import activation, dense_gemv
+from tinypaged.kernels._triton import jit as triton_jit
+from tinypaged.kernels._triton import tl
 from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 from tinypaged.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
@@ -268,3 +270,44 @@ def test_table_picks_the_measured_paths():
     assert dense_gemv.gemv_config(8, 4096, 4096) is not None
     assert dense_gemv.gemv_config(16, 4096, 4096) is None
     assert dense_gemv.gemv_config(dense_gemv.GEMV_MAX_M + 1, 128256, 4096) is None
+
+
+@triton_jit
+def _bytes_as_f32_kernel(words_ptr, out_ptr, N: tl.constexpr):
+    words = tl.load(words_ptr + tl.arange(0, N))
+    for j in tl.static_range(4):
+        tl.store(out_ptr + j * N + tl.arange(0, N), dense_gemv._e4m3_byte_as_f32(words, j))
+
+
+def test_e4m3_bit_trick_is_exact_for_every_byte():
+    # w8_words' conversion: byte j of a word -> e4m3 * 2^-120 in fp32, for all 256 patterns in
+    # each of the 4 positions (subnormals, both zeros, +-448; the NaN patterns left out)
+    codes = torch.arange(256, dtype=torch.uint8)
+    packed = torch.stack([codes.roll(64 * j) for j in range(4)], 1)  # [256 words, 4 bytes]
+    out = torch.empty(4, 256)
+    _bytes_as_f32_kernel[(1,)](packed.reshape(-1).view(torch.int32), out, N=256)
+    for j in range(4):
+        values = packed[:, j].view(torch.float8_e4m3fn).float()
+        finite = ~values.isnan()
+        assert torch.equal(out[j][finite], values[finite] * 2.0**-120), j
+        assert torch.equal(out[j][finite].signbit(), values[finite].signbit())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+def test_fp8_one_row_words_match_the_conversion(dtype, kind):
+    # w8_words: the same products as the converted weights (every byte value among the weights),
+    # summed in another order; K = 1000 with block_k 128: a masked last step; silu_and_mul too
+    x, w, scale, block, b = fp8_linear(1, 1000, 130, kind, dtype, seed=11, bias=kind != "tensor")
+    w[:, :256] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float() \
+        .nan_to_num(0.0).to(torch.float8_e4m3fn)
+    tol = DOT_TOL[dtype] if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-4)
+    for silu in (False, True):
+        xs = torch.cat([x, x.flip(1)], 1) if silu else x
+        ref = dense_gemv.dense_gemv_reference(xs, w, b, scale, block, silu_and_mul=silu)
+        config = dict(block_n=16, block_k=128, split_k=3, silu_and_mul=silu)
+        y = dense_gemv.dense_gemv(xs, w, b, scale, block, w8_words=True, **config)
+        torch.testing.assert_close(y, ref, **tol)
+        torch.testing.assert_close(y, dense_gemv.dense_gemv(xs, w, b, scale, block, **config),
+                                   **tol)
+        assert_workspace_zero()

@@ -1,5 +1,5 @@
 """Every kernel (AWQ too), through its real launcher, compiles for the H200 (sm_90) on a CPU
-(see helpers/compile_sm90.py for how); the FP8 GEMV's w8a8dot tiles to FP8 wgmma."""
+(see helpers/compile_sm90.py for how); the FP8 GEMV's w8a8dot tiles and fp8_rows' to FP8 wgmma."""
 
 from helpers.compile_sm90 import compile_for_sm90
 
@@ -120,6 +120,9 @@ for dtype in (torch.bfloat16, torch.float16):  # dense and int8 split-K (the fin
                                   split_k=4, **config)
             dense_gemv.dense_gemv(torch.randn(m, 8192).to(dtype), w8, None, scale, block,
                                   silu_and_mul=True, **config)
+            if m == 1 and mode == "w8a16":  # e4m3 bytes to fp32 by integer ops (w8_words)
+                dense_gemv.dense_gemv(torch.randn(m, 8192).to(dtype), w8, None, scale, block,
+                                      silu_and_mul=True, w8_words=True, **config)
     for group in (None, 128):  # RMSNorm with its output quantized to e4m3 (W8A8 prefill)
         x = torch.randn(4, 4096).to(dtype)
         norm.rms_norm_quant_fp8_triton(x, torch.randn(4096).to(dtype), 1e-6, x.clone(), group)
@@ -164,6 +167,17 @@ for m in (1, 2, 4, 8, 16):
             dense_gemv.dense_gemv(torch.randn(m, 8192 if silu else 4096).to(torch.bfloat16), w8,
                                   None, scale, block, silu_and_mul=silu,
                                   **dense_gemv.fp8_gemv_config(m, block, "w8a8dot"))
+import os
+
+from tinypaged.kernels import fp8_rows  # W8A8 at decode: x already e4m3, every table tile
+
+os.environ["TRITON_INTERPRET"] = "1"  # only so fp8_rows' dispatch picks the kernel
+a8 = torch.zeros(16, 4096).to(torch.float8_e4m3fn)
+for m in (2, 4, 8, 16):
+    for scale, a_scale, block in ((torch.ones(1024, 1), torch.ones(m, 1), None),
+                                  (torch.ones(8, 32), torch.ones(m, 32), (128, 128))):
+        fp8_rows.fp8_rows(a8[:m], a_scale, w8, scale, torch.bfloat16, block, split_k=4,
+                          **fp8_rows.fp8_rows_config(m, block))
 # e4m3 operands straight into Hopper's FP8 wgmma: no fp16 mma.sync on converted weights
 assert ptx and all("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in p
                    and "mma.sync" not in p for p in ptx)
@@ -171,4 +185,4 @@ assert ptx and all("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in p
 
 
 def test_fp8_dot_tiles_multiply_on_fp8_wgmma():
-    assert compile_for_sm90(FP8_DOT_LAUNCHES) == ["_dense_gemv_kernel"]
+    assert compile_for_sm90(FP8_DOT_LAUNCHES) == ["_dense_gemv_kernel", "_fp8_rows_kernel"]

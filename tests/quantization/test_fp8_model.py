@@ -224,6 +224,53 @@ def test_w8a8dot_mode_takes_the_gemv_up_to_16_rows(monkeypatch, method):
     assert seen == [(1, None)]
 
 
+@pytest.mark.parametrize("method", [Fp8Config(weight_scheme="tensor", static_input=True),
+                                    Fp8Config(weight_scheme="block", block=(128, 128)),
+                                    Fp8Config.online()])
+def test_w8a8_takes_fp8_rows_from_2_to_16_rows(monkeypatch, method):
+    """W8A8 (the default w8a16 mode past one row): x quantized by its own kernel, then fp8_rows
+    at 2-16 rows (the down projection's SiLU-and-mul input too), fp8_gemm at 17 rows and with
+    $TINYPAGED_FP8_ROWS=0; both multiply the same quantized operands (the same numbers)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = []
+
+    def spying(name, real):
+        def spy(*args, **kwargs):
+            seen.append((name, args[0].shape[0]))
+            return real(*args, **kwargs)
+        return spy
+
+    for name in ("fp8_rows", "fp8_gemm"):
+        monkeypatch.setattr(fp8_module, name, spying(name, getattr(fp8_module, name)))
+    gen = torch.Generator().manual_seed(5)
+    layer = layers.RowParallelLinear(256, 128, quant_config=method)
+    if method.from_dense:
+        layer.weight.data.copy_(torch.randn(128, 256, generator=gen) * 0.05)
+    else:
+        stored, _ = quantize(torch.randn(128, 256, generator=gen), method.weight_scheme)
+        for name, t in stored.items():
+            getattr(layer, name).weight_loader(getattr(layer, name), t)
+        if method.static_input:
+            layer.input_scale.weight_loader(layer.input_scale, torch.tensor(4.0 / FP8_MAX))
+    method.process_weights_after_loading(layer)
+    for rows in (2, 16, 17):
+        x, gate_up = torch.randn(rows, 256, generator=gen), torch.randn(rows, 512, generator=gen)
+        y = layer.matmul(x, None)
+        y_down = fp8_module.fp8_silu_and_mul_down(layer, gate_up)
+        path = "fp8_rows" if rows <= 16 else "fp8_gemm"
+        expected = [(path, rows)] * (1 if method.static_input else 2)
+        assert seen == expected, (rows, seen)
+        seen.clear()
+        monkeypatch.setenv("TINYPAGED_FP8_ROWS", "0")
+        torch.testing.assert_close(layer.matmul(x, None), y, rtol=1e-5, atol=1e-5)
+        if not method.static_input:
+            torch.testing.assert_close(fp8_module.fp8_silu_and_mul_down(layer, gate_up), y_down,
+                                       rtol=1e-5, atol=1e-5)
+        assert {name for name, _ in seen} == {"fp8_gemm"}
+        seen.clear()
+        monkeypatch.delenv("TINYPAGED_FP8_ROWS")
+
+
 def test_row_parallel_rank_loads_its_scale_blocks(monkeypatch):
     monkeypatch.setattr(layers, "get_tp_size", lambda: 2)
     monkeypatch.setattr(layers, "get_tp_rank", lambda: 1)

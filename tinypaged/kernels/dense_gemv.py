@@ -19,6 +19,13 @@ once, at the copy bandwidth, from every SM at once:
   reads 512 bytes of one row), pipelined through shared memory (tl.range num_stages).
 - M = 1 (USE_DOT False): one FMA per weight on CUDA cores into a [BLOCK_N, BLOCK_K] fp32
   accumulator, reduced over K once at the end.
+  An e4m3 weight converts on the way (two conversion instructions a weight on sm_90: e4m3x2 ->
+  f16x2, f16 -> f32), which may bound the kernel before HBM does. W8_WORDS (w8_words) instead
+  loads int32 words of 4 weights and builds each fp32 by a shift and a mask
+  (_e4m3_byte_as_f32: exactly e4m3 * 2^-120, subnormals included); x, loaded as 4 vectors of
+  every 4th input to match the bytes, is multiplied by 2^64 so that every product stays a
+  normal fp32 number, and y by the exact 2^56 at the end: the same products as the conversion,
+  summed in another order.
 - 2 <= M <= 16 (USE_DOT True): y^T = W x^T on tensor cores, W in the MMA's M slot and x^T,
   padded to BLOCK_M (8 or 16) columns, in the N slot; M FMAs per weight would swamp the CUDA
   cores at 16 rows, a tensor-core product costs the same for any M up to 16.
@@ -83,6 +90,37 @@ def _quantize_columns(xt, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
     return xq, sx
 
 
+@jit
+def _e4m3_byte_as_f32(words, J: tl.constexpr):
+    """Byte J (0: the lowest) of each int32 word, an e4m3 value v, as the fp32 v * 2^-120, by
+    integer ops alone: e4m3 is sign | 4 exponent bits (bias 7) | 3 mantissa bits, so its 7
+    magnitude bits moved to fp32 bits 20-26 are the low 4 bits of an exponent of bias 127 and
+    the top 3 mantissa bits: 2^(e - 127) (1 + m / 8) = v * 2^-120 for e >= 1, and for e = 0
+    (e4m3's subnormals, 2^-6 m / 8) the fp32 subnormal 2^-126 m / 8, the same factor. Exact for
+    every finite e4m3 value; the caller folds 2^120 into x and the scale."""
+    t = words << (24 - 8 * J)  # byte J in bits 24-31 (its sign in fp32's sign bit)
+    # an arithmetic shift: the sign lands in bits 27-31, the magnitude in 20-26; one mask keeps
+    # bit 31 and the magnitude
+    return ((t >> 4) & -0x78100000).to(tl.float32, bitcast=True)  # mask 0x87F00000
+
+
+@jit
+def _words_step(acc, w_ptrs, x_ptr, kq, K, x_scale, EVEN_K: tl.constexpr,
+                SILU_AND_MUL: tl.constexpr):
+    """One K step of the one-row W8_WORDS path: acc [BLOCK_N, BLOCK_K / 4] += the products of
+    the int32 words at w_ptrs (e4m3 w[n, kq + j] in byte j) with x[kq + j] * x_scale."""
+    if EVEN_K:
+        words = tl.load(w_ptrs)
+    else:  # K is a multiple of 4: a word lies wholly in or past K
+        words = tl.load(w_ptrs, mask=(kq < K)[None, :], other=0)
+    for j in tl.static_range(4):
+        x = tl.load(x_ptr + kq + j, mask=kq < K, other=0.0)  # [BLOCK_K / 4]: every 4th input
+        if SILU_AND_MUL:
+            x = _silu_and_mul(x, tl.load(x_ptr + K + kq + j, mask=kq < K, other=0.0))
+        acc += _e4m3_byte_as_f32(words, j) * (x.to(tl.float32) * x_scale)[None, :]
+    return acc
+
+
 @jit(do_not_specialize=("M", "split_k"))
 def _dense_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,  # x [M, K] (row stride stride_xm), W [N, K], b [N],
@@ -98,6 +136,7 @@ def _dense_gemv_kernel(
     QUANTIZE_X: tl.constexpr,  # W8A8 on FP8 tensor cores: each step's x^T quantized to e4m3
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
     X_COLS: tl.constexpr,  # BLOCK_M, or 1 for one row under QUANTIZE_X (no padded columns)
+    W8_WORDS: tl.constexpr,  # one row, FP8 W: int32 words of 4 weights, converted by bit ops
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums K-steps split_k_range(.., s) of
     # y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
@@ -115,11 +154,24 @@ def _dense_gemv_kernel(
     ws_row = ws_ptr + (pid_n * BLOCK_N // SCALE_BN) * stride_wsn
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # y^T
+    elif W8_WORDS:  # word q of a row holds w[n, 4q .. 4q + 3]; stride_wn and K are 4-aligned
+        offs_q = tl.arange(0, BLOCK_K // 4)
+        words_ptrs = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + \
+            (offs_n % N)[:, None] * (stride_wn // 4) + offs_q[None, :]  # [BLOCK_N, BLOCK_K / 4]
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 4), tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # per-lane sums, reduced over K below
     for step in tl.range(first, last, num_stages=STAGES):
         k = step * BLOCK_K + offs_k
-        if EVEN_K:
+        if W8_WORDS:
+            # x times 2^64: its products with w * 2^-120 stay normal fp32 numbers (products of
+            # w's subnormals too), so the sums round as those of x * w would; y gets 2^56 below
+            x_scale = 18446744073709551616.0
+            if W_SCALE == 2:
+                x_scale *= tl.load(ws_row + (step * BLOCK_K // SCALE_BK) * stride_wsk)
+            acc = _words_step(acc, words_ptrs + step * (BLOCK_K // 4), x_ptr,
+                              step * BLOCK_K + 4 * offs_q, K, x_scale, EVEN_K, SILU_AND_MUL)
+        elif EVEN_K:
             w = tl.load(w_ptrs + step * BLOCK_K)
         else:
             w = tl.load(w_ptrs + step * BLOCK_K, mask=(k < K)[None, :], other=0.0)
@@ -144,7 +196,7 @@ def _dense_gemv_kernel(
                 acc += tl.dot(w, xt, input_precision=DOT_PRECISION) * s
             else:
                 acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
-        else:
+        elif not W8_WORDS:
             x = tl.load(x_ptr + k, mask=k < K, other=0.0)  # [BLOCK_K]
             if SILU_AND_MUL:
                 x = _silu_and_mul(x, tl.load(x_ptr + K + k, mask=k < K, other=0.0))
@@ -156,6 +208,8 @@ def _dense_gemv_kernel(
         out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
         out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    if W8_WORDS:  # 2^-120 (w) * 2^64 (x): exact, a power of two on normal numbers
+        out *= 72057594037927936.0  # 2^56
     if W_SCALE == 1:  # per row (stride_wsn 0: one scale for the tensor)
         out *= tl.load(ws_ptr + (offs_n % N) * stride_wsn)[None, :]
     at = offs_m[:, None] * N + offs_n[None, :]  # y[m, n], [BLOCK_M, BLOCK_N]
@@ -177,7 +231,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                block_n: int | None = None, block_k: int = 256, split_k: int | None = None,
                num_warps: int = 4, num_stages: int = 3, min_block_m: int = 16,
                programs_per_sm: int = 3, tensor_cores: bool | None = None,
-               quantize_x: bool = False) -> torch.Tensor:
+               quantize_x: bool = False, w8_words: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), 1 <= M <= 16, fp32 accumulation, in
     x's dtype (the Triton kernel; dense_linear and the FP8 linear decide when to call it).
 
@@ -192,7 +246,11 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     and BN must be a multiple of block_n.
     quantize_x (FP8 weights, W8A8 on FP8 tensor cores, any M): each K step's [M, block_k] slice
     of x is quantized to e4m3 in registers, one scale per row (dense_gemv_reference's too);
-    x^T is padded to 16 columns whatever min_block_m says."""
+    x^T is padded to 16 columns whatever min_block_m says.
+    w8_words (FP8 weights, one row on the CUDA cores): the weight read as int32 words and each
+    e4m3 byte turned into fp32 by shifts and masks (_e4m3_byte_as_f32) instead of the
+    conversion instructions; ignored where K or the weight's row stride is not a multiple of 4
+    (or the tensor-core path runs). The same products, summed in another order."""
     M, K = x.shape[0], x.shape[1] // 2 if silu_and_mul else x.shape[1]
     N = weight.shape[0]
     if silu_and_mul and x.shape[1] != 2 * weight.shape[1]:
@@ -229,6 +287,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         # converting both operands: the wgmma on e4m3 (m64n16k32) wants 16
         min_block_m = max(min_block_m, 16)
     block_m = max(min_block_m, 1 << (M - 1).bit_length()) if use_dot else 1
+    w8_words = w8_words and fp8 and not use_dot and K % 4 == 0 and weight.stride(0) % 4 == 0 \
+        and weight.data_ptr() % 4 == 0 and block_k % 4 == 0
     n_blocks = cdiv(N, block_n)
     steps = cdiv(K, block_k)
     if split_k is None:
@@ -249,7 +309,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         SILU_AND_MUL=silu_and_mul, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
         QUANTIZE_X=quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         ROUND_IN_FP32=not x.is_cuda, X_COLS=1 if quantize_x and M == 1 else block_m,
-        num_warps=num_warps,
+        W8_WORDS=w8_words, num_warps=num_warps,
     )
     return y
 
@@ -366,9 +426,14 @@ FP8_GEMV_MAX_M = {"w8a16": 1, "w8a8dot": GEMV_MAX_M}  # rows up to which FP8 tak
 # the sweep's best w8a8dot tile from 2 rows on (it prints one row per key; equal rows kept once)
 _DOT_ROWS = dict(block_n=128, block_k=128, num_warps=8, num_stages=4, programs_per_sm=2,
                  quantize_x=True)
-FP8_GEMV_CONFIGS = {
+# W8A16 at one row; w8_words (e4m3 bytes to fp32 by integer ops) where the H200 sweep finds it
+# faster (benchmarks/fp8_gemv.py --sweep-rows prints this table)
+FP8_ONE_ROW_CONFIGS = {
     "one_row": dict(block_n=16, block_k=512, programs_per_sm=2),
     "one_row_block": dict(block_n=64, block_k=128, programs_per_sm=2),
+}
+FP8_GEMV_CONFIGS = {
+    **FP8_ONE_ROW_CONFIGS,
     "rows": dict(block_n=64, block_k=256, num_stages=4, min_block_m=8),
     "rows_block": dict(block_n=64, block_k=128, num_stages=4, min_block_m=8),
     "w8a8dot_m1": dict(block_n=128, block_k=256, num_warps=4, num_stages=3,

@@ -16,7 +16,8 @@
 Both run one Triton kernel on CUDA (or under TRITON_INTERPRET=1), else the torch reference of
 the same signature (`*_reference`). The GEMM is the prefill path (tiles of 128 x 128 x 128, fp32
 accumulators from tl.dot on fp8 operands: wgmma on Hopper) and, with 16-row tiles and narrow
-N tiles so that every SM streams weights, the decode path for 1-16 rows.
+N tiles, the W8A8 decode path where kernels/fp8_rows.py does not take it (one row, or
+$TINYPAGED_FP8_ROWS=0; fp8_rows.py says why those tiles leave FP8 wgmma unused).
 
 The fp32 -> e4m3 rounding goes through `_round_e4m3`: the Triton interpreter's own conversion
 truncates where rounding carries into the exponent (126.1 -> 64, not 128); rounding in fp32

@@ -21,12 +21,14 @@ static `input_scale` is kept per layer, the largest of a fused layer's shards (a
 
 apply(): on CUDA (or under TRITON_INTERPRET=1) W8A8, kernels/fp8.py: the activations are
 quantized (per token, per token group, or with the static scale) and the FP8 GEMM multiplies
-them by the FP8 weights, fp32 accumulators, the scales applied in the GEMM. At decode the
-kernels/dense_gemv.py GEMV instead, one launch, in one of two modes ($TINYPAGED_FP8_GEMV):
-"w8a16" (the default; one row for now: kernels/dense_gemv.py says why) streams the e4m3 weight,
-converts it in registers and multiplies it by the activations as they are; "w8a8dot" (1-16
-rows) quantizes each K step of the activations to e4m3 in registers (one scale per row and
-step) and multiplies on FP8 tensor cores. A static input_scale is unused by both. On the CPU
+them by the FP8 weights, fp32 accumulators, the scales applied in the GEMM; at 2-16 rows
+kernels/fp8_rows.py instead (split over K, the weight in the MMA's wide slot;
+$TINYPAGED_FP8_ROWS=0 keeps fp8_gemm there: w8a8_product). At decode the kernels/dense_gemv.py
+GEMV instead, one launch, in one of two modes ($TINYPAGED_FP8_GEMV): "w8a16" (the default; one
+row for now: kernels/dense_gemv.py says why) streams the e4m3 weight, converts it in registers
+and multiplies it by the activations as they are; "w8a8dot" (1-16 rows) quantizes each K step
+of the activations to e4m3 in registers (one scale per row and step) and multiplies on FP8
+tensor cores. A static input_scale is unused by both. On the CPU
 the weights are dequantized and multiplied in the activations' dtype (weight-only FP8, as
 vLLM's fallback on GPUs without FP8 tensor cores): the fp32 CPU path is then exactly the
 checkpoint's dequantized model, which is what the tests compare with transformers.
@@ -51,6 +53,7 @@ from tinypaged.kernels.dense_gemv import (
 )
 from tinypaged.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_gemm, quantize_fp8
 from tinypaged.kernels.fp8_act import silu_and_mul_quant_fp8
+from tinypaged.kernels.fp8_rows import fp8_rows, fp8_rows_config, fp8_rows_enabled
 from tinypaged.quantization.base import QuantizationMethod
 
 SUPPORTED_BLOCKS = ((128, 128),)
@@ -170,7 +173,7 @@ class Fp8Config(QuantizationMethod):
                 q, s = quantize_fp8(x2, group=self.block[1])
             else:
                 q, s = quantize_fp8(x2, scale=layer.input_scale if self.static_input else None)
-            y = fp8_gemm(q, s, layer.weight, layer.weight_scale, x.dtype, self.block)
+            y = w8a8_product(q, s, layer.weight, layer.weight_scale, x.dtype, self.block)
         else:
             y = x2 @ self.dequantized_weight(layer).to(x.dtype).t()
         y = y.reshape(*x.shape[:-1], -1)
@@ -183,6 +186,17 @@ class Fp8Config(QuantizationMethod):
         size: the A/B switch). A static input_scale is not used by either GEMV mode."""
         mode = mode or fp8_gemv_mode()
         return 1 <= x2.shape[0] <= FP8_GEMV_MAX_M[mode] and gemv_enabled()
+
+
+def w8a8_product(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor,
+                 weight_scale: torch.Tensor, out_dtype: torch.dtype,
+                 block: tuple[int, int] | None) -> torch.Tensor:
+    """y [M, N] = (q * s) @ (weight * weight_scale)^T for an already-quantized x (q e4m3
+    [M, K], s its scales): kernels/fp8_rows.py at 2-16 rows (fp8_rows_enabled), else the GEMM."""
+    if fp8_rows_enabled(q.shape[0]):
+        return fp8_rows(q, s, weight, weight_scale, out_dtype, block,
+                        **fp8_rows_config(q.shape[0], block))
+    return fp8_gemm(q, s, weight, weight_scale, out_dtype, block)
 
 
 def fp8_silu_and_mul_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -204,7 +218,7 @@ def fp8_silu_and_mul_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tenso
         return None
     else:
         q, s = silu_and_mul_quant_fp8(x2, None if method.block is None else method.block[1])
-        y = fp8_gemm(q, s, down.weight, down.weight_scale, gate_up.dtype, method.block)
+        y = w8a8_product(q, s, down.weight, down.weight_scale, gate_up.dtype, method.block)
     y = all_reduce(y.reshape(*gate_up.shape[:-1], -1))
     return y if down.bias is None else y + down.bias
 
