@@ -77,8 +77,8 @@ def build_step(
     # numpy reductions, which take microseconds each on arrays this small.
     computed = list(map(_num_computed, scheduled))
     new = list(map(_num_new, scheduled))
-    total, max_query_len = sum(new), max(new)
-    max_seq_len = max(map(operator.add, computed, new))
+    ends = list(map(operator.add, computed, new))  # seq_lens
+    total, max_query_len, max_seq_len = sum(new), max(new), max(ends)
     starts = np.array(computed, np.int64)  # [B]
     q_lens = np.array(new, np.int64)  # [B]
     cu = np.zeros(num_seqs + 1, dtype=np.int64)  # [B + 1]
@@ -123,9 +123,8 @@ def build_step(
             keep[logits_indices] = True
             logits_indices = np.flatnonzero(keep)  # in token order: sequence by sequence
     return StepInput(
-        input_ids, positions, slot_mapping, cu.astype(np.int32),
-        (starts + q_lens).astype(np.int32), tables, logits_indices, max_query_len, max_seq_len,
-        prev_sample_indices,
+        input_ids, positions, slot_mapping, cu.astype(np.int32), np.array(ends, np.int32),
+        tables, logits_indices, max_query_len, max_seq_len, prev_sample_indices,
     )
 
 
