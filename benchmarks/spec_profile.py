@@ -28,6 +28,10 @@ host  a tiny random Llama on the CPU (torch references), async scheduling on: th
       previous step's accepted tokens first) and the part after it (overlaps the forward); the
       least of --repeats runs.
       --profile: a cProfile of the speculative run's largest batch.
+      --no-model: the forward and the logits replaced by zeros (greedy then emits token 0,
+      so oracle_miss's drafts are still rejected): the host path alone, without the CPU
+      forward's allocations and cache traffic between steps, nearer what a GPU host runs and
+      far less noisy on a shared machine.
 """
 
 from __future__ import annotations
@@ -281,6 +285,15 @@ def _host_run(llm: LLM, prompts, args, tag: str, profiler: cProfile.Profile | No
     model, clock = engine.runner.model, time.thread_time
     marks = {"model": 0.0, "before": 0.0, "step_start": 0.0, "first": None}
     forward, logits = model.forward, model.compute_logits
+    run_forward, run_logits = forward, logits
+    if args.no_model:
+        vocab = engine.vocab_size
+
+        def run_forward(input_ids, *a, **kw):
+            return torch.zeros(len(input_ids), 1)
+
+        def run_logits(hidden):
+            return torch.zeros(len(hidden), vocab)
 
     def timed_forward(*a, **kw):
         now = clock()
@@ -288,14 +301,14 @@ def _host_run(llm: LLM, prompts, args, tag: str, profiler: cProfile.Profile | No
             marks["first"] = now
             marks["before"] += now - marks["step_start"]
         try:
-            return forward(*a, **kw)
+            return run_forward(*a, **kw)
         finally:
             marks["model"] += clock() - now
 
     def timed_logits(*a, **kw):
         now = clock()
         try:
-            return logits(*a, **kw)
+            return run_logits(*a, **kw)
         finally:
             marks["model"] += clock() - now
 
@@ -381,6 +394,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="host: runs, the least kept")
     parser.add_argument("--profile", action="store_true", help="host: cProfile the spec run")
     parser.add_argument("--sort", default="tottime", help="host: cProfile order")
+    parser.add_argument("--no-model", action="store_true",
+                        help="host: zeros for the forward and the logits (the host path alone)")
     args = parser.parse_args()
     if args.mode == "gpu":
         if args.output_len < 8 + args.timed + args.profiled:

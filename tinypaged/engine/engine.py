@@ -472,8 +472,8 @@ class Engine:
         touched: dict[str, RequestState] = {}
         tokens: dict[int, int] = {}
         lp_by_seq: dict[int, dict[int, float] | None] = {}
-        if self.spec is not None:  # its tokens may be taken already (decoder.py: apply)
-            grown, tokens, lp_by_seq = self.spec.apply(step)
+        if self.spec is not None:  # its tokens may be applied already (decoder.py: apply)
+            grown, tokens, lp_by_seq = self.spec.taken(step)
         else:
             if step.tokens is not None:
                 token_ids = self.executor.collect(step.tokens)
@@ -494,7 +494,8 @@ class Engine:
             req.stats.last_token_time = now
             try:
                 if self.spec is not None:  # several tokens: grammar and stop checks per token
-                    self.spec.after_tokens(req, seq, lp_by_seq.get(seq.seq_id))
+                    self.spec.after_tokens(req, seq, tokens[seq.seq_id],
+                                           lp_by_seq.get(seq.seq_id))
                 elif step.grammar is not None and req.constraints is not None \
                         and req.constraints.matchers:  # the worker's verdict: read below
                     checks = req.take_token(seq, lp_by_seq.get(seq.seq_id), self.eos_token_ids)

@@ -25,9 +25,11 @@ Async scheduling. `launch` queues the verification and starts the copy of its em
 
     apply(step)        wait for the emitted tokens (the one wait of a step), the proposer's
                        observe, the scheduler's update (tokens appended, rejected slots rolled
-                       back); called by propose() of the next step, which needs them
-    after_tokens(...)  the engine's stop checks, detokenization and outputs, run while the
-                       next step's forward runs on the device
+                       back); called by propose() of the next step, which needs them. The
+                       GPU idles from the tokens' arrival to the next launch: nothing else
+                       belongs here
+    taken(step),       the acceptance counts, then the engine's stop checks, detokenization
+    after_tokens(...)  and outputs, run while the next step's forward runs on the device
 
 so each engine step reads: apply N -> propose N+1 -> schedule -> launch N+1 -> stop checks of
 N. A sequence that N's stop checks end (eos, stop string, abort) has one wasted verification in
@@ -39,6 +41,7 @@ as synchronously. Penalties, min_tokens and logprobs need only the tokens, which
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -100,13 +103,15 @@ class SpecDecodeStats:
 
 class _Verified:
     """A launched verification: its emitted tokens [S, K + 1] on their way to the host, and
-    what `apply` needs to take them; `applied` caches what apply returned."""
+    what `apply` needs to take them; `tokens`, `logprobs` and `grown` are what apply made."""
 
     def __init__(self, items, seqs, reqs, drafts, starts, raw, emitted, event) -> None:
         self.items, self.seqs, self.reqs, self.drafts = items, seqs, reqs, drafts
         self.starts, self.raw = starts, raw  # raw logprobs [R, V] (device) or None
         self.emitted, self.event = emitted, event  # host [S, K + 1] int64 (-1 padded)
-        self.applied: tuple | None = None
+        self.tokens: dict[int, list[int]] = {}  # seq_id -> accepted drafts + the target's token
+        self.logprobs: dict[int, list] = {}  # seq_id -> a logprobs entry per token (if asked)
+        self.grown: list[Sequence] | None = None  # None until applied
 
     def tolist(self) -> list[list[int]]:
         """Wait for the emitted tokens: one list per sampled sequence, the padding dropped."""
@@ -207,30 +212,37 @@ class SpecDecoder:
         verified = _Verified(items, seqs, reqs, drafts, starts, raw, emitted, event)
         return seqs, verified, [], at_once
 
-    def apply(self, step: Any) -> tuple[list[Sequence], dict, dict]:
-        """Take a launched step's tokens (once; later calls return the same): the proposer
-        observes them, the scheduler appends them and rolls back the rejected drafts' slots.
-        Returns (the grown sequences, seq_id -> tokens, seq_id -> logprobs entry per token)."""
+    def apply(self, step: Any) -> None:
+        """Take a launched step's tokens (once): the proposer observes them, the scheduler
+        appends them and rolls back the rejected drafts' slots. The GPU idles from the tokens'
+        arrival to the next launch, so this holds only what the next proposal and schedule
+        need; `taken` does the rest after that launch."""
         verified: _Verified = step.tokens
-        if verified.applied is not None:
-            return verified.applied
+        if verified.grown is not None:
+            return
         eng = self.engine
         rows = eng.executor.collect(verified) if verified.seqs else []
-        tokens = {s.seq_id: t for s, t in zip(verified.seqs, rows)}
+        tokens = verified.tokens = {s.seq_id: t for s, t in zip(verified.seqs, rows)}
         self.proposer.observe(verified.items, tokens)
-        for seq, draft, toks in zip(verified.seqs, verified.drafts, rows):
-            if draft and not seq.is_finished:  # not a wasted row (async scheduling)
-                self.stats.observe(len(draft), len(toks) - 1)
-        logprobs = {}
-        for seq, req, start, toks in zip(verified.seqs, verified.reqs, verified.starts, rows):
-            k, raw = req.params.logprobs, verified.raw
-            logprobs[seq.seq_id] = [None] * len(toks) if k is None or raw is None else [
-                _logprobs_row(raw[start + j], t, k) for j, t in enumerate(toks)
-            ]
-        grown = eng.scheduler.update(step.out, tokens)
-        verified.applied = (grown, tokens, logprobs)
+        if verified.raw is not None:  # now: after the next launch a read waits for its forward
+            for seq, req, start, toks in zip(verified.seqs, verified.reqs, verified.starts, rows):
+                k = req.params.logprobs
+                verified.logprobs[seq.seq_id] = None if k is None else [
+                    _logprobs_row(verified.raw[start + j], t, k) for j, t in enumerate(toks)
+                ]
+        verified.grown = eng.scheduler.update(step.out, tokens)
         verified.items = verified.reqs = verified.raw = None  # nothing held past its step
-        return verified.applied
+
+    def taken(self, step: Any) -> tuple[list[Sequence], dict, dict]:
+        """A launched step's tokens for the engine's stop checks, applied first if they were
+        not yet: (the grown sequences, seq_id -> tokens, seq_id -> logprobs entries of the
+        sequences that asked for them). Call once a step: it counts the acceptance."""
+        self.apply(step)
+        verified: _Verified = step.tokens
+        for seq, draft in zip(verified.seqs, verified.drafts):
+            if draft and not seq.is_finished:  # not a wasted row (async scheduling)
+                self.stats.observe(len(draft), len(verified.tokens[seq.seq_id]) - 1)
+        return verified.grown, verified.tokens, verified.logprobs
 
     def _batch(self, seqs: list[Sequence], reqs: list, drafts: list[list[int]], device):
         eng = self.engine
@@ -258,14 +270,13 @@ class SpecDecoder:
         return batch, starts, gens
 
     # ------------------------------------------------------------------ stop checks
-    def after_tokens(self, req: Any, seq: Sequence, logprobs: list | None) -> None:
-        """The engine's per-token stop checks over the tokens this step gave `seq`."""
-        count = len(logprobs) if logprobs else 1
-        new = seq.token_ids[-count:]
-        del seq.token_ids[-count:]
+    def after_tokens(self, req: Any, seq: Sequence, tokens: list[int],
+                     logprobs: list | None) -> None:
+        """The engine's per-token stop checks over the `tokens` this step gave `seq`."""
+        del seq.token_ids[-len(tokens):]
         c = req.constraints
         matcher = c.matchers[seq.index] if c is not None and c.matchers else None
-        for token, lp in zip(new, logprobs or [None]):
+        for token, lp in zip(tokens, logprobs or itertools.repeat(None)):
             seq.token_ids.append(token)
             rejected = matcher is not None and not matcher.accept_token(token)
             self.engine._after_token(req, seq, lp, rejected)

@@ -73,27 +73,31 @@ def build_step(
     bs = block_size
     num_seqs = len(scheduled)
     seqs = [it.seq for it in scheduled]
-    starts = np.fromiter(map(_num_computed, scheduled), np.int64, num_seqs)  # [B]
-    q_lens = np.fromiter(map(_num_new, scheduled), np.int64, num_seqs)  # [B]
-    seq_lens = starts + q_lens  # [B]
+    # Per-sequence counts as Python ints first: their sums and maxima cost less there than as
+    # numpy reductions, which take microseconds each on arrays this small.
+    computed = list(map(_num_computed, scheduled))
+    new = list(map(_num_new, scheduled))
+    ends = list(map(operator.add, computed, new))  # seq_lens
+    total, max_query_len, max_seq_len = sum(new), max(new), max(ends)
+    starts = np.array(computed, np.int64)  # [B]
+    q_lens = np.array(new, np.int64)  # [B]
     cu = np.zeros(num_seqs + 1, dtype=np.int64)  # [B + 1]
-    np.cumsum(q_lens, out=cu[1:])
-    total = int(cu[-1])
+    np.add.accumulate(q_lens, out=cu[1:])
     # A placeholder (a token past the host's token_ids) is the one new token of its sequence.
     if total == num_seqs:  # one token each (decodes, mostly): no repeat, no per-seq slices
         seq_idx = np.arange(num_seqs)  # [T]: which sequence each token is of
         positions = starts  # [T]
-        input_ids = np.array(list(map(_token_at, seqs, starts.tolist())), np.int64)
+        input_ids = np.array(list(map(_token_at, seqs, computed)), np.int64)
     else:
-        seq_idx = np.repeat(np.arange(num_seqs), q_lens)
-        positions = np.arange(total) - cu[seq_idx] + starts[seq_idx]
+        seq_idx = np.arange(num_seqs).repeat(q_lens)
+        positions = np.arange(total) + (starts - cu[:-1]).repeat(q_lens)
         new_tokens = itertools.chain.from_iterable(
             (s.token_ids[c:c + n] + it.spec_token_ids) if c < len(s.token_ids) else _PLACEHOLDER
-            for it, s, c, n in zip(scheduled, seqs, starts.tolist(), q_lens.tolist())
+            for it, s, c, n in zip(scheduled, seqs, computed, new)
         )
         input_ids = np.fromiter(new_tokens, np.int64, total)
     prev_sample_indices = None
-    holes = np.flatnonzero(input_ids < 0)
+    holes = (input_ids < 0).nonzero()[0]
     if holes.size:
         prev_sample_indices = np.full(total, -1, np.int64)
         try:
@@ -106,7 +110,6 @@ def build_step(
             ) from None
         input_ids[holes] = 0
 
-    max_seq_len = int(seq_lens.max())
     width = -(-max_seq_len // bs)
     tables = block_tables.rows(seqs)[:, :width].copy()
     slot_mapping = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
@@ -120,9 +123,8 @@ def build_step(
             keep[logits_indices] = True
             logits_indices = np.flatnonzero(keep)  # in token order: sequence by sequence
     return StepInput(
-        input_ids, positions, slot_mapping, cu.astype(np.int32), seq_lens.astype(np.int32),
-        tables, logits_indices, 1 if total == num_seqs else int(q_lens.max()), max_seq_len,
-        prev_sample_indices,
+        input_ids, positions, slot_mapping, cu.astype(np.int32), np.array(ends, np.int32),
+        tables, logits_indices, max_query_len, max_seq_len, prev_sample_indices,
     )
 
 

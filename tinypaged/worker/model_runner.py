@@ -103,6 +103,9 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.pin = device.type == "cuda"
         self.kernels = kernel_choice(config.kernels)
+        # One inference-mode context, entered by every execute: the decorator form builds a new
+        # one per call, host time that under speculation the GPU waits for.
+        self.inference_mode = torch.inference_mode()
         if config.kernels == "triton" and device.type != "cuda" and dtype == torch.bfloat16:
             raise ValueError(
                 "kernels='triton' on the CPU runs the Triton interpreter, which computes bfloat16 "
@@ -302,12 +305,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run one step; returns logits [S, vocab] (the model's dtype) of the rows in
         `step.logits_indices` (on every tensor-parallel rank the same arrays, so the
         collectives line up)."""
-        with self.kernels:
+        with self.inference_mode, self.kernels:
             if self.lora is not None:
                 self.lora.prepare(step.lora)
             num_seqs = len(step.seq_lens)
