@@ -21,6 +21,7 @@ from tinypaged.kernels.gguf_format import (
 from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
 from tinypaged.kernels.gguf_mma import gguf_mma
 from tinypaged.kernels.gguf_rows import gguf_rows, gguf_rows_reference
+from tinypaged.kernels.gguf_subdot import gguf_subdot, gguf_subdot_reference
 
 NAMES = {t: GGML_TYPES[t].name for t in QUANTIZED_TYPES}
 
@@ -199,6 +200,8 @@ from tinypaged.kernels.gguf_rows import gguf_rows
 
 os.environ["TRITON_INTERPRET"] = "1"  # after the import: only so the launchers pick the kernels
 rows_module.interpreting = lambda: False  # gguf_rows' PTX (asm=True) is compiled, not skipped
+from tinypaged.kernels import gguf_subdot as subdot_module
+subdot_module.interpreting = lambda: False  # and gguf_subdot's
 
 for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 on Q4_K_M's two
     qweight = torch.zeros(4096, row_bytes(type_id, 4096), dtype=torch.uint8)
@@ -213,13 +216,22 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
     for config in ({}, dict(block_n=128, num_warps=8, num_stages=3, asm=True)):  # the sweep's
         gguf_rows(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, split_k=4, **config)
     gguf_rows(torch.randn(16, 4096).to(torch.float16), qweight, type_id, block_n=32, split_k=1)
+    if type_id in (12, 14):  # gguf_subdot: both modes, wgmma (64 rows, 4 warps) and mma.sync
+        for config in (dict(scale_w=True, asm=True), dict(scale_w=False, asm=True),
+                       dict(scale_w=True, asm=False), dict(block_n=32, num_warps=2),
+                       dict(block_n=128, num_warps=8, num_stages=4)):
+            subdot_module.gguf_subdot(torch.randn(8, 4096).to(torch.bfloat16), qweight,
+                                      type_id, split_k=4, **config)
+        subdot_module.gguf_subdot(torch.randn(16, 4096).to(torch.float16), qweight, type_id,
+                                  split_k=1, asm=True)
 """
 
 
 def test_kernels_compile_for_sm90():
     """The interpreter accepts programs ptxas rejects: build every variant for the H200."""
     assert compile_for_sm90(GGUF_LAUNCHES) == ["_gguf_dequantize_kernel", "_gguf_gemv_kernel",
-                                               "_gguf_mma_kernel", "_gguf_rows_kernel"]
+                                               "_gguf_mma_kernel", "_gguf_rows_kernel",
+                                               "_gguf_subdot_kernel"]
 
 
 ROWS_CASES = [(torch.float32, 2), (torch.float16, 5), (torch.float32, 8), (torch.float16, 16)]
@@ -285,5 +297,70 @@ def test_rows_dispatch(interpret, monkeypatch):
                         lambda *a, **kw: (calls.append(kw), gguf_rows(*a, **kw))[1])
     y = gguf.gguf_linear(x, qweight, type_id)
     assert calls == [{}]
+    reference = gguf.linear_reference(x, qweight, type_id)
+    torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
+
+
+SUBDOT_CASES = [(torch.float32, 2), (torch.float16, 3), (torch.float32, 5), (torch.float16, 8),
+                (torch.float32, 11), (torch.float16, 16)]
+
+
+@pytest.mark.parametrize("scale_w", [True, False], ids=["scale_w", "raw"])
+@pytest.mark.parametrize("dtype,M", SUBDOT_CASES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("type_id,K", [(12, 256), (12, 768), (14, 512), (14, 1024)],
+                         ids=["Q4_K-256", "Q4_K-768", "Q6_K-512", "Q6_K-1024"])
+def test_subdot_kernel(interpret, type_id, K, dtype, M, scale_w):
+    """gguf_subdot (Q4_K / Q6_K, 2..16 rows, both ways to apply the scales) against its torch
+    reference and the dequantized blocks: 21 rows of W in two programs of 16."""
+    raw = torch.from_numpy(random_blocks(type_id, 21, K, seed=12))
+    qweight = to_device_layout(raw, type_id, K)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+    y = gguf_subdot(x, qweight, type_id, block_n=16, scale_w=scale_w)
+    assert y.shape == (M, 21) and y.dtype == dtype
+    reference = gguf_subdot_reference(x, qweight, type_id, block_n=16)
+    assert torch.equal(reference.float(), (x.float() @ gguf_dequantize_reference(
+        raw, type_id, K).T).to(dtype).float())
+    # fp16: scale_w rounds s and mn to fp16 before the weight's own rounding
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(y.float(), reference.float(), rtol=tol,
+                               atol=tol * reference.float().abs().max())
+
+
+@pytest.mark.parametrize("scale_w", [True, False], ids=["scale_w", "raw"])
+@pytest.mark.parametrize("type_id", [12, 14], ids=["Q4_K", "Q6_K"])
+def test_subdot_split_k(interpret, type_id, scale_w):
+    """K split over 3 programs a row block, twice (the workspace is re-zeroed between)."""
+    K = 1536
+    raw = torch.from_numpy(random_blocks(type_id, 24, K, seed=13))
+    qweight = to_device_layout(raw, type_id, K)
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(5))
+    reference = gguf_subdot_reference(x, qweight, type_id)
+    for _ in range(2):
+        y = gguf_subdot(x, qweight, type_id, block_n=16, split_k=3, scale_w=scale_w)
+        torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
+
+
+def test_subdot_dispatch(interpret, monkeypatch):
+    """$TINYPAGED_GGUF_SUBDOT=1 sends what would take gguf_rows (Q4_K, and Q6_K with an even
+    number of super-blocks a row) to gguf_subdot; everything else keeps its path."""
+    monkeypatch.setenv("TINYPAGED_GGUF_SUBDOT", "1")
+    assert gguf.decode_path(12, 512, 8) == ("subdot", gguf.subdot_config(12, 8))
+    assert gguf.decode_path(14, 1024, 16) == ("subdot", gguf.subdot_config(14, 16))
+    assert gguf.decode_path(12, 512, 3) == ("gemv", {})
+    assert gguf.decode_path(13, 512, 8) == ("gemv", {})
+    monkeypatch.setenv("TINYPAGED_GGUF_ROWS", "1")
+    assert gguf.decode_path(14, 768, 8) == ("rows", gguf.rows_config(14, 8))  # 3 super-blocks
+    assert gguf.decode_path(8, 512, 8) == ("rows", gguf.rows_config(8, 8))
+    assert gguf.decode_path(12, 512, 2) == ("subdot", gguf.subdot_config(12, 2))
+    K, type_id = 512, 14
+    raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=14))
+    qweight = to_device_layout(raw, type_id, K)
+    x = torch.randn(6, K)
+    monkeypatch.setitem(gguf.SUBDOT_CONFIGS, 14, ((16, {"block_n": 16}),))
+    calls = []
+    monkeypatch.setattr(gguf, "gguf_subdot",
+                        lambda *a, **kw: (calls.append(kw), gguf_subdot(*a, **kw))[1])
+    y = gguf.gguf_linear(x, qweight, type_id)
+    assert calls == [{"block_n": 16}]
     reference = gguf.linear_reference(x, qweight, type_id)
     torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
