@@ -218,7 +218,8 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
     gguf_rows(torch.randn(16, 4096).to(torch.float16), qweight, type_id, block_n=32, split_k=1)
     if type_id in (12, 14):  # gguf_subdot: both modes, wgmma (64 rows, 4 warps) and mma.sync
         for config in (dict(scale_w=True, asm=True), dict(scale_w=False, asm=True),
-                       dict(scale_w=True, asm=False), dict(block_n=32, num_warps=2),
+                       dict(scale_w=True, asm=False, natural=False),
+                       dict(block_n=32, num_warps=2),
                        dict(block_n=128, num_warps=8, num_stages=4)):
             subdot_module.gguf_subdot(torch.randn(8, 4096).to(torch.bfloat16), qweight,
                                       type_id, split_k=4, **config)
@@ -326,17 +327,20 @@ def test_subdot_kernel(interpret, type_id, K, dtype, M, scale_w):
                                atol=tol * reference.float().abs().max())
 
 
-@pytest.mark.parametrize("scale_w", [True, False], ids=["scale_w", "raw"])
+@pytest.mark.parametrize("scale_w,natural", [(True, True), (False, False)],
+                         ids=["scale_w-natural", "raw-gathered"])
 @pytest.mark.parametrize("type_id", [12, 14], ids=["Q4_K", "Q6_K"])
-def test_subdot_split_k(interpret, type_id, scale_w):
-    """K split over 3 programs a row block, twice (the workspace is re-zeroed between)."""
+def test_subdot_split_k(interpret, type_id, scale_w, natural):
+    """K split over 3 programs a row block, twice (the workspace is re-zeroed between); the
+    quants in the file's order (x^T loaded as it lies) and in the plane's (x^T gathered)."""
     K = 1536
     raw = torch.from_numpy(random_blocks(type_id, 24, K, seed=13))
     qweight = to_device_layout(raw, type_id, K)
     x = torch.randn(4, K, generator=torch.Generator().manual_seed(5))
     reference = gguf_subdot_reference(x, qweight, type_id)
     for _ in range(2):
-        y = gguf_subdot(x, qweight, type_id, block_n=16, split_k=3, scale_w=scale_w)
+        y = gguf_subdot(x, qweight, type_id, block_n=16, split_k=3, scale_w=scale_w,
+                        natural=natural)
         torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
 
 

@@ -7,15 +7,16 @@ s = d sc_j, mn = -dmin m_j (Q4_K, q in 0..15) or s = d sc_j, mn = -32 s (Q6_K, q
 gguf_rows.py the product is computed transposed, y^T [BLOCK_N, BLOCK_M] = W x^T, the weights in
 the M slot of tl.dot and x^T, padded to BLOCK_M = 8 or 16 columns, in the N slot. The difference
 is the operand: here it is one sub-block, a [BLOCK_N, 32] (Q4_K) or [BLOCK_N, 16] (Q6_K) tile
-elementwise from the bytes as loaded (no reshape between the load and the product), so its
-scale and min are one number a row, [BLOCK_N, 1], and the tile can reach the MMA from
-registers. Two ways to apply them (scale_w):
+elementwise from the bytes as loaded (gguf_rows regroups [BLOCK_N 4, 32] sub-rows into
+[BLOCK_N, 128], which sent its weights through shared memory in the sm_90 build), so its scale
+and min are one number a row, [BLOCK_N, 1], and the tile reaches the MMA from registers. Two
+ways to apply them (scale_w):
 
 - scale_w (scales in the weights): the operand is w itself, in x's dtype, and every product
-  accumulates in place: acc = tl.dot(w_j, x_j^T, acc). On the GPU the 4-bit types convert two
-  weights a PTX instruction (bf16x2 / f16x2): the nibbles of two bytes side by side (prmt),
-  ORed into the bits of OFFSET (OFFSET + q exactly), minus OFFSET (exact), then one paired FMA
-  with s and mn (rounded once, as dequantize + cuBLAS rounds W).
+  accumulates in place: acc = tl.dot(w_j, x_j^T, acc). With asm (16-bit x on a GPU) two
+  weights go through each PTX instruction (bf16x2 / f16x2): the quant bits of two bytes side by
+  side (prmt), ORed into the bits of OFFSET (OFFSET + q exactly), minus OFFSET (exact), then
+  one paired FMA with s and mn (rounded once, as dequantize + cuBLAS rounds W).
 - raw (the scales on the products): the operand is OFFSET + q, exact in 16 bits, and each
   product is scaled per row in fp32,
 
@@ -25,6 +26,11 @@ registers. Two ways to apply them (scale_w):
   so that a weight costs its bit operations only, and the scaling one FMA pair per (row, row of
   x, sub-block).
 
+The quant planes transpose each 16-byte chunk (gguf_layout.py). With natural (the default) a
+loaded tile is relabelled into the file's order by a reshape and permute (in the sm_90 build:
+no data moved for Q4_K's 32-byte tiles, a few warp shuffles for Q6_K's 16-byte ones), so that
+x^T is a contiguous load which the pipeline copies ahead with the quants; without it x^T is
+gathered in the plane's order (2-byte loads that wait in every sub-block).
 The per-step scale fields load as 32-bit words (Q4_K: d|dmin and the 12 scale bytes, one 16-byte
 header; Q6_K: 4 int8 scales a word, d in half a word), so that the pipeline can copy them ahead
 with the quants; this needs rows of a multiple of 4 bytes (Q6_K: an even number of super-blocks
@@ -51,31 +57,50 @@ SUBDOT_TYPES = (12, 14)  # Q4_K, Q6_K
 SUBDOT_MAX_M = 16
 
 
-def _nibble_asm(high: int, scale_w: bool, magic: int) -> str:
-    # PTX: 4 bytes packed in $2 -> 4 16-bit floats in $0 (bytes 0, 1) and $1 (bytes 2, 3):
-    # nibble `high` of each byte, as OFFSET + q (raw), or s q + mn with s in $3 $4 and mn in
-    # $5 $6 (scale_w; both as pairs). prmt puts bytes 2p and 2p + 1 in the two 16-bit halves,
-    # lop3 keeps their nibble and ORs in OFFSET's bits
-    one, neg = {0x4300: (0x3F803F80, 0xC300C300), 0x6400: (0x3C003C00, 0xE400E400)}[magic]
-    kind = "bf16x2" if magic == 0x4300 else "f16x2"
-    lines = [f"{{ .reg .b32 t, m, one, neg; mov.b32 m, {magic << 16 | magic:#x}; "
-             f"mov.b32 one, {one:#x}; mov.b32 neg, {neg:#x};"]
+def _half2(value: float, magic: int) -> int:
+    # the bits of `value` in both 16-bit halves of a register, as bf16 (magic 0x4300) or fp16
+    bits = torch.tensor([value], dtype=torch.bfloat16 if magic == 0x4300 else torch.float16)
+    half = bits.view(torch.int16).item() & 0xFFFF
+    return half << 16 | half
+
+
+def _quant_asm(kind: int, scale_w: bool, magic: int) -> str:
+    # PTX: 4 quant bytes packed in $2 (Q6_K: and their qh bytes in $3) -> 4 16-bit floats in $0
+    # (bytes 0, 1) and $1 (bytes 2, 3), OFFSET + q (raw) or s q + mn (scale_w, s and mn as
+    # pairs in the next registers). kind 0 / 1: Q4_K's low / high nibble; 2 + i: Q6_K quarter
+    # i (nibble i // 2 of ql, bits 2i, 2i + 1 of qh). A pair: prmt puts bytes 2p and 2p + 1
+    # in the two 16-bit halves, lop3 keeps the quant bits and ORs in OFFSET's
+    q6 = kind >= 2
+    i = kind - 2
+    high = kind == 1 or i >= 2
+    neg = _half2(-{0x4300: 128.0, 0x6400: 1024.0}[magic], magic)
+    first = 4 if q6 else 3  # s, then mn
+    fma = "fma.rn." + ("bf16x2" if magic == 0x4300 else "f16x2")
+    lines = [f"{{ .reg .b32 t, u, m, one, neg; mov.b32 m, {magic << 16 | magic:#x}; "
+             f"mov.b32 one, {_half2(1.0, magic):#x}; mov.b32 neg, {neg:#x};"]
     for p in range(2):
-        lines.append(f"prmt.b32 t, $2, $2, {0x1100 + 0x2222 * p:#x};")
+        sel = f"{0x1100 + 0x2222 * p:#x}"
+        out = "t" if scale_w else f"${p}"
+        lines.append(f"prmt.b32 t, $2, $2, {sel};")
         if high:
             lines.append("shr.u32 t, t, 4;")
-        if scale_w:
-            lines.append("lop3.b32 t, t, 0x000F000F, m, 0xEA;")
-            lines.append(f"fma.rn.{kind} t, t, one, neg;")  # q, exactly
-            lines.append(f"fma.rn.{kind} ${p}, t, ${3 + p}, ${5 + p};")
+        if q6:  # qh's bits 2i, 2i + 1 to bits 4, 5, ORed with OFFSET's bits, then the nibble
+            lines.append(f"prmt.b32 u, $3, $3, {sel};")
+            if i != 2:
+                lines.append(f"shl.b32 u, u, {4 - 2 * i};" if i < 2 else "shr.u32 u, u, 2;")
+            lines.append("lop3.b32 u, u, 0x00300030, m, 0xEA;")
+            lines.append(f"lop3.b32 {out}, t, 0x000F000F, u, 0xEA;")
         else:
-            lines.append(f"lop3.b32 ${p}, t, 0x000F000F, m, 0xEA;")
+            lines.append(f"lop3.b32 {out}, t, 0x000F000F, m, 0xEA;")
+        if scale_w:  # q exactly, then s q + mn rounded once
+            lines.append(f"{fma} t, t, one, neg;")
+            lines.append(f"{fma} ${p}, t, ${first + p}, ${first + 2 + p};")
     return " ".join(lines) + " }"
 
 
-NIBBLE_ASM = tl.constexpr({(high, scale_w, magic): _nibble_asm(high, scale_w, magic)
-                           for high in (0, 1) for scale_w in (False, True)
-                           for magic in (0x4300, 0x6400)})
+QUANT_ASM = tl.constexpr({(kind, scale_w, magic): _quant_asm(kind, scale_w, magic)
+                          for kind in range(6)
+                          for scale_w in (False, True) for magic in (0x4300, 0x6400)})
 
 
 @jit
@@ -86,6 +111,27 @@ def _x_t(x_ptr, stride_xm, M, k, BLOCK_M: tl.constexpr):
 
 
 @jit
+def _file_order(qs, NATURAL: tl.constexpr):
+    # quant bytes [BN, T] of transposed 16-byte chunks (position 4w + b holds the file's byte
+    # 4b + w) in the file's order when NATURAL: as [BN, T / 16, w, b] with the last two axes
+    # swapped. Only the tile's layout changes (no data moves), and x^T is then a contiguous
+    # load, which the pipeline copies ahead as it does the quants
+    if NATURAL:
+        BN: tl.constexpr = qs.shape[0]
+        T: tl.constexpr = qs.shape[1]
+        qs = tl.reshape(tl.permute(tl.reshape(qs, (BN, T // 16, 4, 4)), (0, 1, 3, 2)), (BN, T))
+    return qs
+
+
+@jit
+def _k_order(i, NATURAL: tl.constexpr):
+    # the weight (within its 16-byte chunks) of column i of a _file_order tile
+    if NATURAL:
+        return i
+    return i // 16 * 16 + _chunk_pos(i % 16)
+
+
+@jit
 def _f16_half(word, HALF):
     # the fp16 in half HALF (0: bits 0-15) of an int32 word, as fp32
     return ((word >> (16 * HALF)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(
@@ -93,30 +139,40 @@ def _f16_half(word, HALF):
 
 
 @jit
-def _sub_dot(acc, q, qs, s, mn, xt, BITS: tl.constexpr, HIGH: tl.constexpr,
-             SCALE_W: tl.constexpr, MAGIC16: tl.constexpr, OFFSET: tl.constexpr,
-             ASM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # acc [BN, BM] + (s q + mn) @ x^T for one sub-block: q int32 [BN, T] in 0 .. 2**BITS - 1
-    # (portable), or with ASM the uint8 bytes qs [BN, T] whose nibble HIGH is q; s, mn fp32
-    # [BN, 1]; x^T [T, BM]
-    DTYPE: tl.constexpr = xt.dtype
-    if SCALE_W:
-        if ASM:
-            w = tl.inline_asm_elementwise(
-                NIBBLE_ASM[(HIGH, True, MAGIC16)], "=r,=r,r,r,r,r,r",
-                [qs, tl.broadcast_to(s.to(DTYPE), qs.shape),
-                 tl.broadcast_to(mn.to(DTYPE), qs.shape)],
-                dtype=xt.dtype, is_pure=True, pack=4)
-        else:
-            w = _weights(q, s, mn, BITS, DTYPE)
-        return tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+def _operand(q, qs, qh, s, mn, xt, KIND: tl.constexpr, BITS: tl.constexpr,
+             SCALE_W: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr):
+    # a sub-block's operand [BN, T] in x^T's dtype: s q + mn (SCALE_W) or OFFSET + q. From
+    # q int32 [BN, T] in 0 .. 2**BITS - 1; ASM: from the uint8 bytes qs (and Q6_K's qh) by
+    # QUANT_ASM[KIND]; s, mn fp32 [BN, 1]
     if ASM:
-        w = tl.inline_asm_elementwise(NIBBLE_ASM[(HIGH, False, MAGIC16)], "=r,=r,r", [qs],
-                                      dtype=xt.dtype, is_pure=True, pack=4)
+        if SCALE_W:
+            pairs = [tl.broadcast_to(s.to(xt.dtype), qs.shape),
+                     tl.broadcast_to(mn.to(xt.dtype), qs.shape)]
+        else:
+            pairs = []
+        if BITS == 6:
+            w = tl.inline_asm_elementwise(
+                QUANT_ASM[(KIND, SCALE_W, MAGIC16)], "=r,=r,r,r" + ",r,r,r,r" * SCALE_W,
+                [qs, qh] + pairs, dtype=xt.dtype, is_pure=True, pack=4)
+        else:
+            w = tl.inline_asm_elementwise(
+                QUANT_ASM[(KIND, SCALE_W, MAGIC16)], "=r,=r,r" + ",r,r,r,r" * SCALE_W,
+                [qs] + pairs, dtype=xt.dtype, is_pure=True, pack=4)
+    elif SCALE_W:
+        w = _weights(q, s, mn, BITS, xt.dtype)
     elif MAGIC16:
-        w = (q | MAGIC16).to(tl.int16).to(DTYPE, bitcast=True)  # OFFSET + q, exactly
+        w = (q | MAGIC16).to(tl.int16).to(xt.dtype, bitcast=True)  # OFFSET + q, exactly
     else:
         w = q.to(tl.float32)
+    return w
+
+
+@jit
+def _sub_dot(acc, w, s, mn, xt, SCALE_W: tl.constexpr, OFFSET: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
+    # acc [BN, BM] + (s q + mn) @ x^T for one sub-block, w its _operand [BN, T], x^T [T, BM]
+    if SCALE_W:
+        return tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
     p = tl.dot(w, xt, input_precision=DOT_PRECISION)  # [BN, BM] fp32
     xs = tl.sum(xt.to(tl.float32), axis=0)[None, :]  # [1, BM]
     return acc + s * p + (mn - OFFSET * s) * xs
@@ -139,7 +195,8 @@ def _q4_k_scale_min(a, b, c, J: tl.constexpr):
 @jit
 def _q4_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M,
                BLOCK_M: tl.constexpr, SCALE_W: tl.constexpr, MAGIC16: tl.constexpr,
-               OFFSET: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               OFFSET: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               NATURAL: tl.constexpr):
     # super-block `step` of the rows whose first byte is row [BN, 1]. TH plane: the 32 bytes of
     # pair g are plane bytes 64 a + 16 g + c (a = 0, 1), weights 64 g + 16 a + _chunk_pos(c) of
     # sub-blocks 2g (low nibble) and 2g + 1 (high, 32 weights on); header words d|dmin, then
@@ -154,20 +211,23 @@ def _q4_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M,
     i = tl.arange(0, 32)[:, None]
     for g in tl.static_range(4):
         qs = tl.load(u8_ptr + row + step * 128 + t // 16 * 64 + g * 16 + t % 16)  # [BN, 32]
-        k = step * 256 + 64 * g + i // 16 * 16 + _chunk_pos(i % 16)  # [32, 1]
+        k = step * 256 + 64 * g + _k_order(i, NATURAL)  # [32, 1]
+        qs = _file_order(qs, NATURAL)
         for h in tl.static_range(2):
             sc, mn = _q4_k_scale_min(a, b, c, 2 * g + h)
-            q = (qs.to(tl.int32) >> (4 * h)) & 0xF
-            acc = _sub_dot(acc, q, qs, d * sc, -dmin * mn,
-                           _x_t(x_ptr, stride_xm, M, k + 32 * h, BLOCK_M), 4, h, SCALE_W,
-                           MAGIC16, OFFSET, ASM, DOT_PRECISION)
+            s, mn = d * sc, -dmin * mn
+            xt = _x_t(x_ptr, stride_xm, M, k + 32 * h, BLOCK_M)
+            w = _operand((qs.to(tl.int32) >> (4 * h)) & 0xF, qs, qs, s, mn, xt, h, 4,
+                         SCALE_W, MAGIC16, ASM)
+            acc = _sub_dot(acc, w, s, mn, xt, SCALE_W, OFFSET, DOT_PRECISION)
     return acc
 
 
 @jit
 def _q6_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M,
                BLOCK_M: tl.constexpr, SCALE_W: tl.constexpr, MAGIC16: tl.constexpr,
-               OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               OFFSET: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               NATURAL: tl.constexpr):
     # super-block `step`: for h = 2n + lh, ql chunks h (quarters 0, 2: low / high nibble) and
     # 4 + h (quarters 1, 3) of the TQ plane, qh chunk h (quarter i's 2 high bits at bit 2i);
     # sub-block 8n + 2i + lh is weights 128 n + 32 i + 16 lh + _chunk_pos(c), its int8 scale
@@ -176,20 +236,22 @@ def _q6_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M,
     c16 = tl.arange(0, 16)[None, :]
     i16 = tl.arange(0, 16)[:, None]
     for h in tl.static_range(4):
-        qh = tl.load(u8_ptr + row + nb * 128 + step * 64 + h * 16 + c16).to(tl.int32)
-        lo = tl.load(u8_ptr + row + step * 128 + h * 16 + c16).to(tl.int32)
-        hi = tl.load(u8_ptr + row + step * 128 + 64 + h * 16 + c16).to(tl.int32)
+        qh = _file_order(tl.load(u8_ptr + row + nb * 128 + step * 64 + h * 16 + c16), NATURAL)
+        lo = _file_order(tl.load(u8_ptr + row + step * 128 + h * 16 + c16), NATURAL)
+        hi = _file_order(tl.load(u8_ptr + row + step * 128 + 64 + h * 16 + c16), NATURAL)
         scales = tl.load(i32_ptr + (row + nb * 192 + step * 16) // 4 + h)  # [BN, 1]
         for i in tl.static_range(4):
             if i % 2 == 0:
                 ql = lo
             else:
                 ql = hi
-            q = ((ql >> (4 * (i // 2))) & 0xF) | (((qh >> (2 * i)) & 3) << 4)
+            q = (((ql.to(tl.int32) >> (4 * (i // 2))) & 0xF)
+                 | (((qh.to(tl.int32) >> (2 * i)) & 3) << 4))
             s = d * ((scales << (24 - 8 * i)) >> 24).to(tl.float32)  # signed byte i
-            k = step * 256 + 128 * (h // 2) + 32 * i + 16 * (h % 2) + _chunk_pos(i16)
-            acc = _sub_dot(acc, q, q, s, -32.0 * s, _x_t(x_ptr, stride_xm, M, k, BLOCK_M), 6,
-                           0, SCALE_W, MAGIC16, OFFSET, False, DOT_PRECISION)
+            k = step * 256 + 128 * (h // 2) + 32 * i + 16 * (h % 2) + _k_order(i16, NATURAL)
+            xt = _x_t(x_ptr, stride_xm, M, k, BLOCK_M)
+            w = _operand(q, ql, qh, s, -32.0 * s, xt, 2 + i, 6, SCALE_W, MAGIC16, ASM)
+            acc = _sub_dot(acc, w, s, -32.0 * s, xt, SCALE_W, OFFSET, DOT_PRECISION)
     return acc
 
 
@@ -200,7 +262,7 @@ def _gguf_subdot_kernel(
     M, N, K, stride_xm, stride_w, split_k,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
     STAGES: tl.constexpr, SCALE_W: tl.constexpr, MAGIC16: tl.constexpr, OFFSET: tl.constexpr,
-    ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, NATURAL: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums super-blocks split_k_range(.., s)
     # of y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
@@ -214,10 +276,10 @@ def _gguf_subdot_kernel(
     for step in tl.range(first, last, num_stages=STAGES):
         if QTYPE == 12:
             acc = _q4_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M, BLOCK_M,
-                             SCALE_W, MAGIC16, OFFSET, ASM, DOT_PRECISION)
+                             SCALE_W, MAGIC16, OFFSET, ASM, DOT_PRECISION, NATURAL)
         else:
             acc = _q6_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M, BLOCK_M,
-                             SCALE_W, MAGIC16, OFFSET, DOT_PRECISION)
+                             SCALE_W, MAGIC16, OFFSET, ASM, DOT_PRECISION, NATURAL)
     m = tl.arange(0, BLOCK_M)[None, :]
     at = m * N + rows[:, None]  # y[m, n], [BN, BM]
     mask = (rows < N)[:, None] & (m < M)
@@ -237,7 +299,7 @@ def subdot_supported(type_id: int, K: int) -> bool:
 def gguf_subdot(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int = 64,
                 num_warps: int = 4, num_stages: int = 3, split_k: int | None = None,
                 programs_per_sm: int = 4, min_block_m: int = 8, scale_w: bool = True,
-                asm: bool = False) -> torch.Tensor:
+                asm: bool = False, natural: bool = True) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T in x's dtype, 1 <= M <= SUBDOT_MAX_M, qweight uint8
     [N, row_bytes] of Q4_K or Q6_K (subdot_supported) in the device layout.
 
@@ -245,8 +307,9 @@ def gguf_subdot(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: i
     sm_90's wgmma, below the m16n8k16 MMA); num_stages: super-blocks in flight; split_k:
     programs sharing a row block's K (default: ~programs_per_sm a SM); min_block_m: x^T padded
     to at least this many columns (8 or 16; the interpreter takes 16); scale_w: scales in the
-    weights, else on the products (module docstring); asm: Q4_K's nibbles by PTX, two weights
-    an instruction (16-bit x on a GPU; the interpreter runs the portable code)."""
+    weights, else on the products (module docstring); asm: the quants by PTX, two weights
+    an instruction (16-bit x on a GPU; the interpreter runs the portable code); natural: the
+    quants relabelled into the file's order and x^T loaded as it lies (else gathered)."""
     M, K = x.shape
     N = qweight.shape[0]
     if not 1 <= M <= SUBDOT_MAX_M or not subdot_supported(type_id, K):
@@ -271,8 +334,8 @@ def gguf_subdot(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: i
         M, N, K, x.stride(0), qweight.shape[1], split_k,
         QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=max(min_block_m, next_power_of_2(M)),
         SPLIT=split_k > 1, STAGES=num_stages, SCALE_W=scale_w, MAGIC16=magic, OFFSET=offset,
-        ASM=asm and magic != 0 and type_id == 12 and not interpreting(),
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps,
+        ASM=asm and magic != 0 and not interpreting(),
+        DOT_PRECISION=dot_precision(x.dtype), NATURAL=natural, num_warps=num_warps,
     )
     return y
 
