@@ -4,6 +4,8 @@ device layout) against the references under the Triton interpreter."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +13,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from helpers.compile_sm90 import compile_for_sm90
 from helpers.gguf import random_blocks
+from helpers.ptx import float_to_half, run_ptx
 
 from tinypaged.kernels import gguf
+from tinypaged.kernels import gguf_subdot as subdot_module
 from tinypaged.kernels.gguf_format import (
     GGML_TYPES,
     QUANTIZED_TYPES,
@@ -368,3 +372,37 @@ def test_subdot_dispatch(interpret, monkeypatch):
     assert calls == [{"block_n": 16}]
     reference = gguf.linear_reference(x, qweight, type_id)
     torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
+
+
+@pytest.mark.parametrize("magic", [0x4300, 0x6400], ids=["bf16", "fp16"])
+def test_subdot_ptx_matches_the_portable_quants(magic):
+    """gguf_subdot's QUANT_ASM (GPU only; the interpreter runs the portable code), emulated on
+    random bytes: 4 packed bytes (and Q6_K's qh bytes) give OFFSET + q, or s q + mn rounded
+    once, for element j from byte j."""
+    dtype = torch.bfloat16 if magic == 0x4300 else torch.float16
+    offset = 128.0 if magic == 0x4300 else 1024.0
+    g = torch.Generator().manual_seed(15)
+    for kind, scale_w in itertools.product(range(6), (False, True)):
+        asm = subdot_module.QUANT_ASM.value[kind, scale_w, magic]
+        for _ in range(50):
+            ql, qh = torch.randint(0, 256, (2, 4), generator=g).tolist()
+            s, mn = (torch.randn(2, generator=g) * 0.01).to(dtype).tolist()
+            registers = {"$2": sum(b << 8 * j for j, b in enumerate(ql))}
+            first = 3
+            if kind >= 2:  # Q6_K quarter kind - 2
+                registers["$3"] = sum(b << 8 * j for j, b in enumerate(qh))
+                first = 4
+            if scale_w:
+                for p, v in itertools.product(range(2), (0, 1)):
+                    bits = float_to_half((s, mn)[v], dtype)
+                    registers[f"${first + 2 * v + p}"] = bits | bits << 16
+            out = run_ptx(asm, registers)
+            for j in range(4):
+                if kind < 2:
+                    q = ql[j] >> 4 * kind & 0xF
+                else:
+                    i = kind - 2
+                    q = (ql[j] >> 4 * (i // 2) & 0xF) | (qh[j] >> 2 * i & 3) << 4
+                want = float_to_half(s * q + mn, dtype) if scale_w else float_to_half(
+                    offset + q, dtype)
+                assert out[f"${j // 2}"] >> 16 * (j % 2) & 0xFFFF == want, (kind, scale_w, j)
