@@ -223,7 +223,8 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
     if type_id in (12, 14):  # gguf_subdot: both modes, wgmma (64 rows, 4 warps) and mma.sync
         for config in (dict(scale_w=True, asm=True), dict(scale_w=False, asm=True),
                        dict(scale_w=True, asm=False, natural=False),
-                       dict(block_n=32, num_warps=2),
+                       dict(block_n=32, num_warps=2), dict(join=True, asm=True),
+                       dict(join=True, asm=True, natural=False),
                        dict(block_n=128, num_warps=8, num_stages=4)):
             subdot_module.gguf_subdot(torch.randn(8, 4096).to(torch.bfloat16), qweight,
                                       type_id, split_k=4, **config)
@@ -310,17 +311,19 @@ SUBDOT_CASES = [(torch.float32, 2), (torch.float16, 3), (torch.float32, 5), (tor
                 (torch.float32, 11), (torch.float16, 16)]
 
 
-@pytest.mark.parametrize("scale_w", [True, False], ids=["scale_w", "raw"])
+@pytest.mark.parametrize("mode", [dict(scale_w=True), dict(scale_w=False), dict(join=True)],
+                         ids=["scale_w", "raw", "join"])
 @pytest.mark.parametrize("dtype,M", SUBDOT_CASES, ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("type_id,K", [(12, 256), (12, 768), (14, 512), (14, 1024)],
                          ids=["Q4_K-256", "Q4_K-768", "Q6_K-512", "Q6_K-1024"])
-def test_subdot_kernel(interpret, type_id, K, dtype, M, scale_w):
-    """gguf_subdot (Q4_K / Q6_K, 2..16 rows, both ways to apply the scales) against its torch
-    reference and the dequantized blocks: 21 rows of W in two programs of 16."""
+def test_subdot_kernel(interpret, type_id, K, dtype, M, mode):
+    """gguf_subdot (Q4_K / Q6_K, 2..16 rows; scales in the weights, on the products, or one
+    product a super-block) against its torch reference and the dequantized blocks: 21 rows of W
+    in two programs of 16."""
     raw = torch.from_numpy(random_blocks(type_id, 21, K, seed=12))
     qweight = to_device_layout(raw, type_id, K)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
-    y = gguf_subdot(x, qweight, type_id, block_n=16, scale_w=scale_w)
+    y = gguf_subdot(x, qweight, type_id, block_n=16, **mode)
     assert y.shape == (M, 21) and y.dtype == dtype
     reference = gguf_subdot_reference(x, qweight, type_id, block_n=16)
     assert torch.equal(reference.float(), (x.float() @ gguf_dequantize_reference(
@@ -331,10 +334,11 @@ def test_subdot_kernel(interpret, type_id, K, dtype, M, scale_w):
                                atol=tol * reference.float().abs().max())
 
 
-@pytest.mark.parametrize("scale_w,natural", [(True, True), (False, False)],
-                         ids=["scale_w-natural", "raw-gathered"])
+@pytest.mark.parametrize("mode", [dict(scale_w=True), dict(scale_w=False, natural=False),
+                                  dict(join=True, natural=False)],
+                         ids=["scale_w-natural", "raw-gathered", "join-gathered"])
 @pytest.mark.parametrize("type_id", [12, 14], ids=["Q4_K", "Q6_K"])
-def test_subdot_split_k(interpret, type_id, scale_w, natural):
+def test_subdot_split_k(interpret, type_id, mode):
     """K split over 3 programs a row block, twice (the workspace is re-zeroed between); the
     quants in the file's order (x^T loaded as it lies) and in the plane's (x^T gathered)."""
     K = 1536
@@ -343,8 +347,7 @@ def test_subdot_split_k(interpret, type_id, scale_w, natural):
     x = torch.randn(4, K, generator=torch.Generator().manual_seed(5))
     reference = gguf_subdot_reference(x, qweight, type_id)
     for _ in range(2):
-        y = gguf_subdot(x, qweight, type_id, block_n=16, split_k=3, scale_w=scale_w,
-                        natural=natural)
+        y = gguf_subdot(x, qweight, type_id, block_n=16, split_k=3, **mode)
         torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
 
 

@@ -5,7 +5,8 @@ regrouped into planes at load (gguf_layout.py; gguf_format.py has the block form
 runs the kernel DECODE_PATHS picks per type and M: the GEMV of gguf_gemv.py, which streams the
 packed bytes once, or (Q4_K / Q6_K batches) the tensor-core matmul of gguf_mma.py; with
 $TINYPAGED_GGUF_ROWS=1, 2 to 16 rows of every type take gguf_rows.py (each weight dequantized
-once in registers, the rows on tensor cores). Larger M
+once in registers, the rows on tensor cores); with $TINYPAGED_GGUF_SUBDOT=1 the Q4_K / Q6_K
+linears that would take gguf_rows take gguf_subdot.py (one product per sub-block). Larger M
 (prefill) dequantizes W into x's dtype with `_gguf_dequantize_kernel` and multiplies with cuBLAS,
 where the matmul, not the weight read, is the cost. The dequantize kernel (also the embedding's
 row lookup) takes BLOCK_N rows and a chunk of 256 weights (one k-quant super-block, or 8 legacy

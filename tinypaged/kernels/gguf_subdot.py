@@ -26,6 +26,11 @@ ways to apply them (scale_w):
   so that a weight costs its bit operations only, and the scaling one FMA pair per (row, row of
   x, sub-block).
 
+On sm_90 every tl.dot with its operand in registers waits for its wgmma before the next one
+starts; join (scale_w only) puts a super-block's scaled sub-blocks side by side (tl.join, a
+relabelling of registers) into one product of K = 256 a step, one wait instead of 8 (Q4_K) or
+16 (Q6_K), at the price of the whole step's weights in registers at once.
+
 The quant planes transpose each 16-byte chunk (gguf_layout.py). With natural (the default) a
 loaded tile is relabelled into the file's order by a reshape and permute (in the sm_90 build:
 no data moved for Q4_K's 32-byte tiles, a few warp shuffles for Q6_K's 16-byte ones), so that
@@ -193,10 +198,33 @@ def _q4_k_scale_min(a, b, c, J: tl.constexpr):
 
 
 @jit
+def _cat(a, b):
+    # [BN, T] and [BN, T] -> [BN, 2T], a's columns then b's (a relabelling of registers)
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@jit
+def _q4_k_pair(u8_ptr, row, step, g: tl.constexpr, a, b, c, d, dmin, xt, MAGIC16: tl.constexpr,
+               ASM: tl.constexpr, NATURAL: tl.constexpr):
+    # the scaled weights [BN, 64] of sub-blocks 2g and 2g + 1 (the low and the high nibbles of
+    # the pair's 32 bytes), columns in _k_order; xt only gives the dtype
+    t = tl.arange(0, 32)[None, :]
+    qs = _file_order(tl.load(u8_ptr + row + step * 128 + t // 16 * 64 + g * 16 + t % 16),
+                     NATURAL)
+    sc, mn = _q4_k_scale_min(a, b, c, 2 * g)
+    lo = _operand(qs.to(tl.int32) & 0xF, qs, qs, d * sc, -dmin * mn, xt, 0, 4, True, MAGIC16,
+                  ASM)
+    sc, mn = _q4_k_scale_min(a, b, c, 2 * g + 1)
+    hi = _operand(qs.to(tl.int32) >> 4, qs, qs, d * sc, -dmin * mn, xt, 1, 4, True, MAGIC16,
+                  ASM)
+    return _cat(lo, hi)
+
+
+@jit
 def _q4_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M,
                BLOCK_M: tl.constexpr, SCALE_W: tl.constexpr, MAGIC16: tl.constexpr,
                OFFSET: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               NATURAL: tl.constexpr):
+               NATURAL: tl.constexpr, JOIN: tl.constexpr):
     # super-block `step` of the rows whose first byte is row [BN, 1]. TH plane: the 32 bytes of
     # pair g are plane bytes 64 a + 16 g + c (a = 0, 1), weights 64 g + 16 a + _chunk_pos(c) of
     # sub-blocks 2g (low nibble) and 2g + 1 (high, 32 weights on); header words d|dmin, then
@@ -207,6 +235,18 @@ def _q4_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M,
     b = tl.load(i32_ptr + hdr + 2)
     c = tl.load(i32_ptr + hdr + 3)
     d, dmin = _f16_half(h0, 0), _f16_half(h0, 1)
+    if JOIN:  # one product of K = 256: the 8 scaled sub-blocks side by side
+        xt = _x_t(x_ptr, stride_xm, M, step * 256 + _k_order(tl.arange(0, 256)[:, None], NATURAL),
+                  BLOCK_M)
+        w = _cat(_cat(_q4_k_pair(u8_ptr, row, step, 0, a, b, c, d, dmin, xt, MAGIC16, ASM,
+                                 NATURAL),
+                      _q4_k_pair(u8_ptr, row, step, 1, a, b, c, d, dmin, xt, MAGIC16, ASM,
+                                 NATURAL)),
+                 _cat(_q4_k_pair(u8_ptr, row, step, 2, a, b, c, d, dmin, xt, MAGIC16, ASM,
+                                 NATURAL),
+                      _q4_k_pair(u8_ptr, row, step, 3, a, b, c, d, dmin, xt, MAGIC16, ASM,
+                                 NATURAL)))
+        return tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
     t = tl.arange(0, 32)[None, :]
     i = tl.arange(0, 32)[:, None]
     for g in tl.static_range(4):
@@ -224,15 +264,66 @@ def _q4_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M,
 
 
 @jit
+def _q6_k_quant(lo, hi, qh, i: tl.constexpr):
+    # Q6_K's q [BN, 16] int32 of quarter i: nibble i // 2 of ql (chunk lo for even i, hi for
+    # odd), bits 2i, 2i + 1 of qh as bits 4, 5; and the ql bytes it came from
+    if i % 2 == 0:
+        ql = lo
+    else:
+        ql = hi
+    q = ((ql.to(tl.int32) >> (4 * (i // 2))) & 0xF) | (((qh.to(tl.int32) >> (2 * i)) & 3) << 4)
+    return q, ql
+
+
+@jit
+def _q6_k_quarters(u8_ptr, i32_ptr, row, nb, step, d, h: tl.constexpr, xt,
+                   MAGIC16: tl.constexpr, ASM: tl.constexpr, NATURAL: tl.constexpr):
+    # the scaled weights [BN, 64] of the sub-blocks 8n + 2i + lh (h = 2n + lh) of quarters
+    # i = 0..3 side by side: column 16 i + c is weight 128 n + 32 i + 16 lh + _k_order(c);
+    # xt only gives the dtype
+    c16 = tl.arange(0, 16)[None, :]
+    qh = _file_order(tl.load(u8_ptr + row + nb * 128 + step * 64 + h * 16 + c16), NATURAL)
+    lo = _file_order(tl.load(u8_ptr + row + step * 128 + h * 16 + c16), NATURAL)
+    hi = _file_order(tl.load(u8_ptr + row + step * 128 + 64 + h * 16 + c16), NATURAL)
+    scales = tl.load(i32_ptr + (row + nb * 192 + step * 16) // 4 + h)  # [BN, 1]
+    s0 = d * ((scales << 24) >> 24).to(tl.float32)  # signed byte i
+    s1 = d * ((scales << 16) >> 24).to(tl.float32)
+    s2 = d * ((scales << 8) >> 24).to(tl.float32)
+    s3 = d * (scales >> 24).to(tl.float32)
+    q0, ql0 = _q6_k_quant(lo, hi, qh, 0)
+    q1, ql1 = _q6_k_quant(lo, hi, qh, 1)
+    q2, ql2 = _q6_k_quant(lo, hi, qh, 2)
+    q3, ql3 = _q6_k_quant(lo, hi, qh, 3)
+    return _cat(_cat(_operand(q0, ql0, qh, s0, -32.0 * s0, xt, 2, 6, True, MAGIC16, ASM),
+                     _operand(q1, ql1, qh, s1, -32.0 * s1, xt, 3, 6, True, MAGIC16, ASM)),
+                _cat(_operand(q2, ql2, qh, s2, -32.0 * s2, xt, 4, 6, True, MAGIC16, ASM),
+                     _operand(q3, ql3, qh, s3, -32.0 * s3, xt, 5, 6, True, MAGIC16, ASM)))
+
+
+@jit
 def _q6_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M,
                BLOCK_M: tl.constexpr, SCALE_W: tl.constexpr, MAGIC16: tl.constexpr,
                OFFSET: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               NATURAL: tl.constexpr):
+               NATURAL: tl.constexpr, JOIN: tl.constexpr):
     # super-block `step`: for h = 2n + lh, ql chunks h (quarters 0, 2: low / high nibble) and
     # 4 + h (quarters 1, 3) of the TQ plane, qh chunk h (quarter i's 2 high bits at bit 2i);
     # sub-block 8n + 2i + lh is weights 128 n + 32 i + 16 lh + _chunk_pos(c), its int8 scale
     # byte i of S6 word h; d the half `step % 2` of word step // 2 at nb * 208
     d = _f16_half(tl.load(i32_ptr + (row + nb * 208) // 4 + step // 2), step % 2)
+    if JOIN:  # one product of K = 256: column 64 h + 16 i + c (_q6_k_quarters)
+        col = tl.arange(0, 256)[:, None]
+        h, i, c = col // 64, col % 64 // 16, col % 16
+        xt = _x_t(x_ptr, stride_xm, M, step * 256 + 128 * (h // 2) + 32 * i + 16 * (h % 2)
+                  + _k_order(c, NATURAL), BLOCK_M)
+        w = _cat(_cat(_q6_k_quarters(u8_ptr, i32_ptr, row, nb, step, d, 0, xt, MAGIC16, ASM,
+                                     NATURAL),
+                      _q6_k_quarters(u8_ptr, i32_ptr, row, nb, step, d, 1, xt, MAGIC16, ASM,
+                                     NATURAL)),
+                 _cat(_q6_k_quarters(u8_ptr, i32_ptr, row, nb, step, d, 2, xt, MAGIC16, ASM,
+                                     NATURAL),
+                      _q6_k_quarters(u8_ptr, i32_ptr, row, nb, step, d, 3, xt, MAGIC16, ASM,
+                                     NATURAL)))
+        return tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
     c16 = tl.arange(0, 16)[None, :]
     i16 = tl.arange(0, 16)[:, None]
     for h in tl.static_range(4):
@@ -241,12 +332,7 @@ def _q6_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M,
         hi = _file_order(tl.load(u8_ptr + row + step * 128 + 64 + h * 16 + c16), NATURAL)
         scales = tl.load(i32_ptr + (row + nb * 192 + step * 16) // 4 + h)  # [BN, 1]
         for i in tl.static_range(4):
-            if i % 2 == 0:
-                ql = lo
-            else:
-                ql = hi
-            q = (((ql.to(tl.int32) >> (4 * (i // 2))) & 0xF)
-                 | (((qh.to(tl.int32) >> (2 * i)) & 3) << 4))
+            q, ql = _q6_k_quant(lo, hi, qh, i)
             s = d * ((scales << (24 - 8 * i)) >> 24).to(tl.float32)  # signed byte i
             k = step * 256 + 128 * (h // 2) + 32 * i + 16 * (h % 2) + _k_order(i16, NATURAL)
             xt = _x_t(x_ptr, stride_xm, M, k, BLOCK_M)
@@ -262,7 +348,7 @@ def _gguf_subdot_kernel(
     M, N, K, stride_xm, stride_w, split_k,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
     STAGES: tl.constexpr, SCALE_W: tl.constexpr, MAGIC16: tl.constexpr, OFFSET: tl.constexpr,
-    ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, NATURAL: tl.constexpr,
+    ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, NATURAL: tl.constexpr, JOIN: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums super-blocks split_k_range(.., s)
     # of y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
@@ -276,10 +362,10 @@ def _gguf_subdot_kernel(
     for step in tl.range(first, last, num_stages=STAGES):
         if QTYPE == 12:
             acc = _q4_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M, BLOCK_M,
-                             SCALE_W, MAGIC16, OFFSET, ASM, DOT_PRECISION, NATURAL)
+                             SCALE_W, MAGIC16, OFFSET, ASM, DOT_PRECISION, NATURAL, JOIN)
         else:
             acc = _q6_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M, BLOCK_M,
-                             SCALE_W, MAGIC16, OFFSET, ASM, DOT_PRECISION, NATURAL)
+                             SCALE_W, MAGIC16, OFFSET, ASM, DOT_PRECISION, NATURAL, JOIN)
     m = tl.arange(0, BLOCK_M)[None, :]
     at = m * N + rows[:, None]  # y[m, n], [BN, BM]
     mask = (rows < N)[:, None] & (m < M)
@@ -299,7 +385,8 @@ def subdot_supported(type_id: int, K: int) -> bool:
 def gguf_subdot(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int = 64,
                 num_warps: int = 4, num_stages: int = 3, split_k: int | None = None,
                 programs_per_sm: int = 4, min_block_m: int = 8, scale_w: bool = True,
-                asm: bool = False, natural: bool = True) -> torch.Tensor:
+                asm: bool = False, natural: bool = True,
+                join: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T in x's dtype, 1 <= M <= SUBDOT_MAX_M, qweight uint8
     [N, row_bytes] of Q4_K or Q6_K (subdot_supported) in the device layout.
 
@@ -309,7 +396,8 @@ def gguf_subdot(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: i
     to at least this many columns (8 or 16; the interpreter takes 16); scale_w: scales in the
     weights, else on the products (module docstring); asm: the quants by PTX, two weights
     an instruction (16-bit x on a GPU; the interpreter runs the portable code); natural: the
-    quants relabelled into the file's order and x^T loaded as it lies (else gathered)."""
+    quants relabelled into the file's order and x^T loaded as it lies (else gathered); join:
+    one product a super-block (with scale_w)."""
     M, K = x.shape
     N = qweight.shape[0]
     if not 1 <= M <= SUBDOT_MAX_M or not subdot_supported(type_id, K):
@@ -335,7 +423,8 @@ def gguf_subdot(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: i
         QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=max(min_block_m, next_power_of_2(M)),
         SPLIT=split_k > 1, STAGES=num_stages, SCALE_W=scale_w, MAGIC16=magic, OFFSET=offset,
         ASM=asm and magic != 0 and not interpreting(),
-        DOT_PRECISION=dot_precision(x.dtype), NATURAL=natural, num_warps=num_warps,
+        DOT_PRECISION=dot_precision(x.dtype), NATURAL=natural,
+        JOIN=join and scale_w, num_warps=num_warps,
     )
     return y
 
