@@ -30,7 +30,7 @@ decode of a Llama-3-8B-shape model with Q4_K_M-like weights beside bf16.
    Q6_K. Checks it against the reference, sweeps --subdot-configs at --sweep-m rows (default 8;
    summed over a layer's linears, half of --budget-s at most) and prints kernels/gguf.py's
    SUBDOT_CONFIGS table, then times the fastest beside gguf_rows (ROWS_CONFIGS) and bf16
-   (dense_linear) at --subdot-m rows (default 4 8 16), per layer, in CUDA graphs:
+   (dense_linear) at --subdot-m rows (default 8 4 16), per layer, in CUDA graphs:
 
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only subdot --types Q4_K Q6_K --budget-s 200
 """
@@ -41,6 +41,7 @@ import itertools
 import json
 import os
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -329,9 +330,10 @@ def rows_sweep(args, deadline):
 
 # gguf_subdot: block_n/warps/stages[/programs per SM] then flags: w (scales in the weights) or
 # r (raw quants, scales on the products); a (PTX quants); g (x^T gathered in the planes' order,
-# not the quants relabelled). 64 rows and 4+ warps take wgmma, 32 rows the m16n8k16 MMA
-SUBDOT_SWEEP = ["64/4/3/w/a", "64/4/4/w/a", "128/4/3/w/a", "128/8/3/w/a", "32/2/3/w/a",
-                "64/4/3/8/w/a", "64/4/3/r/a", "64/4/3/w/a/g", "64/4/3/w"]
+# not the quants relabelled); j (one product a super-block). 64 rows and 4+ warps take wgmma,
+# 32 rows the m16n8k16 MMA. The first ones are the likeliest (the sweep may run out of time)
+SUBDOT_SWEEP = ["64/4/3/w/a", "64/4/3/w/a/j", "128/8/3/w/a/j", "128/4/3/w/a", "32/2/3/w/a",
+                "64/4/3/8/w/a", "64/4/3/r/a", "64/4/3/w/a/g", "64/4/4/w/a", "64/4/3/w"]
 SUBDOT_CHECKS = ["64/4/3/w/a", "64/4/3/r/a"]  # checked at 3, 8 and 16 rows first
 
 
@@ -344,9 +346,22 @@ def subdot_configs(labels):
         flags = {p for p in parts if not p.isdigit()}
         config = dict(block_n=nums[0], num_warps=nums[1], num_stages=nums[2],
                       **({"programs_per_sm": nums[3]} if len(nums) > 3 else {}),
-                      scale_w="r" not in flags, asm="a" in flags, natural="g" not in flags)
+                      scale_w="r" not in flags, asm="a" in flags, natural="g" not in flags,
+                      join="j" in flags)
         configs.setdefault(label, config)
     return list(configs.items())
+
+
+def subdot_config_line(max_m, config):
+    """A row of SUBDOT_CONFIGS: gguf_subdot's arguments that differ from its defaults (the
+    tiles always), wrapped at 100 columns."""
+    defaults = dict(scale_w=True, asm=False, natural=True, join=False)
+    items = [f"{k}={v}" for k, v in config.items() if k not in defaults or v != defaults[k]]
+    line = f"        ({max_m}, dict({', '.join(items)})),"
+    if len(line) <= 100:
+        return line
+    return (f"        ({max_m}, dict(\n" + textwrap.fill(
+        ", ".join(items), 96, initial_indent=" " * 12, subsequent_indent=" " * 12) + ")),")
 
 
 def subdot_stage(args, deadline):
@@ -380,12 +395,15 @@ def subdot_stage(args, deadline):
     print("| type | M | subdot block_n/warps/stages[/pps]/flags | " + " | ".join(ROWS_SHAPES)
           + " | layer us |")
     print("|---|---|---|" + "---|" * len(ROWS_SHAPES) + "---|")
-    for (tname, type_id), M in itertools.product(args.types, args.sweep_m):
+    combos = list(itertools.product(args.types, args.sweep_m))
+    for n, ((tname, type_id), M) in enumerate(combos):
+        # each type and M gets an equal share of what is left of the sweep's time
+        combo_deadline = time.time() + (sweep_deadline - time.time()) / (len(combos) - n)
         configs = subdot_configs(args.subdot_configs)
         totals = {}
         for label, config in configs:
-            if time.time() > sweep_deadline:
-                print("(sweep budget spent: stopping)")
+            if time.time() > combo_deadline:
+                print(f"(sweep budget of {tname} M={M} spent: stopping)")
                 break
             times = []
             for name in ROWS_SHAPES:
@@ -398,25 +416,27 @@ def subdot_stage(args, deadline):
             print(f"| {tname} | {M} | {label} | " + " | ".join(f"{t:.1f}" for t in times)
                   + f" | {totals[label]:.1f} |", flush=True)
         if totals and min(totals.values()) < float("inf"):
-            best[type_id, M] = dict(configs)[min(totals, key=totals.get)]
+            label = min(totals, key=totals.get)
+            best[type_id, M] = label, dict(configs)[label]
     print("\n# kernels/gguf.py (fastest summed over qkv, o, gate_up, down at each swept M; "
           "each M covers the rows up to it, the last up to 16)")
     print("SUBDOT_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {")
     for tname, type_id in args.types:
         swept = [M for M in sorted(args.sweep_m) if (type_id, M) in best]
-        rows = [f"        ({16 if M == swept[-1] else M}, "
-                f"dict({', '.join(f'{k}={v}' for k, v in best[type_id, M].items())})),"
+        rows = [subdot_config_line(16 if M == swept[-1] else M, best[type_id, M][1])
                 for M in swept]
         if rows:
             print(f"    {type_id}: (  # {tname}\n" + "\n".join(rows) + "\n    ),")
     print("}")
 
     def subdot_of(type_id, M):  # this sweep's fastest at the nearest swept M, else the table's
-        for max_m in sorted(m for t, m in best if t == type_id):
+        swept = sorted(m for t, m in best if t == type_id)
+        for max_m in swept:
             if M <= max_m:
                 return best[type_id, max_m]
-        swept = sorted(m for t, m in best if t == type_id)
-        return best[type_id, swept[-1]] if swept else gguf.subdot_config(type_id, M)
+        if swept:
+            return best[type_id, swept[-1]]
+        return "SUBDOT_CONFIGS", gguf.subdot_config(type_id, M)
 
     print("\nus per call (CUDA graph replays): subdot / gguf_rows / bf16 dense_linear")
     print("| type | M | " + " | ".join(ROWS_SHAPES) + " | layer subdot | layer rows | "
@@ -425,7 +445,7 @@ def subdot_stage(args, deadline):
     bf16 = {}
     for (tname, type_id), M in itertools.product(args.types, args.subdot_m):
         cells, sums = [], [0.0, 0.0, 0.0]
-        config = subdot_of(type_id, M)
+        label, config = subdot_of(type_id, M)
         for name in ROWS_SHAPES:
             if time.time() > deadline:
                 print("(time budget spent: stopping)")
@@ -446,7 +466,7 @@ def subdot_stage(args, deadline):
             sums = [a + (float("inf") if t is None else t) for a, t in zip(sums, ts)]
         print(f"| {tname} | {M} | " + " | ".join(cells) + f" | {sums[0]:.1f} | {sums[1]:.1f} "
               f"| {sums[2]:.1f} | {speedup(sums[2], sums[0])} | {speedup(sums[2], sums[1])} | "
-              f"{config} |", flush=True)
+              f"{label} |", flush=True)
 
 
 def q4_k_m_type(name: str, num_layers: int) -> int:
@@ -639,9 +659,9 @@ def main():
     parser.add_argument("--subdot-configs", nargs="+", default=SUBDOT_SWEEP,
                         help="block_n/warps/stages[/pps]/flags of gguf_subdot (--only subdot; "
                         "w: scales in the weights, r: on the products, a: PTX quants, g: x^T "
-                        "gathered)")
-    parser.add_argument("--subdot-m", type=int, nargs="+", default=[4, 8, 16],
-                        help="rows of x of the subdot stage's table")
+                        "gathered, j: one product a super-block)")
+    parser.add_argument("--subdot-m", type=int, nargs="+", default=[8, 4, 16],
+                        help="rows of x of the subdot stage's table, in this order")
     args = parser.parse_args()
     subdot = bool(args.only) and "subdot" in args.only
     args.sweep_m = args.sweep_m or ([8, 16] if args.sweep_rows else [8] if subdot else [1])

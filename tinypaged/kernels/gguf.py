@@ -72,10 +72,10 @@ ROWS_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {
 # this table.
 SUBDOT_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {
     12: (  # Q4_K
-        (16, dict(block_n=64, num_warps=4, num_stages=3, scale_w=True, asm=True)),
+        (16, dict(block_n=64, num_warps=4, num_stages=3, asm=True)),
     ),
     14: (  # Q6_K
-        (16, dict(block_n=64, num_warps=4, num_stages=3, scale_w=True)),
+        (16, dict(block_n=64, num_warps=4, num_stages=3, asm=True)),
     ),
 }
 

@@ -119,8 +119,8 @@ def _x_t(x_ptr, stride_xm, M, k, BLOCK_M: tl.constexpr):
 def _file_order(qs, NATURAL: tl.constexpr):
     # quant bytes [BN, T] of transposed 16-byte chunks (position 4w + b holds the file's byte
     # 4b + w) in the file's order when NATURAL: as [BN, T / 16, w, b] with the last two axes
-    # swapped. Only the tile's layout changes (no data moves), and x^T is then a contiguous
-    # load, which the pipeline copies ahead as it does the quants
+    # swapped: a change of the tile's layout (the module docstring says what it cost on sm_90),
+    # after which x^T is a contiguous load that the pipeline copies ahead with the quants
     if NATURAL:
         BN: tl.constexpr = qs.shape[0]
         T: tl.constexpr = qs.shape[1]
