@@ -25,6 +25,14 @@ decode of a Llama-3-8B-shape model with Q4_K_M-like weights beside bf16.
 
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only rows --types Q4_K Q6_K --no-awq
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only rows --sweep-rows --sweep-m 8 16
+
+5. Sub-block products (`--only subdot`, not in the default run): gguf_subdot.py on Q4_K and
+   Q6_K. Checks it against the reference, sweeps --subdot-configs at --sweep-m rows (default 8;
+   summed over a layer's linears, half of --budget-s at most) and prints kernels/gguf.py's
+   SUBDOT_CONFIGS table, then times the fastest beside gguf_rows (ROWS_CONFIGS) and bf16
+   (dense_linear) at --subdot-m rows (default 8 4 16), per layer, in CUDA graphs:
+
+    PYTHONPATH=. python benchmarks/gguf_gemv.py --only subdot --types Q4_K Q6_K --budget-s 200
 """
 import argparse
 import contextlib
@@ -33,6 +41,7 @@ import itertools
 import json
 import os
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -47,6 +56,7 @@ from tinypaged.kernels.dense_gemv import dense_linear
 from tinypaged.kernels.gguf_format import GGML_TYPES, row_bytes
 from tinypaged.kernels.gguf_mma import MMA_TYPES, gguf_mma
 from tinypaged.kernels.gguf_rows import gguf_rows
+from tinypaged.kernels.gguf_subdot import gguf_subdot
 from tinypaged.models import loader
 from tinypaged.quantization import gguf as gguf_layers
 
@@ -94,6 +104,8 @@ def rows_off():
 def run(x, qweight, type_id, config):
     if config.get("rows") is not None:  # gguf_rows with these tiles
         return gguf_rows(x, qweight, type_id, **config["rows"])
+    if config.get("subdot") is not None:  # gguf_subdot with these settings
+        return gguf_subdot(x, qweight, type_id, **config["subdot"])
     if config.get("old"):  # what gguf_linear runs without TINYPAGED_GGUF_ROWS
         with rows_off():
             return gguf.gguf_linear(x, qweight, type_id)
@@ -316,6 +328,147 @@ def rows_sweep(args, deadline):
     print("}")
 
 
+# gguf_subdot: block_n/warps/stages[/programs per SM] then flags: w (scales in the weights) or
+# r (raw quants, scales on the products); a (PTX quants); g (x^T gathered in the planes' order,
+# not the quants relabelled); j (one product a super-block). 64 rows and 4+ warps take wgmma,
+# 32 rows the m16n8k16 MMA. The first ones are the likeliest (the sweep may run out of time)
+SUBDOT_SWEEP = ["64/4/3/w/a", "64/4/3/w/a/j", "128/8/3/w/a/j", "128/4/3/w/a", "32/2/3/w/a",
+                "64/4/3/8/w/a", "64/4/3/r/a", "64/4/3/w/a/g", "64/4/4/w/a", "64/4/3/w"]
+SUBDOT_CHECKS = ["64/4/3/w/a", "64/4/3/r/a"]  # checked at 3, 8 and 16 rows first
+
+
+def subdot_configs(labels):
+    """(label, gguf_subdot keyword arguments) of sweep labels, repeats dropped."""
+    configs = {}
+    for label in labels:
+        parts = label.split("/")
+        nums = [int(p) for p in parts if p.isdigit()]
+        flags = {p for p in parts if not p.isdigit()}
+        config = dict(block_n=nums[0], num_warps=nums[1], num_stages=nums[2],
+                      **({"programs_per_sm": nums[3]} if len(nums) > 3 else {}),
+                      scale_w="r" not in flags, asm="a" in flags, natural="g" not in flags,
+                      join="j" in flags)
+        configs.setdefault(label, config)
+    return list(configs.items())
+
+
+def subdot_config_line(max_m, config):
+    """A row of SUBDOT_CONFIGS: gguf_subdot's arguments that differ from its defaults (the
+    tiles always), wrapped at 100 columns."""
+    defaults = dict(scale_w=True, asm=False, natural=True, join=False)
+    items = [f"{k}={v}" for k, v in config.items() if k not in defaults or v != defaults[k]]
+    line = f"        ({max_m}, dict({', '.join(items)})),"
+    if len(line) <= 100:
+        return line
+    return (f"        ({max_m}, dict(\n" + textwrap.fill(
+        ", ".join(items), 96, initial_indent=" " * 12, subsequent_indent=" " * 12) + ")),")
+
+
+def subdot_stage(args, deadline):
+    """gguf_subdot: checks, a tile sweep (prints SUBDOT_CONFIGS), then a per-layer table
+    beside gguf_rows and bf16."""
+    start = time.time()
+    sweep_deadline = start + (deadline - start) / 2
+    for (tname, type_id), M in itertools.product(args.types, (3, 8, 16)):
+        for K, N in (map(int, shape.split("x")) for shape in CHECK_SHAPES):
+            x = torch.randn(M, K, device=DEVICE).to(X_DTYPE)
+            qweight = random_qweight(type_id, N, K)
+            for label, config in subdot_configs(SUBDOT_CHECKS):
+                try:
+                    err = check(x, qweight, type_id, dict(subdot=config))
+                    print(f"check subdot {tname} M={M} {K}x{N} {label}: rel. error {err:.1e} "
+                          "ok", flush=True)
+                except AssertionError as error:  # the timings below skip failing configs
+                    print(f"CHECK FAILED subdot {tname} M={M} {K}x{N} {label}: {error}",
+                          flush=True)
+    weights, refs = {}, {}
+
+    def weights_of(type_id, name):  # random copies past L2 and the first one dequantized
+        if (type_id, name) not in weights:
+            K, N = SHAPES[name]
+            weights[type_id, name] = weight_copies(type_id, N, K)
+            refs[type_id, name] = gguf.dequantize_reference(weights[type_id, name][0],
+                                                            type_id, K)
+        return weights[type_id, name], refs[type_id, name]
+
+    best = {}
+    print("| type | M | subdot block_n/warps/stages[/pps]/flags | " + " | ".join(ROWS_SHAPES)
+          + " | layer us |")
+    print("|---|---|---|" + "---|" * len(ROWS_SHAPES) + "---|")
+    combos = list(itertools.product(args.types, args.sweep_m))
+    for n, ((tname, type_id), M) in enumerate(combos):
+        # each type and M gets an equal share of what is left of the sweep's time
+        combo_deadline = time.time() + (sweep_deadline - time.time()) / (len(combos) - n)
+        configs = subdot_configs(args.subdot_configs)
+        totals = {}
+        for label, config in configs:
+            if time.time() > combo_deadline:
+                print(f"(sweep budget of {tname} M={M} spent: stopping)")
+                break
+            times = []
+            for name in ROWS_SHAPES:
+                K, _ = SHAPES[name]
+                x = torch.randn(M, K, device=DEVICE).to(X_DTYPE)
+                ws, w_ref = weights_of(type_id, name)
+                t = timed(x, ws, type_id, dict(subdot=config), w_ref)
+                times.append(float("inf") if t is None else t)
+            totals[label] = sum(times)
+            print(f"| {tname} | {M} | {label} | " + " | ".join(f"{t:.1f}" for t in times)
+                  + f" | {totals[label]:.1f} |", flush=True)
+        if totals and min(totals.values()) < float("inf"):
+            label = min(totals, key=totals.get)
+            best[type_id, M] = label, dict(configs)[label]
+    print("\n# kernels/gguf.py (fastest summed over qkv, o, gate_up, down at each swept M; "
+          "each M covers the rows up to it, the last up to 16)")
+    print("SUBDOT_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {")
+    for tname, type_id in args.types:
+        swept = [M for M in sorted(args.sweep_m) if (type_id, M) in best]
+        rows = [subdot_config_line(16 if M == swept[-1] else M, best[type_id, M][1])
+                for M in swept]
+        if rows:
+            print(f"    {type_id}: (  # {tname}\n" + "\n".join(rows) + "\n    ),")
+    print("}")
+
+    def subdot_of(type_id, M):  # this sweep's fastest at the nearest swept M, else the table's
+        swept = sorted(m for t, m in best if t == type_id)
+        for max_m in swept:
+            if M <= max_m:
+                return best[type_id, max_m]
+        if swept:
+            return best[type_id, swept[-1]]
+        return "SUBDOT_CONFIGS", gguf.subdot_config(type_id, M)
+
+    print("\nus per call (CUDA graph replays): subdot / gguf_rows / bf16 dense_linear")
+    print("| type | M | " + " | ".join(ROWS_SHAPES) + " | layer subdot | layer rows | "
+          "layer bf16 | subdot vs bf16 | rows vs bf16 | subdot config |")
+    print("|---|---|" + "---|" * len(ROWS_SHAPES) + "---|---|---|---|---|---|")
+    bf16 = {}
+    for (tname, type_id), M in itertools.product(args.types, args.subdot_m):
+        cells, sums = [], [0.0, 0.0, 0.0]
+        label, config = subdot_of(type_id, M)
+        for name in ROWS_SHAPES:
+            if time.time() > deadline:
+                print("(time budget spent: stopping)")
+                return
+            K, N = SHAPES[name]
+            x = torch.randn(M, K, device=DEVICE).to(X_DTYPE)
+            if (name, M) not in bf16:
+                dense = [torch.randn(N, K, device=DEVICE).to(X_DTYPE)
+                         for _ in range(max(2, cdiv(3 * L2_BYTES, 2 * N * K)))]
+                bf16[name, M] = graph_us([lambda w=w, x=x: dense_linear(x, w) for w in dense],
+                                         reps=20)
+                del dense
+            ws, w_ref = weights_of(type_id, name)
+            sub = timed(x, ws, type_id, dict(subdot=config), w_ref)
+            rows = timed(x, ws, type_id, dict(rows=gguf.rows_config(type_id, M)), w_ref)
+            ts = (sub, rows, bf16[name, M])
+            cells.append(" / ".join(fmt_us(t) for t in ts))
+            sums = [a + (float("inf") if t is None else t) for a, t in zip(sums, ts)]
+        print(f"| {tname} | {M} | " + " | ".join(cells) + f" | {sums[0]:.1f} | {sums[1]:.1f} "
+              f"| {sums[2]:.1f} | {speedup(sums[2], sums[0])} | {speedup(sums[2], sums[1])} | "
+              f"{label} |", flush=True)
+
+
 def q4_k_m_type(name: str, num_layers: int) -> int:
     """llama.cpp's Q4_K_M choice, roughly: Q6_K for the LM head and for attn_v / ffn_down of the
     first and last eighth of the layers and every third layer between, Q4_K elsewhere."""
@@ -494,7 +647,7 @@ def main():
     parser.add_argument("--rows-ab", action="store_true",
                         help="decode: the GGUF engine with TINYPAGED_GGUF_ROWS=0, then 1")
     parser.add_argument("--only", nargs="+",
-                        choices=["checks", "kernels", "tokens", "decode", "rows"],
+                        choices=["checks", "kernels", "tokens", "decode", "rows", "subdot"],
                         help="stages to run (default: all but rows)")
     parser.add_argument("--rows-m", type=int, nargs="+", default=[1, 2, 4, 8, 16],
                         help="rows of x of the rows stage's table")
@@ -503,8 +656,15 @@ def main():
     parser.add_argument("--rows-configs", nargs="+", default=ROWS_SWEEP,
                         help="block_n/warps/stages[/programs per SM][/a] of gguf_rows "
                         "(--sweep-rows; /a: PTX nibbles)")
+    parser.add_argument("--subdot-configs", nargs="+", default=SUBDOT_SWEEP,
+                        help="block_n/warps/stages[/pps]/flags of gguf_subdot (--only subdot; "
+                        "w: scales in the weights, r: on the products, a: PTX quants, g: x^T "
+                        "gathered, j: one product a super-block)")
+    parser.add_argument("--subdot-m", type=int, nargs="+", default=[8, 4, 16],
+                        help="rows of x of the subdot stage's table, in this order")
     args = parser.parse_args()
-    args.sweep_m = args.sweep_m or ([8, 16] if args.sweep_rows else [1])
+    subdot = bool(args.only) and "subdot" in args.only
+    args.sweep_m = args.sweep_m or ([8, 16] if args.sweep_rows else [8] if subdot else [1])
     args.types_given = args.types is not None
     args.types = args.types or list(TYPES)
     if args.only and "rows" in args.only and not args.types_given:
@@ -521,6 +681,8 @@ def main():
         same_tokens()
     if "decode" in stages:
         decode(args)
+    if "subdot" in stages:
+        subdot_stage(args, deadline)
     if "rows" in stages:
         if args.sweep_rows:
             rows_sweep(args, deadline)

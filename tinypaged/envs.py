@@ -122,6 +122,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "kernels/gguf.py's DECODE_PATHS (for A/B benchmarks)",
         _is_one,
     ),
+    "TINYPAGED_GGUF_SUBDOT": EnvVar(
+        "bool", False,
+        "1 sends the Q4_K / Q6_K decode linears that would take kernels/gguf_rows.py to "
+        "kernels/gguf_subdot.py (one tensor-core product per sub-block, scales applied per "
+        "row); 0 keeps gguf_rows (for A/B benchmarks)",
+        _is_one,
+    ),
     "TINYPAGED_FP8_GEMV": EnvVar(
         "str", "w8a16",
         "how FP8 weights run at decode: w8a16 (x as it is, 1 row) or w8a8dot (x quantized to "

@@ -5,7 +5,8 @@ regrouped into planes at load (gguf_layout.py; gguf_format.py has the block form
 runs the kernel DECODE_PATHS picks per type and M: the GEMV of gguf_gemv.py, which streams the
 packed bytes once, or (Q4_K / Q6_K batches) the tensor-core matmul of gguf_mma.py; with
 $TINYPAGED_GGUF_ROWS=1, 2 to 16 rows of every type take gguf_rows.py (each weight dequantized
-once in registers, the rows on tensor cores). Larger M
+once in registers, the rows on tensor cores); with $TINYPAGED_GGUF_SUBDOT=1 the Q4_K / Q6_K
+linears that would take gguf_rows take gguf_subdot.py (one product per sub-block). Larger M
 (prefill) dequantizes W into x's dtype with `_gguf_dequantize_kernel` and multiplies with cuBLAS,
 where the matmul, not the weight read, is the cost. The dequantize kernel (also the embedding's
 row lookup) takes BLOCK_N rows and a chunk of 256 weights (one k-quant super-block, or 8 legacy
@@ -30,10 +31,12 @@ from tinypaged.kernels.gguf_gemv import GEMV_MAX_M, gemv_supported, gguf_gemv
 from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
 from tinypaged.kernels.gguf_mma import gguf_mma
 from tinypaged.kernels.gguf_rows import ROWS_MAX_M, gguf_rows, rows_supported
+from tinypaged.kernels.gguf_subdot import gguf_subdot, subdot_supported
 
 __all__ = ["DECODE_PATHS", "GEMV_MAX_M", "decode_path", "dequantize_reference", "gguf_dequantize",
-           "gguf_gemv", "gguf_linear", "gguf_mma", "gguf_rows", "linear_reference",
-           "rows_config", "to_device_layout", "to_file_layout"]
+           "gguf_gemv", "gguf_linear", "gguf_mma", "gguf_rows", "gguf_subdot",
+           "linear_reference", "rows_config", "subdot_config", "to_device_layout",
+           "to_file_layout"]
 
 # Decode-sized x: per GGML type, rows (max M, kernel, its keyword arguments), the first whose
 # max M >= M wins; an M past the last row (prefill) dequantizes and calls cuBLAS. "gemv":
@@ -61,6 +64,18 @@ ROWS_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {
     ),
     14: (  # Q6_K
         (8, dict(block_n=64, num_warps=4, num_stages=3)),
+    ),
+}
+# gguf_subdot's tiles, read as ROWS_CONFIGS: with $TINYPAGED_GGUF_SUBDOT=1 the Q4_K / Q6_K
+# linears that DECODE_PATHS gives gguf_rows take gguf_subdot instead (where subdot_supported).
+# Not yet timed on a GPU: benchmarks/gguf_gemv.py --only subdot sweeps the tiles and prints
+# this table.
+SUBDOT_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {
+    12: (  # Q4_K
+        (16, dict(block_n=64, num_warps=4, num_stages=3, asm=True)),
+    ),
+    14: (  # Q6_K
+        (16, dict(block_n=64, num_warps=4, num_stages=3, asm=True)),
     ),
 }
 
@@ -231,13 +246,24 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.T
             return gguf_mma(x, qweight, type_id, **config)
         if kernel == "rows":
             return gguf_rows(x, qweight, type_id, **config)
+        if kernel == "subdot":
+            return gguf_subdot(x, qweight, type_id, **config)
         return gguf_gemv(x, qweight, type_id, **config)
     return x @ gguf_dequantize(qweight, type_id, K, x.dtype).T
 
 
 def decode_path(type_id: int, K: int, M: int) -> tuple[str, dict] | None:
     """(kernel, keyword arguments) for an M-row x: gguf_rows for 2..ROWS_MAX_M rows when
-    $TINYPAGED_GGUF_ROWS is 1, else the row of DECODE_PATHS; None: dequantize + cuBLAS."""
+    $TINYPAGED_GGUF_ROWS is 1, else the row of DECODE_PATHS; None: dequantize + cuBLAS. With
+    $TINYPAGED_GGUF_SUBDOT=1, gguf_subdot where either would give gguf_rows a Q4_K / Q6_K."""
+    path = _decode_path(type_id, K, M)
+    if (path is not None and path[0] == "rows" and envs.TINYPAGED_GGUF_SUBDOT
+            and subdot_supported(type_id, K)):
+        return "subdot", subdot_config(type_id, M)
+    return path
+
+
+def _decode_path(type_id: int, K: int, M: int) -> tuple[str, dict] | None:
     rows = 2 <= M <= ROWS_MAX_M and rows_supported(type_id, K)
     if rows and envs.TINYPAGED_GGUF_ROWS:
         return "rows", rows_config(type_id, M)
@@ -254,6 +280,14 @@ def decode_path(type_id: int, K: int, M: int) -> tuple[str, dict] | None:
 def rows_config(type_id: int, M: int) -> dict:
     """gguf_rows' tile keyword arguments for M rows of a type_id weight (ROWS_CONFIGS)."""
     for max_m, config in ROWS_CONFIGS.get(type_id, ()):
+        if M <= max_m:
+            return config
+    return {}
+
+
+def subdot_config(type_id: int, M: int) -> dict:
+    """gguf_subdot's keyword arguments for M rows of a type_id weight (SUBDOT_CONFIGS)."""
+    for max_m, config in SUBDOT_CONFIGS.get(type_id, ()):
         if M <= max_m:
             return config
     return {}
