@@ -123,11 +123,11 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         _is_one,
     ),
     "TINYPAGED_GGUF_SUBDOT": EnvVar(
-        "bool", False,
-        "1 sends the Q4_K / Q6_K decode linears that would take kernels/gguf_rows.py to "
-        "kernels/gguf_subdot.py (one tensor-core product per sub-block, scales applied per "
-        "row); 0 keeps gguf_rows (for A/B benchmarks)",
-        _is_one,
+        "bool", True,
+        "0 keeps kernels/gguf_rows.py for the decode linears that would take "
+        "kernels/gguf_subdot.py (Q4_K at 2-16 rows: one tensor-core product per sub-block, "
+        "scales applied per row) (for A/B benchmarks)",
+        _is_not_zero,
     ),
     "TINYPAGED_FP8_GEMV": EnvVar(
         "str", "w8a16",

@@ -158,7 +158,9 @@ def test_mma_kernel(interpret, type_id, dtype, M, split_k, xs_dot):
 
 def test_linear_dispatch(interpret, monkeypatch):
     """DECODE_PATHS picks the kernel by M: Q4_K's GEMV up to 3 rows, gguf_rows up to 16, then
-    dequantize + cuBLAS; each agrees with the reference (the kernels are spied on)."""
+    dequantize + cuBLAS; each agrees with the reference (the kernels are spied on). Q4_K's
+    gguf_subdot is off here (test_subdot_dispatch)."""
+    monkeypatch.setenv("TINYPAGED_GGUF_SUBDOT", "0")
     K, type_id = 256, 12
     raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=3))
     qweight = to_device_layout(raw, type_id, K)
@@ -281,7 +283,8 @@ def test_rows_split_k(interpret, type_id):
 def test_rows_dispatch(interpret, monkeypatch):
     """$TINYPAGED_GGUF_ROWS=1 sends 2..16 rows of every type to gguf_rows (ROWS_CONFIGS' tiles),
     one row and prefill keep their paths; unset, DECODE_PATHS: gguf_rows from 4 rows for Q4_K
-    and Q6_K, the GEMV below, and Q5_K's GEMV at every decode size."""
+    and Q6_K, the GEMV below, and Q5_K's GEMV at every decode size (gguf_subdot off)."""
+    monkeypatch.setenv("TINYPAGED_GGUF_SUBDOT", "0")
     assert gguf.decode_path(12, 512, 3) == ("gemv", {})
     assert gguf.decode_path(12, 512, 8) == ("rows", gguf.rows_config(12, 8))
     assert gguf.decode_path(14, 512, 16) == ("rows", gguf.rows_config(14, 16))
@@ -352,11 +355,13 @@ def test_subdot_split_k(interpret, type_id, mode):
 
 
 def test_subdot_dispatch(interpret, monkeypatch):
-    """$TINYPAGED_GGUF_SUBDOT=1 sends what would take gguf_rows (Q4_K, and Q6_K with an even
-    number of super-blocks a row) to gguf_subdot; everything else keeps its path."""
-    monkeypatch.setenv("TINYPAGED_GGUF_SUBDOT", "1")
+    """$TINYPAGED_GGUF_SUBDOT=1 (the default) sends what would take gguf_rows to gguf_subdot
+    for the types SUBDOT_CONFIGS lists (Q4_K; Q6_K with an even number of super-blocks a row
+    once listed); everything else keeps its path."""
     assert gguf.decode_path(12, 512, 8) == ("subdot", gguf.subdot_config(12, 8))
-    assert gguf.decode_path(14, 1024, 16) == ("subdot", gguf.subdot_config(14, 16))
+    assert gguf.decode_path(14, 1024, 16) == ("rows", gguf.rows_config(14, 16))  # not listed
+    monkeypatch.setitem(gguf.SUBDOT_CONFIGS, 14, ((16, {"block_n": 16}),))
+    assert gguf.decode_path(14, 1024, 16) == ("subdot", {"block_n": 16})
     assert gguf.decode_path(12, 512, 3) == ("gemv", {})
     assert gguf.decode_path(13, 512, 8) == ("gemv", {})
     monkeypatch.setenv("TINYPAGED_GGUF_ROWS", "1")
@@ -367,7 +372,6 @@ def test_subdot_dispatch(interpret, monkeypatch):
     raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=14))
     qweight = to_device_layout(raw, type_id, K)
     x = torch.randn(6, K)
-    monkeypatch.setitem(gguf.SUBDOT_CONFIGS, 14, ((16, {"block_n": 16}),))
     calls = []
     monkeypatch.setattr(gguf, "gguf_subdot",
                         lambda *a, **kw: (calls.append(kw), gguf_subdot(*a, **kw))[1])

@@ -5,8 +5,9 @@ regrouped into planes at load (gguf_layout.py; gguf_format.py has the block form
 runs the kernel DECODE_PATHS picks per type and M: the GEMV of gguf_gemv.py, which streams the
 packed bytes once, or (Q4_K / Q6_K batches) the tensor-core matmul of gguf_mma.py; with
 $TINYPAGED_GGUF_ROWS=1, 2 to 16 rows of every type take gguf_rows.py (each weight dequantized
-once in registers, the rows on tensor cores); with $TINYPAGED_GGUF_SUBDOT=1 the Q4_K / Q6_K
-linears that would take gguf_rows take gguf_subdot.py (one product per sub-block). Larger M
+once in registers, the rows on tensor cores); the Q4_K linears that would take gguf_rows take
+gguf_subdot.py instead (one product per sub-block; $TINYPAGED_GGUF_SUBDOT=0 keeps gguf_rows,
+SUBDOT_CONFIGS lists the types). Larger M
 (prefill) dequantizes W into x's dtype with `_gguf_dequantize_kernel` and multiplies with cuBLAS,
 where the matmul, not the weight read, is the cost. The dequantize kernel (also the embedding's
 row lookup) takes BLOCK_N rows and a chunk of 256 weights (one k-quant super-block, or 8 legacy
@@ -66,16 +67,14 @@ ROWS_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {
         (8, dict(block_n=64, num_warps=4, num_stages=3)),
     ),
 }
-# gguf_subdot's tiles, read as ROWS_CONFIGS: with $TINYPAGED_GGUF_SUBDOT=1 the Q4_K / Q6_K
-# linears that DECODE_PATHS gives gguf_rows take gguf_subdot instead (where subdot_supported).
-# Not yet timed on a GPU: benchmarks/gguf_gemv.py --only subdot sweeps the tiles and prints
-# this table.
+# gguf_subdot's tiles, read as ROWS_CONFIGS: with $TINYPAGED_GGUF_SUBDOT=1 (the default) the
+# linears of the types listed here that DECODE_PATHS gives gguf_rows take gguf_subdot instead
+# (where subdot_supported). From benchmarks/gguf_gemv.py --only subdot on an H200: Q4_K's join
+# mode beat gguf_rows on every Llama-3-8B layer at 4-16 rows; Q6_K lost to gguf_rows in every
+# mode swept, so Q6_K is not listed and keeps gguf_rows.
 SUBDOT_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {
     12: (  # Q4_K
-        (16, dict(block_n=64, num_warps=4, num_stages=3, asm=True)),
-    ),
-    14: (  # Q6_K
-        (16, dict(block_n=64, num_warps=4, num_stages=3, asm=True)),
+        (16, dict(block_n=64, num_warps=4, num_stages=3, asm=True, join=True)),
     ),
 }
 
@@ -255,10 +254,11 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.T
 def decode_path(type_id: int, K: int, M: int) -> tuple[str, dict] | None:
     """(kernel, keyword arguments) for an M-row x: gguf_rows for 2..ROWS_MAX_M rows when
     $TINYPAGED_GGUF_ROWS is 1, else the row of DECODE_PATHS; None: dequantize + cuBLAS. With
-    $TINYPAGED_GGUF_SUBDOT=1, gguf_subdot where either would give gguf_rows a Q4_K / Q6_K."""
+    $TINYPAGED_GGUF_SUBDOT=1, gguf_subdot where either would give gguf_rows a type that
+    SUBDOT_CONFIGS lists."""
     path = _decode_path(type_id, K, M)
     if (path is not None and path[0] == "rows" and envs.TINYPAGED_GGUF_SUBDOT
-            and subdot_supported(type_id, K)):
+            and type_id in SUBDOT_CONFIGS and subdot_supported(type_id, K)):
         return "subdot", subdot_config(type_id, M)
     return path
 
