@@ -166,14 +166,14 @@ def fp8_rows(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
 
 
 # Tiles by rows (rounded up to a power of two) and scale kind; "_block": [128, 128] weight
-# blocks (block_n divides 128, block_k <= 128). Untuned first guesses: the w8a8dot sweep's
-# best shapes (kernels/dense_gemv.py), block_k doubled where no per-step work limits it.
+# blocks (block_n divides 128, block_k <= 128). From benchmarks/fp8_gemv.py --sweep-rows on an
+# H200 (the fastest summed over the Llama-3-8B layers at each row count).
 FP8_ROWS_CONFIGS = {
     "m2": dict(block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=2),
     "m2_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
-    "m4": dict(block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=2),
+    "m4": dict(block_n=64, block_k=128, num_warps=4, num_stages=6, programs_per_sm=2),
     "m4_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
-    "m8": dict(block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=2),
+    "m8": dict(block_n=64, block_k=128, num_warps=4, num_stages=6, programs_per_sm=2),
     "m8_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
     "m16": dict(block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=2),
     "m16_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
