@@ -4,7 +4,8 @@
 from helpers.compile_sm90 import compile_for_sm90
 
 LAUNCHES = r"""
-from tinypaged.kernels import activation, attention, kv_cache, norm, rotary, rotary_kv_cache
+from tinypaged.kernels import (activation, attention, kv_cache, norm, rejection, rotary,
+                               rotary_kv_cache)
 
 for dtype in (torch.bfloat16, torch.float16):
     x = torch.randn(4, 4096).to(dtype)
@@ -130,6 +131,13 @@ for dtype in (torch.bfloat16, torch.float16):  # dense and int8 split-K (the fin
     for m in (1, 8, 200):  # GEMV, split-K GEMM, dequantize + matmul
         gptq_int8.gptq_int8_gemm(torch.randn(m, 4096).to(dtype), q8, z8,
                                  torch.ones(32, 1024).to(dtype))
+# speculative verification: greedy, then sampled with the drafts' probabilities
+draft, starts = torch.zeros(3, 4, dtype=torch.int64), torch.tensor([0, 5, 10])
+probs = torch.rand(15, 1000)
+for target, drafted in ((None, None), (probs, probs)):
+    rejection.rejection_sample_triton(draft, torch.tensor([4, 2, 0]), starts, torch.zeros(3),
+                                      target, drafted, torch.rand(15),
+                                      torch.zeros(15, dtype=torch.int64))
 """
 
 
@@ -143,6 +151,7 @@ def test_every_launcher_compiles_for_sm90():
         "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel", "_awq_mma_kernel",
         "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel", "_two_shot_all_reduce_kernel",
         "_dense_gemv_kernel", "_int8_gemv1_kernel", "_int8_gemm_kernel", "_int8_dequantize_kernel",
+        "_rejection_kernel",
     ])
 
 

@@ -27,7 +27,10 @@ import torch
 from tinypaged.kernels._triton import jit, tl, use_triton
 
 
-@jit(do_not_specialize=("vocab_size",))
+# K (the step's widest draft) is a runtime loop bound, not a constexpr: it takes every value up
+# to num_speculative_tokens as proposers return shorter drafts, and each new constexpr value
+# compiled the kernel again in the middle of serving.
+@jit(do_not_specialize=("vocab_size", "K"))
 def _rejection_kernel(
     OUT,  # [N, K + 1] int64, filled with -1 beforehand
     DRAFT,  # [N, K] int64
@@ -39,7 +42,7 @@ def _rejection_kernel(
     UNIFORM,  # [R] float32 (unused when ALL_GREEDY)
     RECOVERED,  # [R] int64
     vocab_size,
-    K: tl.constexpr,
+    K,
     HAS_DRAFT_PROBS: tl.constexpr,
     ALL_GREEDY: tl.constexpr,
 ):
@@ -48,7 +51,7 @@ def _rejection_kernel(
     start = tl.load(ROW_START + i)
     greedy = tl.load(GREEDY + i) != 0
     live = n >= 0  # true: the walk has not stopped yet
-    for j in tl.static_range(K):
+    for j in range(K):
         in_draft = j < n
         row = start + j
         x = tl.load(DRAFT + i * K + j, mask=in_draft, other=0)
