@@ -38,6 +38,7 @@ import fp8_rows_sweep
 import torch
 from awq_gemv import L2_BYTES, copy_bandwidth, graph_us
 from dense_gemv import graph_replay_errors
+from fp8_rows_sweep import fp8_weight
 
 from tinypaged.kernels import dense_gemv as D
 from tinypaged.kernels import fp8, fp8_act
@@ -49,19 +50,6 @@ from tinypaged.quantization.fp8 import Fp8Config
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
           ("down", 14336, 4096)]  # Llama-3-8B, (layer, K, N)
 KINDS = ("tensor", "channel", "block")
-
-
-def fp8_weight(N, K, kind, dev="cuda"):
-    """(e4m3 weight [N, K], fp32 scale, block) as quantization/fp8.py holds them."""
-    w = torch.randn(N, K, device=dev) / K**0.5
-    if kind == "block":
-        s = torch.rand(cdiv(N, 128), cdiv(K, 128), device=dev) * 1e-3 + 1e-4
-        full = s.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
-        return (w / full).clamp(-448, 448).to(torch.float8_e4m3fn), s, (128, 128)
-    s = w.abs().amax(1, keepdim=True) / fp8.FP8_MAX
-    if kind == "tensor":
-        s = s.max().reshape(1, 1)
-    return (w / s).to(torch.float8_e4m3fn), s, None
 
 
 def workspace_clean():

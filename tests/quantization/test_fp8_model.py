@@ -169,6 +169,22 @@ def test_w8a8_path_of_a_fused_layer(monkeypatch, method, rows):
     torch.testing.assert_close(layer.matmul(x, None), ref, rtol=1e-4, atol=1e-3)  # weight-only
 
 
+def fp8_down_layer(method, gen) -> layers.RowParallelLinear:
+    """A 256 -> 128 row-parallel FP8 layer of `method`, loaded as a checkpoint of its scheme
+    holds it (or quantized at load) and processed."""
+    layer = layers.RowParallelLinear(256, 128, quant_config=method)
+    if method.from_dense:
+        layer.weight.data.copy_(torch.randn(128, 256, generator=gen) * 0.05)
+    else:
+        stored, _ = quantize(torch.randn(128, 256, generator=gen), method.weight_scheme)
+        for name, t in stored.items():
+            getattr(layer, name).weight_loader(getattr(layer, name), t)
+        if method.static_input:
+            layer.input_scale.weight_loader(layer.input_scale, torch.tensor(4.0 / FP8_MAX))
+    method.process_weights_after_loading(layer)
+    return layer
+
+
 @pytest.mark.parametrize("method", [Fp8Config(weight_scheme="tensor", static_input=True),
                                     Fp8Config(weight_scheme="block", block=(128, 128)),
                                     Fp8Config.online()])
@@ -187,16 +203,7 @@ def test_w8a8dot_mode_takes_the_gemv_up_to_16_rows(monkeypatch, method):
 
     monkeypatch.setattr(fp8_module, "dense_gemv", spy)
     gen = torch.Generator().manual_seed(4)
-    layer = layers.RowParallelLinear(256, 128, quant_config=method)
-    if method.from_dense:
-        layer.weight.data.copy_(torch.randn(128, 256, generator=gen) * 0.05)
-    else:
-        stored, _ = quantize(torch.randn(128, 256, generator=gen), method.weight_scheme)
-        for name, t in stored.items():
-            getattr(layer, name).weight_loader(getattr(layer, name), t)
-        if method.static_input:
-            layer.input_scale.weight_loader(layer.input_scale, torch.tensor(4.0 / FP8_MAX))
-    method.process_weights_after_loading(layer)
+    layer = fp8_down_layer(method, gen)
     scale = layer.weight_scale
     for rows in (1, 5, 16, 17):
         x = torch.randn(rows, 256, generator=gen)
@@ -243,16 +250,7 @@ def test_w8a8_takes_fp8_rows_from_2_to_16_rows(monkeypatch, method):
     for name in ("fp8_rows", "fp8_gemm"):
         monkeypatch.setattr(fp8_module, name, spying(name, getattr(fp8_module, name)))
     gen = torch.Generator().manual_seed(5)
-    layer = layers.RowParallelLinear(256, 128, quant_config=method)
-    if method.from_dense:
-        layer.weight.data.copy_(torch.randn(128, 256, generator=gen) * 0.05)
-    else:
-        stored, _ = quantize(torch.randn(128, 256, generator=gen), method.weight_scheme)
-        for name, t in stored.items():
-            getattr(layer, name).weight_loader(getattr(layer, name), t)
-        if method.static_input:
-            layer.input_scale.weight_loader(layer.input_scale, torch.tensor(4.0 / FP8_MAX))
-    method.process_weights_after_loading(layer)
+    layer = fp8_down_layer(method, gen)
     for rows in (2, 16, 17):
         x, gate_up = torch.randn(rows, 256, generator=gen), torch.randn(rows, 512, generator=gen)
         y = layer.matmul(x, None)

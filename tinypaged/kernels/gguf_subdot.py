@@ -48,9 +48,8 @@ import torch
 
 from tinypaged.kernels._triton import cdiv, dot_precision, interpreting, jit, next_power_of_2, tl
 from tinypaged.kernels.awq_unpack import MAGIC16
-from tinypaged.kernels.gguf_format import check_qweight, gguf_dequantize_reference
-from tinypaged.kernels.gguf_layout import to_file_layout
-from tinypaged.kernels.gguf_rows import _chunk_pos, _weights
+from tinypaged.kernels.gguf_format import check_qweight
+from tinypaged.kernels.gguf_rows import _chunk_pos, _weights, gguf_rows_reference
 from tinypaged.kernels.split_k import (
     programs_target,
     split_k_finish,
@@ -429,10 +428,6 @@ def gguf_subdot(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: i
     return y
 
 
-def gguf_subdot_reference(x: torch.Tensor, qweight: torch.Tensor, type_id: int,
-                          **config) -> torch.Tensor:
-    """The torch reference of gguf_subdot (same signature; tile settings are ignored): fp32
-    products of the dequantized W, the result in x's dtype."""
-    K = x.shape[1]
-    w = gguf_dequantize_reference(to_file_layout(qweight, type_id, K), type_id, K)
-    return (x.float() @ w.T).to(x.dtype)
+# The torch reference of gguf_subdot (same signature; tile settings are ignored): gguf_rows'
+# product, fp32 products of the dequantized W, the result in x's dtype.
+gguf_subdot_reference = gguf_rows_reference
