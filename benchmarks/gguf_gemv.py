@@ -26,13 +26,14 @@ decode of a Llama-3-8B-shape model with Q4_K_M-like weights beside bf16.
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only rows --types Q4_K Q6_K --no-awq
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only rows --sweep-rows --sweep-m 8 16
 
-5. Sub-block products (`--only subdot`, not in the default run): gguf_subdot.py on Q4_K and
-   Q6_K. Checks it against the reference, sweeps --subdot-configs at --sweep-m rows (default 8;
-   summed over a layer's linears, half of --budget-s at most) and prints kernels/gguf.py's
-   SUBDOT_CONFIGS table, then times the fastest beside gguf_rows (ROWS_CONFIGS) and bf16
-   (dense_linear) at --subdot-m rows (default 8 4 16), per layer, in CUDA graphs:
+5. Sub-block products (`--only subdot`, not in the default run): gguf_subdot.py on Q4_K (its
+   one type; other --types are skipped). Checks it against the reference, sweeps
+   --subdot-configs at --sweep-m rows (default 8; summed over a layer's linears, half of
+   --budget-s at most) and prints kernels/gguf.py's SUBDOT_CONFIGS table, then times the
+   fastest beside gguf_rows (ROWS_CONFIGS) and bf16 (dense_linear) at --subdot-m rows (default
+   8 4 16), per layer, in CUDA graphs:
 
-    PYTHONPATH=. python benchmarks/gguf_gemv.py --only subdot --types Q4_K Q6_K --budget-s 200
+    PYTHONPATH=. python benchmarks/gguf_gemv.py --only subdot --budget-s 200
 """
 import argparse
 import contextlib
@@ -56,7 +57,7 @@ from tinypaged.kernels.dense_gemv import dense_linear
 from tinypaged.kernels.gguf_format import GGML_TYPES, row_bytes
 from tinypaged.kernels.gguf_mma import MMA_TYPES, gguf_mma
 from tinypaged.kernels.gguf_rows import gguf_rows
-from tinypaged.kernels.gguf_subdot import gguf_subdot
+from tinypaged.kernels.gguf_subdot import gguf_subdot, subdot_supported
 from tinypaged.models import loader
 from tinypaged.quantization import gguf as gguf_layers
 
@@ -328,13 +329,12 @@ def rows_sweep(args, deadline):
     print("}")
 
 
-# gguf_subdot: block_n/warps/stages[/programs per SM] then flags: w (scales in the weights) or
-# r (raw quants, scales on the products); a (PTX quants); g (x^T gathered in the planes' order,
-# not the quants relabelled); j (one product a super-block). 64 rows and 4+ warps take wgmma,
-# 32 rows the m16n8k16 MMA. The first ones are the likeliest (the sweep may run out of time)
-SUBDOT_SWEEP = ["64/4/3/w/a", "64/4/3/w/a/j", "128/8/3/w/a/j", "128/4/3/w/a", "32/2/3/w/a",
-                "64/4/3/8/w/a", "64/4/3/r/a", "64/4/3/w/a/g", "64/4/4/w/a", "64/4/3/w"]
-SUBDOT_CHECKS = ["64/4/3/w/a", "64/4/3/r/a"]  # checked at 3, 8 and 16 rows first
+# gguf_subdot: block_n/warps/stages[/programs per SM] then flags: a (PTX quants), j (one
+# product a super-block). 64 rows and 4+ warps take wgmma, 32 rows the m16n8k16 MMA. The first
+# ones are the likeliest (the sweep may run out of time)
+SUBDOT_SWEEP = ["64/4/3/a/j", "64/4/3/a", "128/8/3/a/j", "128/4/3/a", "32/2/3/a",
+                "64/4/3/8/a/j", "64/4/4/a/j", "64/4/3/j"]
+SUBDOT_CHECKS = ["64/4/3/a", "64/4/3/a/j"]  # checked at 3, 8 and 16 rows first
 
 
 def subdot_configs(labels):
@@ -344,10 +344,12 @@ def subdot_configs(labels):
         parts = label.split("/")
         nums = [int(p) for p in parts if p.isdigit()]
         flags = {p for p in parts if not p.isdigit()}
+        if not flags <= {"a", "j"}:
+            raise SystemExit(f"subdot config {label!r}: flags are a (PTX quants) and j (one "
+                             f"product a super-block); got {sorted(flags - {'a', 'j'})}")
         config = dict(block_n=nums[0], num_warps=nums[1], num_stages=nums[2],
                       **({"programs_per_sm": nums[3]} if len(nums) > 3 else {}),
-                      scale_w="r" not in flags, asm="a" in flags, natural="g" not in flags,
-                      join="j" in flags)
+                      asm="a" in flags, join="j" in flags)
         configs.setdefault(label, config)
     return list(configs.items())
 
@@ -355,7 +357,7 @@ def subdot_configs(labels):
 def subdot_config_line(max_m, config):
     """A row of SUBDOT_CONFIGS: gguf_subdot's arguments that differ from its defaults (the
     tiles always), wrapped at 100 columns."""
-    defaults = dict(scale_w=True, asm=False, natural=True, join=False)
+    defaults = dict(asm=False, join=False)
     items = [f"{k}={v}" for k, v in config.items() if k not in defaults or v != defaults[k]]
     line = f"        ({max_m}, dict({', '.join(items)})),"
     if len(line) <= 100:
@@ -365,11 +367,15 @@ def subdot_config_line(max_m, config):
 
 
 def subdot_stage(args, deadline):
-    """gguf_subdot: checks, a tile sweep (prints SUBDOT_CONFIGS), then a per-layer table
-    beside gguf_rows and bf16."""
+    """gguf_subdot (the --types it takes: Q4_K): checks, a tile sweep (prints SUBDOT_CONFIGS),
+    then a per-layer table beside gguf_rows and bf16."""
+    types = [(tname, type_id) for tname, type_id in args.types if subdot_supported(type_id, 256)]
+    if not types:
+        print("subdot: gguf_subdot takes Q4_K only; none of --types is Q4_K")
+        return
     start = time.time()
     sweep_deadline = start + (deadline - start) / 2
-    for (tname, type_id), M in itertools.product(args.types, (3, 8, 16)):
+    for (tname, type_id), M in itertools.product(types, (3, 8, 16)):
         for K, N in (map(int, shape.split("x")) for shape in CHECK_SHAPES):
             x = torch.randn(M, K, device=DEVICE).to(X_DTYPE)
             qweight = random_qweight(type_id, N, K)
@@ -395,7 +401,7 @@ def subdot_stage(args, deadline):
     print("| type | M | subdot block_n/warps/stages[/pps]/flags | " + " | ".join(ROWS_SHAPES)
           + " | layer us |")
     print("|---|---|---|" + "---|" * len(ROWS_SHAPES) + "---|")
-    combos = list(itertools.product(args.types, args.sweep_m))
+    combos = list(itertools.product(types, args.sweep_m))
     for n, ((tname, type_id), M) in enumerate(combos):
         # each type and M gets an equal share of what is left of the sweep's time
         combo_deadline = time.time() + (sweep_deadline - time.time()) / (len(combos) - n)
@@ -421,7 +427,7 @@ def subdot_stage(args, deadline):
     print("\n# kernels/gguf.py (fastest summed over qkv, o, gate_up, down at each swept M; "
           "each M covers the rows up to it, the last up to 16)")
     print("SUBDOT_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {")
-    for tname, type_id in args.types:
+    for tname, type_id in types:
         swept = [M for M in sorted(args.sweep_m) if (type_id, M) in best]
         rows = [subdot_config_line(16 if M == swept[-1] else M, best[type_id, M][1])
                 for M in swept]
@@ -443,7 +449,7 @@ def subdot_stage(args, deadline):
           "layer bf16 | subdot vs bf16 | rows vs bf16 | subdot config |")
     print("|---|---|" + "---|" * len(ROWS_SHAPES) + "---|---|---|---|---|---|")
     bf16 = {}
-    for (tname, type_id), M in itertools.product(args.types, args.subdot_m):
+    for (tname, type_id), M in itertools.product(types, args.subdot_m):
         cells, sums = [], [0.0, 0.0, 0.0]
         label, config = subdot_of(type_id, M)
         for name in ROWS_SHAPES:
@@ -658,8 +664,7 @@ def main():
                         "(--sweep-rows; /a: PTX nibbles)")
     parser.add_argument("--subdot-configs", nargs="+", default=SUBDOT_SWEEP,
                         help="block_n/warps/stages[/pps]/flags of gguf_subdot (--only subdot; "
-                        "w: scales in the weights, r: on the products, a: PTX quants, g: x^T "
-                        "gathered, j: one product a super-block)")
+                        "a: PTX quants, j: one product a super-block)")
     parser.add_argument("--subdot-m", type=int, nargs="+", default=[8, 4, 16],
                         help="rows of x of the subdot stage's table, in this order")
     args = parser.parse_args()

@@ -2,7 +2,7 @@
 CPU test can check what the interpreter never runs (it takes the portable code instead).
 
 Covers the instructions of gguf_subdot's QUANT_ASM: mov.b32, prmt.b32 (default mode),
-shr.u32, shl.b32, lop3.b32 and fma.rn.bf16x2 / fma.rn.f16x2 (each half computed exactly in
+shr.u32, lop3.b32 and fma.rn.bf16x2 / fma.rn.f16x2 (each half computed exactly in
 float64, then rounded once, as the hardware's fused multiply-add rounds).
 """
 
@@ -37,8 +37,6 @@ def run_ptx(asm: str, registers: dict[str, int]) -> dict[str, int]:
                          for k in range(4))
         elif op == "shr.u32":
             env[d] = value(a[0]) >> value(a[1])
-        elif op == "shl.b32":
-            env[d] = value(a[0]) << value(a[1]) & 0xFFFFFFFF
         elif op == "lop3.b32" and a[3] == "0xEA":  # (a & b) | c
             env[d] = value(a[0]) & value(a[1]) | value(a[2])
         elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):

@@ -222,12 +222,9 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
     for config in ({}, dict(block_n=128, num_warps=8, num_stages=3, asm=True)):  # the sweep's
         gguf_rows(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, split_k=4, **config)
     gguf_rows(torch.randn(16, 4096).to(torch.float16), qweight, type_id, block_n=32, split_k=1)
-    if type_id in (12, 14):  # gguf_subdot: both modes, wgmma (64 rows, 4 warps) and mma.sync
-        for config in (dict(scale_w=True, asm=True), dict(scale_w=False, asm=True),
-                       dict(scale_w=True, asm=False, natural=False),
-                       dict(block_n=32, num_warps=2), dict(join=True, asm=True),
-                       dict(join=True, asm=True, natural=False),
-                       dict(block_n=128, num_warps=8, num_stages=4)):
+    if type_id == 12:  # gguf_subdot: PTX and portable, wgmma (64 rows, 4 warps) and mma.sync
+        for config in (dict(asm=True), dict(block_n=32, num_warps=2), dict(join=True, asm=True),
+                       dict(join=True), dict(block_n=128, num_warps=8, num_stages=4)):
             subdot_module.gguf_subdot(torch.randn(8, 4096).to(torch.bfloat16), qweight,
                                       type_id, split_k=4, **config)
         subdot_module.gguf_subdot(torch.randn(16, 4096).to(torch.float16), qweight, type_id,
@@ -314,61 +311,54 @@ SUBDOT_CASES = [(torch.float32, 2), (torch.float16, 3), (torch.float32, 5), (tor
                 (torch.float32, 11), (torch.float16, 16)]
 
 
-@pytest.mark.parametrize("mode", [dict(scale_w=True), dict(scale_w=False), dict(join=True)],
-                         ids=["scale_w", "raw", "join"])
+@pytest.mark.parametrize("join", [False, True], ids=["sub-blocks", "join"])
 @pytest.mark.parametrize("dtype,M", SUBDOT_CASES, ids=lambda v: str(v).replace("torch.", ""))
-@pytest.mark.parametrize("type_id,K", [(12, 256), (12, 768), (14, 512), (14, 1024)],
-                         ids=["Q4_K-256", "Q4_K-768", "Q6_K-512", "Q6_K-1024"])
-def test_subdot_kernel(interpret, type_id, K, dtype, M, mode):
-    """gguf_subdot (Q4_K / Q6_K, 2..16 rows; scales in the weights, on the products, or one
-    product a super-block) against its torch reference and the dequantized blocks: 21 rows of W
-    in two programs of 16."""
-    raw = torch.from_numpy(random_blocks(type_id, 21, K, seed=12))
-    qweight = to_device_layout(raw, type_id, K)
+@pytest.mark.parametrize("K", [256, 768])
+def test_subdot_kernel(interpret, K, dtype, M, join):
+    """gguf_subdot (Q4_K, 2..16 rows; a product a sub-block, or one a super-block) against its
+    torch reference and the dequantized blocks: 21 rows of W in two programs of 16."""
+    raw = torch.from_numpy(random_blocks(12, 21, K, seed=12))
+    qweight = to_device_layout(raw, 12, K)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
-    y = gguf_subdot(x, qweight, type_id, block_n=16, **mode)
+    y = gguf_subdot(x, qweight, 12, block_n=16, join=join)
     assert y.shape == (M, 21) and y.dtype == dtype
-    reference = gguf_subdot_reference(x, qweight, type_id, block_n=16)
+    reference = gguf_subdot_reference(x, qweight, 12, block_n=16)
     assert torch.equal(reference.float(), (x.float() @ gguf_dequantize_reference(
-        raw, type_id, K).T).to(dtype).float())
-    # fp16: scale_w rounds s and mn to fp16 before the weight's own rounding
+        raw, 12, K).T).to(dtype).float())
+    # fp16: s and mn are rounded to fp16 before the weight's own rounding
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(y.float(), reference.float(), rtol=tol,
                                atol=tol * reference.float().abs().max())
 
 
-@pytest.mark.parametrize("mode", [dict(scale_w=True), dict(scale_w=False, natural=False),
-                                  dict(join=True, natural=False)],
-                         ids=["scale_w-natural", "raw-gathered", "join-gathered"])
-@pytest.mark.parametrize("type_id", [12, 14], ids=["Q4_K", "Q6_K"])
-def test_subdot_split_k(interpret, type_id, mode):
-    """K split over 3 programs a row block, twice (the workspace is re-zeroed between); the
-    quants in the file's order (x^T loaded as it lies) and in the plane's (x^T gathered)."""
+@pytest.mark.parametrize("join", [False, True], ids=["sub-blocks", "join"])
+def test_subdot_split_k(interpret, join):
+    """K split over 3 programs a row block, twice (the workspace is re-zeroed between)."""
     K = 1536
-    raw = torch.from_numpy(random_blocks(type_id, 24, K, seed=13))
-    qweight = to_device_layout(raw, type_id, K)
+    raw = torch.from_numpy(random_blocks(12, 24, K, seed=13))
+    qweight = to_device_layout(raw, 12, K)
     x = torch.randn(4, K, generator=torch.Generator().manual_seed(5))
-    reference = gguf_subdot_reference(x, qweight, type_id)
+    reference = gguf_subdot_reference(x, qweight, 12)
     for _ in range(2):
-        y = gguf_subdot(x, qweight, type_id, block_n=16, split_k=3, **mode)
+        y = gguf_subdot(x, qweight, 12, block_n=16, split_k=3, join=join)
         torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
 
 
 def test_subdot_dispatch(interpret, monkeypatch):
     """$TINYPAGED_GGUF_SUBDOT=1 (the default) sends what would take gguf_rows to gguf_subdot
-    for the types SUBDOT_CONFIGS lists (Q4_K; Q6_K with an even number of super-blocks a row
-    once listed); everything else keeps its path."""
+    for the types SUBDOT_CONFIGS lists that subdot_supported takes (Q4_K only: Q6_K keeps
+    gguf_rows even if listed); everything else keeps its path."""
     assert gguf.decode_path(12, 512, 8) == ("subdot", gguf.subdot_config(12, 8))
     assert gguf.decode_path(14, 1024, 16) == ("rows", gguf.rows_config(14, 16))  # not listed
     monkeypatch.setitem(gguf.SUBDOT_CONFIGS, 14, ((16, {"block_n": 16}),))
-    assert gguf.decode_path(14, 1024, 16) == ("subdot", {"block_n": 16})
+    assert gguf.decode_path(14, 1024, 16) == ("rows", gguf.rows_config(14, 16))  # unsupported
     assert gguf.decode_path(12, 512, 3) == ("gemv", {})
     assert gguf.decode_path(13, 512, 8) == ("gemv", {})
     monkeypatch.setenv("TINYPAGED_GGUF_ROWS", "1")
-    assert gguf.decode_path(14, 768, 8) == ("rows", gguf.rows_config(14, 8))  # 3 super-blocks
     assert gguf.decode_path(8, 512, 8) == ("rows", gguf.rows_config(8, 8))
     assert gguf.decode_path(12, 512, 2) == ("subdot", gguf.subdot_config(12, 2))
-    K, type_id = 512, 14
+    monkeypatch.setitem(gguf.SUBDOT_CONFIGS, 12, ((16, {"block_n": 16}),))
+    K, type_id = 512, 12
     raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=14))
     qweight = to_device_layout(raw, type_id, K)
     x = torch.randn(6, K)
@@ -384,32 +374,20 @@ def test_subdot_dispatch(interpret, monkeypatch):
 @pytest.mark.parametrize("magic", [0x4300, 0x6400], ids=["bf16", "fp16"])
 def test_subdot_ptx_matches_the_portable_quants(magic):
     """gguf_subdot's QUANT_ASM (GPU only; the interpreter runs the portable code), emulated on
-    random bytes: 4 packed bytes (and Q6_K's qh bytes) give OFFSET + q, or s q + mn rounded
-    once, for element j from byte j."""
+    random bytes: 4 packed bytes give s q + mn rounded once, for element j from nibble `high`
+    of byte j."""
     dtype = torch.bfloat16 if magic == 0x4300 else torch.float16
-    offset = 128.0 if magic == 0x4300 else 1024.0
     g = torch.Generator().manual_seed(15)
-    for kind, scale_w in itertools.product(range(6), (False, True)):
-        asm = subdot_module.QUANT_ASM.value[kind, scale_w, magic]
+    for high in (0, 1):
+        asm = subdot_module.QUANT_ASM.value[high, magic]
         for _ in range(50):
-            ql, qh = torch.randint(0, 256, (2, 4), generator=g).tolist()
+            qs = torch.randint(0, 256, (4,), generator=g).tolist()
             s, mn = (torch.randn(2, generator=g) * 0.01).to(dtype).tolist()
-            registers = {"$2": sum(b << 8 * j for j, b in enumerate(ql))}
-            first = 3
-            if kind >= 2:  # Q6_K quarter kind - 2
-                registers["$3"] = sum(b << 8 * j for j, b in enumerate(qh))
-                first = 4
-            if scale_w:
-                for p, v in itertools.product(range(2), (0, 1)):
-                    bits = float_to_half((s, mn)[v], dtype)
-                    registers[f"${first + 2 * v + p}"] = bits | bits << 16
+            registers = {"$2": sum(b << 8 * j for j, b in enumerate(qs))}
+            for p, v in itertools.product(range(2), (0, 1)):
+                bits = float_to_half((s, mn)[v], dtype)
+                registers[f"${3 + 2 * v + p}"] = bits | bits << 16
             out = run_ptx(asm, registers)
             for j in range(4):
-                if kind < 2:
-                    q = ql[j] >> 4 * kind & 0xF
-                else:
-                    i = kind - 2
-                    q = (ql[j] >> 4 * (i // 2) & 0xF) | (qh[j] >> 2 * i & 3) << 4
-                want = float_to_half(s * q + mn, dtype) if scale_w else float_to_half(
-                    offset + q, dtype)
-                assert out[f"${j // 2}"] >> 16 * (j % 2) & 0xFFFF == want, (kind, scale_w, j)
+                want = float_to_half(s * (qs[j] >> 4 * high & 0xF) + mn, dtype)
+                assert out[f"${j // 2}"] >> 16 * (j % 2) & 0xFFFF == want, (high, j)

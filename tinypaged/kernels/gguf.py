@@ -71,7 +71,7 @@ ROWS_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {
 # linears of the types listed here that DECODE_PATHS gives gguf_rows take gguf_subdot instead
 # (where subdot_supported). From benchmarks/gguf_gemv.py --only subdot on an H200: Q4_K's join
 # mode beat gguf_rows on every Llama-3-8B layer at 4-16 rows; Q6_K lost to gguf_rows in every
-# mode swept, so Q6_K is not listed and keeps gguf_rows.
+# mode swept, so gguf_subdot no longer takes it and Q6_K keeps gguf_rows.
 SUBDOT_CONFIGS: dict[int, tuple[tuple[int, dict], ...]] = {
     12: (  # Q4_K
         (16, dict(block_n=64, num_warps=4, num_stages=3, asm=True, join=True)),
