@@ -13,9 +13,10 @@ normalization reads the fp32 sum before that rounding. All math is fp32; the out
 Shapes: x [..., H] (every leading dim is a row, e.g. [T, H] or [T, num_heads, head_dim] for
 per-head q/k norms), weight [H], residual like x. One program normalizes one row.
 
-`rms_norm_quant_fp8` is the same pass for an FP8 W8A8 linear after the norm (the prefill path of
-quantization/fp8.py): the normalized row, rounded to x's dtype as rms_norm stores it, is
-quantized to e4m3 while it is still in registers (kernels/fp8.py's quantize_fp8, dynamic):
+`rms_norm_quant_fp8` is the same pass for an FP8 W8A8 linear after the norm (the qkv and
+gate-up projections, through quantization/fp8.py's fp8_norm_linear): the normalized row,
+rounded to x's dtype as rms_norm stores it, is quantized to e4m3 while it is still in
+registers (kernels/fp8.py's quantize_fp8, dynamic):
 
     q [T, H] float8_e4m3fn, s [T, 1] (per token) or [T, H / group] (per token group)
 

@@ -21,8 +21,9 @@ output projection.
 Architectures differ only in the data of a `DecoderSpec` (sizes, biases, q/k norm, extra norms,
 rotary style, windows) and in their checkpoint's tensor names; the model files (llama.py,
 qwen.py, glm.py, gemma.py, phi3.py) declare those. Residual adds are fused into the next
-RMSNorm (`rms_norm(x, w, eps, r)` returns the normalized sum and the sum). `load_weights` fuses
-QKV and gate-up at load time and refuses any missing, unexpected or mis-shaped tensor.
+RMSNorm (`rms_norm(x, w, eps, r)` returns the normalized sum and the sum), and before an FP8
+W8A8 qkv or gate-up GEMM so is the activations' quantization (fp8_norm_linear). `load_weights`
+fuses QKV and gate-up at load time and refuses any missing, unexpected or mis-shaped tensor.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from tinypaged.models.layers import (
 )
 from tinypaged.models.moe import MoESpec, SparseMoeBlock, expert_checkpoint_name, expert_shard
 from tinypaged.models.rope import RopeSpec, read_rope
-from tinypaged.quantization.fp8 import fp8_silu_and_mul_down
+from tinypaged.quantization.fp8 import fp8_norm_linear, fp8_silu_and_mul_down
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,12 @@ class SelfAttention(nn.Module):
     def project_qkv(self, positions: torch.Tensor, x: torch.Tensor,
                     slot_mapping: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> the rotated q [T, num_heads, head_dim]; k and v go to the cache."""
-        qkv = self.qkv_proj(x)  # [T, (num_heads + 2 num_kv_heads) * head_dim]
+        return self.store_qkv(positions, self.qkv_proj(x), slot_mapping)
+
+    def store_qkv(self, positions: torch.Tensor, qkv: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (num_heads + 2 num_kv_heads) * head_dim] -> the rotated q
+        [T, num_heads, head_dim]; k and v go to the cache."""
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
@@ -194,7 +200,10 @@ class MLP(nn.Module):
         self.act_and_mul = ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2 * intermediate] -> down(act(gate) * up) [T, hidden]"""
         if self.act_and_mul is kernels.silu_and_mul:  # FP8 W8A8: fused with the quantization
             y = fp8_silu_and_mul_down(self.down_proj, gate_up)
             if y is not None:
@@ -229,6 +238,11 @@ class DecoderLayer(nn.Module):
                       residual: torch.Tensor | None, slot_mapping: torch.Tensor):
         """Token-wise work up to attention: (the add and) the input norm, QKV, rotary, KV store.
         Returns the rotated q [T, num_heads, head_dim] and the running sum h [T, hidden]."""
+        # FP8 W8A8: the norm quantizes x for the QKV GEMM in its own pass
+        fused = fp8_norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        if fused is not None:
+            qkv, residual = fused
+            return self.self_attn.store_qkv(positions, qkv, slot_mapping), residual
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -241,8 +255,15 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn.project_out(attn_out)
         if self.sandwich_norms:
             hidden = self.post_self_attn_layernorm(hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        hidden = self.mlp(hidden)
+        # FP8 W8A8: the add and norm quantize x for the gate-up GEMM in their own pass
+        fused = fp8_norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden,
+                                residual) if isinstance(self.mlp, MLP) else None
+        if fused is not None:
+            gate_up, residual = fused
+            hidden = self.mlp.down(gate_up)
+        else:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            hidden = self.mlp(hidden)
         if self.sandwich_norms:
             hidden = self.post_mlp_layernorm(hidden)
         return hidden, residual

@@ -28,7 +28,9 @@ GEMV instead, one launch, in one of two modes ($TINYPAGED_FP8_GEMV): "w8a16" (th
 row for now: kernels/dense_gemv.py says why) streams the e4m3 weight, converts it in registers
 and multiplies it by the activations as they are; "w8a8dot" (1-16 rows) quantizes each K step
 of the activations to e4m3 in registers (one scale per row and step) and multiplies on FP8
-tensor cores. A static input_scale is unused by both. On the CPU
+tensor cores. A static input_scale is unused by both. Where the decoder layer's RMSNorm or
+SiLU-and-mul comes before the W8A8 product, that kernel quantizes x in its own pass instead
+(fp8_norm_linear, fp8_silu_and_mul_down). On the CPU
 the weights are dequantized and multiplied in the activations' dtype (weight-only FP8, as
 vLLM's fallback on GPUs without FP8 tensor cores): the fp32 CPU path is then exactly the
 checkpoint's dequantized model, which is what the tests compare with transformers.
@@ -54,6 +56,7 @@ from tinypaged.kernels.dense_gemv import (
 from tinypaged.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_gemm, quantize_fp8
 from tinypaged.kernels.fp8_act import silu_and_mul_quant_fp8
 from tinypaged.kernels.fp8_rows import fp8_rows, fp8_rows_config, fp8_rows_enabled
+from tinypaged.kernels.norm import rms_norm_quant_fp8
 from tinypaged.quantization.base import QuantizationMethod
 
 SUPPORTED_BLOCKS = ((128, 128),)
@@ -221,6 +224,38 @@ def fp8_silu_and_mul_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tenso
         y = w8a8_product(q, s, down.weight, down.weight_scale, gate_up.dtype, method.block)
     y = all_reduce(y.reshape(*gate_up.shape[:-1], -1))
     return y if down.bias is None else y + down.bias
+
+
+def fp8_norm_linear(norm: nn.Module, linear: nn.Module, x: torch.Tensor,
+                    residual: torch.Tensor | None,
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """linear(norm(x)) for an FP8 column-parallel `linear` on the W8A8 path, with the norm's
+    output quantized in the norm's own pass (kernels/norm.py's rms_norm_quant_fp8), so that
+    apply's separate quantize_fp8 launch goes:
+
+        r = x + residual                    (x itself when residual is None)
+        q, s = quantize(rms_norm(r))        per token, or per token and group of block[1] inputs
+        y = (q * s) @ (weight * weight_scale)^T + bias
+
+    Returns (y [..., N], r): what `norm(x, residual)` then `linear` return, with the same
+    quantized operands as apply, so the same numbers. None where apply would not quantize x
+    this way: another method or no Triton (the CPU path is weight-only), the decode GEMV's
+    rows (takes_gemv: it reads x unquantized), a static input_scale (the norm kernel computes
+    dynamic scales only), LoRA on `linear` (its delta reads the unquantized x), hidden sizes
+    not a whole number of groups. The caller then runs the norm and the linear as before."""
+    method = getattr(linear, "quant_config", None)
+    if (not isinstance(method, Fp8Config) or not use_triton(x) or method.static_input
+            or linear.lora is not None):
+        return None
+    if method.takes_gemv(x.reshape(-1, x.shape[-1])):
+        return None
+    group = None if method.block is None else method.block[1]
+    if group is not None and x.shape[-1] % group:
+        return None
+    q, s, *summed = rms_norm_quant_fp8(x, norm.weight, norm.eps, residual, group)
+    y = w8a8_product(q, s, linear.weight, linear.weight_scale, x.dtype, method.block)
+    y = y.reshape(*x.shape[:-1], -1)
+    return (y if linear.bias is None else y + linear.bias), (summed[0] if summed else x)
 
 
 @dataclass(frozen=True)
