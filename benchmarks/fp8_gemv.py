@@ -38,26 +38,17 @@ import fp8_rows_sweep
 import torch
 from awq_gemv import L2_BYTES, copy_bandwidth, graph_us
 from dense_gemv import graph_replay_errors
-from fp8_rows_sweep import fp8_weight
+from fp8_rows_sweep import config_line, fp8_linear_graph_errors, fp8_weight, workspace_clean
 
 from tinypaged.kernels import dense_gemv as D
 from tinypaged.kernels import fp8, fp8_act
 from tinypaged.kernels._triton import cdiv
-from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 from tinypaged.models.layers import ColumnParallelLinear
 from tinypaged.quantization.fp8 import Fp8Config
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
           ("down", 14336, 4096)]  # Llama-3-8B, (layer, K, N)
 KINDS = ("tensor", "channel", "block")
-
-
-def workspace_clean():
-    clean = all(not (p.any() or c.any()) for p, c in SPLIT_K_WORKSPACE.values())
-    for p, c in SPLIT_K_WORKSPACE.values():
-        p.zero_()
-        c.zero_()
-    return clean
 
 
 def checks():
@@ -92,21 +83,10 @@ def checks():
                     ok = err < 1e-2 and workspace_clean()
                     bad += not ok
                     print(f"  {'ok  ' if ok else 'FAIL'} silu_and_mul input M={M}: {err:.1e}")
-    for method in (Fp8Config.online(), Fp8Config(weight_scheme="block", block=(128, 128))):
-        layer = ColumnParallelLinear(4096, 6144, bias=False, quant_config=method)
-        if method.from_dense:
-            layer.weight.data.normal_(std=0.02)
-        else:
-            w, s, _ = fp8_weight(6144, 4096, "block", "cpu")
-            layer.weight.data.copy_(w)
-            layer.weight_scale_inv.data.copy_(s)
-        method.process_weights_after_loading(layer)
-        layer.to("cuda")
-        deq = method.dequantized_weight(layer)
-        for M, err in graph_replay_errors(layer, lambda x, deq=deq: x.float() @ deq.t()):
-            bad += not err < 1e-2
-            print(f"  {'ok  ' if err < 1e-2 else 'FAIL'} CUDA graph, FP8 linear "
-                  f"{method.weight_scheme} M={M}: {err:.1e}", flush=True)
+    for scheme, M, err in fp8_linear_graph_errors():
+        bad += not err < 1e-2
+        print(f"  {'ok  ' if err < 1e-2 else 'FAIL'} CUDA graph, FP8 linear {scheme} M={M}: "
+              f"{err:.1e}", flush=True)
     return bad
 
 
@@ -276,12 +256,7 @@ def dot_table(times, cands, bw):
     for key, cfg in {**{k: v for k, v in D.FP8_GEMV_CONFIGS.items()
                         if not k.startswith("w8a8dot") and k not in D.FP8_ONE_ROW_CONFIGS},
                      **entries}.items():
-        args = [f"{k}={v}" for k, v in cfg.items()]
-        line = f'    "{key}": dict({", ".join(args)}),'
-        if len(line) > 100:  # two lines
-            head = f'    "{key}": dict('
-            line = f"{head}{', '.join(args[:4])},\n{' ' * len(head)}{', '.join(args[4:])}),"
-        print(line)
+        print(config_line(key, cfg))
     print("}")
     return entries
 

@@ -89,6 +89,8 @@ def rel(y, ref):
 
 
 def workspace_clean():
+    """Whether every split-K workspace came back zeroed (as the kernels must leave it); zeroes
+    it either way, so one failure does not fail every later check."""
     clean = all(not (p.any() or c.any()) for p, c in SPLIT_K_WORKSPACE.values())
     for p, c in SPLIT_K_WORKSPACE.values():
         p.zero_()
@@ -136,6 +138,17 @@ def checks():
                 and workspace_clean()
             bad += report(ok, f"w8_words {kind:7s} {K}x{N} M=1 silu_and_mul={silu}: vs fp32 "
                               f"{max(errs):.1e}, vs the converting GEMV {vs_conv:.1e}")
+    for scheme, M, err in fp8_linear_graph_errors(sizes=(2, 8, 16)):
+        bad += report(err < 0.06, f"CUDA graph, FP8 linear {scheme} M={M} "
+                                  f"(W8A8 through fp8_rows): vs bf16 x {err:.1e}")
+    return bad
+
+
+def fp8_linear_graph_errors(sizes=(1, 8)):
+    """[(weight scheme, M, error)]: an FP8 ColumnParallelLinear 4096 -> 6144 (quantized at load
+    per channel; block-wise [128, 128] as a checkpoint holds it) replayed in a CUDA graph at
+    each M against its dequantized weight (dense_gemv.graph_replay_errors)."""
+    out = []
     for method in (Fp8Config.online(), Fp8Config(weight_scheme="block", block=(128, 128))):
         layer = ColumnParallelLinear(4096, 6144, bias=False, quant_config=method)
         if method.from_dense:
@@ -147,11 +160,9 @@ def checks():
         method.process_weights_after_loading(layer)
         layer.to(DEV)
         deq = method.dequantized_weight(layer)
-        for M, err in graph_replay_errors(layer, lambda x, deq=deq: x.float() @ deq.t(),
-                                          sizes=(2, 8, 16)):
-            bad += report(err < 0.06, f"CUDA graph, FP8 linear {method.weight_scheme} M={M} "
-                                      f"(W8A8 through fp8_rows): vs bf16 x {err:.1e}")
-    return bad
+        errors = graph_replay_errors(layer, lambda x, deq=deq: x.float() @ deq.t(), sizes=sizes)
+        out += [(method.weight_scheme, M, err) for M, err in errors]
+    return out
 
 
 def setups(kind, weights):
@@ -295,13 +306,18 @@ def summary(times, cands, bw):
 def print_table(name, entries):
     print(f"{name} = {{")
     for key, cfg in entries.items():
-        args = [f"{k}={v}" for k, v in cfg.items()]
-        line = f'    "{key}": dict({", ".join(args)}),'
-        if len(line) > 100:  # two lines
-            head = f'    "{key}": dict('
-            line = f"{head}{', '.join(args[:4])},\n{' ' * len(head)}{', '.join(args[4:])}),"
-        print(line)
+        print(config_line(key, cfg))
     print("}")
+
+
+def config_line(key, cfg):
+    """`    "key": dict(a=1, ...),` as a tile table in kernels/ holds it (two lines past 100)."""
+    args = [f"{k}={v}" for k, v in cfg.items()]
+    line = f'    "{key}": dict({", ".join(args)}),'
+    if len(line) > 100:
+        head = f'    "{key}": dict('
+        line = f"{head}{', '.join(args[:4])},\n{' ' * len(head)}{', '.join(args[4:])}),"
+    return line
 
 
 def dry_run():

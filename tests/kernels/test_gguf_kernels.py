@@ -183,6 +183,19 @@ def test_linear_dispatch(interpret, monkeypatch):
     assert gguf.gguf_linear(x[:0], qweight, type_id).shape == (0, 16)
 
 
+def linear_calls(monkeypatch, kernel: str, type_id: int, K: int, seed: int) -> list[dict]:
+    """gguf_linear over 6 rows of x and 16 random rows of W, with gguf.`kernel` spied on: the
+    keyword arguments of each call it got (the output is checked against the reference)."""
+    raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=seed))
+    qweight = to_device_layout(raw, type_id, K)
+    x = torch.randn(6, K)
+    calls, real = [], getattr(gguf, kernel)
+    monkeypatch.setattr(gguf, kernel, lambda *a, **kw: (calls.append(kw), real(*a, **kw))[1])
+    y = gguf.gguf_linear(x, qweight, type_id)
+    reference = gguf.linear_reference(x, qweight, type_id)
+    torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
+    return calls
+
 def test_shape_errors_name_the_layout():
     qweight = torch.zeros(4, 100, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"Q4_K weight with K=256 is uint8 \[N, 144\]"):
@@ -294,17 +307,7 @@ def test_rows_dispatch(interpret, monkeypatch):
     assert gguf.decode_path(14, 256, 16) == ("rows", {})  # 210-byte rows: fine here
     assert gguf.decode_path(12, 512, 1) == ("gemv", {})
     assert gguf.decode_path(8, 512, 17) is None
-    K, type_id = 256, 13
-    raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=11))
-    qweight = to_device_layout(raw, type_id, K)
-    x = torch.randn(6, K)
-    calls = []
-    monkeypatch.setattr(gguf, "gguf_rows",
-                        lambda *a, **kw: (calls.append(kw), gguf_rows(*a, **kw))[1])
-    y = gguf.gguf_linear(x, qweight, type_id)
-    assert calls == [{}]
-    reference = gguf.linear_reference(x, qweight, type_id)
-    torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
+    assert linear_calls(monkeypatch, "gguf_rows", type_id=13, K=256, seed=11) == [{}]
 
 
 SUBDOT_CASES = [(torch.float32, 2), (torch.float16, 3), (torch.float32, 5), (torch.float16, 8),
@@ -358,17 +361,8 @@ def test_subdot_dispatch(interpret, monkeypatch):
     assert gguf.decode_path(8, 512, 8) == ("rows", gguf.rows_config(8, 8))
     assert gguf.decode_path(12, 512, 2) == ("subdot", gguf.subdot_config(12, 2))
     monkeypatch.setitem(gguf.SUBDOT_CONFIGS, 12, ((16, {"block_n": 16}),))
-    K, type_id = 512, 12
-    raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=14))
-    qweight = to_device_layout(raw, type_id, K)
-    x = torch.randn(6, K)
-    calls = []
-    monkeypatch.setattr(gguf, "gguf_subdot",
-                        lambda *a, **kw: (calls.append(kw), gguf_subdot(*a, **kw))[1])
-    y = gguf.gguf_linear(x, qweight, type_id)
-    assert calls == [{"block_n": 16}]
-    reference = gguf.linear_reference(x, qweight, type_id)
-    torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4 * reference.abs().max())
+    assert linear_calls(monkeypatch, "gguf_subdot", type_id=12, K=512, seed=14) == [
+        {"block_n": 16}]
 
 
 @pytest.mark.parametrize("magic", [0x4300, 0x6400], ids=["bf16", "fp16"])

@@ -295,25 +295,38 @@ def gguf_rows(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
                          f"in whole blocks; got M={M}, type {type_id}, K={K}")
     check_qweight(qweight, type_id, K, "gguf_rows")
     x, qweight = x.contiguous(), qweight.contiguous()
-    if not x.is_cuda:  # the interpreter's tl.dot takes 16 columns and up
+    block_m, (n_blocks, split_k), y, partial, count = rows_launch(
+        x, N, K, block_n, split_k, programs_per_sm, min_block_m)
+    _gguf_rows_kernel[(n_blocks, split_k)](
+        x, qweight, qweight.view(torch.int8), qweight.view(torch.float16), y, partial, count,
+        M, N, K, x.stride(0), qweight.shape[1], split_k,
+        QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=block_m,
+        SPLIT=split_k > 1, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
+        ASM=asm and not interpreting(), num_warps=num_warps,
+    )
+    return y
+
+
+def rows_launch(x: torch.Tensor, N: int, K: int, block_n: int, split_k: int | None,
+                programs_per_sm: int, min_block_m: int):
+    """What a launch of gguf_rows or gguf_subdot (kernels/gguf_subdot.py) over x [M, K] and N
+    rows of W needs: (BLOCK_M, grid (row blocks, split_k), y [M, N], partial, count).
+
+    BLOCK_M: x^T padded to a power of two of at least min_block_m columns (16 in the
+    interpreter, whose tl.dot takes no fewer). split_k: by default about programs_per_sm
+    programs an SM, and never a split left without a 256-weight step. The split-K workspace is
+    sized for ROWS_MAX_M rows and 8-row blocks whatever M and the tiles are (as dense_gemv's),
+    so no batch size reallocates it after another one's CUDA graph captured it."""
+    if not x.is_cuda:
         min_block_m = max(min_block_m, 16)
     n_blocks, steps = cdiv(N, block_n), cdiv(K, 256)
     if split_k is None:
         target = programs_target(x.device) * programs_per_sm // 4
         split_k = max(1, min(steps, cdiv(target, n_blocks)))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    # sized for ROWS_MAX_M rows and 8-row blocks whatever M and the tiles are (as dense_gemv),
-    # so that no batch size reallocates it after another one's CUDA graph captured it
+    y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     partial, count = split_k_workspace(x.device, ROWS_MAX_M * N, cdiv(N, 8))
-    _gguf_rows_kernel[(n_blocks, split_k)](
-        x, qweight, qweight.view(torch.int8), qweight.view(torch.float16), y, partial, count,
-        M, N, K, x.stride(0), qweight.shape[1], split_k,
-        QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=max(min_block_m, next_power_of_2(M)),
-        SPLIT=split_k > 1, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
-        ASM=asm and not interpreting(), num_warps=num_warps,
-    )
-    return y
+    return max(min_block_m, next_power_of_2(x.shape[0])), (n_blocks, split_k), y, partial, count
 
 
 def gguf_rows_reference(x: torch.Tensor, qweight: torch.Tensor, type_id: int,

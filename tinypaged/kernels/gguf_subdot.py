@@ -35,15 +35,13 @@ from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels._triton import cdiv, dot_precision, interpreting, jit, next_power_of_2, tl
+from tinypaged.kernels._triton import dot_precision, interpreting, jit, tl
 from tinypaged.kernels.awq_unpack import MAGIC16
 from tinypaged.kernels.gguf_format import check_qweight
-from tinypaged.kernels.gguf_rows import _weights, gguf_rows_reference
+from tinypaged.kernels.gguf_rows import _weights, gguf_rows_reference, rows_launch
 from tinypaged.kernels.split_k import (
-    programs_target,
     split_k_finish,
     split_k_range,
-    split_k_workspace,
 )
 
 SUBDOT_MAX_M = 16
@@ -234,21 +232,13 @@ def gguf_subdot(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: i
                          f"rows of a multiple of 256 weights; got M={M}, type {type_id}, K={K}")
     check_qweight(qweight, type_id, K, "gguf_subdot")
     x, qweight = x.contiguous(), qweight.contiguous()
-    if not x.is_cuda:  # the interpreter's tl.dot takes 16 columns and up
-        min_block_m = max(min_block_m, 16)
-    n_blocks, steps = cdiv(N, block_n), K // 256
-    if split_k is None:
-        target = programs_target(x.device) * programs_per_sm // 4
-        split_k = max(1, min(steps, cdiv(target, n_blocks)))
-    split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    # sized as gguf_rows' (the same shared workspace), so no batch size reallocates it
-    partial, count = split_k_workspace(x.device, SUBDOT_MAX_M * N, cdiv(N, 8))
+    block_m, (n_blocks, split_k), y, partial, count = rows_launch(
+        x, N, K, block_n, split_k, programs_per_sm, min_block_m)  # gguf_rows' shape, workspace
     magic = MAGIC16[x.dtype][0]
     _gguf_subdot_kernel[(n_blocks, split_k)](
         x, qweight, qweight.view(torch.int32), y, partial, count,
         M, N, K, x.stride(0), qweight.shape[1], split_k,
-        BLOCK_N=block_n, BLOCK_M=max(min_block_m, next_power_of_2(M)), SPLIT=split_k > 1,
+        BLOCK_N=block_n, BLOCK_M=block_m, SPLIT=split_k > 1,
         STAGES=num_stages, MAGIC16=magic, ASM=asm and magic != 0 and not interpreting(),
         DOT_PRECISION=dot_precision(x.dtype), JOIN=join, num_warps=num_warps,
     )
