@@ -21,7 +21,10 @@ gpu   Llama-3-8B shape (random weights), prompts of --prompt-len tokens, async s
       were launched in ("sampling": the sampler or the rejection sampler) or else by name. Host
       columns (timed steps, wall ms): the engine thread blocked on a step's tokens, and
       (speculation) from their arrival to the next forward's launch: host work that the GPU
-      waits for.
+      waits for. Then the engine-thread calls in that gap, each timed (GAP_PHASES: the
+      scheduler's update and schedule, the proposer, build_step, the runner's execute), and
+      the CUDA runtime calls each made in the profiled steps (a graph launch, the input
+      copies, any synchronization): under speculation all of them delay the next launch.
 host  a tiny random Llama on the CPU (torch references), async scheduling on: this thread's
       CPU time per step outside the model's forward and logits, split into the part before
       the forward is launched (under speculation the GPU idles through it: the step needs the
@@ -186,6 +189,73 @@ class _HostClock:
         del self.executor.collect, self.executor.execute  # back to the class's methods
 
 
+# The engine-thread calls that sit between a verification's tokens and the next launch, timed
+# one by one (the `gap` columns): (label, object path from the engine, method name).
+GAP_PHASES = [
+    ("update", "scheduler", "update"),  # apply: append the tokens, roll back rejected slots
+    ("propose", "spec.proposer", "propose"),
+    ("schedule", "scheduler", "schedule"),
+    ("build_step", "runner", "build_step"),  # host arrays of the step
+    ("execute", "runner", "execute"),  # inputs to the device and the graph's replay
+]
+
+
+def _owner(engine, path: str):
+    obj = engine
+    for name in path.split("."):
+        obj = getattr(obj, name, None) if obj is not None else None
+    return obj
+
+
+class _PhaseClock:
+    """Wall ms of each GAP_PHASES call; with `scope`, each also inside a record_function named
+    gap:<label>, so a profiler trace shows which CUDA runtime calls each makes."""
+
+    def __init__(self, engine, scope: bool = False) -> None:
+        self.total: dict = defaultdict(float)
+        self.patched = []
+        for label, path, method in GAP_PHASES:
+            obj = _owner(engine, path)
+            if obj is None:
+                continue
+            fn = getattr(obj, method)
+
+            def timed(*args, _fn=fn, _label=label, **kwargs):
+                start = time.perf_counter()
+                try:
+                    if scope:
+                        with torch.profiler.record_function("gap:" + _label):
+                            return _fn(*args, **kwargs)
+                    return _fn(*args, **kwargs)
+                finally:
+                    self.total[_label] += time.perf_counter() - start
+
+            setattr(obj, method, timed)
+            self.patched.append((obj, method))
+
+    def undo(self) -> None:
+        for obj, method in self.patched:
+            delattr(obj, method)  # back to the class's method
+
+
+def _gap_calls(trace: dict, num_steps: int) -> list[tuple[str, str, float, float]]:
+    """(phase, CUDA runtime/driver call, calls a step, us a step) of the calls made inside each
+    gap:<phase> range of a trace, most time first."""
+    events = trace["traceEvents"]
+    ranges = sorted((e["ts"], e["ts"] + e["dur"], e["name"][4:]) for e in events
+                    if e.get("cat") == "user_annotation" and e["name"].startswith("gap:"))
+    calls: dict = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") not in ("cuda_runtime", "cuda_driver"):
+            continue
+        phase = next((name for a, b, name in ranges if a <= e["ts"] <= b), None)
+        if phase is not None:
+            calls[phase, e["name"]][0] += 1
+            calls[phase, e["name"]][1] += e.get("dur", 0.0)
+    rows = [(ph, name, n / num_steps, us / num_steps) for (ph, name), (n, us) in calls.items()]
+    return sorted(rows, key=lambda r: -r[3])
+
+
 def _gpu_run(llm: LLM, prompts, args, tag: str) -> dict:
     engine = llm.engine
     samplers = [engine]
@@ -198,12 +268,15 @@ def _gpu_run(llm: LLM, prompts, args, tag: str) -> dict:
     torch.cuda.synchronize()
     replays = sum(g.num_runs for g in graphs)
     host = _HostClock(engine.executor)
+    phases = _PhaseClock(engine)
     start = time.perf_counter()
     for _ in range(args.timed):
         engine.step(finished_only=True)
     torch.cuda.synchronize()
     wall = 1e3 * (time.perf_counter() - start) / args.timed
     host.undo()
+    phases.undo()
+    scoped = _PhaseClock(engine, scope=True)
     replays = (sum(g.num_runs for g in graphs) - replays) / args.timed
     for s in samplers:
         s.sampler = _scoped("sp:sample", s.sampler)
@@ -214,10 +287,14 @@ def _gpu_run(llm: LLM, prompts, args, tag: str) -> dict:
         torch.cuda.synchronize()
     for s, fn in zip(samplers, saved):
         s.sampler = fn
+    scoped.undo()
     _finish(engine)
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(f"{tmp}/trace.json")
-        row = _attribute(json.loads(Path(f"{tmp}/trace.json").read_text()), args.profiled)
+        trace = json.loads(Path(f"{tmp}/trace.json").read_text())
+        row = _attribute(trace, args.profiled)
+        row["gap_calls"] = _gap_calls(trace, args.profiled)
+    row["phases"] = {k: 1e3 * v / args.timed for k, v in phases.total.items()}
     row["wall"], row["graph_replays"] = wall, replays
     row["host_wait"] = 1e3 * host.waited / args.timed
     row["tokens_to_launch"] = 1e3 * host.critical / max(host.num_critical, 1)
@@ -267,6 +344,21 @@ def print_gpu(rows: dict, stats: dict, args, device: str) -> None:
         print(f"| {name} | {b} | {r['wall']:.3f} | {cells} | {r['busy']:.3f} | {r['idle']:.3f} "
               f"| {r['largest_gap']:.3f} | {r['graph_replays']:.2f} | {r['host_wait']:.3f} "
               f"| {launch} |")
+    labels = [label for label, _, _ in GAP_PHASES]
+    print("\nEngine-thread calls, wall ms a step (timed steps; under speculation all of them "
+          "lie between the tokens and the launch):")
+    print("| run | batch | " + " | ".join(labels) + " |")
+    print("|---|---|" + "---|" * len(labels))
+    for (name, b), r in rows.items():
+        print(f"| {name} | {b} | "
+              + " | ".join(f"{r['phases'].get(k, 0.0):.3f}" for k in labels) + " |")
+    for (name, b), r in rows.items():
+        if name == "no spec":
+            continue
+        print(f"\nCUDA runtime calls inside each phase, {name} batch {b} (profiled steps; "
+              "calls and us a step):")
+        for phase, call, n, us in r["gap_calls"][:14]:
+            print(f"  {phase:<11} {call:<40} {n:6.1f} {us:9.1f}")
     for b in args.batches:
         base, spec = rows["no spec", b], rows["oracle_miss", b]
         print(json.dumps({"batch": b, "ratio": round(base["wall"] / spec["wall"], 3),
