@@ -241,11 +241,12 @@ def fp8_norm_linear(norm: nn.Module, linear: nn.Module, x: torch.Tensor,
     quantized operands as apply, so the same numbers. None where apply would not quantize x
     this way: another method or no Triton (the CPU path is weight-only), the decode GEMV's
     rows (takes_gemv: it reads x unquantized), a static input_scale (the norm kernel computes
-    dynamic scales only), LoRA on `linear` (its delta reads the unquantized x), hidden sizes
+    dynamic scales only), LoRA on `linear` in a step with an adapter (its delta reads the
+    unquantized x; without one the step runs as LoRA-off: lora/idle.py), hidden sizes
     not a whole number of groups. The caller then runs the norm and the linear as before."""
     method = getattr(linear, "quant_config", None)
     if (not isinstance(method, Fp8Config) or not use_triton(x) or method.static_input
-            or linear.lora is not None):
+            or (linear.lora is not None and linear.lora.active)):
         return None
     if method.takes_gemv(x.reshape(-1, x.shape[-1])):
         return None
