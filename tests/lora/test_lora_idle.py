@@ -76,6 +76,20 @@ def test_graph_variants():
     assert graph_variants(batch) == (True,)
 
 
+def test_warm_up_runs_the_lora_kernels_and_leaves_no_segments(setup, monkeypatch):
+    """The warm-up steps (and the profiling forward) put every token on slot 0, so that the LoRA
+    kernels compile before serving; the graphs are then captured over no segments."""
+    root = setup[0]
+    runner = lora_llm(root).engine.runner
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    ops = spy_lora_ops(monkeypatch)
+    runner._warm_up()
+    assert ops.count("lora_shrink") > 0
+    lora_batch = runner.lora.batch
+    assert not lora_batch.run_lora and not lora_batch.any_adapter
+    assert lora_batch.seg_len.count_nonzero() == lora_batch.has_adapter.count_nonzero() == 0
+
+
 @pytest.mark.parametrize("skip_idle", ["1", "0"])
 def test_eager_steps_without_adapters_run_no_lora_op(setup, monkeypatch, skip_idle):
     """Base-only steps with LoRA on: no LoRA op and the LoRA-off tokens; a step with an adapter

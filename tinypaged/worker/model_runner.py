@@ -230,6 +230,8 @@ class ModelRunner:
             blocks = range(-(-q_len // self.block_size))
             if len(blocks) <= self.kv_cache_info.num_blocks:
                 self.execute(self._dummy_step([_dummy_prefill(q_len, blocks)]))
+        if self.lora is not None:  # no token on a slot again: the graphs' captures run over that
+            self.lora.prepare(None)
         torch.cuda.synchronize(self.device)
 
     def _dummy_step(self, batch: list[ScheduledSequence]) -> StepInput:
