@@ -167,7 +167,7 @@ def install_graphs(llm, monkeypatch):
                         recorded(runner.model.model.piece, batch, tuple))
     runner.graphs = DecodeGraphs(runner)
     runner.piecewise = PiecewiseGraphs(runner.model, [8, 16], runner.device, runner.dtype,
-                                       lora=batch)
+                                       lora_batch=batch)
     return runner.graphs, runner.piecewise
 
 

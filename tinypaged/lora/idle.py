@@ -19,11 +19,13 @@ flag is the step's (`replay_variant`). Why this of the three ways:
   capture picks the graph at replay) and gives base-only steps exactly the LoRA-off kernels,
   fused FP8 norm-and-quantize included (quantization/fp8.py fp8_norm_linear). Its code is this
   flag and a loop over `graph_variants` in each capture;
-- a separate graph set is the same thing, and what it costs: twice the capture time, and
-  memory for what a graph keeps. The decode and verification graphs keep their outputs, so each
-  bucket holds a second logits buffer [bs, vocab] (and the EAGLE / MTP heads' hidden states);
-  the piecewise graphs keep only weak views of theirs (piecewise_graphs.py), so they add only
-  the graphs themselves. Intermediates share the one memory pool, as before.
+- a separate graph set is the same thing, and what it costs: twice the capture time (decode,
+  verification and piecewise), and memory for what a graph keeps. The decode and verification
+  graphs keep their outputs, so each bucket holds a second logits buffer [bs, vocab] in the
+  model's dtype (sum(buckets) rows in all: 2,191 for max_num_seqs 256, about half a GiB in bf16
+  for a 128k vocabulary) and the EAGLE / MTP heads' hidden states where kept; the piecewise
+  graphs keep only weak views of theirs (piecewise_graphs.py), so they add only the graphs
+  themselves. Intermediates share the one memory pool, as before.
 
 TINYPAGED_LORA_SKIP_IDLE=0 keeps one graph set with the LoRA kernels for every step (on CUDA;
 the CPU has no graphs and always skips), for A/B comparisons and to spare that capture.

@@ -136,7 +136,8 @@ class DecodeGraphs:
         self.host_fields: dict[tuple[int, int], _Fields] = {}  # (set, bs) -> numpy views
         # the LoRA slots' step state (None without enable_lora): graphs are keyed by
         # (bs, run_lora), a step replays the one of its own run_lora (lora/idle.py)
-        self.lora = runner.lora.batch if getattr(runner, "lora", None) is not None else None
+        runtime = getattr(runner, "lora", None)
+        self.lora_batch = None if runtime is None else runtime.batch
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         # the EAGLE / MTP heads' hidden states
@@ -153,10 +154,11 @@ class DecodeGraphs:
         model = self.runner.model
         pool = None
         # largest bucket first, so smaller ones reuse its memory; with LoRA each bucket twice
-        for bs, lora in itertools.product(reversed(self.buckets), graph_variants(self.lora)):
+        variants = graph_variants(self.lora_batch)
+        for bs, lora in itertools.product(reversed(self.buckets), variants):
             f = _Fields(self.ids64, self.ids32, bs, self.mb, self.q)
             f.pad(0)
-            with capturing(self.lora, lora):
+            with capturing(self.lora_batch, lora):
                 for _ in range(2):  # warm up: compile kernels, settle the allocator
                     self._forward(f, bs)
                 torch.cuda.synchronize()
@@ -211,7 +213,7 @@ class DecodeGraphs:
         n64 = 4 * bs * self.q
         self.ids64[:n64].copy_(host64[:n64], non_blocking=True)
         self.ids32[: len(stage.ids32)].copy_(host32[: len(stage.ids32)], non_blocking=True)
-        key = bs, replay_variant(self.lora)
+        key = bs, replay_variant(self.lora_batch)
         self.graphs[key].replay()
         if self.aux[key] is not None:  # the rows of this step, as an eager forward keeps them
             self.runner.model.aux_hidden_states = self.aux[key][: b * self.q]

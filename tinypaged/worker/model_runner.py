@@ -165,7 +165,7 @@ class ModelRunner:
                         type(self.model).__name__, reason)
             return None
         return PiecewiseGraphs(self.model, buckets, self.device, self.dtype,
-                               lora=None if self.lora is None else self.lora.batch)
+                               lora_batch=None if self.lora is None else self.lora.batch)
 
     def release_graphs(self) -> None:
         """Drop the captured graphs (decode and piecewise) and their memory pools; later steps

@@ -86,11 +86,13 @@ def piecewise_unsupported(model: torch.nn.Module) -> str | None:
 
 class PiecewiseGraphs:
     """The captured pieces of one model per token-count bucket and the loop that replays them
-    around eager attention (`run`); `capture=False` runs the pieces eagerly instead. `lora`:
-    the LoRA slots' step state with enable_lora (each piece is then captured per run_lora)."""
+    around eager attention (`run`); `capture=False` runs the pieces eagerly instead.
+    `lora_batch`: the LoRA slots' step state with enable_lora (each piece is then captured per
+    run_lora)."""
 
     def __init__(self, model: torch.nn.Module, buckets: list[int], device: torch.device,
-                 dtype: torch.dtype, capture: bool = True, lora: LoRABatch | None = None) -> None:
+                 dtype: torch.dtype, capture: bool = True,
+                 lora_batch: LoRABatch | None = None) -> None:
         if not buckets:
             raise ValueError("piecewise CUDA graphs need at least one token-count bucket")
         self.decoder = model.model
@@ -103,7 +105,7 @@ class PiecewiseGraphs:
         # [max_t, num_heads, head_dim]: every layer's attention writes here, the next piece reads
         self.attn_out = torch.zeros(max_t, first.num_heads, first.head_dim, dtype=dtype,
                                     device=device)
-        self.lora = lora
+        self.lora_batch = lora_batch
         # (bs, piece, run_lora) -> the piece's graph and the outputs it writes
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int, bool], tuple] = {}
@@ -114,7 +116,7 @@ class PiecewiseGraphs:
         return num_tokens <= self.buckets[-1]
 
     def _piece(self, bs: int, i: int, x: torch.Tensor, residual: torch.Tensor | None):
-        key = bs, i, replay_variant(self.lora)
+        key = bs, i, replay_variant(self.lora_batch)
         graph = self.graphs.get(key)
         if graph is None:
             return self.decoder.piece(i, x, residual, self.positions[:bs], self.slot_mapping[:bs])
@@ -150,8 +152,9 @@ class PiecewiseGraphs:
     def _capture(self) -> None:
         pool = None
         # largest bucket first, so smaller ones reuse its memory; with LoRA each bucket twice
-        for bs, lora in itertools.product(reversed(self.buckets), graph_variants(self.lora)):
-            with capturing(self.lora, lora):
+        variants = graph_variants(self.lora_batch)
+        for bs, lora in itertools.product(reversed(self.buckets), variants):
+            with capturing(self.lora_batch, lora):
                 for _ in range(2):  # warm up: compile kernels, settle the allocator
                     self._forward(bs, bs, None)
                 torch.cuda.synchronize()
