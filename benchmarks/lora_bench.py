@@ -7,11 +7,15 @@ give the overhead. The workload is the vLLM anchor's (/work/shared/vllm-anchor/v
                  (t(256 out) - t(1 out)) / 255 (batch 1 runs adapter 0, batch 8 all four)
 
     PYTHONPATH=. python benchmarks/lora_bench.py [--adapters DIR] [--no-base | --base-only]
-                                                 [--check | --check-only]
+                                                 [--check | --check-only | --idle]
 
 `--check` first runs a GPU correctness check of the kernels (Triton vs reference on random
 segments, bf16) and of one engine step with CUDA graphs on vs off (its tokens' digest is the
-same with TINYPAGED_LORA_OVERLAP=0 and =1); `--check-only` stops after the checks. The
+same with TINYPAGED_LORA_OVERLAP=0 and =1); `--check-only` stops after the checks.
+`--idle` alone compares base-only decode (no request has an adapter) on an engine with
+enable_lora and one without (lora/idle.py: such steps run no LoRA kernel unless
+TINYPAGED_LORA_SKIP_IDLE=0): start-up seconds (the capture included), decode tok/s per sequence
+at batch 1 and 8, and a digest of the greedy tokens, which must be the same for both. The
 adapters are written to DIR (default /tmp/tinypaged-lora-bench) once;
 benchmarks/lora_vllm_bench.py reads the same folders. Prints one JSON line per measurement;
 writes lora_bench.json under $OUT when set.
@@ -117,6 +121,56 @@ def run(llm, dirs: list[Path] | None) -> list[dict]:
     return results
 
 
+def idle_decode(llm, result: dict) -> None:
+    """Base-only decode tok/s per sequence at batch 1 and 8, from (t(128 out) - t(1 out)) / 127,
+    into `result`, with the digest of every greedy token generated."""
+    from tinypaged import SamplingParams
+
+    vocab, tokens = SHAPES[SHAPE]["vocab_size"], []
+
+    def timed(ps: list, out_len: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        tokens.extend(list(o.outputs[0].token_ids) for o in outs)
+        return time.perf_counter() - t0
+
+    for batch in (1, 8):
+        ps = [p[:256] for p in prompts(batch, vocab, seed=2 + batch)]
+        timed(ps, 8)  # warm-up (and the prefix cache, as in the timed pair)
+        with CompileWatch() as watch:
+            t1, t128 = timed(ps, 1), timed(ps, 128)
+        result[f"decode_tok_s_per_seq_b{batch}"] = round(127 / (t128 - t1), 1)
+        result[f"compiles_b{batch}"] = watch.summary()["compiles"]
+    result["tokens_sha256"] = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
+def run_idle() -> list[dict]:
+    """--idle (see the module docstring): a small engine (8 sequences, 256 batched tokens: 4
+    decode buckets, 16 piecewise ones) so that both start-ups and runs fit in about a minute."""
+    from tinypaged import LLM
+
+    results = []
+    for lora in (True, False):
+        extra = dict(enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK) if lora else {}
+        t0 = time.perf_counter()
+        llm = LLM(str(shape_dir(SHAPE)), load_format="dummy", dtype="bfloat16",
+                  gpu_memory_utilization=0.85, max_model_len=1024, max_num_seqs=8,
+                  max_num_batched_tokens=256, skip_tokenizer_init=True, seed=0, **extra)
+        result = {"check": "base-only decode", "model": SHAPE, "enable_lora": lora,
+                  "lora_skip_idle": envs.TINYPAGED_LORA_SKIP_IDLE,
+                  "startup_s": round(time.perf_counter() - t0, 1)}
+        idle_decode(llm, result)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    same = results[0]["tokens_sha256"] == results[1]["tokens_sha256"]
+    print(json.dumps({"check": "base-only tokens, enable_lora on = off", "same": same}), flush=True)
+    return results
+
+
 def check_kernels() -> None:
     """Triton vs the torch references on the GPU, bf16, Llama-3-8B qkv sizes."""
     from tinypaged.kernels.lora_expand import lora_expand_ref, lora_expand_triton
@@ -179,7 +233,14 @@ def main() -> None:
     p.add_argument("--base-only", action="store_true", help="only the runs without LoRA")
     p.add_argument("--check", action="store_true", help="GPU correctness checks first")
     p.add_argument("--check-only", action="store_true", help="the checks, no timed runs")
+    p.add_argument("--idle", action="store_true",
+                   help="only base-only decode with enable_lora on vs off (no adapter written)")
     args = p.parse_args()
+    if args.idle:
+        results = run_idle()
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "lora_idle.json").write_text(json.dumps(results, indent=1))
+        return
     dirs = adapter_dirs(Path(args.adapters))
     results = []
     if args.check or args.check_only:

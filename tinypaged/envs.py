@@ -153,6 +153,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "beside its layer's base matmul (both read only x); 0 runs them after, on one stream",
         _is_one,
     ),
+    "TINYPAGED_LORA_SKIP_IDLE": EnvVar(
+        "bool", True,
+        "1 runs no LoRA kernel in a step where no sequence has an adapter (with enable_lora, "
+        "CUDA graphs are captured twice: with and without LoRA); 0 runs them in every step",
+        _is_not_zero,
+    ),
     "TINYPAGED_GRAMMAR_THREAD": EnvVar(
         "bool", True,
         "0 runs structured output's batched grammar accepts and mask fills on the engine thread, "

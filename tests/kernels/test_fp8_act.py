@@ -2,6 +2,8 @@
 fp16; per token and per group of 128) against its reference, and the FP8 MLP's fused path equal
 to the separate kernels (silu_and_mul, quantize_fp8, the FP8 GEMM)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -64,3 +66,18 @@ def test_cpu_path_is_left_to_the_separate_ops(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     down = layers.RowParallelLinear(64, 32, quant_config=Fp8Config.online())
     assert fp8_silu_and_mul_down(down, torch.randn(2, 128)) is None
+
+
+def test_lora_on_down_takes_the_separate_ops():
+    """down_proj's adapter delta is added in down's own matmul (lora/layers.py): a step with an
+    adapter leaves the fused path; one without keeps it, as LoRA-off (lora/idle.py)."""
+    gen = torch.Generator().manual_seed(2)
+    method = Fp8Config.online()
+    down = layers.RowParallelLinear(256, 128, quant_config=method)
+    down.weight.data.copy_(torch.randn(128, 256, generator=gen) * 0.05)
+    method.process_weights_after_loading(down)
+    gate_up = torch.randn(4, 512, generator=gen)
+    down.lora = SimpleNamespace(active=True)
+    assert fp8_silu_and_mul_down(down, gate_up) is None
+    down.lora.active = False
+    assert fp8_silu_and_mul_down(down, gate_up) is not None

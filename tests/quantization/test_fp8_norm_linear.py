@@ -3,6 +3,8 @@ from the norm's own pass (rms_norm_quant_fp8) instead of a separate quantize_fp8
 see the same quantized operands as norm-then-linear, so the numbers are the same; the cases
 apply would not quantize x that way fall back (None). Triton kernels interpreted."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -98,8 +100,10 @@ def test_quantize_fp8_runs_only_where_it_falls_back(monkeypatch):
     monkeypatch.setenv("TINYPAGED_FP8_GEMV", "w8a8dot")  # 1-16 rows quantized inside the GEMV
     assert fp8_norm_linear(norm, linear, x5, None) is None
     monkeypatch.delenv("TINYPAGED_FP8_GEMV")
-    linear.lora = object()  # the adapter's delta reads the unquantized x
+    linear.lora = SimpleNamespace(active=True)  # the adapter's delta reads the unquantized x
     assert fp8_norm_linear(norm, linear, x5, None) is None
+    linear.lora.active = False  # a step with no adapter runs as LoRA-off (lora/idle.py)
+    assert fp8_norm_linear(norm, linear, x5, None) is not None and calls == []
     del linear.lora
 
     static = Fp8Config(weight_scheme="tensor", static_input=True)

@@ -15,6 +15,8 @@ matrices, and all of them read one per-step token -> slot index.
                 runs there too, into an fp32 delta, and `expand` only adds the delta into y
                 (kernels/lora_expand.py `lora_add`): the one LoRA kernel left on the critical
                 path is a single round trip to memory.
+                In a step where no token has an adapter (`LoRABatch.run_lora` False) the layer
+                runs none of it, eager or in a graph captured for such steps (lora/idle.py).
 
 Tensor parallelism slices A and B as the base weight is sliced. Column-parallel (qkv, gate-up):
 rank r computes y[:, its columns], so it holds all of A and its rows of B (each shard cut as the
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tinypaged import envs
 from tinypaged.kernels.lora_expand import lora_add, lora_expand
 from tinypaged.kernels.lora_shrink import lora_segments, lora_shrink, shrink_splits
 from tinypaged.lora.adapter import LoRAAdapter
@@ -72,6 +75,11 @@ class LoRABatch:
         self.seg_len = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.has_adapter = torch.zeros(max_tokens, dtype=torch.int32, device=device)  # [T] 0/1
         self.any_adapter = False
+        # whether this step's forward runs the LoRA kernels (lora/idle.py): when a token has an
+        # adapter, and in every step on CUDA with TINYPAGED_LORA_SKIP_IDLE=0 (read once: the
+        # graphs are captured for it; the CPU has no graphs to keep the kernels for)
+        self.always_run = not envs.TINYPAGED_LORA_SKIP_IDLE and device.type == "cuda"
+        self.run_lora = self.always_run
         self.max_tokens = max_tokens
         # the shrink's partial-sum planes, shared by every layer (each layer's expand has read
         # them before the next layer's shrink writes; a shrink on the side stream forks after
@@ -109,11 +117,15 @@ class LoRABatch:
     def prepare(self, token_slots: np.ndarray | None) -> None:
         """Fill the buffers for a step whose token t runs the adapter in slot token_slots[t]
         (-1: none; None: no token has one)."""
-        self.any_adapter = token_slots is not None and bool((token_slots >= 0).any())
-        if not self.any_adapter:
-            self.seg_len.zero_()
-            self.has_adapter.zero_()
+        any_adapter = token_slots is not None and bool((token_slots >= 0).any())
+        self.run_lora = any_adapter or self.always_run
+        if not any_adapter:
+            if self.any_adapter:  # zeros for the kernels that may still run (always_run), once
+                self.seg_len.zero_()
+                self.has_adapter.zero_()
+            self.any_adapter = False
             return
+        self.any_adapter = True
         if len(token_slots) > len(self.sorted_token_ids):  # only the profiling pass is this wide
             self.sorted_token_ids = torch.zeros(len(token_slots), dtype=torch.int32,
                                                 device=self.device)
@@ -198,6 +210,12 @@ class LoRALinear:
             lo, hi = self.offsets[i], self.offsets[i + 1]
             self.lora_b[slot, lo:hi, :r].copy_(b)
 
+    @property
+    def active(self) -> bool:
+        """Whether this step's forward adds the adapters' deltas (lora/idle.py): False, and the
+        layer is its base linear alone, when no token of the step has an adapter."""
+        return self.batch.run_lora
+
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += each token's adapter delta, in place; x [T, in], y [T, out] (this rank's): the
         shrink then the expand, queued after the base matmul that made y."""
@@ -214,9 +232,9 @@ class LoRALinear:
 
     def shrink(self, x: torch.Tensor, side: SideStream | None = None) -> Shrunk | None:
         """Queue h = x A^T as the shrink's partial sums (on `side` when given); None when there
-        is nothing to add (the CPU, no token with an adapter)."""
+        is nothing to add (no token with an adapter: `active`)."""
         batch = self.batch
-        if not batch.any_adapter and x.device.type == "cpu":  # no graphs on the CPU: skip
+        if not batch.run_lora:
             return None
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:

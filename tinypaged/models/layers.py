@@ -98,7 +98,8 @@ class RMSNorm(nn.Module):
 class LinearBase(nn.Module):
     """y = x W^T + b for this rank's slice: dense weight or the quant_config's tensors.
     With LoRA (lora/layers.py) `lora` adds each token's adapter delta after the base matmul
-    (its shrink may run beside the base matmul: lora/side_stream.py)."""
+    (its shrink may run beside the base matmul: lora/side_stream.py), in the steps where a token
+    has an adapter (lora/idle.py)."""
 
     lora = None
 
@@ -123,6 +124,8 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         lora = self.lora
+        if lora is not None and not lora.active:  # no adapter in this step: the base alone
+            lora = None
         # overlapped LoRA (TINYPAGED_LORA_OVERLAP, on CUDA): the shrink starts first, on a side
         # stream, and runs beside the base matmul; otherwise None and `apply` runs it after
         shrunk = None if lora is None else lora.shrink_beside(x)

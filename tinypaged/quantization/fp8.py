@@ -208,9 +208,11 @@ def fp8_silu_and_mul_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tenso
     silu(gate) * up as it loads its input (kernels/dense_gemv.py); on the W8A8 path with dynamic
     activations SiLU-and-mul and the per-token (group) quantization are one kernel
     (kernels/fp8_act.py), then the FP8 GEMM. None where neither applies (another method, static
-    input scales past 16 rows, the CPU path): the caller runs the separate ops."""
+    input scales past 16 rows, the CPU path) or LoRA on `down` in a step with an adapter (its
+    delta is added in down's own matmul: lora/layers.py): the caller runs the separate ops."""
     method = getattr(down, "quant_config", None)
-    if not isinstance(method, Fp8Config) or not use_triton(gate_up):
+    if (not isinstance(method, Fp8Config) or not use_triton(gate_up)
+            or (down.lora is not None and down.lora.active)):
         return None
     x2 = gate_up.reshape(-1, gate_up.shape[-1])
     mode = fp8_gemv_mode()
@@ -241,11 +243,12 @@ def fp8_norm_linear(norm: nn.Module, linear: nn.Module, x: torch.Tensor,
     quantized operands as apply, so the same numbers. None where apply would not quantize x
     this way: another method or no Triton (the CPU path is weight-only), the decode GEMV's
     rows (takes_gemv: it reads x unquantized), a static input_scale (the norm kernel computes
-    dynamic scales only), LoRA on `linear` (its delta reads the unquantized x), hidden sizes
+    dynamic scales only), LoRA on `linear` in a step with an adapter (its delta reads the
+    unquantized x; without one the step runs as LoRA-off: lora/idle.py), hidden sizes
     not a whole number of groups. The caller then runs the norm and the linear as before."""
     method = getattr(linear, "quant_config", None)
     if (not isinstance(method, Fp8Config) or not use_triton(x) or method.static_input
-            or linear.lora is not None):
+            or (linear.lora is not None and linear.lora.active)):
         return None
     if method.takes_gemv(x.reshape(-1, x.shape[-1])):
         return None

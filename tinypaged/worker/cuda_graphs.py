@@ -27,6 +27,10 @@ graph begins with the
 placeholders' gather from the runner's `sampled_ids` (async scheduling), so a replay reads the
 previous step's samples where that step left them.
 
+With enable_lora each bucket is captured twice, with the LoRA kernels and without, and a step in
+which no sequence has an adapter replays the graph without them (lora/idle.py says why this
+way and what it costs).
+
 The pinned buffers come in two sets used in turn: under async scheduling the host stages step
 N+1 while step N's copy may still be queued behind the GPU's work (step N-1 has been processed by
 then, so the set it used has been read).
@@ -36,11 +40,13 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import logging
 
 import torch
 
 from tinypaged import envs
+from tinypaged.lora.idle import capturing, graph_variants, replay_variant
 from tinypaged.models.attention_metadata import AttentionMetadata, as_decodes
 from tinypaged.worker.input_batch import StepInput, gather_input_ids
 
@@ -128,9 +134,14 @@ class DecodeGraphs:
         ]
         self.num_runs = 0
         self.host_fields: dict[tuple[int, int], _Fields] = {}  # (set, bs) -> numpy views
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.aux: dict[int, torch.Tensor | None] = {}  # the EAGLE / MTP heads' hidden states
+        # the LoRA slots' step state (None without enable_lora): graphs are keyed by
+        # (bs, run_lora), a step replays the one of its own run_lora (lora/idle.py)
+        runtime = getattr(runner, "lora", None)
+        self.lora_batch = None if runtime is None else runtime.batch
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        # the EAGLE / MTP heads' hidden states
+        self.aux: dict[tuple[int, bool], torch.Tensor | None] = {}
         # auto, multi_query, decodes or varlen (q > 1 only), read once: the capture fixes it
         self.attention = envs.TINYPAGED_SPEC_DECODE_ATTENTION if q > 1 else None
         self._capture()
@@ -142,24 +153,31 @@ class DecodeGraphs:
     def _capture(self) -> None:
         model = self.runner.model
         pool = None
-        for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
+        # largest bucket first, so smaller ones reuse its memory; with LoRA each bucket twice
+        variants = graph_variants(self.lora_batch)
+        for bs, lora in itertools.product(reversed(self.buckets), variants):
             f = _Fields(self.ids64, self.ids32, bs, self.mb, self.q)
             f.pad(0)
-            for _ in range(2):  # warm up: compile kernels, settle the allocator
-                model.compute_logits(model(f.input_ids, f.positions, self._metadata(f, bs)))
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                input_ids = gather_input_ids(f.input_ids, f.prev_sample_indices,
-                                             self.runner.sampled_ids)
-                hidden = model(input_ids, f.positions, self._metadata(f, bs))
-                self.logits[bs] = model.compute_logits(hidden)
-            self.aux[bs] = getattr(model, "aux_hidden_states", None)  # None: none kept
+            with capturing(self.lora_batch, lora):
+                for _ in range(2):  # warm up: compile kernels, settle the allocator
+                    self._forward(f, bs)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[bs, lora] = self._forward(f, bs)
+            self.aux[bs, lora] = getattr(model, "aux_hidden_states", None)  # None: none kept
             pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs, lora] = graph
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s%s", self.buckets,
                     f" ({self.q} tokens per sequence)" if self.q > 1 else "")
+
+    def _forward(self, f: _Fields, bs: int) -> torch.Tensor:
+        """What bucket bs's graph holds: the placeholders' gather, the forward and the logits
+        [bs * q, vocab]."""
+        model = self.runner.model
+        input_ids = gather_input_ids(f.input_ids, f.prev_sample_indices, self.runner.sampled_ids)
+        return model.compute_logits(model(input_ids, f.positions, self._metadata(f, bs)))
 
     def _metadata(self, f: _Fields, bs: int) -> AttentionMetadata:
         """The attention's view of bucket bs; with q > 1 (verification) as
@@ -175,7 +193,8 @@ class DecodeGraphs:
         return as_decodes(md, self.q) if mode == "decodes" else md
 
     def run(self, step: StepInput) -> torch.Tensor:
-        """Replay the bucket that fits a decode step of B sequences; returns logits [B, vocab]
+        """Replay the bucket that fits a decode step of B sequences (its graph with or without
+        the LoRA kernels, as the step's adapters ask); returns logits [B, vocab]
         (the graph's own output buffer, overwritten by the next replay: stream order keeps the
         sampler's reads of it before that).
 
@@ -194,10 +213,11 @@ class DecodeGraphs:
         n64 = 4 * bs * self.q
         self.ids64[:n64].copy_(host64[:n64], non_blocking=True)
         self.ids32[: len(stage.ids32)].copy_(host32[: len(stage.ids32)], non_blocking=True)
-        self.graphs[bs].replay()
-        if self.aux[bs] is not None:  # the rows of this step, as an eager forward keeps them
-            self.runner.model.aux_hidden_states = self.aux[bs][: b * self.q]
-        return self.logits[bs][: b * self.q]
+        key = bs, replay_variant(self.lora_batch)
+        self.graphs[key].replay()
+        if self.aux[key] is not None:  # the rows of this step, as an eager forward keeps them
+            self.runner.model.aux_hidden_states = self.aux[key][: b * self.q]
+        return self.logits[key][: b * self.q]
 
 
 class HeadStepGraphs:

@@ -37,7 +37,7 @@ from tinypaged.config import EngineConfig
 from tinypaged.distributed import parallel_state as distributed
 from tinypaged.kernels._triton import kernel_choice
 from tinypaged.kernels.kv_cache import kv_cache_torch_dtype
-from tinypaged.lora.slots import lora_runtime
+from tinypaged.lora.slots import LoRAStep, lora_runtime
 from tinypaged.models.attention_metadata import AttentionMetadata
 from tinypaged.models.layers import Attention
 from tinypaged.scheduler import ScheduledSequence, Sequence
@@ -164,7 +164,8 @@ class ModelRunner:
             logger.info("piecewise CUDA graphs: not for %s (%s); its prompt steps run eagerly",
                         type(self.model).__name__, reason)
             return None
-        return PiecewiseGraphs(self.model, buckets, self.device, self.dtype)
+        return PiecewiseGraphs(self.model, buckets, self.device, self.dtype,
+                               lora_batch=None if self.lora is None else self.lora.batch)
 
     def release_graphs(self) -> None:
         """Drop the captured graphs (decode and piecewise) and their memory pools; later steps
@@ -215,7 +216,7 @@ class ModelRunner:
         blocks = range(num_seqs * blocks_per_seq)
         batch = [_dummy_prefill(seq_len, blocks[i * blocks_per_seq : (i + 1) * blocks_per_seq])
                  for i in range(num_seqs)]
-        self.execute(self.build_step(batch))
+        self.execute(self._dummy_step(batch))
         self._set_caches(0)
 
     def _warm_up(self) -> None:
@@ -228,8 +229,19 @@ class ModelRunner:
             q_len = min(q_len, self.max_model_len)
             blocks = range(-(-q_len // self.block_size))
             if len(blocks) <= self.kv_cache_info.num_blocks:
-                self.execute(self.build_step([_dummy_prefill(q_len, blocks)]))
+                self.execute(self._dummy_step([_dummy_prefill(q_len, blocks)]))
+        if self.lora is not None:  # no token on a slot again: the graphs' captures run over that
+            self.lora.prepare(None)
         torch.cuda.synchronize(self.device)
+
+    def _dummy_step(self, batch: list[ScheduledSequence]) -> StepInput:
+        """The step of the profiling forward or a warm-up; with enable_lora every token runs
+        slot 0 (zeros: no adapter is loaded yet), so that the LoRA kernels are compiled and
+        their memory profiled too (a step with no adapter runs none: lora/idle.py)."""
+        step = self.build_step(batch)
+        if self.lora is not None:
+            step.lora = LoRAStep(np.zeros(len(step.input_ids), np.int32))
+        return step
 
     def _set_caches(self, num_blocks: int) -> int:
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)

@@ -28,18 +28,25 @@ L * ([bs, (heads + 2 kv_heads) * head_dim] + [bs, hidden]) per bucket, ~3.5 GB f
 Llama-3-8B shape. Under tensor parallelism the all-reduces inside o_proj and down_proj would be
 captured like the decode graphs' ones; until that is checked on two GPUs, TP stays eager here.
 
+With enable_lora every piece is captured twice, with the LoRA kernels and without, and a step in
+which no sequence has an adapter replays the pieces without them (lora/idle.py); the weak views
+make the second set cost no memory for its outputs.
+
 Without `capture` (the CPU, tests) `run` is the same loop with each piece run eagerly.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 
 import torch
 
 from tinypaged import envs
 from tinypaged.distributed import parallel_state as distributed
+from tinypaged.lora.idle import capturing, graph_variants, replay_variant
+from tinypaged.lora.layers import LoRABatch
 from tinypaged.models.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -79,10 +86,13 @@ def piecewise_unsupported(model: torch.nn.Module) -> str | None:
 
 class PiecewiseGraphs:
     """The captured pieces of one model per token-count bucket and the loop that replays them
-    around eager attention (`run`); `capture=False` runs the pieces eagerly instead."""
+    around eager attention (`run`); `capture=False` runs the pieces eagerly instead.
+    `lora_batch`: the LoRA slots' step state with enable_lora (each piece is then captured per
+    run_lora)."""
 
     def __init__(self, model: torch.nn.Module, buckets: list[int], device: torch.device,
-                 dtype: torch.dtype, capture: bool = True) -> None:
+                 dtype: torch.dtype, capture: bool = True,
+                 lora_batch: LoRABatch | None = None) -> None:
         if not buckets:
             raise ValueError("piecewise CUDA graphs need at least one token-count bucket")
         self.decoder = model.model
@@ -95,8 +105,10 @@ class PiecewiseGraphs:
         # [max_t, num_heads, head_dim]: every layer's attention writes here, the next piece reads
         self.attn_out = torch.zeros(max_t, first.num_heads, first.head_dim, dtype=dtype,
                                     device=device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], tuple] = {}
+        self.lora_batch = lora_batch
+        # (bs, piece, run_lora) -> the piece's graph and the outputs it writes
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, bool], tuple] = {}
         if capture:
             self._capture()
 
@@ -104,11 +116,12 @@ class PiecewiseGraphs:
         return num_tokens <= self.buckets[-1]
 
     def _piece(self, bs: int, i: int, x: torch.Tensor, residual: torch.Tensor | None):
-        graph = self.graphs.get((bs, i))
+        key = bs, i, replay_variant(self.lora_batch)
+        graph = self.graphs.get(key)
         if graph is None:
             return self.decoder.piece(i, x, residual, self.positions[:bs], self.slot_mapping[:bs])
         graph.replay()
-        return self.outputs[bs, i]  # the tensors the capture wrote: x, residual were its inputs
+        return self.outputs[key]  # the tensors the capture wrote: x, residual were its inputs
 
     def _forward(self, bs: int, n: int, attn_metadata: AttentionMetadata | None) -> torch.Tensor:
         """Pieces and attentions of bucket bs, the step's n real tokens at the front;
@@ -138,21 +151,25 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
-        for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
-            for _ in range(2):  # warm up: compile kernels, settle the allocator
-                self._forward(bs, bs, None)
-            torch.cuda.synchronize()
-            x, residual = self.input_ids[:bs], None
-            for i in range(len(self.attns) + 1):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    # `residual` (piece i-1's output) is held until this capture is done
-                    outs = self.decoder.piece(i, x, residual, self.positions[:bs],
-                                              self.slot_mapping[:bs])
-                pool = graph.pool()
-                self.graphs[bs, i] = graph
-                self.outputs[bs, i] = tuple(None if t is None else weak_view(t) for t in outs)
-                x, residual = self.attn_out[:bs], outs[1]
+        # largest bucket first, so smaller ones reuse its memory; with LoRA each bucket twice
+        variants = graph_variants(self.lora_batch)
+        for bs, lora in itertools.product(reversed(self.buckets), variants):
+            with capturing(self.lora_batch, lora):
+                for _ in range(2):  # warm up: compile kernels, settle the allocator
+                    self._forward(bs, bs, None)
+                torch.cuda.synchronize()
+                x, residual = self.input_ids[:bs], None
+                for i in range(len(self.attns) + 1):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        # `residual` (piece i-1's output) is held until this capture is done
+                        outs = self.decoder.piece(i, x, residual, self.positions[:bs],
+                                                  self.slot_mapping[:bs])
+                    pool = graph.pool()
+                    self.graphs[bs, i, lora] = graph
+                    self.outputs[bs, i, lora] = tuple(None if t is None else weak_view(t)
+                                                      for t in outs)
+                    x, residual = self.attn_out[:bs], outs[1]
             del outs, residual
         torch.cuda.synchronize()
         logger.info("captured piecewise CUDA graphs (%d pieces) for token counts %s",
