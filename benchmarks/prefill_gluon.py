@@ -1,19 +1,21 @@
 """The Gluon prefill kernel (kernels/attention_gluon.py) on an H200: correct, then how fast.
 
     PYTHONPATH=. python benchmarks/prefill_gluon.py                  # every config, ~1 min
-    PYTHONPATH=. python benchmarks/prefill_gluon.py --configs 128,128,2 --no-time
+    PYTHONPATH=. python benchmarks/prefill_gluon.py --configs 128,128,2,pingpong --no-time
 
 1. Baselines, in this process: the Triton Hopper kernel (attention_hopper.py at HOPPER_CONFIG,
    what TINYPAGED_PREFILL_ATTENTION=triton runs) and SDPA cuDNN on dense [B, 32, L, 128] q/k/v
    (causal: the same FLOPs as 32/8 GQA), timed on B4 L2048 32/8, B4 L2048 32/32, B1 L8192 32/8.
-2. Each Gluon tile config (block_m, block_n, stages; attention_gluon.GLUON_CONFIGS) in a child
-   process of its own, so that a compile error, a wrong result, a fault or a hang (a barrier
-   phase gone wrong waits forever: the child is killed after --child-timeout seconds) costs only
-   that config: it checks the kernel against paged_attention_ref (max error, ok/FAIL per case:
-   32/8 and 32/32 heads, ragged prefills of 1, 17, 300 and 2048 tokens, chunks whose queries
-   start inside a cached prefix, block_size 16, bf16 and fp16; slots no sequence owns hold NaN)
-   and then times it on the three shapes whatever the check said.
-3. A table: TFLOP/s of every kernel and config per shape, and its ratio to cuDNN.
+2. Checks: each Gluon config (block_m, block_n, stages, mode; attention_gluon.GLUON_CONFIGS) in
+   a child process of its own, all at once, so that a compile error, a fault or a hang (a
+   barrier phase gone wrong waits forever: the child is killed after --child-timeout seconds)
+   costs only that config. A child compares the kernel with paged_attention_ref (max error,
+   ok/FAIL per case: 32/8 and 32/32 heads, ragged prefills of 1, 17, 300 and 2048 tokens, chunks
+   whose queries start inside a cached prefix, block_size 16, bf16 and fp16; slots no sequence
+   owns hold NaN), and paged_attention with TINYPAGED_PREFILL_ATTENTION=gluon once.
+3. Timings: one child times every config that neither crashed nor hung in 2 (a wrong result is
+   still timed) on the three shapes, one after the other.
+4. A table: TFLOP/s of every kernel and config per shape, and its ratio to cuDNN.
 
 Causal FLOPs are counted as benchmarks/kernels.py does: 4 * B * Hq * D * L^2 / 2.
 """
@@ -78,7 +80,8 @@ def emit(kind: str, **fields) -> None:
 
 def check(config) -> bool:
     """Every case against paged_attention_ref; prints one line per case, True when all pass."""
-    block_m, block_n, stages = config
+    block_m, block_n, stages, mode = config
+    tag = ",".join(map(str, config))
     all_ok = True
     for dtype in (torch.bfloat16, torch.float16):
         tol = 1.6e-2 if dtype == torch.bfloat16 else 2e-3  # ~2 ulp at 1.0, as kernels.py
@@ -86,10 +89,10 @@ def check(config) -> bool:
             b = paged_batch(q_lens, seq_lens, hq, hk, dtype, poison=True)
             try:
                 got = gluon_attention(*launch_args(b), block_m=block_m, block_n=block_n,
-                                      num_stages=stages)
+                                      num_stages=stages, mode=mode)
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 (a compile error: print it, go on)
-                print(f"  FAIL {str(config):16s} {name:20s} {hq}/{hk} {str(dtype)[6:]:9s} "
+                print(f"  FAIL {tag:18s} {name:20s} {hq}/{hk} {str(dtype)[6:]:9s} "
                       f"{type(e).__name__}: {str(e)[-1500:]}", flush=True)
                 all_ok = False
                 continue
@@ -98,7 +101,7 @@ def check(config) -> bool:
             ok = bool(torch.isfinite(got).all()) and bool((err <= tol + tol * want.float().abs())
                                                           .all())
             all_ok &= ok
-            print(f"  {'ok  ' if ok else 'FAIL'} {str(config):16s} {name:20s} {hq}/{hk} "
+            print(f"  {'ok  ' if ok else 'FAIL'} {tag:18s} {name:20s} {hq}/{hk} "
                   f"{str(dtype)[6:]:9s} max err {err.max().item():.2e}", flush=True)
     return all_ok
 
@@ -119,27 +122,52 @@ def check_dispatch() -> None:
           flush=True)
 
 
-def child(config, do_check: bool, do_time: bool) -> None:
-    if do_check:
-        check(config)
-        if list(config) == [attention.GLUON_CONFIG[k] for k in ("block_m", "block_n",
-                                                                "num_stages")]:
-            check_dispatch()
-    if not do_time:
-        return
-    block_m, block_n, stages = config
+def parse(text: str) -> tuple:
+    block_m, block_n, stages, mode = text.split(",")
+    return int(block_m), int(block_n), int(stages), mode
+
+
+def check_child(config) -> None:
+    check(config)
+    default = attention.GLUON_CONFIG
+    if config == tuple(default[k] for k in ("block_m", "block_n", "num_stages", "mode")):
+        check_dispatch()
+
+
+def time_child(configs) -> None:
     for shape in SHAPES:
         batch, length, hq, hk = shape
         b = paged_batch([length] * batch, [length] * batch, hq, hk, torch.bfloat16, False)
         args = launch_args(b)
+        for block_m, block_n, stages, mode in configs:
+            config = {"block_m": block_m, "block_n": block_n, "num_stages": stages, "mode": mode}
+            ms = bench(lambda args=args, config=config: gluon_attention(*args, **config))
+            emit("time", impl=f"gluon {block_n} s{stages} {mode}", shape=shape_name(shape),
+                 ms=ms, tflops=tflops(shape, ms))
+
+
+def run_children(args, configs, timed: bool) -> dict:
+    """Start a child per config (checks, all at once) or one for every config (timings);
+    returns {config text: its output, with a last line on a crash or timeout}."""
+    script = os.path.abspath(__file__)
+    if timed:
+        jobs = {"timings": [sys.executable, script, "--time-child", *configs]}
+    else:
+        jobs = {c: [sys.executable, script, "--check-child", c] for c in configs}
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for name, cmd in jobs.items()}
+    deadline = time.time() + args.child_timeout * (len(configs) if timed else 1)
+    results = {}
+    for name, proc in procs.items():
         try:
-            ms = bench(lambda args=args: gluon_attention(
-                *args, block_m=block_m, block_n=block_n, num_stages=stages))
-        except Exception as e:  # noqa: BLE001
-            print(f"  gluon {config} {shape_name(shape)}: {type(e).__name__}: {str(e)[-800:]}")
-            continue
-        emit("time", impl=f"gluon {block_m}x{block_n} s{stages}", shape=shape_name(shape),
-             ms=ms, tflops=tflops(shape, ms))
+            out, err = proc.communicate(timeout=max(deadline - time.time(), 1.0))
+            failed = proc.returncode != 0 and f"exit {proc.returncode}: {err[-2500:]}"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            failed = f"TIMEOUT after {args.child_timeout:.0f} s (a hang: barrier phases?)"
+        results[name] = out + (f"  child FAILED: {failed}\n" if failed else "")
+    return results
 
 
 def baselines() -> list[dict]:
@@ -174,35 +202,42 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="*", default=[",".join(map(str, c))
                                                           for c in GLUON_CONFIGS],
-                        help="block_m,block_n,stages of each Gluon config (default: all)")
+                        help="block_m,block_n,stages,mode of each Gluon config (default: all)")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--no-time", action="store_true")
-    parser.add_argument("--child-timeout", type=float, default=25.0)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-timeout", type=float, default=30.0,
+                        help="seconds a check child (or the timing child, per config) may take")
+    parser.add_argument("--check-child", help=argparse.SUPPRESS)
+    parser.add_argument("--time-child", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        child(tuple(int(x) for x in args.child.split(",")), not args.no_check, not args.no_time)
+    if args.check_child:
+        check_child(parse(args.check_child))
         return 0
+    if args.time_child:
+        time_child([parse(c) for c in args.time_child])
+        return 0
+    for config in args.configs:
+        parse(config)  # a typo stops here, not in a child
     start = time.time()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     rows = [] if args.no_time else baselines()
-    for config in args.configs:
-        print(f"gluon config {config} (block_m, block_n, stages)", flush=True)
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", config]
-        cmd += ["--no-check"] * args.no_check + ["--no-time"] * args.no_time
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
-            text, failed = out.stdout, (out.returncode != 0) and out.stderr[-2500:]
-        except subprocess.TimeoutExpired as e:
-            text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            failed = f"TIMEOUT after {args.child_timeout} s (a hang: barrier phases?)"
-            args.child_timeout /= 2  # likely every config hangs: keep the run short
-        for line in text.splitlines():
+    timed = list(args.configs)
+    if not args.no_check:
+        print("checks (each config in its own process)", flush=True)
+        for config, out in run_children(args, args.configs, timed=False).items():
+            print(f"gluon config {config}\n{out}", end="", flush=True)
+            if "child FAILED" in out:
+                timed.remove(config)
+    if not args.no_time and timed:
+        print(f"timings of {' '.join(timed)}", flush=True)
+        for line in run_children(args, timed, timed=True)["timings"].splitlines():
             if line.startswith('{"kind": "time"'):
-                rows.append(json.loads(line))
-            print(line)
-        if failed:
-            print(f"  child FAILED: {failed}", flush=True)
+                row = json.loads(line)
+                rows.append(row)
+                print(f"  {row['impl']:22s} {row['shape']:16s} {row['ms'] * 1e3:9.1f} us "
+                      f"{row['tflops']:7.1f} TFLOP/s", flush=True)
+            else:
+                print(line, flush=True)
     cudnn = {r["shape"]: r["tflops"] for r in rows if r["impl"] == "SDPA cudnn"}
     print("\n| impl | " + " | ".join(shape_name(s) for s in SHAPES) + " |")
     print("|---|" + "---|" * len(SHAPES))

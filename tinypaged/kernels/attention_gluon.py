@@ -77,8 +77,20 @@ else:  # the module still imports; gluon_supports then says no
 
 HALF_COLS = 64  # columns of one D half: 64 fp16/bf16 = 128 bytes, the 128-byte swizzle's width
 HALF = tl.constexpr(HALF_COLS)  # the same, for the kernels
-# (block_m, block_n, num_stages) the launcher accepts; 128 rows = two consumer warpgroups
-GLUON_CONFIGS = [(128, 128, 2), (128, 64, 2), (128, 64, 3), (128, 128, 3)]
+# How the two consumer warpgroups of a program's 128 rows run (`mode`):
+#   wide:     one 8-warp consumer partition; its wgmmas span both warpgroups, which therefore
+#             move in step (every mbarrier arrive syncs the partition)
+#   split:    two 4-warp consumer partitions of 64 rows each, sharing the K/V ring (each empty
+#             barrier waits for both); they drift apart, so one's softmax can meet the other's
+#             MMAs
+#   pingpong: split, with FA3's ordering: a warpgroup waits for its turn before issuing a
+#             tile's wgmmas and hands the turn over once they are issued, so the tensor cores
+#             run one warpgroup's GEMMs while the other does its softmax
+MODES = ("wide", "split", "pingpong")
+# (block_m, block_n, num_stages, mode) the benchmark times (benchmarks/prefill_gluon.py)
+GLUON_CONFIGS = [(128, 128, 2, "wide"), (128, 64, 2, "wide"), (128, 128, 2, "split"),
+                 (128, 128, 2, "pingpong"), (128, 64, 2, "pingpong"), (128, 64, 3, "pingpong"),
+                 (128, 128, 3, "pingpong")]
 
 
 @gluon_jit
@@ -97,21 +109,22 @@ def _find_sequence(QUERY_START_LOC, num_seqs, q_block, BLOCK_Q: gl.constexpr):
 
 @gluon_jit
 def _load_q(Q, q_smem, q_start, q_begin, q_len, kv_head, stride_qt, stride_qh,
-            GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr,
-            num_warps: gl.constexpr):
-    """Gather the program's [BLOCK_M, D] query rows into q_smem [2, BLOCK_M, HALF] (rows past
-    the query: zeros)."""
+            GROUP: gl.constexpr, ROWS: gl.constexpr, CONSUMERS: gl.constexpr,
+            BLOCK_Q: gl.constexpr, num_warps: gl.constexpr):
+    """Gather the program's CONSUMERS * ROWS query rows (D wide) into q_smem
+    [CONSUMERS * 2, ROWS, HALF], consumer c's half h at 2 * c + h (rows past the query: 0)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-    q_idx = q_begin + rows // GROUP  # [BLOCK_M] new-token index in the sequence
-    valid = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
-    head = kv_head * GROUP + rows % GROUP
-    offs = (q_start + q_idx).to(gl.int64) * stride_qt + head * stride_qh
-    mask = gl.expand_dims(valid, 1)
-    for half in gl.static_range(2):
-        ptrs = Q + gl.expand_dims(offs, 1) + gl.expand_dims(cols + half * HALF, 0)
-        q_smem.index(half).store(gl.load(ptrs, mask=mask, other=0.0))
+    for c in gl.static_range(CONSUMERS):
+        rows = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        q_idx = q_begin + rows // GROUP  # [ROWS] new-token index in the sequence
+        valid = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+        head = kv_head * GROUP + rows % GROUP
+        offs = (q_start + q_idx).to(gl.int64) * stride_qt + head * stride_qh
+        for half in gl.static_range(2):
+            ptrs = Q + gl.expand_dims(offs, 1) + gl.expand_dims(cols + half * HALF, 0)
+            q_smem.index(2 * c + half).store(gl.load(ptrs, mask=gl.expand_dims(valid, 1),
+                                                     other=0.0))
 
 
 @gluon_jit
@@ -192,43 +205,61 @@ def _zero_rows_past(v_smem, stage, n_valid, BLOCK_N: gl.constexpr, num_warps: gl
 
 
 @gluon_jit
-def _qk(q_smem, k_smem, stage, s):
-    """Issue S = Q K^T for the tile in `stage` (async): two chained wgmmas over the D halves."""
-    s = warpgroup_mma(q_smem.index(0), k_smem.index(2 * stage).permute((1, 0)), s,
+def _qk(q_smem, k_smem, stage, s, C: gl.constexpr):
+    """Issue S = Q K^T of consumer C for the tile in `stage` (async): two chained wgmmas over
+    the D halves."""
+    s = warpgroup_mma(q_smem.index(2 * C), k_smem.index(2 * stage).permute((1, 0)), s,
                       use_acc=False, is_async=True)
-    return warpgroup_mma(q_smem.index(1), k_smem.index(2 * stage + 1).permute((1, 0)), s,
-                         is_async=True)
+    return warpgroup_mma(q_smem.index(2 * C + 1), k_smem.index(2 * stage + 1).permute((1, 0)),
+                         s, is_async=True)
 
 
 @gluon_jit
-def _consumer(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, OUT,
+def _take_turn(turn, n, C: gl.constexpr, PINGPONG: gl.constexpr):
+    """Pingpong: wait until the other consumer has issued its n-th wgmmas (consumer 0 goes
+    first: a fresh barrier passes parity 1 at once). turn [2, 1]: turn[c] is c's."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(C), (n & 1) ^ (1 - C))
+
+
+@gluon_jit
+def _pass_turn(turn, C: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - C), count=1)
+
+
+@gluon_jit
+def _consumer(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, OUT,
               q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head, stride_ot,
               stride_oh, num_tiles, unmasked_end, qk_scale,
-              GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr,
-              num_warps: gl.constexpr):
-    """The default partition (two warpgroups): QK^T, softmax, PV per tile, then the store."""
+              C: gl.constexpr, ROWS: gl.constexpr, PINGPONG: gl.constexpr,
+              GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """Consumer C (rows C * ROWS .. + ROWS - 1 of the program, on WARPS warps): QK^T, softmax,
+    PV per tile, then the store."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HALF, 16])
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HALF, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_smem.dtype
 
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    rows = C * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     q_idx = q_begin + rows // GROUP
     row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
-    q_pos = gl.where(row_valid, prefix_len + q_idx, -1)  # [BLOCK_M]; -1: every key hidden
+    q_pos = gl.where(row_valid, prefix_len + q_idx, -1)  # [ROWS]; -1: every key hidden
 
-    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    o0 = gl.zeros([BLOCK_M, HALF], gl.float32, o_layout)
-    o1 = gl.zeros([BLOCK_M, HALF], gl.float32, o_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    o0 = gl.zeros([ROWS, HALF], gl.float32, o_layout)
+    o1 = gl.zeros([ROWS, HALF], gl.float32, o_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
 
     # tile 0: S alone (nothing to multiply V with yet)
+    _take_turn(turn, 0, C, PINGPONG)
     mbarrier.wait(k_ready.index(0), 0)
-    s = _qk(q_smem, k_smem, 0, s)
+    s = _qk(q_smem, k_smem, 0, s, C)
+    _pass_turn(turn, C, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, q_pos, 0, unmasked_end, qk_scale, BLOCK_N)
@@ -236,11 +267,13 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, OUT,
     for t in range(1, num_tiles):
         stage = t % STAGES
         prev = (t - 1) % STAGES
+        _take_turn(turn, t, C, PINGPONG)
         mbarrier.wait(k_ready.index(stage), (t // STAGES) & 1)
-        s = _qk(q_smem, k_smem, stage, s)  # S_t, in flight
+        s = _qk(q_smem, k_smem, stage, s, C)  # S_t, in flight
         mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
         o0 = warpgroup_mma(p_op, v_smem.index(2 * prev), o0, is_async=True)  # O += P_{t-1} V
         o1 = warpgroup_mma(p_op, v_smem.index(2 * prev + 1), o1, is_async=True)
+        _pass_turn(turn, C, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))  # QK^T done, PV still running
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, q_pos, t * BLOCK_N, unmasked_end,
@@ -254,15 +287,18 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, OUT,
     last = (num_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // STAGES) & 1)
     if (seq_len % BLOCK_SIZE != 0) & ((key_end - 1) // BLOCK_SIZE == (seq_len - 1) // BLOCK_SIZE):
-        _zero_rows_past(v_smem, last, key_end - (num_tiles - 1) * BLOCK_N, BLOCK_N, num_warps)
+        # (with two consumers both write the same zeros: the values never differ)
+        _zero_rows_past(v_smem, last, key_end - (num_tiles - 1) * BLOCK_N, BLOCK_N, WARPS)
+    _take_turn(turn, num_tiles, C, PINGPONG)
     o0 = warpgroup_mma(p_op, v_smem.index(2 * last), o0, is_async=True)
     o1 = warpgroup_mma(p_op, v_smem.index(2 * last + 1), o1, is_async=True)
+    _pass_turn(turn, C, PINGPONG)
     o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
     mbarrier.arrive(v_empty.index(last), count=1)
 
     # out = O / l (l >= 1 for every valid row: its max key weighs exp2(0))
     inv_l = gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout)), 1)
-    o_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    o_rows = C * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     o_cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
     o_idx = q_begin + o_rows // GROUP
     o_valid = gl.expand_dims((o_rows < BLOCK_Q * GROUP) & (o_idx < q_len), 1)
@@ -279,9 +315,11 @@ def _gluon_attention_kernel(
     num_seqs, num_rows, qk_scale,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+    PINGPONG: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(HEAD_DIM == 2 * HALF)
+    gl.static_assert(num_warps * 16 * CONSUMERS == BLOCK_M)  # 16 rows a warp, as wgmma has
     q_block = gl.num_programs(0) - 1 - gl.program_id(0)  # heaviest first, as attention_varlen
     kv_head = gl.program_id(1)
     seq = _find_sequence(QUERY_START_LOC, num_seqs, q_block, BLOCK_Q)
@@ -297,34 +335,54 @@ def _gluon_attention_kernel(
     num_tiles = gl.cdiv(key_end, BLOCK_N)
     block_table = BLOCK_TABLES + seq.to(gl.int64) * stride_bt
 
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     dtype: gl.constexpr = Q.dtype.element_ty
     smem_layout: gl.constexpr = kv_desc_k.layout  # NVMMA, 128-byte swizzle, [*, HALF] tiles
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * 2, ROWS, HALF], smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES * 2, BLOCK_N, HALF], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES * 2, BLOCK_N, HALF], smem_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # every consumer has read the tile
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
-    _load_q(Q, q_smem, q_start, q_begin, q_len, kv_head, stride_qt, stride_qh, GROUP, BLOCK_M,
-            BLOCK_Q, num_warps)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    _load_q(Q, q_smem, q_start, q_begin, q_len, kv_head, stride_qt, stride_qh, GROUP, ROWS,
+            CONSUMERS, BLOCK_Q, num_warps)
     fence_async_shared()  # the barriers' init and Q's stores, before TMA and wgmma see them
     gl.thread_barrier()
 
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, OUT,
-                     q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head,
-                     stride_ot, stride_oh, num_tiles, unmasked_end, qk_scale, GROUP, BLOCK_M,
-                     BLOCK_Q, BLOCK_N, BLOCK_SIZE, STAGES, num_warps)),
-        (_producer, (kv_desc_k, kv_desc_v, k_smem, v_smem, k_ready, k_empty,
-                     v_ready, v_empty, block_table, kv_head * HEAD_DIM, key_end,
-                     num_tiles, num_rows, BLOCK_N, BLOCK_SIZE, STAGES)),
-    ], [1], [24])
+    # (the partitions' argument tuples are written out: a jitted tuple cannot hold a function)
+    if CONSUMERS == 1:  # wide: the default partition's 8 warps are the consumer
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, OUT,
+                         q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head,
+                         stride_ot, stride_oh, num_tiles, unmasked_end, qk_scale, 0, ROWS,
+                         False, GROUP, BLOCK_Q, BLOCK_N, BLOCK_SIZE, STAGES, num_warps)),
+            (_producer, (kv_desc_k, kv_desc_v, k_smem, v_smem, k_ready, k_empty, v_ready,
+                         v_empty, block_table, kv_head * HEAD_DIM, key_end, num_tiles,
+                         num_rows, BLOCK_N, BLOCK_SIZE, STAGES)),
+        ], [1], [24])
+    else:  # split / pingpong: 4 warps each, the default partition is consumer 0
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, OUT,
+                         q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head,
+                         stride_ot, stride_oh, num_tiles, unmasked_end, qk_scale, 0, ROWS,
+                         PINGPONG, GROUP, BLOCK_Q, BLOCK_N, BLOCK_SIZE, STAGES, num_warps)),
+            (_consumer, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, OUT,
+                         q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head,
+                         stride_ot, stride_oh, num_tiles, unmasked_end, qk_scale, 1, ROWS,
+                         PINGPONG, GROUP, BLOCK_Q, BLOCK_N, BLOCK_SIZE, STAGES, num_warps)),
+            (_producer, (kv_desc_k, kv_desc_v, k_smem, v_smem, k_ready, k_empty, v_ready,
+                         v_empty, block_table, kv_head * HEAD_DIM, key_end, num_tiles,
+                         num_rows, BLOCK_N, BLOCK_SIZE, STAGES)),
+        ], [num_warps, 1], [240, 24])
 
 
 def gluon_supports(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None,
@@ -363,16 +421,19 @@ def gluon_attention(
     block_m: int,
     block_n: int,
     num_stages: int,
+    mode: str,
 ) -> torch.Tensor:
     """Launch the Gluon kernel (arguments checked by attention.paged_attention; the shape by
-    gluon_supports). block_m 128 rows on two consumer warpgroups; block_n 64 or 128 keys."""
+    gluon_supports). block_m 128 rows on two consumer warpgroups run as `mode` says (MODES);
+    block_n 64 or 128 keys; num_stages K/V tiles in the ring."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    if block_m != 128 or block_n not in (64, 128) or group > block_m:
+    if block_m != 128 or block_n not in (64, 128) or group > block_m or mode not in MODES:
         raise ValueError(f"unsupported Gluon tile: block_m {block_m}, block_n {block_n}, "
-                         f"GQA group {group}")
+                         f"mode {mode!r}, GQA group {group}")
     block_q = block_m // group
+    consumers = 1 if mode == "wide" else 2
     k_desc, v_desc = _descriptor(k_cache), _descriptor(v_cache)
     grid = (num_tokens // block_q + seq_lens.shape[0], num_kv_heads)
     _gluon_attention_kernel[grid](
@@ -380,6 +441,7 @@ def gluon_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         seq_lens.shape[0], num_blocks * block_size, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, STAGES=num_stages, num_warps=8,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, STAGES=num_stages, CONSUMERS=consumers,
+        PINGPONG=mode == "pingpong", num_warps=8 // consumers,
     )
     return out
