@@ -205,7 +205,7 @@ def main() -> int:
                         help="block_m,block_n,stages,mode of each Gluon config (default: all)")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--no-time", action="store_true")
-    parser.add_argument("--child-timeout", type=float, default=30.0,
+    parser.add_argument("--child-timeout", type=float, default=60.0,
                         help="seconds a check child (or the timing child, per config) may take")
     parser.add_argument("--check-child", help=argparse.SUPPRESS)
     parser.add_argument("--time-child", nargs="*", help=argparse.SUPPRESS)
