@@ -2,7 +2,8 @@
 
 The math is attention_hopper.py's (see attention.py for the contract): one program owns
 BLOCK_Q new tokens of one sequence times the GROUP query heads of KV head `program_id(1)`,
-packed into BLOCK_M = BLOCK_Q * GROUP = 128 rows (row r: token r // GROUP, head r % GROUP), and
+packed into BLOCK_M = 128 rows (BLOCK_Q = 128 // GROUP; row r: token r // GROUP, head
+r % GROUP; rows from BLOCK_Q * GROUP on are idle when GROUP does not divide 128), and
 streams its keys 0 .. key_end - 1 in tiles of BLOCK_N with the online softmax in base 2
 (online_softmax.py): with s = q . k raw and c = scale * log2(e),
 
@@ -15,15 +16,17 @@ Only the tiles that cross the causal diagonal are masked (key p > query position
 What Gluon adds over the Triton kernel is explicit control of the Hopper machinery
 (FlashAttention-3, Shah et al. 2024, arXiv 2407.08608):
 
-- Warp specialization: a producer partition of ONE warp only issues TMA copies; the consumer
-  (the default partition, 8 warps = two warpgroups of 64 rows each) only runs wgmma and the
-  softmax. They meet at mbarriers around a ring of STAGES K buffers and STAGES V buffers:
+- Warp specialization: a producer partition of ONE warp (24 registers) only issues TMA copies;
+  two consumer warpgroups of 64 rows each (240 registers) only run wgmma and the softmax, as
+  one 8-warp partition or as two 4-warp partitions, optionally taking turns at the tensor
+  cores (MODES below). They meet at mbarriers around a ring of STAGES K and STAGES V buffers:
 
       producer, tile t, stage s = t % STAGES, n = t // STAGES:
           wait k_empty[s] (parity n ^ 1: a fresh barrier passes parity 1 at once)
           expect k_ready[s] <- BLOCK_N * D * 2 bytes;  TMA K rows -> k_smem[s]
           the same for V with v_empty / v_ready
-      consumer: wait k_ready[s] (parity n) ... arrive k_empty[s] once its wgmma read it.
+      consumer: wait k_ready[s] (parity n) ... arrive k_empty[s] once its wgmma read it
+      (k_empty / v_empty count one arrive per consumer partition).
 
 - Paged K/V by TMA with 16-token blocks: the cache is seen as 2-D [num_blocks * block_size,
   Hk * D]; a tile of BLOCK_N keys spans BLOCK_N / block_size cache blocks, so the producer
@@ -44,13 +47,14 @@ What Gluon adds over the Triton kernel is explicit control of the Hopper machine
       S_t = Q K_t^T (async) ; O += P_{t-1} V_{t-1} (async) ; wait S_t ; softmax(S_t) -> P_t
       wait O ; O *= alpha_t
 
-  Q [BLOCK_M, D] is staged once in shared memory (two [BLOCK_M, 64] halves: QK^T is two
-  chained wgmmas over K = 64); P goes to the second wgmma from registers; O is two
-  [BLOCK_M, 64] fp32 accumulators, one per half of V.
+  Q [BLOCK_M, D] is staged once in shared memory (two [rows, 64] halves per consumer: QK^T
+  is two chained wgmmas over K = 64); P goes to the second wgmma from registers; O is two
+  [rows, 64] fp32 accumulators, one per half of V.
 
 Only D = 128 with q and cache in fp16/bf16, no window or soft-cap (gluon_supports); the rest
 stays on attention_hopper.py / attention_varlen.py. Gluon does not run in the interpreter:
-tests compile it for sm_90 on a CPU; benchmarks/prefill_gluon.py checks it on an H200.
+tests compile it for sm_90 on a CPU and replay its schedule in torch
+(tests/kernels/test_attention_gluon.py); benchmarks/prefill_gluon.py checks it on an H200.
 """
 
 from __future__ import annotations
