@@ -80,7 +80,7 @@ else:  # the module still imports; gluon_supports then says no
     gluon_jit = lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f)  # noqa: E731
 
 HALF_COLS = 64  # columns of one D half: 64 fp16/bf16 = 128 bytes, the 128-byte swizzle's width
-HALF = tl.constexpr(HALF_COLS)  # the same, for the kernels
+HALF = tl.constexpr(HALF_COLS) if HAS_TRITON else HALF_COLS  # the same, for the kernels
 # How the two consumer warpgroups of a program's 128 rows run (`mode`):
 #   wide:     one 8-warp consumer partition; its wgmmas span both warpgroups, which therefore
 #             move in step (every mbarrier arrive syncs the partition)
