@@ -67,6 +67,7 @@ def test_cpu_tensors_never_reach_gluon(monkeypatch):
 
 LAUNCHES = r"""
 from tinypaged.kernels import attention, attention_gluon
+from tinypaged.kernels.launcher.launch import launch_source
 
 ptx = []
 
@@ -75,6 +76,9 @@ def keep_ptx(self, *args, grid, warmup, **kwargs):
     kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
     assert kernel.metadata.shared <= 227 * 1024, (self.__name__, kernel.metadata.shared)
     assert kernel.asm["cubin"]  # ptxas ran: SASS for sm_90a
+    assert kernel.metadata.num_warps == 12  # launched with the producer's warpgroup too
+    # the ctypes launcher (TINYPAGED_TRITON_LAUNCHER=python) takes Gluon's TMA descriptors
+    launch_source(list(kernel.src.signature.values()), kernel.metadata.tensordesc_meta)
     ptx.append(kernel.asm["ptx"])
     compiled.add(self.__name__)
 
