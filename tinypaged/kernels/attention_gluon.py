@@ -205,7 +205,7 @@ def _zero_rows_past(v_smem, stage, n_valid, BLOCK_N: gl.constexpr, num_warps: gl
         buf = v_smem.index(2 * stage + half)
         buf.store(gl.where(keep, buf.load(layout), 0.0).to(v_smem.dtype))
     fence_async_shared()  # the generic-proxy stores, before the wgmma (async proxy) reads
-    gl.thread_barrier()  # both warpgroups' rows are written before either multiplies
+    gl.thread_barrier()  # every warp of the partition has written its rows before the MMA
 
 
 @gluon_jit
@@ -220,8 +220,9 @@ def _qk(q_smem, k_smem, stage, s, C: gl.constexpr):
 
 @gluon_jit
 def _take_turn(turn, n, C: gl.constexpr, PINGPONG: gl.constexpr):
-    """Pingpong: wait until the other consumer has issued its n-th wgmmas (consumer 0 goes
-    first: a fresh barrier passes parity 1 at once). turn [2, 1]: turn[c] is c's."""
+    """Pingpong: before its n-th set of wgmmas (n = 0 .. num_tiles) consumer 0 waits for
+    consumer 1's set n - 1 to be issued (n = 0: a fresh barrier passes parity 1 at once), and
+    consumer 1 for consumer 0's set n. turn [2, 1]: turn[c] is c's; each completes once a set."""
     if PINGPONG:
         mbarrier.wait(turn.index(C), (n & 1) ^ (1 - C))
 
