@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -141,7 +142,12 @@ def time_child(configs) -> None:
         args = launch_args(b)
         for block_m, block_n, stages, mode in configs:
             config = {"block_m": block_m, "block_n": block_n, "num_stages": stages, "mode": mode}
-            ms = bench(lambda args=args, config=config: gluon_attention(*args, **config))
+            try:
+                ms = bench(lambda args=args, config=config: gluon_attention(*args, **config))
+            except Exception as e:  # noqa: BLE001 (print it, time the next config)
+                print(f"  gluon {config} {shape_name(shape)}: {type(e).__name__}: "
+                      f"{str(e)[-800:]}", flush=True)
+                continue
             emit("time", impl=f"gluon {block_n} s{stages} {mode}", shape=shape_name(shape),
                  ms=ms, tflops=tflops(shape, ms))
 
@@ -154,19 +160,26 @@ def run_children(args, configs, timed: bool) -> dict:
         jobs = {"timings": [sys.executable, script, "--time-child", *configs]}
     else:
         jobs = {c: [sys.executable, script, "--check-child", c] for c in configs}
-    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    files = {name: (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for name in jobs}
+    procs = {name: subprocess.Popen(cmd, stdout=files[name][0], stderr=files[name][1],
                                     text=True) for name, cmd in jobs.items()}
     deadline = time.time() + args.child_timeout * (len(configs) if timed else 1)
     results = {}
     for name, proc in procs.items():
         try:
-            out, err = proc.communicate(timeout=max(deadline - time.time(), 1.0))
-            failed = proc.returncode != 0 and f"exit {proc.returncode}: {err[-2500:]}"
+            proc.wait(timeout=max(deadline - time.time(), 1.0))
+            failed = proc.returncode != 0 and f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, err = proc.communicate()
+            proc.wait()
             failed = f"TIMEOUT after {args.child_timeout:.0f} s (a hang: barrier phases?)"
-        results[name] = out + (f"  child FAILED: {failed}\n" if failed else "")
+        out, err = files[name]
+        out.seek(0)
+        err.seek(0)
+        text = out.read()
+        if failed:
+            text += f"  child FAILED: {failed}: {err.read()[-2500:]}\n"
+        results[name] = text
     return results
 
 
@@ -176,6 +189,7 @@ def baselines() -> list[dict]:
         batch, length, hq, hk = shape
         b = paged_batch([length] * batch, [length] * batch, hq, hk, torch.bfloat16, False)
         args = launch_args(b)
+        first = len(rows)
         ms = bench(lambda args=args: hopper_attention_triton(*args, **attention.HOPPER_CONFIG))
         rows.append({"impl": "triton hopper", "shape": shape_name(shape), "ms": ms,
                      "tflops": tflops(shape, ms)})
@@ -192,7 +206,7 @@ def baselines() -> list[dict]:
                          "tflops": tflops(shape, ms)})
         except RuntimeError as e:
             print(f"  cuDNN {shape_name(shape)}: {e}")
-        for row in rows[-2:]:
+        for row in rows[first:]:
             print(f"  {row['impl']:22s} {row['shape']:16s} {row['ms'] * 1e3:9.1f} us "
                   f"{row['tflops']:7.1f} TFLOP/s", flush=True)
     return rows
