@@ -64,7 +64,7 @@ import torch
 from tinypaged.kernels._triton import HAS_TRITON, tl
 from tinypaged.kernels.attention_varlen import LOG2E
 
-if HAS_TRITON:
+try:  # Gluon ships inside triton (3.5+); without it the module still imports, unsupported
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -75,12 +75,14 @@ if HAS_TRITON:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAS_GLUON = HAS_TRITON
     gluon_jit = gluon.jit
-else:  # the module still imports; gluon_supports then says no
+except ImportError:
+    HAS_GLUON = False
     gluon_jit = lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f)  # noqa: E731
 
 HALF_COLS = 64  # columns of one D half: 64 fp16/bf16 = 128 bytes, the 128-byte swizzle's width
-HALF = tl.constexpr(HALF_COLS) if HAS_TRITON else HALF_COLS  # the same, for the kernels
+HALF = tl.constexpr(HALF_COLS) if HAS_GLUON else HALF_COLS  # the same, for the kernels
 # How the two consumer warpgroups of a program's 128 rows run (`mode`):
 #   wide:     one 8-warp consumer partition; its wgmmas span both warpgroups, which therefore
 #             move in step (every mbarrier arrive syncs the partition)
@@ -396,7 +398,7 @@ def gluon_supports(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int |
     whose slots are rows of Hk * D contiguous elements (the 2-D TMA view), block_size dividing
     the key tiles."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    return (HAS_TRITON and q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
+    return (HAS_GLUON and q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
             and head_dim == 2 * HALF_COLS and sliding_window is None and softcap is None
             and 64 % block_size == 0 and block_size >= 8
             and k_cache.stride(2) == head_dim and k_cache.stride(1) == num_kv_heads * head_dim
