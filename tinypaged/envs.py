@@ -141,6 +141,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "fp8_gemm's decode tiles instead of kernels/fp8_rows.py (for A/B benchmarks)",
         _is_not_zero,
     ),
+    "TINYPAGED_PREFILL_ATTENTION": EnvVar(
+        "str", "triton",
+        "which kernel runs prefill attention on sm_90 for the shapes it covers (fp16/bf16, "
+        "head_dim 128, no window or soft-cap): triton (kernels/attention_hopper.py) or gluon "
+        "(kernels/attention_gluon.py, warp-specialized TMA + wgmma) (for A/B benchmarks)",
+        lambda name, text: _one_of(name, text, ("triton", "gluon")),
+    ),
     "TINYPAGED_LORA_PDL": EnvVar(
         "bool", False,
         "1 chains the LoRA expand to its shrink by programmatic dependent launch for batches of "

@@ -14,6 +14,7 @@ from helpers.attention import Batch, assert_close
 from tinypaged.kernels import attention
 from tinypaged.kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
 from tinypaged.kernels.attention_decode import decode_attention_triton
+from tinypaged.kernels.attention_gluon import gluon_attention
 from tinypaged.kernels.attention_hopper import hopper_attention_triton
 from tinypaged.kernels.attention_varlen import varlen_attention_triton
 from tinypaged.models.attention_metadata import AttentionMetadata, as_decodes
@@ -295,6 +296,7 @@ def test_tile_configs_have_one_source():
     # the launchers take every tile parameter from attention.py's configs: no defaults of their own
     for launcher, config in ((varlen_attention_triton, attention.VARLEN_CONFIG),
                              (decode_attention_triton, attention.DECODE_CONFIG),
-                             (hopper_attention_triton, attention.HOPPER_CONFIG)):
+                             (hopper_attention_triton, attention.HOPPER_CONFIG),
+                             (gluon_attention, attention.GLUON_CONFIG)):
         params = inspect.signature(launcher).parameters
         assert all(params[key].default is inspect.Parameter.empty for key in config), launcher

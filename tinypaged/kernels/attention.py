@@ -22,7 +22,9 @@ dtype. A prefill is q_len = seq_len; a chunked prefill q_len < seq_len; a decode
 
 Three Triton kernels (see their files): batches with a query longer than 1 run the varlen kernel
 (attention_varlen.py), or on Hopper GPUs (sm_90), when the query tiles fill 128 rows and there
-is no window or soft-cap, its Hopper-shaped twin (attention_hopper.py); pure-decode batches
+is no window or soft-cap, its Hopper-shaped twin (attention_hopper.py), or with
+TINYPAGED_PREFILL_ATTENTION=gluon and head_dim 128 the same in Gluon (attention_gluon.py:
+warp-specialized, TMA and wgmma); pure-decode batches
 (max_query_len == 1) and uniform decodes (every sequence q new tokens, a speculative
 verification: `uniform_decode`) the split-KV flash-decoding kernel (attention_decode.py). None
 reads a tensor on the host when max_query_len and max_seq_len are passed, so a step stays
@@ -33,8 +35,10 @@ from __future__ import annotations
 
 import torch
 
+from tinypaged import envs
 from tinypaged.kernels._triton import num_sms, use_triton
 from tinypaged.kernels.attention_decode import decode_attention_triton, decode_num_splits
+from tinypaged.kernels.attention_gluon import gluon_attention, gluon_supports
 from tinypaged.kernels.attention_hopper import hopper_attention_triton, hopper_supports, is_hopper
 from tinypaged.kernels.attention_varlen import varlen_attention_triton
 from tinypaged.kernels.kv_cache import check_cache_pair
@@ -56,8 +60,15 @@ DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 # spilling but feed smaller MMAs). The sweep: benchmarks/RESULTS-log.md.
 HOPPER_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "tma": True,
                  "maxnreg": 128}
+# The Gluon kernel (attention_gluon.py), taken instead of HOPPER_CONFIG's when
+# TINYPAGED_PREFILL_ATTENTION=gluon and gluon_supports the shape: 128 rows on two consumer
+# warpgroups taking turns at the tensor cores (mode, attention_gluon.MODES) plus a TMA producer
+# warp; 128-key tiles, 2 stages (not yet measured against the other GLUON_CONFIGS on an H200:
+# benchmarks/prefill_gluon.py times them all).
+GLUON_CONFIG = {"block_m": 128, "block_n": 128, "num_stages": 2, "mode": "pingpong"}
 
-_CONFIG_KEYS = frozenset(VARLEN_CONFIG) | frozenset(DECODE_CONFIG) | frozenset(HOPPER_CONFIG)
+_CONFIG_KEYS = (frozenset(VARLEN_CONFIG) | frozenset(DECODE_CONFIG) | frozenset(HOPPER_CONFIG)
+                | frozenset(GLUON_CONFIG))
 
 
 def _varlen_config(max_query_len: int, group: int) -> dict:
@@ -118,12 +129,30 @@ def paged_attention_triton(
         return decode_attention_triton(*args, num_splits=num_splits, max_query_len=max_query_len,
                                        **window, **_override(DECODE_CONFIG, config))
     group = q.shape[1] // k_cache.shape[2]
-    if (max_query_len * group > 64 and q.is_cuda and is_hopper(q.device.index or 0)
-            and hopper_supports(q, sliding_window, softcap)
-            and k_cache.dtype == q.dtype):  # an FP8 cache: the portable kernel widens its tiles
+    on_hopper = q.is_cuda and is_hopper(q.device.index or 0)
+    path = prefill_kernel(q, k_cache, max_query_len, sliding_window, softcap, on_hopper)
+    if path == "gluon":
+        return gluon_attention(*args, **_override(GLUON_CONFIG, config))
+    if path == "hopper":
         return hopper_attention_triton(*args, **_override(HOPPER_CONFIG, config))
     return varlen_attention_triton(*args, **window,
                                    **_override(_varlen_config(max_query_len, group), config))
+
+
+def prefill_kernel(q, k_cache, max_query_len: int, sliding_window, softcap,
+                   on_hopper: bool) -> str:
+    """Which kernel takes a batch with queries longer than one token: "varlen", or on sm_90 when
+    the query tiles fill 128 rows "hopper" (attention_hopper.py), or "gluon" (attention_gluon.py)
+    where TINYPAGED_PREFILL_ATTENTION=gluon asks for it and it covers the shape."""
+    group = q.shape[1] // k_cache.shape[2]
+    if not (max_query_len * group > 64 and on_hopper
+            and hopper_supports(q, sliding_window, softcap)
+            and k_cache.dtype == q.dtype):  # an FP8 cache: the portable kernel widens its tiles
+        return "varlen"
+    if (envs.TINYPAGED_PREFILL_ATTENTION == "gluon"
+            and gluon_supports(q, k_cache, sliding_window, softcap)):
+        return "gluon"
+    return "hopper"
 
 
 def paged_attention_ref(
@@ -247,9 +276,9 @@ def paged_attention(
     max_query_len / max_seq_len: pass them (host ints) to keep the call free of host syncs;
     max_query_len == 1 selects the split-KV decode kernel. num_splits: fixed split count for
     decode (e.g. under CUDA-graph capture); default from batch, heads, context and SM count.
-    config: tile overrides, keys of VARLEN_CONFIG / DECODE_CONFIG / HOPPER_CONFIG (block_m,
-    block_n, num_warps, num_stages; tma, maxnreg on Hopper). num_splits and config only affect
-    the Triton path.
+    config: tile overrides, keys of VARLEN_CONFIG / DECODE_CONFIG / HOPPER_CONFIG /
+    GLUON_CONFIG (block_m, block_n, num_warps, num_stages; tma, maxnreg on Hopper).
+    num_splits and config only affect the Triton path.
     sliding_window: each token sees only itself and the sliding_window - 1 keys before it
     (None: the whole causal context). softcap: scores become softcap * tanh(scores / softcap).
     uniform_decode (vLLM's term): every sequence has max_query_len new tokens, few of them, as a
