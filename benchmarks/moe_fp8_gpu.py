@@ -16,6 +16,12 @@ reference's by one ulp).
 at T = 16 ... 16384, per-channel and block-wise scales, the winners checked, the whole layer
 beside bf16, and FP8_MOE_CONFIGS to paste (python3 .gpu/paste.py OUT.txt
 tinypaged/kernels/moe_fp8.py FP8_MOE_CONFIGS). --dry-run: its tables on made-up timings.
+
+    PYTHONPATH=. python benchmarks/moe_fp8_gpu.py --align  # < 60 s
+
+--align: kernels/moe_align.py's two-launch sort by expert against the torch reference (equal
+outputs) and timed beside the one-program kernel and the torch ops, T = 16 ... 2048; then the FP8
+layer with TINYPAGED_MOE_ALIGN_PARALLEL=1 and 0 (the same output, and its time), JSON lines.
 """
 
 import argparse
@@ -100,6 +106,48 @@ def checks_and_timings(tokens):
     return bad
 
 
+def align_check():
+    """--align: the two-launch sort by expert (moe_align_block_size_parallel) against the torch
+    reference (equal outputs) and its time beside the one-program kernel and the torch ops (CUDA
+    graphs), then the FP8 layer with TINYPAGED_MOE_ALIGN_PARALLEL=1 and =0; -> failures."""
+    from moe_fp8_sweep import Case, graph_us, make_weights
+
+    from tinypaged.kernels import moe_align
+    bad = 0
+    for T in (16, 64, 128, 256, 512, 1024, 2048):
+        ids = torch.topk(torch.rand(T, E, device=dev), TOP_K, dim=-1)[1].to(torch.int32)
+        for block_m in (16, 64):
+            ref = moe_align.moe_align_block_size_ref(ids, block_m, E)
+            got = moe_align.moe_align_block_size_parallel(ids, block_m, E)
+            ok = all(torch.equal(g, r) for g, r in zip(got, ref))
+            bad += not ok
+            us = {name: round(graph_us(lambda f=f: f(ids, block_m, E), 20), 1) for name, f in (
+                ("parallel", moe_align.moe_align_block_size_parallel),
+                ("one_program", moe_align.moe_align_block_size_triton),
+                ("torch", moe_align.moe_align_block_size_ref))
+                if name != "one_program" or T <= 512}
+            emit(check="moe_align_block_size_parallel", T=T, block_m=block_m, equal=ok, **us)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for kind in ("channel", "block"):
+        wts = make_weights(kind, gen=gen)
+        for T in (16, 64, 128, 256, 512, 2048):
+            case = Case(T, kind, wts, gen=gen)
+            args = (case.x, wts["w13"], wts["w2"], wts["s13"], wts["s2"], case.topk_w, case.ids,
+                    case.block)
+            row = {}
+            for flag in ("1", "0"):
+                os.environ["TINYPAGED_MOE_ALIGN_PARALLEL"] = flag
+                out = moe_fp8.fused_experts_fp8(*args)
+                row[f"parallel={flag}_us"] = round(graph_us(
+                    lambda: moe_fp8.fused_experts_fp8(*args), 10), 1)
+                row[f"out{flag}"] = out
+            same = torch.equal(row.pop("out1"), row.pop("out0"))  # one layout: the same sums
+            bad += not same
+            emit(layer="fused_experts_fp8", scales=kind, T=T, same_output=same, **row)
+        os.environ.pop("TINYPAGED_MOE_ALIGN_PARALLEL")
+    return bad
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="T = 8 and 512 only")
@@ -107,7 +155,11 @@ def main():
     parser.add_argument("--budget-s", type=float, default=150.0, help="--sweep's time bound")
     parser.add_argument("--dry-run", action="store_true", help="--sweep's tables, no GPU")
     parser.add_argument("--json", default=None, help="--sweep: the launch timings to this file")
+    parser.add_argument("--align", action="store_true",
+                        help="the two-launch sort by expert: checks, times, the layer A/B")
     args = parser.parse_args()
+    if args.align:
+        return align_check()
     if args.sweep or args.dry_run:
         import moe_fp8_sweep
         return moe_fp8_sweep.main(args.budget_s, args.dry_run, args.json)

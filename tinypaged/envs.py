@@ -141,6 +141,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "fp8_gemm's decode tiles instead of kernels/fp8_rows.py (for A/B benchmarks)",
         _is_not_zero,
     ),
+    "TINYPAGED_MOE_ALIGN_PARALLEL": EnvVar(
+        "bool", True,
+        "0 sorts the fused MoE's (token, expert) pairs by expert with the one-program kernel up "
+        "to 1024 pairs and torch ops above, not the two-launch kernel of kernels/moe_align.py "
+        "(for A/B benchmarks)",
+        _is_not_zero,
+    ),
     "TINYPAGED_LORA_PDL": EnvVar(
         "bool", False,
         "1 chains the LoRA expand to its shrink by programmatic dependent launch for batches of "

@@ -56,6 +56,7 @@ from tinypaged.kernels import moe, moe_align, moe_gemv, moe_routing
 
 for block_m in (16, 64, 128):  # the grouped GEMM's row blocks, Qwen3-30B-A3B's 128 experts
     moe_align.moe_align_block_size_triton(torch.randint(0, 128, (64, 8)), block_m, 128)
+    moe_align.moe_align_block_size_parallel(torch.randint(0, 128, (256, 8)), block_m, 128)
 
 every_config = (1, 64, 256, 512, 4096)  # every tile config of get_config
 for dtype, token_counts in ((torch.bfloat16, every_config), (torch.float16, (8,)),
@@ -147,7 +148,8 @@ def test_every_launcher_compiles_for_sm90():
         "_act_and_mul_kernel", "_store_kv_kernel", "_rotary_store_kv_kernel",
         "_varlen_attention_kernel", "_hopper_attention_kernel",
         "_fused_moe_kernel", "_moe_gemv_gate_up_kernel", "_moe_gemv_down_kernel",
-        "_topk_routing_kernel", "_moe_align_kernel",
+        "_topk_routing_kernel", "_moe_align_kernel", "_moe_align_count_kernel",
+        "_moe_align_place_kernel",
         "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel", "_awq_mma_kernel",
         "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel", "_two_shot_all_reduce_kernel",
         "_dense_gemv_kernel", "_int8_gemv1_kernel", "_int8_gemm_kernel", "_int8_dequantize_kernel",
