@@ -148,6 +148,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "(kernels/attention_gluon.py, warp-specialized TMA + wgmma) (for A/B benchmarks)",
         lambda name, text: _one_of(name, text, ("triton", "gluon")),
     ),
+    "TINYPAGED_MOE_ALIGN_PARALLEL": EnvVar(
+        "bool", True,
+        "0 sorts the fused MoE's (token, expert) pairs by expert with the one-program kernel up "
+        "to 1024 pairs and torch ops above, not the two-launch kernel of kernels/moe_align.py "
+        "(for A/B benchmarks)",
+        _is_not_zero,
+    ),
     "TINYPAGED_LORA_PDL": EnvVar(
         "bool", False,
         "1 chains the LoRA expand to its shrink by programmatic dependent launch for batches of "

@@ -56,6 +56,7 @@ from tinypaged.kernels import moe, moe_align, moe_gemv, moe_routing
 
 for block_m in (16, 64, 128):  # the grouped GEMM's row blocks, Qwen3-30B-A3B's 128 experts
     moe_align.moe_align_block_size_triton(torch.randint(0, 128, (64, 8)), block_m, 128)
+    moe_align.moe_align_block_size_parallel(torch.randint(0, 128, (256, 8)), block_m, 128)
 
 every_config = (1, 64, 256, 512, 4096)  # every tile config of get_config
 for dtype, token_counts in ((torch.bfloat16, every_config), (torch.float16, (8,)),
@@ -147,7 +148,8 @@ def test_every_launcher_compiles_for_sm90():
         "_act_and_mul_kernel", "_store_kv_kernel", "_rotary_store_kv_kernel",
         "_varlen_attention_kernel", "_hopper_attention_kernel",
         "_fused_moe_kernel", "_moe_gemv_gate_up_kernel", "_moe_gemv_down_kernel",
-        "_topk_routing_kernel", "_moe_align_kernel",
+        "_topk_routing_kernel", "_moe_align_kernel", "_moe_align_count_kernel",
+        "_moe_align_place_kernel",
         "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel", "_awq_mma_kernel",
         "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel", "_two_shot_all_reduce_kernel",
         "_dense_gemv_kernel", "_int8_gemv1_kernel", "_int8_gemm_kernel", "_int8_dequantize_kernel",
@@ -195,3 +197,28 @@ assert ptx and all("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in p
 
 def test_fp8_dot_tiles_multiply_on_fp8_wgmma():
     assert compile_for_sm90(FP8_DOT_LAUNCHES) == ["_dense_gemv_kernel", "_fp8_rows_kernel"]
+
+
+FP8_MOE_LAUNCHES = r"""
+from tinypaged.kernels import moe_fp8
+
+# every tile pair of FP8_MOE_CONFIGS, both scale kinds, Qwen3-30B-A3B's dims (4 experts);
+# CPU tensors: the quantization and the sort run their references, the two GEMMs compile
+w13, w2 = torch.zeros(4, 2 * 768, 2048), torch.zeros(4, 2048, 768)
+w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+x, ids = torch.randn(16, 2048).to(torch.bfloat16), torch.randint(0, 4, (16, 8)).int()
+done = set()
+for scales, block in (((torch.ones(4, 1536, 1), torch.ones(4, 2048, 1)), None),
+                      ((torch.ones(4, 12, 16), torch.ones(4, 16, 6)), (128, 128))):
+    for t in moe_fp8.FP8_MOE_TOKENS:
+        gate_up, down = moe_fp8.fp8_moe_config(t, block)
+        key = (block, tuple(gate_up.values()), tuple(down.values()))
+        if key not in done:
+            done.add(key)
+            moe_fp8.fused_experts_fp8_triton(x, w13, w2, *scales, torch.rand(16, 8), ids, block,
+                                             config=gate_up, down_config=down)
+"""
+
+
+def test_fp8_moe_table_tiles_compile_for_sm90():
+    assert compile_for_sm90(FP8_MOE_LAUNCHES) == ["_fused_moe_fp8_kernel"]

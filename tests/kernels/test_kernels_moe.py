@@ -122,17 +122,18 @@ def test_routing_bad_arguments():
                                    num_expert_group=3)
 
 
-@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [(5, 2, 4, 4), (1, 8, 64, 16),
-                                                                   (40, 3, 6, 16), (70, 4, 60, 16),
-                                                                   (300, 2, 4, 4)])
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [
+    (5, 2, 4, 4), (1, 8, 64, 16), (40, 3, 6, 16), (70, 4, 60, 16), (300, 2, 4, 4),
+    (300, 8, 128, 64),  # 19 chunks of 128 pairs: the parallel kernel sums 16 count rows a step
+])
+@pytest.mark.parametrize("impl", ["ref", "triton", "parallel"])
 def test_align_block_size_invariants(num_tokens, top_k, num_experts, block_m, impl):
     gen = torch.Generator().manual_seed(num_tokens)
     topk_ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
                             for _ in range(num_tokens)]).to(torch.int32)
     align = getattr(moe_align, f"moe_align_block_size_{impl}")
     sorted_ids, expert_ids, post_padded = align(topk_ids, block_m, num_experts)
-    if impl == "triton":  # the same stable layout as the reference, element for element
+    if impl != "ref":  # the same stable layout as the reference, element for element
         for got, want in zip((sorted_ids, expert_ids, post_padded),
                              moe_align.moe_align_block_size_ref(topk_ids, block_m, num_experts)):
             assert got.dtype == torch.int32 and torch.equal(got, want)
@@ -153,15 +154,22 @@ def test_align_block_size_invariants(num_tokens, top_k, num_experts, block_m, im
     assert (expert_ids[:used // block_m].diff() >= 0).all()  # experts in order
 
 
-@pytest.mark.parametrize("num_tokens,expect_kernel", [(64, True), (129, False)])
-def test_align_dispatch_by_pair_count(monkeypatch, num_tokens, expect_kernel):
+@pytest.mark.parametrize("parallel,num_tokens,expect", [
+    ("0", 64, "triton"), ("0", 129, "ref"),  # past KERNEL_MAX_PAIRS: the torch ops
+    ("1", 1, "parallel"), ("1", 2048, "parallel"), ("1", 2049, "ref"),  # PARALLEL_MAX_PAIRS
+])
+def test_align_dispatch_by_pair_count(monkeypatch, parallel, num_tokens, expect):
     topk_ids = torch.randint(0, 16, (num_tokens, 8), generator=torch.Generator().manual_seed(0))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TINYPAGED_MOE_ALIGN_PARALLEL", parallel)
     calls = []
-    monkeypatch.setattr(moe_align, "moe_align_block_size_triton",
-                        lambda *a: calls.append(1) or moe_align.moe_align_block_size_ref(*a))
+    for impl in ("triton", "parallel", "ref"):
+        def spy(*a, impl=impl, ref=moe_align.moe_align_block_size_ref):
+            calls.append(impl)
+            return ref(*a)
+        monkeypatch.setattr(moe_align, f"moe_align_block_size_{impl}", spy)
     moe_align.moe_align_block_size(topk_ids, 16, 16)
-    assert calls == ([1] if expect_kernel else [])  # past KERNEL_MAX_PAIRS: the torch ops
+    assert calls == [expect]
 
 
 def moe_case(num_tokens, hidden, inter, num_experts, top_k, dtype, seed=0):

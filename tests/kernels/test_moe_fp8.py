@@ -105,3 +105,72 @@ def test_shapes_are_checked():
         moe_fp8.fused_experts_fp8(x, w13, w2, s13, s2[:, :1], weights, ids, (128, 128))
     with pytest.raises(ValueError, match="scales"):  # per-channel scales given as blocks
         moe_fp8.fused_experts_fp8(x, w13, w2, s13, s2, weights, ids, None)
+
+
+def test_separate_down_tiles_match_reference(monkeypatch):
+    """The down launch on its own tiles (FP8_MOE_CONFIGS keeps one entry per launch); both walk
+    one sort by expert, so a BLOCK_M that differs is refused."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    T, E, H, inter, k, block = 5, 4, 256, 128, 2, (128, 128)
+    (w13, s13, _), (w2, s2, _) = experts(E, H, inter, block, seed=11)
+    weights, ids = routing(T, E, k, seed=12)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(13))
+    gate_up = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2)
+    down = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
+    args = (x, w13, w2, s13, s2, weights, ids, block)
+    got = moe_fp8.fused_experts_fp8_triton(*args, config=gate_up, down_config=down)
+    want = moe_fp8.fused_experts_fp8_reference(*args)
+    assert (got - want).abs().max() <= 2e-3 * want.abs().max()
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        moe_fp8.fused_experts_fp8_triton(*args, config=gate_up, down_config=dict(down,
+                                                                                 BLOCK_M=32))
+
+
+def test_table_covers_every_token_count():
+    """FP8_MOE_CONFIGS has both launches at every T of FP8_MOE_TOKENS for both scale kinds, the
+    two sharing a BLOCK_M; block-wise BLOCK_K divides the 128-input scale group; each entry's
+    pipeline fits sm_90's shared memory (num_stages buffers of A and the B tiles, e4m3); and
+    every T from 1 to past the largest finds its entry."""
+    table = moe_fp8.FP8_MOE_CONFIGS
+    keys = {f"{launch}_t{t}{suffix}" for launch in ("gate_up", "down")
+            for t in moe_fp8.FP8_MOE_TOKENS for suffix in ("", "_block")}
+    assert table.keys() == keys
+    for key, c in table.items():
+        assert c.keys() == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}, key
+        assert all(v > 0 and v & (v - 1) == 0 for k, v in c.items() if k != "num_stages"), key
+        b_tiles = 2 if key.startswith("gate_up") else 1
+        stage = c["BLOCK_K"] * (c["BLOCK_M"] + b_tiles * c["BLOCK_N"])
+        assert c["num_stages"] * stage <= 227 * 1024, key
+        if key.endswith("_block"):
+            assert 128 % c["BLOCK_K"] == 0, key
+    for block in (None, (128, 128)):
+        for t in range(1, 20000):
+            gate_up, down = moe_fp8.fp8_moe_config(t, block)
+            assert gate_up["BLOCK_M"] == down["BLOCK_M"]
+        for t in moe_fp8.FP8_MOE_TOKENS:  # each table T is its own entry, the next one above
+            assert moe_fp8.fp8_moe_key(t, block).startswith(f"t{t}")
+            if t < moe_fp8.FP8_MOE_TOKENS[-1]:
+                assert moe_fp8.fp8_moe_key(t + 1, block).startswith(f"t{2 * t}")
+
+
+def test_sweep_prints_a_table_that_pastes():
+    # benchmarks/moe_fp8_gpu.py --sweep on made-up timings: the FP8_MOE_CONFIGS it prints for
+    # .gpu/paste.py is Python with every key the kernels look up
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "benchmarks/moe_fp8_gpu.py", "--sweep", "--dry-run"],
+                         cwd=repo, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(repo)}, check=True).stdout
+    block = re.findall(r"^FP8_MOE_CONFIGS = \{\n.*?^\}$", out, flags=re.S | re.M)[-1]
+    assert all(len(line) <= 100 for line in block.splitlines())
+    pasted = {}
+    exec(block, {}, pasted)  # noqa: S102  (our own printed table)
+    assert pasted["FP8_MOE_CONFIGS"].keys() == moe_fp8.FP8_MOE_CONFIGS.keys()
+    for key, c in pasted["FP8_MOE_CONFIGS"].items():
+        if key.startswith("gate_up"):
+            assert c["BLOCK_M"] == pasted["FP8_MOE_CONFIGS"]["down" + key[7:]]["BLOCK_M"]

@@ -31,13 +31,25 @@ that launching each. One program walks the pairs chunk after chunk, so its time 
 past `KERNEL_MAX_PAIRS` (T = 128 at k = 8, a little before the measured crossover) the torch
 ops' parallel sort wins on the GPU and their host cost hides behind the large GEMMs that follow.
 Figures: benchmarks/RESULTS.md and RESULTS-log.md (moe_align).
+
+`moe_align_block_size_parallel` spreads the same work over one program per chunk of BLOCK_P
+pairs, in two launches (the second needs every chunk's counts): the first stores each chunk's
+pairs per expert, counts [chunks, BLOCK_E]; in the second every program sums the counts (all
+chunks: the run ends; the chunks before its own: where its pairs of each expert start), places
+its pairs as the one-program kernel's pass 2, and writes its share of the padding and expert_ids.
+Pairs, expert padding (rows start_e + c_e .. end_e) and the tail past the used rows are disjoint
+rows, so the programs never write the same row. Its time no longer grows with the chunks walked
+one after another, so it takes every T up to `PARALLEL_MAX_PAIRS` (T = 2048 at k = 8; past it the
+count rows each program sums grow with T, and the GEMMs are long enough that the torch ops' cost
+no longer shows); $TINYPAGED_MOE_ALIGN_PARALLEL=0 keeps the dispatch above (for A/B benchmarks).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tinypaged.kernels._triton import jit, next_power_of_2, tl, use_triton
+from tinypaged import envs
+from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl, use_triton
 
 
 @jit(do_not_specialize=("num_pairs", "max_padded"))  # both follow T
@@ -76,7 +88,68 @@ def _moe_align_kernel(
         next_row += tl.sum(one_hot.to(tl.int32), axis=0)
 
 
+@jit(do_not_specialize=("num_pairs",))
+def _moe_align_count_kernel(TOPK_IDS, COUNTS, num_pairs, BLOCK_E: tl.constexpr,
+                            BLOCK_P: tl.constexpr):
+    # program c: COUNTS[c, e] = the pairs c * BLOCK_P ... (c + 1) * BLOCK_P - 1 routed to e
+    c = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    pair = c * BLOCK_P + tl.arange(0, BLOCK_P)
+    ids = tl.load(TOPK_IDS + pair, mask=pair < num_pairs, other=-1)
+    tl.store(COUNTS + c * BLOCK_E + experts,
+             tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0))
+
+
+@jit(do_not_specialize=("num_pairs", "max_padded"))
+def _moe_align_place_kernel(
+    TOPK_IDS, COUNTS, SORTED_TOKEN_IDS, EXPERT_IDS, NUM_TOKENS_POST_PADDED,
+    num_pairs, num_experts, max_padded,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    c = tl.program_id(0)
+    chunks = tl.num_programs(0)
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, BLOCK_P)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)  # pairs per expert, all chunks
+    before = tl.zeros((BLOCK_E,), dtype=tl.int32)  # ... in the chunks before this one
+    for first in range(0, chunks, BLOCK_R):  # BLOCK_R count rows a step, loads in flight
+        r = first + tl.arange(0, BLOCK_R)
+        rows = tl.load(COUNTS + r[:, None] * BLOCK_E + experts[None, :],
+                       mask=(r < chunks)[:, None], other=0)  # [BLOCK_R, BLOCK_E]
+        counts += tl.sum(rows, axis=0)
+        before += tl.sum(tl.where((r < c)[:, None], rows, 0), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)  # [BLOCK_E]; lanes past E end at the total
+    starts = ends - padded
+    used = tl.sum(padded, 0)
+    if c == 0:
+        tl.store(NUM_TOKENS_POST_PADDED, used)
+    # this chunk's pairs: each at its expert's start + earlier chunks' pairs + its rank here
+    pair = c * BLOCK_P + lanes
+    ids = tl.load(TOPK_IDS + pair, mask=pair < num_pairs, other=-1)
+    one_hot = ids[:, None] == experts[None, :]  # [BLOCK_P, BLOCK_E]
+    base = tl.sum(tl.where(one_hot, (starts + before)[None, :], 0), axis=1)
+    earlier = lanes[None, :] < lanes[:, None]  # [BLOCK_P, BLOCK_P] j before i
+    rank = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), axis=1)
+    tl.store(SORTED_TOKEN_IDS + base + rank, pair.to(tl.int32), mask=pair < num_pairs)
+    # the padding of experts c, c + chunks, ...: rows start_e + c_e ... end_e - 1
+    pad_rows = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [BLOCK_E, BLOCK_M]
+    mine = (experts % chunks == c)[:, None] & (pad_rows < ends[:, None])
+    tl.store(SORTED_TOKEN_IDS + pad_rows, tl.zeros((BLOCK_E, BLOCK_M), dtype=tl.int32) + num_pairs,
+             mask=mine)
+    # rows past the used ones, and the expert of each block, shared out BLOCK_P at a time
+    for row in range(used + c * BLOCK_P, max_padded, chunks * BLOCK_P):
+        tl.store(SORTED_TOKEN_IDS + row + lanes, tl.zeros((BLOCK_P,), dtype=tl.int32) + num_pairs,
+                 mask=row + lanes < max_padded)
+    for first in range(c * BLOCK_P, max_padded // BLOCK_M, chunks * BLOCK_P):
+        blocks = first + lanes
+        expert = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(EXPERT_IDS + blocks, tl.minimum(expert, num_experts - 1),
+                 mask=blocks * BLOCK_M < max_padded)
+
+
 KERNEL_MAX_PAIRS = 1024
+PARALLEL_MAX_PAIRS = 16384
 
 
 def max_padded_tokens(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -101,6 +174,29 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, block_m: int, num_expert
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=max(16, min(128, 16384 // block_e)),
         num_warps=8,
     )
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+def moe_align_block_size_parallel(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """The two-launch Triton launcher (one program per chunk of pairs); arguments as
+    `moe_align_block_size`."""
+    flat = topk_ids.flatten()
+    num_pairs, device = flat.numel(), flat.device
+    max_padded = max_padded_tokens(num_pairs, num_experts, block_m)
+    sorted_token_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    num_tokens_post_padded = torch.empty(1, dtype=torch.int32, device=device)
+    block_e = next_power_of_2(num_experts)
+    block_p = max(16, min(128, 16384 // block_e))
+    chunks = max(1, cdiv(num_pairs, block_p))
+    counts = torch.empty(chunks, block_e, dtype=torch.int32, device=device)  # [chunks, BLOCK_E]
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    _moe_align_count_kernel[(chunks,)](flat, counts, num_pairs, BLOCK_E=block_e, BLOCK_P=block_p,
+                                       num_warps=4)
+    _moe_align_place_kernel[(chunks,)](
+        flat, counts, sorted_token_ids, expert_ids, num_tokens_post_padded, num_pairs,
+        num_experts, max_padded, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p,
+        BLOCK_R=max(1, min(16, 2048 // block_e)), num_warps=8)
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 
@@ -129,6 +225,9 @@ def moe_align_block_size_ref(topk_ids: torch.Tensor, block_m: int, num_experts: 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
     """topk_ids [T, k] -> (sorted_token_ids, expert_ids, num_tokens_post_padded), the layout of
     the module docstring."""
-    if use_triton(topk_ids) and topk_ids.numel() <= KERNEL_MAX_PAIRS:
-        return moe_align_block_size_triton(topk_ids, block_m, num_experts)
+    if use_triton(topk_ids):
+        if topk_ids.numel() <= PARALLEL_MAX_PAIRS and envs.TINYPAGED_MOE_ALIGN_PARALLEL:
+            return moe_align_block_size_parallel(topk_ids, block_m, num_experts)
+        if topk_ids.numel() <= KERNEL_MAX_PAIRS:
+            return moe_align_block_size_triton(topk_ids, block_m, num_experts)
     return moe_align_block_size_ref(topk_ids, block_m, num_experts)

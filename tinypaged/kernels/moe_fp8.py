@@ -18,6 +18,8 @@ Two launches of one grouped-GEMM kernel over the token-expert pairs sorted by ex
 accumulators; per channel the scales are applied once in the epilogue, block-wise each K step
 of 128 inputs is scaled by its pair of block scales as it is accumulated. The activation
 quantization is kernels/fp8.py's (which rounds to e4m3 by hand, exact under the interpreter).
+Tiles: FP8_MOE_CONFIGS, one entry per launch, T and scale kind (benchmarks/moe_fp8_gpu.py
+--sweep prints it); not moe.py's table, which is sized for 16-bit operands.
 
 `fused_experts_fp8` runs the kernels on CUDA (or under TRITON_INTERPRET=1), else the torch
 reference of the same signature, `fused_experts_fp8_reference`. At decode (moe_gemv.use_gemv:
@@ -32,7 +34,7 @@ import torch
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
 from tinypaged.kernels.dense_gemv import gemv_enabled
 from tinypaged.kernels.fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_reference
-from tinypaged.kernels.moe import get_config, store_rows
+from tinypaged.kernels.moe import store_rows
 from tinypaged.kernels.moe_align import moe_align_block_size
 from tinypaged.kernels.moe_gemv import fused_experts_gemv, use_gemv
 
@@ -101,10 +103,80 @@ def _fused_moe_fp8_kernel(
     store_rows(C, acc, pair, row_ok, offs_n, n_ok, TOPK_WEIGHTS, stride_cm, MUL_ROUTED_WEIGHT)
 
 
-def fp8_moe_config(num_tokens: int, block: tuple[int, int] | None) -> dict[str, int]:
-    """moe.py's tiles for 16-bit operands, with BLOCK_K 128: the same bytes per stage at half
-    the operand width, and a block-wise weight's K group is one K step."""
-    return {**get_config(num_tokens), "BLOCK_K": 128 if block is None else block[1]}
+# Tiles of the two launches by token count and scale kind: key "{launch}_t{T}" (+ "_block" for
+# [128, 128] weight blocks), T a power of two from 16 to 16384, a call's T rounded up to the next
+# one (clamped to the range; at most 8 tokens the GEMVs run instead, moe_gemv.use_gemv). Both
+# launches walk one sort by expert, so gate_up and down share BLOCK_M. FP8 operands are half the
+# bytes of moe.py's 16-bit ones, so a stage holds twice the K (BLOCK_K 128: a block-wise
+# weight's K group is one K step). These start as moe.py's tiles with BLOCK_K 128;
+# `benchmarks/moe_fp8_gpu.py --sweep` times each launch on an H200 and prints this table.
+FP8_MOE_CONFIGS = {
+    "gate_up_t16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "down_t16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "gate_up_t16_block": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "down_t16_block": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "gate_up_t32": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "down_t32": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "gate_up_t32_block": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "down_t32_block": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "gate_up_t64": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "down_t64": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "gate_up_t64_block": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "down_t64_block": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "gate_up_t128": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "down_t128": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "gate_up_t128_block": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "down_t128_block": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "gate_up_t256": dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "down_t256": dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "gate_up_t256_block": dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "down_t256_block": dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2),
+    "gate_up_t512": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+    "down_t512": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+    "gate_up_t512_block": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+    "down_t512_block": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+    "gate_up_t1024": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+    "down_t1024": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+    "gate_up_t1024_block": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4,
+                                num_stages=3),
+    "down_t1024_block": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+    "gate_up_t2048": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "down_t2048": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "gate_up_t2048_block": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8,
+                                num_stages=3),
+    "down_t2048_block": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "gate_up_t4096": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "down_t4096": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "gate_up_t4096_block": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8,
+                                num_stages=3),
+    "down_t4096_block": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "gate_up_t8192": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "down_t8192": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "gate_up_t8192_block": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8,
+                                num_stages=3),
+    "down_t8192_block": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "gate_up_t16384": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "down_t16384": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "gate_up_t16384_block": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8,
+                                 num_stages=3),
+    "down_t16384_block": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8,
+                              num_stages=3),
+}
+FP8_MOE_TOKENS = tuple(16 << i for i in range(11))  # the table's T: 16, 32, ..., 16384
+
+
+def fp8_moe_key(num_tokens: int, block: tuple[int, int] | None) -> str:
+    """The table's T for a call of `num_tokens` tokens, as "t{T}" (+ "_block")."""
+    t = min(max(FP8_MOE_TOKENS[0], 1 << max(0, num_tokens - 1).bit_length()),
+            FP8_MOE_TOKENS[-1])
+    return f"t{t}" + ("" if block is None else "_block")
+
+
+def fp8_moe_config(num_tokens: int, block: tuple[int, int] | None
+                   ) -> tuple[dict[str, int], dict[str, int]]:
+    """(gate-up tiles, down tiles) for T = `num_tokens` (block: the weights' scale block)."""
+    key = fp8_moe_key(num_tokens, block)
+    return FP8_MOE_CONFIGS["gate_up_" + key], FP8_MOE_CONFIGS["down_" + key]
 
 
 def _launch(a, a_scale, b, b_scale, c, align, weights, num_pairs, block, *, a_row_div, gated,
@@ -149,11 +221,18 @@ def _check(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, 
 
 
 def fused_experts_fp8_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_weights,
-                             topk_ids, block=None, *, config=None) -> torch.Tensor:
-    """The Triton path; `config` overrides the tiles (BLOCK_M/N/K, num_warps, num_stages)."""
+                             topk_ids, block=None, *, config=None,
+                             down_config=None) -> torch.Tensor:
+    """The Triton path; `config` overrides the tiles (BLOCK_M/N/K, num_warps, num_stages) of
+    both launches, `down_config` those of the down launch (the same BLOCK_M)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
-    config = config or fp8_moe_config(num_tokens, block)
+    table = fp8_moe_config(num_tokens, block)
+    config = config or table[0]
+    down_config = down_config or (table[1] if config is table[0] else config)
+    if down_config["BLOCK_M"] != config["BLOCK_M"]:
+        raise ValueError("fused_experts_fp8: both launches walk one sort; BLOCK_M "
+                         f"{config['BLOCK_M']} and {down_config['BLOCK_M']} differ")
     group = None if block is None else block[1]
     w13, w2 = w13.contiguous(), w2.contiguous()
     align = moe_align_block_size(topk_ids, config["BLOCK_M"], num_experts)
@@ -166,7 +245,7 @@ def fused_experts_fp8_triton(hidden_states, w13, w2, w13_scale, w2_scale, topk_w
     aq, as_ = quantize_fp8(act, group=group)
     y = hidden_states.new_empty(num_pairs, w2.shape[1])
     _launch(aq, as_, w2, w2_scale.float(), y, align, weights, num_pairs, block,
-            a_row_div=1, gated=False, mul_weight=True, config=config)
+            a_row_div=1, gated=False, mul_weight=True, config=down_config)
     return y.view(num_tokens, top_k, -1).sum(dim=1)
 
 
