@@ -141,6 +141,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "fp8_gemm's decode tiles instead of kernels/fp8_rows.py (for A/B benchmarks)",
         _is_not_zero,
     ),
+    "TINYPAGED_FP8_ROWS_TMA": EnvVar(
+        "bool", True,
+        "0 makes kernels/fp8_rows.py load the weight by pointer loads even where its tile table "
+        "asks for TMA (w_tma; for A/B benchmarks)",
+        _is_not_zero,
+    ),
     "TINYPAGED_LORA_PDL": EnvVar(
         "bool", False,
         "1 chains the LoRA expand to its shrink by programmatic dependent launch for batches of "
