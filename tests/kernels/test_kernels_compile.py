@@ -187,14 +187,12 @@ for m in (2, 4, 8, 16):
     for scale, a_scale, block in ((torch.ones(1024, 1), torch.ones(m, 1), None),
                                   (torch.ones(8, 32), torch.ones(m, 32), (128, 128))):
         config = fp8_rows.fp8_rows_config(m, block)
-        fp8_rows.fp8_rows(a8[:m], a_scale, w8, scale, torch.bfloat16, block, split_k=4,
-                          **config)
-        n_pointer = len(ptx)
-        for stages in (config["num_stages"], 8):  # W by TMA: deeper pipelines fit
+        deep = dict(block_n=64, block_k=128 if block else 256, num_stages=8)  # TMA: 8 fit
+        for tiles in (dict(config, w_tma=False), dict(config, w_tma=True),
+                      dict(config, **deep, w_tma=True)):  # W by pointer loads, by TMA
             fp8_rows.fp8_rows(a8[:m], a_scale, w8, scale, torch.bfloat16, block, split_k=4,
-                              **dict(config, num_stages=stages, w_tma=True))
-        assert "cp.async.bulk.tensor" not in ptx[n_pointer - 1]
-        assert all("cp.async.bulk.tensor.2d" in p for p in ptx[n_pointer:])
+                              **tiles)
+            assert ("cp.async.bulk.tensor.2d" in ptx[-1]) == tiles["w_tma"], tiles
 # e4m3 operands straight into Hopper's FP8 wgmma: no fp16 mma.sync on converted weights
 assert ptx and all("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in p
                    and "mma.sync" not in p for p in ptx)
