@@ -8,7 +8,7 @@ command of under 4 minutes (--budget-s bounds the tile sweep).
    with w8_words (e4m3 bytes to fp32 by integer ops) against dense_gemv_reference and against
    the converting GEMV, with and without the SiLU-and-mul input; three calls each (a moving
    result would be a split-K race), the split-K workspace left zeroed; an FP8 linear at 2, 8
-   and 16 rows (W8A8 through fp8_rows) in a CUDA graph.
+   and 16 rows (W8A8 through fp8_rows, W by pointer loads and by TMA) in a CUDA graph.
 2. Timings per Llama-3-8B layer (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down
    14336->4096, the down projection from gate_up as the models call it), per-channel and block
    weights, CUDA-graph replays over weight copies larger together than 3x the L2:
@@ -155,9 +155,16 @@ def checks():
                 and workspace_clean()
             bad += report(ok, f"w8_words {kind:7s} {K}x{N} M=1 silu_and_mul={silu}: vs fp32 "
                               f"{max(errs):.1e}, vs the converting GEMV {vs_conv:.1e}")
-    for scheme, M, err in fp8_linear_graph_errors(sizes=(2, 8, 16)):
-        bad += report(err < 0.06, f"CUDA graph, FP8 linear {scheme} M={M} "
-                                  f"(W8A8 through fp8_rows): vs bf16 x {err:.1e}")
+    table = dict(R.FP8_ROWS_CONFIGS)
+    for tma in (False, True):  # the table's tiles, then the same with W by TMA
+        R.FP8_ROWS_CONFIGS.update({key: dict(cfg, w_tma=tma) for key, cfg in table.items()})
+        try:
+            for scheme, M, err in fp8_linear_graph_errors(sizes=(2, 8, 16)):
+                bad += report(err < 0.06, f"CUDA graph, FP8 linear {scheme} M={M} (W8A8 through "
+                                          f"fp8_rows, W by {'TMA' if tma else 'pointers'}): vs "
+                                          f"bf16 x {err:.1e}")
+        finally:
+            R.FP8_ROWS_CONFIGS.update(table)
     return bad
 
 
