@@ -141,10 +141,11 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "fp8_gemm's decode tiles instead of kernels/fp8_rows.py (for A/B benchmarks)",
         _is_not_zero,
     ),
-    "TINYPAGED_FP8_ROWS_TMA": EnvVar(
+    "TINYPAGED_FP8_TMA": EnvVar(
         "bool", True,
-        "0 makes kernels/fp8_rows.py load the weight by pointer loads even where its tile table "
-        "asks for TMA (w_tma; for A/B benchmarks)",
+        "0 makes the FP8 decode kernels (kernels/fp8_rows.py, the one-row FP8 GEMV of "
+        "kernels/dense_gemv.py) load the weight by pointer loads even where their tile tables "
+        "ask for TMA (w_tma; for A/B benchmarks)",
         _is_not_zero,
     ),
     "TINYPAGED_LORA_PDL": EnvVar(

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from tinypaged.kernels import fp8, fp8_rows
+from tinypaged.kernels import fp8, fp8_rows, tma
 from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
@@ -69,8 +69,8 @@ def test_tma_weight_loads_match_pointer_loads(monkeypatch, kind, K, N):
     # W by TMA descriptor: rows past N (200, 136) and columns past K (304 = 2 * 128 + 48) come
     # in as zeros from the copy engine, not by masks
     operands = []
-    make = fp8_rows._w_operand
-    monkeypatch.setattr(fp8_rows, "_w_operand", lambda *args: operands.append(make(*args))
+    make = fp8_rows.w_operand
+    monkeypatch.setattr(fp8_rows, "w_operand", lambda *args: operands.append(make(*args))
                         or operands[-1])
     for M in (2, 5, 16):
         a, a_scale, w, w_scale, block = quantized(M, K, N, kind, seed=M)
@@ -88,19 +88,19 @@ def test_tma_weight_loads_match_pointer_loads(monkeypatch, kind, K, N):
 
 def test_tma_falls_back_where_no_descriptor_fits(monkeypatch):
     # K 300: rows 300 bytes apart, not the 16-byte multiple TMA needs; boxes over 256 a side;
-    # $TINYPAGED_FP8_ROWS_TMA=0 (the A/B switch): pointer loads, the same result
+    # $TINYPAGED_FP8_TMA=0 (the A/B switch): pointer loads, the same result
     a, a_scale, w, w_scale, block = quantized(4, 300, 200, "channel", seed=1)
     w256 = w[:, :256].contiguous()
-    assert not fp8_rows.w_tma_fits(w, 64, 128) and not fp8_rows.w_tma_fits(w[:, :256], 64, 128)
-    assert not fp8_rows.w_tma_fits(w256, 64, 512) and fp8_rows.w_tma_fits(w256, 64, 256)
+    assert not tma.w_tma_fits(w, 64, 128) and not tma.w_tma_fits(w[:, :256], 64, 128)
+    assert not tma.w_tma_fits(w256, 64, 512) and tma.w_tma_fits(w256, 64, 256)
     ref = fp8_rows.fp8_rows_reference(a, a_scale, w, w_scale, torch.float32, block)
     y = fp8_rows.fp8_rows(a, a_scale, w, w_scale, torch.float32, block, w_tma=True)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     operands = []
-    make = fp8_rows._w_operand
-    monkeypatch.setattr(fp8_rows, "_w_operand", lambda *args: operands.append(make(*args))
+    make = fp8_rows.w_operand
+    monkeypatch.setattr(fp8_rows, "w_operand", lambda *args: operands.append(make(*args))
                         or operands[-1])
-    monkeypatch.setenv("TINYPAGED_FP8_ROWS_TMA", "0")
+    monkeypatch.setenv("TINYPAGED_FP8_TMA", "0")
     fp8_rows.fp8_rows(a[:, :256].contiguous(), a_scale, w256, w_scale, torch.float32, block,
                       w_tma=True)
     assert operands[0] is w256

@@ -26,7 +26,7 @@ dense_gemv's tensor-core path:
   [N, K], one bulk asynchronous copy a tile (no address registers, no per-thread loads, rows
   past N and columns past K filled with zeros by the copy engine), so the pipeline's depth is
   bounded by shared memory only; pointer loads (cp.async) otherwise, and where the descriptor
-  does not fit (w_tma_fits). a^T, 16 * BLOCK_K bytes a step, stays on pointer loads.
+  does not fit (kernels/tma.py). a^T, 16 * BLOCK_K bytes a step, stays on pointer loads.
 Memory traffic: N * K bytes of W (once) + split_k * M * K bytes of a (from L2) + the scales.
 The decode product is bound by streaming W, so the kernel's job is to read it at the copy
 bandwidth; the padding of a^T costs tensor-core time, which is idle anyway at these sizes.
@@ -49,6 +49,7 @@ from tinypaged.kernels.split_k import (
     split_k_range,
     split_k_workspace,
 )
+from tinypaged.kernels.tma import w_operand, w_tma_fits
 
 ROWS_MAX_M = 16  # a^T padded to 16 columns: the narrowest e4m3 wgmma (m64n16k32)
 ROWS_MIN_M = 2  # one row takes the W8A16 GEMV (kernels/dense_gemv.py), not the W8A8 path
@@ -136,8 +137,8 @@ def fp8_rows(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     """See the module docstring. block_n: output features a program (the MMA's M: >= 64, and
     >= 16 * num_warps for one wgmma a warpgroup); block_k: K a step (cut to the scale block's
     BK when block-wise); split_k: programs sharing a column block's K (default: about
-    programs_per_sm programs per SM); w_tma: load W's tiles by TMA where w_tma_fits (and
-    $TINYPAGED_FP8_ROWS_TMA is not 0), else by pointer loads."""
+    programs_per_sm programs per SM); w_tma: load W's tiles by TMA where a descriptor fits
+    (kernels/tma.py's w_tma_fits, $TINYPAGED_FP8_TMA not 0), else by pointer loads."""
     if not use_triton(a):
         return fp8_rows_reference(a, a_scale, w, w_scale, out_dtype, block)
     M, K = a.shape
@@ -164,37 +165,20 @@ def fp8_rows(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
         target = programs_target(a.device) * programs_per_sm // 4
         split_k = max(1, min(steps, cdiv(target, n_blocks)))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
-    use_tma = w_tma and envs.TINYPAGED_FP8_ROWS_TMA and w_tma_fits(w, block_n, block_k)
+    use_tma = w_tma and w_tma_fits(w, block_n, block_k)
     y = torch.empty(M, N, dtype=out_dtype, device=a.device)
     # the GEMV's sizes (16 rows, 8-column blocks), so that no decode batch size reallocates the
     # shared workspace after another one's CUDA graph captured it
     partial, count = (split_k_workspace(a.device, ROWS_MAX_M * N, cdiv(N, 8)) if split_k > 1
                       else (y, y))
     _fp8_rows_kernel[(n_blocks, split_k)](
-        a, _w_operand(w, use_tma, block_n, block_k), a_scale, w_scale, y, partial, count, M, N,
+        a, w_operand(w, use_tma, block_n, block_k), a_scale, w_scale, y, partial, count, M, N,
         K, a.stride(0), w.stride(0), asm, ask, wsn, wsk, split_k, BLOCK_M=ROWS_MAX_M,
         BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCKWISE=block is not None, SCALE_BN=1 if block is None else block[0],
         SCALE_BK=1 if block is None else block[1], EVEN_K=K % block_k == 0, SPLIT=split_k > 1,
         STAGES=num_stages, W_TMA=use_tma, num_warps=num_warps)
     return y
-
-
-def w_tma_fits(w: torch.Tensor, block_n: int, block_k: int) -> bool:
-    """Whether a TMA descriptor can stream W [N, K] in [block_n, block_k] tiles: a 16-byte
-    aligned base and row stride (K % 16 == 0 for e4m3) and boxes of at most 256 a side."""
-    return (w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0
-            and block_n <= 256 and block_k <= 256)
-
-
-def _w_operand(w: torch.Tensor, use_tma: bool, block_n: int, block_k: int):
-    """W as the kernel reads it: a TMA descriptor of [block_n, block_k] boxes over W [N, K]
-    (host-side, so a CUDA graph captures it by value with the launch), or W itself."""
-    if not use_tma:
-        return w
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [block_n, block_k])
 
 
 # Tiles by rows (rounded up to a power of two) and scale kind; "_block": [128, 128] weight
