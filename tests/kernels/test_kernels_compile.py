@@ -210,6 +210,14 @@ packed = PackedLaunch(kernel.src.signature.values(), num_warps=4, shared=kernel.
                       tensordesc_meta=kernel.metadata.tensordesc_meta, lib=NoDriver())
 assert [s.type for s in packed.slots].count("nvTmaDesc") == 1
 assert "make_tensordesc_arg(a1, META[0])" in packed.source
+# the one-row W8A16 GEMV (CUDA cores) with the weight by TMA too
+for scale, block in ((torch.ones(1024, 1), None), (torch.ones(8, 32), (128, 128))):
+    for block_k, stages in ((128, 4), (256, 8)):
+        dense_gemv.dense_gemv(torch.randn(1, 8192).to(torch.bfloat16), w8, None, scale, block,
+                              silu_and_mul=True, **dict(dense_gemv.fp8_gemv_config(1, block),
+                                                        block_k=block_k, num_stages=stages,
+                                                        w_tma=True))
+        assert "cp.async.bulk.tensor.2d" in ptx[-1] and "wgmma" not in ptx[-1]
 """
 
 
