@@ -13,7 +13,9 @@ command of under 4 minutes (--budget-s bounds the tile sweep).
    14336->4096, the down projection from gate_up as the models call it), per-channel and block
    weights, CUDA-graph replays over weight copies larger together than 3x the L2:
    - 1 row: the W8A16 GEMV as FP8_GEMV_CONFIGS has it (conversion instructions) against
-     w8_words on the same tiles, then w8_words tiles (WORDS_TILES);
+     w8_words on the same tiles, then tiles with W by TMA (ONE_ROW_TMA_TILES, taken in turn
+     with fp8_rows') and w8_words tiles (WORDS_TILES, last), each checked against
+     dense_gemv_reference on every layer before it is timed;
    - 2, 4, 8, 16 rows: the W8A8 path, x quantized by its own kernel (quantize_fp8 or
      silu_and_mul_quant_fp8), then fp8_gemm (old) or fp8_rows (new): the product alone and the
      path with its quantization; then fp8_rows tiles until the budget: W by pointer loads
@@ -67,6 +69,14 @@ ROWS_TMA_TILES = {
                 (128, 128, 4, 12, 1), (64, 128, 4, 8, 4)],
     "block": [(64, 128, 4, 8, 2), (64, 128, 4, 6, 2), (128, 128, 4, 8, 2), (64, 128, 4, 12, 2),
               (128, 128, 8, 8, 2), (64, 128, 4, 10, 1), (64, 128, 4, 8, 3), (128, 128, 4, 12, 1)],
+}
+# one-row tiles with W by TMA (w_tma=True; block_k <= 256, the box's limit), the W8A16 GEMV
+# converting e4m3 on the CUDA cores (block_n, block_k, num_warps, num_stages, programs_per_sm)
+ONE_ROW_TMA_TILES = {
+    "channel": [(16, 256, 4, 6, 2), (32, 256, 4, 6, 2), (16, 256, 4, 8, 2), (64, 256, 4, 6, 2),
+                (16, 256, 4, 3, 2), (16, 128, 4, 8, 2), (32, 256, 8, 8, 2), (16, 256, 4, 6, 3)],
+    "block": [(64, 128, 4, 6, 2), (32, 128, 4, 8, 2), (64, 128, 4, 3, 2), (128, 128, 8, 6, 2),
+              (64, 128, 4, 8, 3)],
 }
 # one-row w8_words tiles (block_n, block_k, num_warps, num_stages, programs_per_sm)
 WORDS_TILES = {
@@ -155,6 +165,11 @@ def checks():
                 and workspace_clean()
             bad += report(ok, f"w8_words {kind:7s} {K}x{N} M=1 silu_and_mul={silu}: vs fp32 "
                               f"{max(errs):.1e}, vs the converting GEMV {vs_conv:.1e}")
+            tma = dict(cfg, block_k=min(cfg.get("block_k", 256), 256), w_tma=True)  # box <= 256
+            errs = [rel(D.dense_gemv(x, w, None, s, block, **tma), ref) for _ in range(3)]
+            ok = max(errs) < 1e-2 and max(errs) - min(errs) < 1e-3 and workspace_clean()
+            bad += report(ok, f"W by TMA {kind:7s} {K}x{N} M=1 silu_and_mul={silu}: vs fp32 "
+                              f"{max(errs):.1e}")
     table = dict(R.FP8_ROWS_CONFIGS)
     for tma in (False, True):  # the table's tiles, then the same with W by TMA
         R.FP8_ROWS_CONFIGS.update({key: dict(cfg, w_tma=tma) for key, cfg in table.items()})
@@ -251,11 +266,13 @@ def time_kind(kind, deadline, times):
             print(f"  {kind}: budget spent after {i} of {len(cands)} candidates", flush=True)
             break
         try:
-            if what == "rows" and not rows_ok(kind, cfg, weights, quantized, block, refs):
+            ok = (rows_ok(kind, cfg, weights, quantized, block, refs) if what == "rows"
+                  else one_row_ok(kind, cfg, weights, xs, block, refs))
+            if not ok:
                 failed += 1
                 continue
             for layer, _, _ in SHAPES:
-                if what == "words":
+                if what != "rows":  # one row: words or TMA
                     put(1, i, layer, gemv(layer, 1, cfg))
                 else:
                     for M in ROWS_MS:
@@ -265,6 +282,24 @@ def time_kind(kind, deadline, times):
             for by_path in t.values():
                 by_path.pop(i, None)
     return cands, failed
+
+
+def one_row_ok(kind, cfg, weights, xs, block, refs):
+    """Check a one-row candidate against dense_gemv_reference on every layer (the first weight
+    copy; refs caches the references) before it is timed; report it if it fails."""
+    worst, ok = 0.0, True
+    for layer, _, _ in SHAPES:
+        w, s, _ = weights[layer][0]
+        x, silu = xs[layer, 1]
+        if (layer, 1) not in refs:
+            refs[layer, 1] = D.dense_gemv_reference(x.float(), w, None, s, block,
+                                                    silu_and_mul=silu)
+        err = rel(D.dense_gemv(x, w, None, s, block, silu_and_mul=silu, **cfg), refs[layer, 1])
+        ok &= err < 1e-2 and workspace_clean()
+        worst = max(worst, err)
+    if not ok:
+        report(False, f"one-row {kind} candidate {cfg}: max rel err {worst:.1e}; not timed")
+    return ok
 
 
 def rows_ok(kind, cfg, weights, quantized, block, refs):
@@ -285,15 +320,16 @@ def rows_ok(kind, cfg, weights, quantized, block, refs):
 
 
 def candidates(kind):
-    """[(what, config)]: the fp8_rows tiles by TMA and by pointer loads taken in turn, so that a
-    budget cut short still times the first of each, then the one-row words tiles (which lost to
-    the conversion at their best tiles: the W8A8 rows come first)."""
+    """[(what, config)]: the fp8_rows tiles by TMA and by pointer loads and the one-row tiles by
+    TMA taken in turn, so that a budget cut short still times the first of each, then the
+    one-row words tiles (which lost to the conversion at their best tiles)."""
     words = [("words", dict(zip(KEYS, tile), w8_words=True)) for tile in WORDS_TILES[kind]]
     rows = [("rows", dict(zip(KEYS, tile))) for tile in ROWS_TILES[kind]]
     tma = ROWS_TMA_TILES[kind] + [tile for tile in ROWS_TILES[kind]  # the same tiles by TMA
                                   if tile not in ROWS_TMA_TILES[kind] and max(tile[:2]) <= 256]
     tma = [("rows", dict(zip(KEYS, tile), w_tma=True)) for tile in tma]
-    turns = itertools.zip_longest(tma, rows)
+    one_row = [("one_row", dict(zip(KEYS, tile), w_tma=True)) for tile in ONE_ROW_TMA_TILES[kind]]
+    turns = itertools.zip_longest(tma, rows, one_row)
     return [c for turn in turns for c in turn if c is not None] + words
 
 
@@ -338,11 +374,12 @@ def summary(times, cands, bw):
                     f"{weight_bytes / us_best / 1e3:,.0f} | "
                     f"{weight_bytes / us_best * 1e6 / bw:.0%} | "
                     f"{sum(t[old].values()) / us_best:.2f}x | {cfg}")
-            for variant, tma in (() if M == 1 else (("pointer", False), ("TMA", True))):
+            for variant, tma in (("w8_words" if M == 1 else "pointer", False), ("TMA", True)):
                 us_v, cfg_v = best(t, cands[kind], new, lambda c: c.get("w_tma", False) == tma)
                 if cfg_v is not None:  # the best of each way to load W, to compare them
                     i = next(j for j, c in enumerate(cands[kind]) if c[1] is cfg_v)
-                    print(f"| {kind} | {M} | best {variant} {new} | " + " | ".join(
+                    what = "one-row GEMV" if M == 1 else new
+                    print(f"| {kind} | {M} | best {variant} {what} | " + " | ".join(
                         f"{t[i][layer]:.1f}" for layer, _, _ in SHAPES) + f" | {us_v:.1f} | "
                         f"{weight_bytes / us_v / 1e3:,.0f} | "
                         f"{weight_bytes / us_v * 1e6 / bw:.0%} | "
@@ -388,7 +425,7 @@ def dry_run():
     times, cands = {}, {}
     for kind in ("channel", "block"):
         cands[kind] = candidates(kind)
-        words = [i for i, (what, _) in enumerate(cands[kind]) if what == "words"]
+        words = [i for i, (what, _) in enumerate(cands[kind]) if what != "rows"]
         rows = [i for i, (what, _) in enumerate(cands[kind]) if what == "rows"]
         layers = [layer for layer, _, _ in SHAPES]
         times[kind] = {1: {"convert": dict.fromkeys(layers, 30.0),

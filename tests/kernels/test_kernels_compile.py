@@ -187,7 +187,7 @@ for m in (2, 4, 8, 16):
     for scale, a_scale, block in ((torch.ones(1024, 1), torch.ones(m, 1), None),
                                   (torch.ones(8, 32), torch.ones(m, 32), (128, 128))):
         config = fp8_rows.fp8_rows_config(m, block)
-        deep = dict(block_n=64, block_k=128 if block else 256, num_stages=8)  # TMA: 8 fit
+        deep = dict(block_n=64, block_k=128 if block else 256, num_warps=4, num_stages=8)
         for tiles in (dict(config, w_tma=False), dict(config, w_tma=True),
                       dict(config, **deep, w_tma=True)):  # W by pointer loads, by TMA
             fp8_rows.fp8_rows(a8[:m], a_scale, w8, scale, torch.bfloat16, block, split_k=4,
