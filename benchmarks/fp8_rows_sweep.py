@@ -2,22 +2,29 @@
 """benchmarks/fp8_gemv.py --sweep-rows: the FP8 decode kernels of issue 33 on one GPU, in one
 command of under 4 minutes (--budget-s bounds the tile sweep).
 
-1. Checks on the GPU: kernels/fp8_rows.py (x already e4m3) against fp8_rows_reference for
-   per-tensor, per-channel and block-wise [128, 128] weights, M = 1..16, a Llama-3-8B layer and
-   an odd shape; the one-row W8A16 GEMV with w8_words (e4m3 bytes to fp32 by integer ops)
-   against dense_gemv_reference and against the converting GEMV, with and without the SiLU-and-
-   mul input; three calls each (a moving result would be a split-K race), the split-K workspace
-   left zeroed; an FP8 linear at 2, 8 and 16 rows (W8A8 through fp8_rows) in a CUDA graph.
+1. Checks on the GPU: kernels/fp8_rows.py (x already e4m3; W by pointer loads and by TMA, at
+   the table's tiles) against fp8_rows_reference for per-tensor, per-channel and block-wise
+   [128, 128] weights, M = 1..16, a Llama-3-8B layer and an odd shape; the one-row W8A16 GEMV
+   with w8_words (e4m3 bytes to fp32 by integer ops) against dense_gemv_reference and against
+   the converting GEMV, with and without the SiLU-and-mul input; three calls each (a moving
+   result would be a split-K race), the split-K workspace left zeroed; an FP8 linear at 2, 8
+   and 16 rows (W8A8 through fp8_rows, W by pointer loads and by TMA) in a CUDA graph.
 2. Timings per Llama-3-8B layer (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down
    14336->4096, the down projection from gate_up as the models call it), per-channel and block
    weights, CUDA-graph replays over weight copies larger together than 3x the L2:
    - 1 row: the W8A16 GEMV as FP8_GEMV_CONFIGS has it (conversion instructions) against
-     w8_words on the same tiles, then w8_words tiles (WORDS_TILES);
+     w8_words on the same tiles, then tiles with W by TMA (ONE_ROW_TMA_TILES, taken in turn
+     with fp8_rows') and w8_words tiles (WORDS_TILES, last), each checked against
+     dense_gemv_reference on every layer before it is timed;
    - 2, 4, 8, 16 rows: the W8A8 path, x quantized by its own kernel (quantize_fp8 or
      silu_and_mul_quant_fp8), then fp8_gemm (old) or fp8_rows (new): the product alone and the
-     path with its quantization; then fp8_rows tiles (ROWS_TILES) until the budget.
+     path with its quantization; then fp8_rows tiles until the budget: W by pointer loads
+     (ROWS_TILES) and by TMA (w_tma=True: ROWS_TMA_TILES, deeper pipelines, then ROWS_TILES'
+     tiles that a descriptor takes), each candidate checked against fp8_rows_reference on
+     every layer and M before it is timed (a failing one is reported and skipped).
 3. A summary (us per layer, GB/s of FP8 weight bytes over the four layers' summed time, % of
-   the copy bandwidth measured in the same run) and the tables to paste:
+   the copy bandwidth measured in the same run; the best pointer-load and the best TMA tile
+   each on a line of their own) and the tables to paste:
    FP8_ROWS_CONFIGS (kernels/fp8_rows.py) and FP8_ONE_ROW_CONFIGS (kernels/dense_gemv.py),
    each printed last under its own name for .gpu/paste.py.
 """
@@ -52,6 +59,24 @@ ROWS_TILES = {
                 (128, 512, 8, 3, 2), (128, 256, 4, 3, 3), (64, 256, 4, 4, 4), (256, 128, 8, 4, 2)],
     "block": [(64, 128, 4, 4, 2), (128, 128, 4, 4, 2), (64, 128, 4, 6, 2), (128, 128, 8, 4, 2),
               (64, 128, 4, 4, 3), (128, 128, 4, 6, 3), (64, 64, 4, 8, 2)],
+}
+# fp8_rows tiles with W by TMA (w_tma=True), deepest pipelines first: a stage holds a W tile
+# (block_n * block_k bytes) and a^T's (16 * block_k), within 227 KiB (boxes <= 256 a side); a
+# program this large leaves one a SM, so programs_per_sm 1 (one wave) is tried too
+ROWS_TMA_TILES = {
+    "channel": [(64, 256, 4, 8, 2), (64, 256, 4, 6, 2), (128, 256, 4, 6, 2), (64, 128, 4, 10, 2),
+                (64, 256, 4, 10, 1), (128, 128, 4, 8, 2), (128, 256, 8, 6, 2), (64, 256, 4, 8, 3),
+                (128, 128, 4, 12, 1), (64, 128, 4, 8, 4)],
+    "block": [(64, 128, 4, 8, 2), (64, 128, 4, 6, 2), (128, 128, 4, 8, 2), (64, 128, 4, 12, 2),
+              (128, 128, 8, 8, 2), (64, 128, 4, 10, 1), (64, 128, 4, 8, 3), (128, 128, 4, 12, 1)],
+}
+# one-row tiles with W by TMA (w_tma=True; block_k <= 256, the box's limit), the W8A16 GEMV
+# converting e4m3 on the CUDA cores (block_n, block_k, num_warps, num_stages, programs_per_sm)
+ONE_ROW_TMA_TILES = {
+    "channel": [(16, 256, 4, 6, 2), (32, 256, 4, 6, 2), (16, 256, 4, 8, 2), (64, 256, 4, 6, 2),
+                (16, 256, 4, 3, 2), (16, 128, 4, 8, 2), (32, 256, 8, 8, 2), (16, 256, 4, 6, 3)],
+    "block": [(64, 128, 4, 6, 2), (32, 128, 4, 8, 2), (64, 128, 4, 3, 2), (128, 128, 8, 6, 2),
+              (64, 128, 4, 8, 3)],
 }
 # one-row w8_words tiles (block_n, block_k, num_warps, num_stages, programs_per_sm)
 WORDS_TILES = {
@@ -114,13 +139,15 @@ def checks():
                 q, qs = quantize(torch.randn(M, K, device=DEV, dtype=torch.bfloat16), block,
                                  False)
                 ref = R.fp8_rows_reference(q, qs, w, s, torch.bfloat16, block)
-                for cfg in (R.fp8_rows_config(M, block), dict(R.fp8_rows_config(M, block),
-                                                              split_k=1)):
+                table = R.fp8_rows_config(M, block)  # W by pointer loads and by TMA
+                for cfg in (dict(table, w_tma=tma, **split) for tma in (False, True)
+                            for split in ({}, dict(split_k=1))):
                     errs = [rel(R.fp8_rows(q, qs, w, s, torch.bfloat16, block, **cfg), ref)
                             for _ in range(3)]
                     ok &= max(errs) < 1e-2 and max(errs) - min(errs) < 1e-3 and workspace_clean()
                     worst = max(worst, *errs)
-            bad += report(ok, f"fp8_rows {kind:7s} {K}x{N} M 1..16: max rel err {worst:.1e}")
+            bad += report(ok, f"fp8_rows {kind:7s} {K}x{N} M 1..16 (pointer, TMA): max rel err "
+                              f"{worst:.1e}")
         for silu in (False, True):  # one row, e4m3 bytes to fp32 by integer ops
             if kind == "tensor":
                 continue
@@ -138,9 +165,21 @@ def checks():
                 and workspace_clean()
             bad += report(ok, f"w8_words {kind:7s} {K}x{N} M=1 silu_and_mul={silu}: vs fp32 "
                               f"{max(errs):.1e}, vs the converting GEMV {vs_conv:.1e}")
-    for scheme, M, err in fp8_linear_graph_errors(sizes=(2, 8, 16)):
-        bad += report(err < 0.06, f"CUDA graph, FP8 linear {scheme} M={M} "
-                                  f"(W8A8 through fp8_rows): vs bf16 x {err:.1e}")
+            tma = dict(cfg, block_k=min(cfg.get("block_k", 256), 256), w_tma=True)  # box <= 256
+            errs = [rel(D.dense_gemv(x, w, None, s, block, **tma), ref) for _ in range(3)]
+            ok = max(errs) < 1e-2 and max(errs) - min(errs) < 1e-3 and workspace_clean()
+            bad += report(ok, f"W by TMA {kind:7s} {K}x{N} M=1 silu_and_mul={silu}: vs fp32 "
+                              f"{max(errs):.1e}")
+    table = dict(R.FP8_ROWS_CONFIGS)
+    for tma in (False, True):  # the table's tiles, then the same with W by TMA
+        R.FP8_ROWS_CONFIGS.update({key: dict(cfg, w_tma=tma) for key, cfg in table.items()})
+        try:
+            for scheme, M, err in fp8_linear_graph_errors(sizes=(2, 8, 16)):
+                bad += report(err < 0.06, f"CUDA graph, FP8 linear {scheme} M={M} (W8A8 through "
+                                          f"fp8_rows, W by {'TMA' if tma else 'pointers'}): vs "
+                                          f"bf16 x {err:.1e}")
+        finally:
+            R.FP8_ROWS_CONFIGS.update(table)
     return bad
 
 
@@ -177,7 +216,8 @@ def setups(kind, weights):
 
 
 def time_kind(kind, deadline, times):
-    """Fill times[kind][M][path][layer] (us): the baselines, then candidates until deadline."""
+    """Fill times[kind][M][path][layer] (us): the baselines, then candidates until deadline;
+    -> (candidates, failed candidate checks)."""
     weights = {layer: [fp8_weight(N, K, kind) for _ in range(max(2, cdiv(3 * L2_BYTES, N * K)))]
                for layer, K, N in SHAPES}
     block = weights[SHAPES[0][0]][0][2]
@@ -220,14 +260,19 @@ def time_kind(kind, deadline, times):
             put(M, "quant+fp8_rows", layer, rows(layer, M, cfg, True))
     print(f"  {kind}: baselines timed; {deadline - time.time():.0f} s left for the candidates",
           flush=True)
-    cands = candidates(kind)
+    cands, refs, failed = candidates(kind), {}, 0
     for i, (what, cfg) in enumerate(cands):
         if time.time() > deadline:
             print(f"  {kind}: budget spent after {i} of {len(cands)} candidates", flush=True)
             break
         try:
+            ok = (rows_ok(kind, cfg, weights, quantized, block, refs) if what == "rows"
+                  else one_row_ok(kind, cfg, weights, xs, block, refs))
+            if not ok:
+                failed += 1
+                continue
             for layer, _, _ in SHAPES:
-                if what == "words":
+                if what != "rows":  # one row: words or TMA
                     put(1, i, layer, gemv(layer, 1, cfg))
                 else:
                     for M in ROWS_MS:
@@ -236,22 +281,63 @@ def time_kind(kind, deadline, times):
             print(f"  ({kind} {cfg}: {str(e)[:80]})", flush=True)
             for by_path in t.values():
                 by_path.pop(i, None)
-    return cands
+    return cands, failed
+
+
+def one_row_ok(kind, cfg, weights, xs, block, refs):
+    """Check a one-row candidate against dense_gemv_reference on every layer (the first weight
+    copy; refs caches the references) before it is timed; report it if it fails."""
+    worst, ok = 0.0, True
+    for layer, _, _ in SHAPES:
+        w, s, _ = weights[layer][0]
+        x, silu = xs[layer, 1]
+        if (layer, 1) not in refs:
+            refs[layer, 1] = D.dense_gemv_reference(x.float(), w, None, s, block,
+                                                    silu_and_mul=silu)
+        err = rel(D.dense_gemv(x, w, None, s, block, silu_and_mul=silu, **cfg), refs[layer, 1])
+        ok &= err < 1e-2 and workspace_clean()
+        worst = max(worst, err)
+    if not ok:
+        report(False, f"one-row {kind} candidate {cfg}: max rel err {worst:.1e}; not timed")
+    return ok
+
+
+def rows_ok(kind, cfg, weights, quantized, block, refs):
+    """Check an fp8_rows candidate against fp8_rows_reference on every layer and M (the first
+    weight copy; refs caches the references) before it is timed; report it if it fails."""
+    worst, ok = 0.0, True
+    for (layer, _, _), M in itertools.product(SHAPES, ROWS_MS):
+        w, s, _ = weights[layer][0]
+        q, qs = quantized[layer, M]
+        if (layer, M) not in refs:
+            refs[layer, M] = R.fp8_rows_reference(q, qs, w, s, torch.bfloat16, block)
+        err = rel(R.fp8_rows(q, qs, w, s, torch.bfloat16, block, **cfg), refs[layer, M])
+        ok &= err < 1e-2 and workspace_clean()
+        worst = max(worst, err)
+    if not ok:
+        report(False, f"fp8_rows {kind} candidate {cfg}: max rel err {worst:.1e}; not timed")
+    return ok
 
 
 def candidates(kind):
-    """[(what, config)]: the one-row words tiles and the fp8_rows tiles taken in turn, so that
-    a budget cut short still times the first of each."""
+    """[(what, config)]: the fp8_rows tiles by TMA and by pointer loads and the one-row tiles by
+    TMA taken in turn, so that a budget cut short still times the first of each, then the
+    one-row words tiles (which lost to the conversion at their best tiles)."""
     words = [("words", dict(zip(KEYS, tile), w8_words=True)) for tile in WORDS_TILES[kind]]
     rows = [("rows", dict(zip(KEYS, tile))) for tile in ROWS_TILES[kind]]
-    turns = itertools.zip_longest(rows, words)
-    return [c for pair in turns for c in pair if c is not None]
+    tma = ROWS_TMA_TILES[kind] + [tile for tile in ROWS_TILES[kind]  # the same tiles by TMA
+                                  if tile not in ROWS_TMA_TILES[kind] and max(tile[:2]) <= 256]
+    tma = [("rows", dict(zip(KEYS, tile), w_tma=True)) for tile in tma]
+    one_row = [("one_row", dict(zip(KEYS, tile), w_tma=True)) for tile in ONE_ROW_TMA_TILES[kind]]
+    turns = itertools.zip_longest(tma, rows, one_row)
+    return [c for turn in turns for c in turn if c is not None] + words
 
 
-def best(t_m, cands, fallback):
-    """(summed us, config) of the candidate fastest over the four layers (timed on all)."""
+def best(t_m, cands, fallback, keep=lambda cfg: True):
+    """(summed us, config) of the candidate fastest over the four layers (timed on all), of
+    those whose config `keep` takes."""
     full = [(sum(v.values()), i) for i, v in t_m.items()
-            if isinstance(i, int) and len(v) == len(SHAPES)]
+            if isinstance(i, int) and len(v) == len(SHAPES) and keep(cands[i][1])]
     if not full:
         return sum(t_m[fallback].values()), None
     us, i = min(full)
@@ -288,6 +374,16 @@ def summary(times, cands, bw):
                     f"{weight_bytes / us_best / 1e3:,.0f} | "
                     f"{weight_bytes / us_best * 1e6 / bw:.0%} | "
                     f"{sum(t[old].values()) / us_best:.2f}x | {cfg}")
+            for variant, tma in (("w8_words" if M == 1 else "pointer", False), ("TMA", True)):
+                us_v, cfg_v = best(t, cands[kind], new, lambda c: c.get("w_tma", False) == tma)
+                if cfg_v is not None:  # the best of each way to load W, to compare them
+                    i = next(j for j, c in enumerate(cands[kind]) if c[1] is cfg_v)
+                    what = "one-row GEMV" if M == 1 else new
+                    print(f"| {kind} | {M} | best {variant} {what} | " + " | ".join(
+                        f"{t[i][layer]:.1f}" for layer, _, _ in SHAPES) + f" | {us_v:.1f} | "
+                        f"{weight_bytes / us_v / 1e3:,.0f} | "
+                        f"{weight_bytes / us_v * 1e6 / bw:.0%} | "
+                        f"{sum(t[old].values()) / us_v:.2f}x | {cfg_v}")
             if M == 1:  # the one-row entry: the fastest of conversion, words, swept words
                 table = D.fp8_gemv_config(1, blocks[kind])
                 options = [(sum(t["convert"].values()), table),
@@ -296,7 +392,11 @@ def summary(times, cands, bw):
                     options.append((us_best, cfg))
                 gemv_entries["one_row" + suffix] = min(options, key=lambda o: o[0])[1]
             else:
-                rows_entries[f"m{M}{suffix}"] = cfg or R.fp8_rows_config(M, blocks[kind])
+                # the table's tile stays unless a swept one beat it (budget cut or noise)
+                table = R.fp8_rows_config(M, blocks[kind])
+                rows_entries[f"m{M}{suffix}"] = min(
+                    [(sum(t[new].values()), table)] + [(us_best, cfg)] * (cfg is not None),
+                    key=lambda o: o[0])[1]
     print("\n# fp8_rows tiles from this sweep (kernels/fp8_rows.py)")
     print_table("FP8_ROWS_CONFIGS", {**R.FP8_ROWS_CONFIGS, **rows_entries})
     print("\n# the one-row W8A16 tiles from this sweep (kernels/dense_gemv.py)")
@@ -325,7 +425,7 @@ def dry_run():
     times, cands = {}, {}
     for kind in ("channel", "block"):
         cands[kind] = candidates(kind)
-        words = [i for i, (what, _) in enumerate(cands[kind]) if what == "words"]
+        words = [i for i, (what, _) in enumerate(cands[kind]) if what != "rows"]
         rows = [i for i, (what, _) in enumerate(cands[kind]) if what == "rows"]
         layers = [layer for layer, _, _ in SHAPES]
         times[kind] = {1: {"convert": dict.fromkeys(layers, 30.0),
@@ -354,8 +454,9 @@ def main(budget_s: float, dry: bool = False, json_path: str | None = None) -> No
     times, cands = {}, {}
     # the per-channel sweep gets two thirds of what is left (Llama-3-8B's FP8 is per channel)
     left = start + budget_s - time.time()
-    cands["channel"] = time_kind("channel", time.time() + left * 2 / 3, times)
-    cands["block"] = time_kind("block", start + budget_s, times)
+    cands["channel"], failed = time_kind("channel", time.time() + left * 2 / 3, times)
+    cands["block"], failed_block = time_kind("block", start + budget_s, times)
+    bad += failed + failed_block
     summary(times, cands, bw)
     if json_path:
         with open(json_path, "w") as f:

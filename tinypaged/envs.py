@@ -155,6 +155,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "(for A/B benchmarks)",
         _is_not_zero,
     ),
+    "TINYPAGED_FP8_TMA": EnvVar(
+        "bool", True,
+        "0 makes the FP8 decode kernels (kernels/fp8_rows.py, the one-row FP8 GEMV of "
+        "kernels/dense_gemv.py) load the weight by pointer loads even where their tile tables "
+        "ask for TMA (w_tma; for A/B benchmarks)",
+        _is_not_zero,
+    ),
     "TINYPAGED_LORA_PDL": EnvVar(
         "bool", False,
         "1 chains the LoRA expand to its shrink by programmatic dependent launch for batches of "

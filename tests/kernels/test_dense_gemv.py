@@ -311,3 +311,40 @@ def test_fp8_one_row_words_match_the_conversion(dtype, kind):
         torch.testing.assert_close(y, dense_gemv.dense_gemv(xs, w, b, scale, block, **config),
                                    **tol)
         assert_workspace_zero()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+def test_fp8_one_row_tma_matches_pointer_loads(monkeypatch, dtype, kind):
+    # w_tma: the one-row tiles by TMA descriptor (rows past N = 130 and columns past K = 1008 =
+    # 7 * 128 + 112 in as zeros), against pointer loads and the reference; silu_and_mul too
+    operands = []
+    make = dense_gemv.w_operand
+    monkeypatch.setattr(dense_gemv, "w_operand", lambda *args: operands.append(make(*args))
+                        or operands[-1])
+    x, w, scale, block, b = fp8_linear(1, 1008, 130, kind, dtype, seed=12, bias=kind != "tensor")
+    tol = DOT_TOL[dtype] if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-4)
+    for silu in (False, True):
+        xs = torch.cat([x, x.flip(1)], 1) if silu else x
+        ref = dense_gemv.dense_gemv_reference(xs, w, b, scale, block, silu_and_mul=silu)
+        for config in (dict(block_n=16, block_k=128, split_k=3, num_stages=6),
+                       dict(block_n=64, block_k=256 if block is None else 128, split_k=1)):
+            operands.clear()
+            y = dense_gemv.dense_gemv(xs, w, b, scale, block, silu_and_mul=silu, w_tma=True,
+                                      **config)
+            assert not isinstance(operands[0], torch.Tensor)  # a descriptor
+            torch.testing.assert_close(y, ref, **tol)
+            torch.testing.assert_close(y, dense_gemv.dense_gemv(
+                xs, w, b, scale, block, silu_and_mul=silu, **config), **tol)
+            assert_workspace_zero()
+    operands.clear()  # K 1000: rows 1000 bytes apart, no descriptor; w8_words: no descriptor
+    x, w, scale, block, b = fp8_linear(1, 1000, 130, kind, dtype, seed=12)
+    for words in (False, True):
+        y = dense_gemv.dense_gemv(x, w, b, scale, block, w_tma=True, w8_words=words,
+                                  block_k=128)
+        torch.testing.assert_close(y, dense_gemv.dense_gemv_reference(x, w, b, scale, block),
+                                   **tol)
+    w16 = w[:, :992].contiguous()
+    dense_gemv.dense_gemv(x[:, :992], w16, b, scale[:, :8] if block else scale, block,
+                          w_tma=True, w8_words=True, block_k=128)
+    assert all(isinstance(op, torch.Tensor) for op in operands) and len(operands) == 3

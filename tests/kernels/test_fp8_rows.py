@@ -1,15 +1,16 @@
 """kernels/fp8_rows.py (the W8A8 decode product of an e4m3 x, 1-16 rows) under the Triton
 interpreter against its torch reference: per-tensor, per-channel and [128, 128] block scales,
 fp32 and fp16 outputs, every M from 1 to 16, odd N (rows past N read but not stored) and odd K
-(a masked last step), split K or not; the split-K workspace left zeroed; and the tables that
-benchmarks/fp8_gemv.py --sweep-rows prints to paste."""
+(a masked last step), split K or not; the split-K workspace left zeroed; the weight streamed
+by TMA descriptor (w_tma) as by pointer loads; and the tables that benchmarks/fp8_gemv.py
+--sweep-rows prints to paste."""
 
 import os
 
 import pytest
 import torch
 
-from tinypaged.kernels import fp8, fp8_rows
+from tinypaged.kernels import fp8, fp8_rows, tma
 from tinypaged.kernels.split_k import SPLIT_K_WORKSPACE
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
@@ -60,6 +61,49 @@ def test_every_m_matches_reference(out_dtype, kind, K, N):
             assert y.dtype == out_dtype and y.shape == (M, N)
             torch.testing.assert_close(y, ref, **tol)
             assert_workspace_zero()
+
+
+@pytest.mark.parametrize("kind,K,N", [("channel", 304, 200), ("block", 384, 200),
+                                      ("static", 512, 136)])
+def test_tma_weight_loads_match_pointer_loads(monkeypatch, kind, K, N):
+    # W by TMA descriptor: rows past N (200, 136) and columns past K (304 = 2 * 128 + 48) come
+    # in as zeros from the copy engine, not by masks
+    operands = []
+    make = fp8_rows.w_operand
+    monkeypatch.setattr(fp8_rows, "w_operand", lambda *args: operands.append(make(*args))
+                        or operands[-1])
+    for M in (2, 5, 16):
+        a, a_scale, w, w_scale, block = quantized(M, K, N, kind, seed=M)
+        ref = fp8_rows.fp8_rows_reference(a, a_scale, w, w_scale, torch.float32, block)
+        for config in (dict(block_n=64, block_k=128, split_k=3, num_stages=6),
+                       dict(block_n=128, block_k=64, split_k=1)):
+            for w_tma in (False, True):
+                operands.clear()
+                y = fp8_rows.fp8_rows(a, a_scale, w, w_scale, torch.float32, block, **config,
+                                      w_tma=w_tma)
+                assert isinstance(operands[0], torch.Tensor) != w_tma  # a descriptor, or W
+                torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+                assert_workspace_zero()
+
+
+def test_tma_falls_back_where_no_descriptor_fits(monkeypatch):
+    # K 300: rows 300 bytes apart, not the 16-byte multiple TMA needs; boxes over 256 a side;
+    # $TINYPAGED_FP8_TMA=0 (the A/B switch): pointer loads, the same result
+    a, a_scale, w, w_scale, block = quantized(4, 300, 200, "channel", seed=1)
+    w256 = w[:, :256].contiguous()
+    assert not tma.w_tma_fits(w, 64, 128) and not tma.w_tma_fits(w[:, :256], 64, 128)
+    assert not tma.w_tma_fits(w256, 64, 512) and tma.w_tma_fits(w256, 64, 256)
+    ref = fp8_rows.fp8_rows_reference(a, a_scale, w, w_scale, torch.float32, block)
+    y = fp8_rows.fp8_rows(a, a_scale, w, w_scale, torch.float32, block, w_tma=True)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    operands = []
+    make = fp8_rows.w_operand
+    monkeypatch.setattr(fp8_rows, "w_operand", lambda *args: operands.append(make(*args))
+                        or operands[-1])
+    monkeypatch.setenv("TINYPAGED_FP8_TMA", "0")
+    fp8_rows.fp8_rows(a[:, :256].contiguous(), a_scale, w256, w_scale, torch.float32, block,
+                      w_tma=True)
+    assert operands[0] is w256
 
 
 def test_matches_the_w8a8_gemm():

@@ -160,13 +160,14 @@ def test_every_launcher_compiles_for_sm90():
 FP8_DOT_LAUNCHES = r"""
 from tinypaged.kernels import dense_gemv
 
-ptx = []
+ptx, kernels = [], []
 
 
 def keep_ptx(self, *args, grid, warmup, **kwargs):
     kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
     assert kernel.metadata.shared <= 227 * 1024, (self.__name__, kernel.metadata.shared)
     ptx.append(kernel.asm["ptx"])
+    kernels.append(kernel)
     compiled.add(self.__name__)
 
 
@@ -187,11 +188,38 @@ a8 = torch.zeros(16, 4096).to(torch.float8_e4m3fn)
 for m in (2, 4, 8, 16):
     for scale, a_scale, block in ((torch.ones(1024, 1), torch.ones(m, 1), None),
                                   (torch.ones(8, 32), torch.ones(m, 32), (128, 128))):
-        fp8_rows.fp8_rows(a8[:m], a_scale, w8, scale, torch.bfloat16, block, split_k=4,
-                          **fp8_rows.fp8_rows_config(m, block))
+        config = fp8_rows.fp8_rows_config(m, block)
+        deep = dict(block_n=64, block_k=128 if block else 256, num_warps=4, num_stages=8)
+        for tiles in (dict(config, w_tma=False), dict(config, w_tma=True),
+                      dict(config, **deep, w_tma=True)):  # W by pointer loads, by TMA
+            fp8_rows.fp8_rows(a8[:m], a_scale, w8, scale, torch.bfloat16, block, split_k=4,
+                              **tiles)
+            assert ("cp.async.bulk.tensor.2d" in ptx[-1]) == tiles["w_tma"], tiles
 # e4m3 operands straight into Hopper's FP8 wgmma: no fp16 mma.sync on converted weights
 assert ptx and all("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in p
                    and "mma.sync" not in p for p in ptx)
+# the TMA variant through tinypaged's Python launcher: the descriptor argument becomes one
+# CUtensorMap passed by value (make_tensordesc_arg fills it at each launch)
+from tinypaged.kernels.launcher.launch import PackedLaunch
+
+
+class NoDriver:
+    cuLaunchKernelEx = None
+
+
+kernel = kernels[-1]  # the last TMA variant
+packed = PackedLaunch(kernel.src.signature.values(), num_warps=4, shared=kernel.metadata.shared,
+                      tensordesc_meta=kernel.metadata.tensordesc_meta, lib=NoDriver())
+assert [s.type for s in packed.slots].count("nvTmaDesc") == 1
+assert "make_tensordesc_arg(a1, META[0])" in packed.source
+# the one-row W8A16 GEMV (CUDA cores) with the weight by TMA too
+for scale, block in ((torch.ones(1024, 1), None), (torch.ones(8, 32), (128, 128))):
+    for block_k, stages in ((128, 4), (256, 8)):
+        dense_gemv.dense_gemv(torch.randn(1, 8192).to(torch.bfloat16), w8, None, scale, block,
+                              silu_and_mul=True, **dict(dense_gemv.fp8_gemv_config(1, block),
+                                                        block_k=block_k, num_stages=stages,
+                                                        w_tma=True))
+        assert "cp.async.bulk.tensor.2d" in ptx[-1] and "wgmma" not in ptx[-1]
 """
 
 

@@ -16,7 +16,8 @@ once, at the copy bandwidth, from every SM at once:
   of ~3 programs per SM. cuBLAS picks one tiling per shape and loses the tail of small layers
   (qkv, o) to launch and ramp time; splitting K lets a 4096x4096 layer fill 132 SMs.
 - A step loads a [BLOCK_N, BLOCK_K] tile of W, rows contiguous (16-byte vector loads, a warp
-  reads 512 bytes of one row), pipelined through shared memory (tl.range num_stages).
+  reads 512 bytes of one row), pipelined through shared memory (tl.range num_stages); or, with
+  w_tma, by one TMA bulk copy a tile through a descriptor over W (kernels/tma.py).
 - M = 1 (USE_DOT False): one FMA per weight on CUDA cores into a [BLOCK_N, BLOCK_K] fp32
   accumulator, reduced over K once at the end.
   An e4m3 weight converts on the way (two conversion instructions a weight on sm_90: e4m3x2 ->
@@ -67,6 +68,7 @@ from tinypaged.kernels.split_k import (
     split_k_range,
     split_k_workspace,
 )
+from tinypaged.kernels.tma import w_operand, w_tma_fits
 
 GEMV_MAX_M = 16  # rows of x up to which dense_linear may take the GEMV
 
@@ -137,6 +139,7 @@ def _dense_gemv_kernel(
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
     X_COLS: tl.constexpr,  # BLOCK_M, or 1 for one row under QUANTIZE_X (no padded columns)
     W8_WORDS: tl.constexpr,  # one row, FP8 W: int32 words of 4 weights, converted by bit ops
+    W_TMA: tl.constexpr,  # w_ptr: a TMA descriptor, [BLOCK_N, BLOCK_K] boxes (kernels/tma.py)
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums K-steps split_k_range(.., s) of
     # y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
@@ -148,8 +151,8 @@ def _dense_gemv_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     first, last = split_k_range(tl.cdiv(K, BLOCK_K), split_k)
-    # rows past N read row n % N (in bounds, unmasked loads) and are not stored
-    w_ptrs = w_ptr + (offs_n % N)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    if not W_TMA:  # rows past N read row n % N (in bounds, unmasked loads), are not stored
+        w_ptrs = w_ptr + (offs_n % N)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     # block-wise: this program's rows lie in scale row pid_n * BLOCK_N // SCALE_BN
     ws_row = ws_ptr + (pid_n * BLOCK_N // SCALE_BN) * stride_wsn
     if USE_DOT:
@@ -171,6 +174,8 @@ def _dense_gemv_kernel(
                 x_scale *= tl.load(ws_row + (step * BLOCK_K // SCALE_BK) * stride_wsk)
             acc = _words_step(acc, words_ptrs + step * (BLOCK_K // 4), x_ptr,
                               step * BLOCK_K + 4 * offs_q, K, x_scale, EVEN_K, SILU_AND_MUL)
+        elif W_TMA:  # one bulk copy a tile; rows past N, columns past K come in as zeros
+            w = w_ptr.load([pid_n * BLOCK_N, step * BLOCK_K])
         elif EVEN_K:
             w = tl.load(w_ptrs + step * BLOCK_K)
         else:
@@ -231,7 +236,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                block_n: int | None = None, block_k: int = 256, split_k: int | None = None,
                num_warps: int = 4, num_stages: int = 3, min_block_m: int = 16,
                programs_per_sm: int = 3, tensor_cores: bool | None = None,
-               quantize_x: bool = False, w8_words: bool = False) -> torch.Tensor:
+               quantize_x: bool = False, w8_words: bool = False,
+               w_tma: bool = False) -> torch.Tensor:
     """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), 1 <= M <= 16, fp32 accumulation, in
     x's dtype (the Triton kernel; dense_linear and the FP8 linear decide when to call it).
 
@@ -250,7 +256,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     w8_words (FP8 weights, one row on the CUDA cores): the weight read as int32 words and each
     e4m3 byte turned into fp32 by shifts and masks (_e4m3_byte_as_f32) instead of the
     conversion instructions; ignored where K or the weight's row stride is not a multiple of 4
-    (or the tensor-core path runs). The same products, summed in another order."""
+    (or the tensor-core path runs). The same products, summed in another order.
+    w_tma: the weight's tiles by TMA (kernels/tma.py) where a descriptor fits and w8_words does
+    not apply, else by pointer loads."""
     M, K = x.shape[0], x.shape[1] // 2 if silu_and_mul else x.shape[1]
     N = weight.shape[0]
     if silu_and_mul and x.shape[1] != 2 * weight.shape[1]:
@@ -289,6 +297,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     block_m = max(min_block_m, 1 << (M - 1).bit_length()) if use_dot else 1
     w8_words = w8_words and fp8 and not use_dot and K % 4 == 0 and weight.stride(0) % 4 == 0 \
         and weight.data_ptr() % 4 == 0 and block_k % 4 == 0
+    use_tma = w_tma and not w8_words and w_tma_fits(weight, block_n, block_k)
     n_blocks = cdiv(N, block_n)
     steps = cdiv(K, block_k)
     if split_k is None:
@@ -301,7 +310,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     partial, count = (split_k_workspace(x.device, GEMV_MAX_M * N, cdiv(N, 8)) if split_k > 1
                       else (y, y))
     _dense_gemv_kernel[(n_blocks, split_k)](
-        x, weight, y if weight_scale is None else weight_scale, y if bias is None else bias, y,
+        x, w_operand(weight, use_tma, block_n, block_k),
+        y if weight_scale is None else weight_scale, y if bias is None else bias, y,
         partial, count, M, N, K, x.stride(0), weight.stride(0), *scale_strides, split_k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
@@ -309,7 +319,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         SILU_AND_MUL=silu_and_mul, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
         QUANTIZE_X=quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         ROUND_IN_FP32=not x.is_cuda, X_COLS=1 if quantize_x and M == 1 else block_m,
-        W8_WORDS=w8_words, num_warps=num_warps,
+        W8_WORDS=w8_words, W_TMA=use_tma, num_warps=num_warps,
     )
     return y
 

@@ -22,6 +22,11 @@ dense_gemv's tensor-core path:
   its N slot: wgmma m64n16k32 on e4m3 operands straight from shared memory, no conversion.
 - A (column block, K range) grid of ~programs_per_sm programs an SM, the split sums meeting in
   split_k.py's shared fp32 workspace (one launch, CUDA-graph safe, no memset).
+- W by TMA (w_tma): the [BLOCK_N, BLOCK_K] tiles come through a host-side descriptor over W
+  [N, K], one bulk asynchronous copy a tile (no address registers, no per-thread loads, rows
+  past N and columns past K filled with zeros by the copy engine), so the pipeline's depth is
+  bounded by shared memory only; pointer loads (cp.async) otherwise, and where the descriptor
+  does not fit (kernels/tma.py). a^T, 16 * BLOCK_K bytes a step, stays on pointer loads.
 Memory traffic: N * K bytes of W (once) + split_k * M * K bytes of a (from L2) + the scales.
 The decode product is bound by streaming W, so the kernel's job is to read it at the copy
 bandwidth; the padding of a^T costs tensor-core time, which is idle anyway at these sizes.
@@ -44,6 +49,7 @@ from tinypaged.kernels.split_k import (
     split_k_range,
     split_k_workspace,
 )
+from tinypaged.kernels.tma import w_operand, w_tma_fits
 
 ROWS_MAX_M = 16  # a^T padded to 16 columns: the narrowest e4m3 wgmma (m64n16k32)
 ROWS_MIN_M = 2  # one row takes the W8A16 GEMV (kernels/dense_gemv.py), not the W8A8 path
@@ -63,8 +69,10 @@ def _fp8_rows_kernel(
     M, N, K, stride_am, stride_wn, stride_asm, stride_ask, stride_wsn, stride_wsk, split_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCKWISE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, W_TMA: tl.constexpr,
 ):
+    # W_TMA: w_ptr is a TMA descriptor over W [N, K] with [BLOCK_N, BLOCK_K] boxes (rows past N
+    # and columns past K read as 0), else W's pointer
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums K-steps split_k_range(.., s) of
     # y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
     pid_n = tl.program_id(0)
@@ -74,19 +82,23 @@ def _fp8_rows_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     first, last = split_k_range(tl.cdiv(K, BLOCK_K), split_k)
-    # rows past N read row n % N (in bounds, unmasked loads) and are not stored
-    w_ptrs = w_ptr + (offs_n % N)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    if not W_TMA:  # rows past N read row n % N (in bounds, unmasked loads), are not stored
+        w_ptrs = w_ptr + (offs_n % N)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     at_ptrs = a_ptr + offs_m[None, :] * stride_am + offs_k[:, None]  # a^T [BLOCK_K, BLOCK_M]
     # block-wise: this program's rows lie in one scale row (BLOCK_N divides SCALE_BN)
     ws_row = ws_ptr + (pid_n * BLOCK_N // SCALE_BN) * stride_wsn
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # y^T
     for step in tl.range(first, last, num_stages=STAGES):
+        if W_TMA:  # one bulk copy a tile, into shared memory where the wgmma reads it
+            w = w_ptr.load([pid_n * BLOCK_N, step * BLOCK_K])
         if EVEN_K:
-            w = tl.load(w_ptrs + step * BLOCK_K)
+            if not W_TMA:
+                w = tl.load(w_ptrs + step * BLOCK_K)
             at = tl.load(at_ptrs + step * BLOCK_K, mask=m_mask[None, :], other=0.0)
         else:
             k_mask = step * BLOCK_K + offs_k < K
-            w = tl.load(w_ptrs + step * BLOCK_K, mask=k_mask[None, :], other=0.0)
+            if not W_TMA:
+                w = tl.load(w_ptrs + step * BLOCK_K, mask=k_mask[None, :], other=0.0)
             at = tl.load(at_ptrs + step * BLOCK_K, mask=m_mask[None, :] & k_mask[:, None],
                          other=0.0)
         if BLOCKWISE:  # the step's product times its scale pair: [BLOCK_M] x one number
@@ -120,11 +132,13 @@ def fp8_rows_reference(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
 def fp8_rows(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype, block: tuple[int, int] | None = None, block_n: int = 64,
              block_k: int = 256, num_warps: int = 4, num_stages: int = 4,
-             programs_per_sm: int = 2, split_k: int | None = None) -> torch.Tensor:
+             programs_per_sm: int = 2, split_k: int | None = None,
+             w_tma: bool = False) -> torch.Tensor:
     """See the module docstring. block_n: output features a program (the MMA's M: >= 64, and
     >= 16 * num_warps for one wgmma a warpgroup); block_k: K a step (cut to the scale block's
     BK when block-wise); split_k: programs sharing a column block's K (default: about
-    programs_per_sm programs per SM)."""
+    programs_per_sm programs per SM); w_tma: load W's tiles by TMA where a descriptor fits
+    (kernels/tma.py's w_tma_fits, $TINYPAGED_FP8_TMA not 0), else by pointer loads."""
     if not use_triton(a):
         return fp8_rows_reference(a, a_scale, w, w_scale, out_dtype, block)
     M, K = a.shape
@@ -151,17 +165,19 @@ def fp8_rows(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
         target = programs_target(a.device) * programs_per_sm // 4
         split_k = max(1, min(steps, cdiv(target, n_blocks)))
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
+    use_tma = w_tma and w_tma_fits(w, block_n, block_k)
     y = torch.empty(M, N, dtype=out_dtype, device=a.device)
     # the GEMV's sizes (16 rows, 8-column blocks), so that no decode batch size reallocates the
     # shared workspace after another one's CUDA graph captured it
     partial, count = (split_k_workspace(a.device, ROWS_MAX_M * N, cdiv(N, 8)) if split_k > 1
                       else (y, y))
     _fp8_rows_kernel[(n_blocks, split_k)](
-        a, w, a_scale, w_scale, y, partial, count, M, N, K, a.stride(0), w.stride(0),
-        asm, ask, wsn, wsk, split_k, BLOCK_M=ROWS_MAX_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        a, w_operand(w, use_tma, block_n, block_k), a_scale, w_scale, y, partial, count, M, N,
+        K, a.stride(0), w.stride(0), asm, ask, wsn, wsk, split_k, BLOCK_M=ROWS_MAX_M,
+        BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCKWISE=block is not None, SCALE_BN=1 if block is None else block[0],
         SCALE_BK=1 if block is None else block[1], EVEN_K=K % block_k == 0, SPLIT=split_k > 1,
-        STAGES=num_stages, num_warps=num_warps)
+        STAGES=num_stages, W_TMA=use_tma, num_warps=num_warps)
     return y
 
 
