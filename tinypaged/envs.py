@@ -142,7 +142,7 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         _is_not_zero,
     ),
     "TINYPAGED_PREFILL_ATTENTION": EnvVar(
-        "str", "triton",
+        "str", "gluon",
         "which kernel runs prefill attention on sm_90 for the shapes it covers (fp16/bf16, "
         "head_dim 128, no window or soft-cap): triton (kernels/attention_hopper.py) or gluon "
         "(kernels/attention_gluon.py, warp-specialized TMA + wgmma) (for A/B benchmarks)",

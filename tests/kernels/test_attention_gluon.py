@@ -40,7 +40,9 @@ def test_supported_shapes():
 def test_prefill_kernel_choice(monkeypatch):
     q = torch.zeros(8, 32, 128, dtype=torch.bfloat16)
     monkeypatch.delenv("TINYPAGED_PREFILL_ATTENTION", raising=False)
-    assert prefill_kernel(q, cache(), 2048, None, None, True) == "hopper"  # the default
+    assert prefill_kernel(q, cache(), 2048, None, None, True) == "gluon"  # the default
+    monkeypatch.setenv("TINYPAGED_PREFILL_ATTENTION", "triton")
+    assert prefill_kernel(q, cache(), 2048, None, None, True) == "hopper"
     monkeypatch.setenv("TINYPAGED_PREFILL_ATTENTION", "gluon")
     assert prefill_kernel(q, cache(), 2048, None, None, True) == "gluon"
     assert prefill_kernel(q, cache(), 2048, None, None, False) == "varlen"  # not sm_90

@@ -436,11 +436,12 @@ FP8_GEMV_MAX_M = {"w8a16": 1, "w8a8dot": GEMV_MAX_M}  # rows up to which FP8 tak
 # the sweep's best w8a8dot tile from 2 rows on (it prints one row per key; equal rows kept once)
 _DOT_ROWS = dict(block_n=128, block_k=128, num_warps=8, num_stages=4, programs_per_sm=2,
                  quantize_x=True)
-# W8A16 at one row; w8_words (e4m3 bytes to fp32 by integer ops) where the H200 sweep finds it
-# faster (benchmarks/fp8_gemv.py --sweep-rows prints this table)
+# W8A16 at one row; w8_words (e4m3 bytes to fp32 by integer ops) or the weight by TMA (w_tma)
+# where the H200 sweep finds it faster (benchmarks/fp8_gemv.py --sweep-rows prints this table)
 FP8_ONE_ROW_CONFIGS = {
     "one_row": dict(block_n=16, block_k=512, programs_per_sm=2),
-    "one_row_block": dict(block_n=64, block_k=128, programs_per_sm=2),
+    "one_row_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=3,
+                          programs_per_sm=2, w_tma=True),
 }
 FP8_GEMV_CONFIGS = {
     **FP8_ONE_ROW_CONFIGS,

@@ -185,13 +185,14 @@ def fp8_rows(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
 # blocks (block_n divides 128, block_k <= 128). From benchmarks/fp8_gemv.py --sweep-rows on an
 # H200 (the fastest summed over the Llama-3-8B layers at each row count).
 FP8_ROWS_CONFIGS = {
-    "m2": dict(block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=2),
+    "m2": dict(block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=2, w_tma=True),
     "m2_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
-    "m4": dict(block_n=64, block_k=128, num_warps=4, num_stages=6, programs_per_sm=2),
+    "m4": dict(block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=2, w_tma=True),
     "m4_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
-    "m8": dict(block_n=64, block_k=128, num_warps=4, num_stages=6, programs_per_sm=2),
-    "m8_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
-    "m16": dict(block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=2),
+    "m8": dict(block_n=64, block_k=256, num_warps=4, num_stages=4, programs_per_sm=2, w_tma=True),
+    "m8_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=4,
+                     programs_per_sm=2, w_tma=True),
+    "m16": dict(block_n=64, block_k=128, num_warps=4, num_stages=6, programs_per_sm=2, w_tma=True),
     "m16_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2),
 }
 
