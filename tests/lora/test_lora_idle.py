@@ -8,14 +8,12 @@ same, and the time it saves, the GPU shows (benchmarks/lora_bench.py --idle)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from helpers.graphs import fake_cuda_graphs
 from helpers.lora import save_peft_adapter
 from helpers.models import greedy_reference, prompts, single_thread  # noqa: F401 (autouse)
 
-import tinypaged.worker.piecewise_graphs as pg
 from tinypaged import LLM, LoRARequest, SamplingParams
 from tinypaged.bench.tiny_models import save_tiny
 from tinypaged.lora import layers as lora_layers
@@ -143,16 +141,8 @@ def recorded(fn, batch, as_tuple):
 
 @pytest.fixture
 def fake_graphs(monkeypatch):
-    @contextlib.contextmanager
-    def capture(graph, pool=None):
-        FakeGraph.capturing = graph
-        yield
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    fake_cuda_graphs(monkeypatch, FakeGraph)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
-    monkeypatch.setattr(pg, "weak_view", lambda t: t)  # the CPU frees at once
     monkeypatch.setattr(FakeGraph, "replays", [])
 
 

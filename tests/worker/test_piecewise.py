@@ -259,19 +259,10 @@ class _RecordedGraph:
 def test_capture_and_replay_wiring(monkeypatch):
     """`_capture` then `run` in graph mode: each replay's outputs are the tensors the next
     piece and the attention read (graphs emulated; weak views off, as the CPU frees at once)."""
-    import contextlib
+    from helpers.graphs import fake_cuda_graphs
 
-    import tinypaged.worker.piecewise_graphs as pg
 
-    @contextlib.contextmanager
-    def capture(graph, pool=None):
-        _RecordedGraph.capturing = graph
-        yield
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordedGraph)
-    monkeypatch.setattr(torch.cuda, "graph", capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
-    monkeypatch.setattr(pg, "weak_view", lambda t: t)
+    fake_cuda_graphs(monkeypatch, _RecordedGraph)
     hf = tiny_hf_model("qwen3", seed=6)
     model = build_model(hf.config, checkpoint_weights(hf))
     piece = model.model.piece

@@ -159,17 +159,27 @@ def max_padded_tokens(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-bound // block_m) * block_m
 
 
-def moe_align_block_size_triton(topk_ids: torch.Tensor, block_m: int, num_experts: int):
-    """The Triton launcher; arguments as `moe_align_block_size`."""
+def _launch_outputs(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """What both Triton launchers start from: (the pairs' expert ids flat and contiguous [N],
+    N, max_padded, sorted_token_ids [max_padded], expert_ids [max_padded / block_m],
+    num_tokens_post_padded [1]), the outputs uninitialized (the kernels write every row)."""
     flat = topk_ids.flatten()
+    flat = flat if flat.is_contiguous() else flat.contiguous()
     num_pairs, device = flat.numel(), flat.device
     max_padded = max_padded_tokens(num_pairs, num_experts, block_m)
-    sorted_token_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
-    num_tokens_post_padded = torch.empty(1, dtype=torch.int32, device=device)
+    return (flat, num_pairs, max_padded,
+            torch.empty(max_padded, dtype=torch.int32, device=device),
+            torch.empty(max_padded // block_m, dtype=torch.int32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device))
+
+
+def moe_align_block_size_triton(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """The Triton launcher; arguments as `moe_align_block_size`."""
+    flat, num_pairs, max_padded, sorted_token_ids, expert_ids, num_tokens_post_padded = \
+        _launch_outputs(topk_ids, block_m, num_experts)
     block_e = next_power_of_2(num_experts)
     _moe_align_kernel[(1,)](
-        flat if flat.is_contiguous() else flat.contiguous(), sorted_token_ids, expert_ids,
+        flat, sorted_token_ids, expert_ids,
         num_tokens_post_padded, num_pairs, num_experts, max_padded,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=max(16, min(128, 16384 // block_e)),
         num_warps=8,
@@ -180,17 +190,12 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, block_m: int, num_expert
 def moe_align_block_size_parallel(topk_ids: torch.Tensor, block_m: int, num_experts: int):
     """The two-launch Triton launcher (one program per chunk of pairs); arguments as
     `moe_align_block_size`."""
-    flat = topk_ids.flatten()
-    num_pairs, device = flat.numel(), flat.device
-    max_padded = max_padded_tokens(num_pairs, num_experts, block_m)
-    sorted_token_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
-    num_tokens_post_padded = torch.empty(1, dtype=torch.int32, device=device)
+    flat, num_pairs, max_padded, sorted_token_ids, expert_ids, num_tokens_post_padded = \
+        _launch_outputs(topk_ids, block_m, num_experts)
     block_e = next_power_of_2(num_experts)
     block_p = max(16, min(128, 16384 // block_e))
     chunks = max(1, cdiv(num_pairs, block_p))
-    counts = torch.empty(chunks, block_e, dtype=torch.int32, device=device)  # [chunks, BLOCK_E]
-    flat = flat if flat.is_contiguous() else flat.contiguous()
+    counts = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)  # [chunks, E]
     _moe_align_count_kernel[(chunks,)](flat, counts, num_pairs, BLOCK_E=block_e, BLOCK_P=block_p,
                                        num_warps=4)
     _moe_align_place_kernel[(chunks,)](
