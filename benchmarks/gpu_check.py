@@ -7,6 +7,10 @@ per architecture, the fraction of prompts whose greedy tokens agree fully, the l
 prefix, and the max |logprob difference| of the first step.
 
     PYTHONPATH=. python benchmarks/gpu_check.py [--kinds llama qwen3 ...] [--eager]
+
+`--head-dim 128 --max-prompt 200` gives every kind 128-wide heads and prompts of up to 200
+tokens: the shapes the Gluon prefill kernel takes (TINYPAGED_PREFILL_ATTENTION=gluon, the
+default on Hopper; =triton for the other kernel).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--reference", action="store_true", help="torch reference kernels")
+    parser.add_argument("--head-dim", type=int, help="every kind's head_dim (default: its own)")
+    parser.add_argument("--max-prompt", type=int, default=60, help="longest prompt (tokens)")
     args = parser.parse_args()
     if args.reference:  # locate a disagreement: kernels or the rest of the engine?
         import importlib
@@ -53,11 +59,13 @@ def main() -> None:
         for name in ("activation", "attention", "kv_cache", "moe", "norm", "rotary"):
             importlib.import_module(f"tinypaged.kernels.{name}").use_triton = lambda x: False
     rng = random.Random(0)
-    prompts = [[rng.randrange(2, 250) for _ in range(rng.randint(5, 60))] for _ in range(8)]
+    prompts = [[rng.randrange(2, 250) for _ in range(rng.randint(5, args.max_prompt))]
+               for _ in range(8)]
+    overrides = {"head_dim": args.head_dim} if args.head_dim else {}
     rows = []
     for kind in args.kinds:
         path = Path(tempfile.mkdtemp())
-        hf = save_tiny(kind, path).to("cuda", torch.bfloat16)
+        hf = save_tiny(kind, path, **overrides).to("cuda", torch.bfloat16)
         llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=256,
                   enforce_eager=args.eager, max_num_seqs=16)
         params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True, logprobs=5)

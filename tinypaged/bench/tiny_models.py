@@ -155,9 +155,10 @@ def chatglm_checkpoint(glm):
     return config, out
 
 
-def save_tiny(kind: str, path) -> torch.nn.Module:
-    """Write a tiny random model of `kind` to `path`; returns the transformers reference."""
-    hf = tiny_hf_model("glm" if kind == "chatglm" else kind, seed=3)
+def save_tiny(kind: str, path, **overrides) -> torch.nn.Module:
+    """Write a tiny random model of `kind` to `path` (config `overrides` on TINY's and the
+    kind's); returns the transformers reference."""
+    hf = tiny_hf_model("glm" if kind == "chatglm" else kind, seed=3, **overrides)
     if kind == "chatglm":
         config, weights = chatglm_checkpoint(hf)
         (path / "config.json").write_text(json.dumps(config.to_dict()))
