@@ -84,6 +84,16 @@ def test_dummy_weights_are_small_random_and_seeded(tmp_path):
     assert torch.equal(params[0], params[1]) and not torch.equal(params[0], params[2])
 
 
+def test_dummy_weights_refused_for_a_gguf_config(tmp_path):
+    # GGUF layers take their blocks from the .gguf file; random ones would fail at the first
+    # forward, far from the cause.
+    config = tiny_hf_model("llama").config
+    config.quantization_config = {"quant_method": "gguf"}
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="dummy.*GGUF"):
+        load_model(EngineConfig(model=str(tmp_path), load_format="dummy"), "cpu")
+
+
 # ------------------------------------------------------------------ errors through load_model
 def _edit_checkpoint(path, edit) -> None:
     weights = load_file(str(path / "model.safetensors"))

@@ -341,6 +341,10 @@ def load_model(config: EngineConfig, device: str | torch.device | None = None,
         model_cls = as_pooling_model(model_cls, config.pooler_config)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     quant_config = _quant_config(config, hf_config)
+    dummy = getattr(config, "load_format", "auto") == "dummy"
+    if dummy and detect_quantization(hf_config) == "gguf":
+        raise ValueError("load_format='dummy' has no random weights for a GGUF model (its config's "
+                         "quantization_config.quant_method is 'gguf'): load the .gguf file")
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in the run dtype, on the device
@@ -353,7 +357,7 @@ def load_model(config: EngineConfig, device: str | torch.device | None = None,
         torch.set_default_dtype(previous)
     model.requires_grad_(False)
     with torch.no_grad():
-        if getattr(config, "load_format", "auto") == "dummy":
+        if dummy:
             _init_dummy_weights(model, config.seed)
         else:
             sliced = get_tp_size() > 1  # each rank reads only its part of each tensor
