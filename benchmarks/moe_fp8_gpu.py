@@ -71,7 +71,10 @@ def checks_and_timings(tokens):
         G = group or inter
         got = (q.float().reshape(M, -1, G) * s[..., None]).reshape(M, inter)
         want = (qr.float().reshape(M, -1, G) * sr[..., None]).reshape(M, inter)
-        ok = bool(torch.allclose(s, sr, rtol=1e-5, atol=0)
+        # Triton's and torch's sigmoid may differ in the last fp32 bit, so a bf16 act may round
+        # one step apart; when that act is its row's max, the scale moves by that step and the
+        # row's e4m3 values with it (hence `differing`): each product stays within one e4m3 step.
+        ok = bool(torch.allclose(s, sr, rtol=torch.finfo(g.dtype).eps, atol=0)
                   and ((got - want).abs() <= want.abs() / 8 + 1e-6).all())
         bad += not ok
         emit(check="silu_and_mul_quant_fp8", M=M, I=inter, group=group, ok=ok,
