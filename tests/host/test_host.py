@@ -24,6 +24,21 @@ def test_require_names_the_install_command_of_this_install(monkeypatch):
     assert packages.install_hint("gguf") == "pip install 'tinypaged[gguf]'"
 
 
+def test_require_names_the_error_of_an_installed_package_that_fails(monkeypatch, tmp_path):
+    # What a wheel installed without its dependencies gives: the package is found, its import
+    # fails on another module. The message says so, with that module's name.
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "__init__.py").write_text("import tinypaged_no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "gguf", raising=False)
+    with pytest.raises(packages.MissingPackageError) as info:
+        packages.require("gguf")
+    message = str(info.value)
+    assert "installed but failed to import" in message and "pip install 'gguf'" in message
+    assert "No module named 'tinypaged_no_such_dependency'" in message
+    assert info.value.name == "gguf"
+
+
 def test_checkout_detection():
     assert packages.from_checkout()  # the tests run from the source tree
 

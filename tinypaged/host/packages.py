@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from pathlib import Path
 
 # package -> (pip requirement, the extra of pyproject.toml that adds it, what needs it)
@@ -55,11 +56,18 @@ def missing_message(package: str) -> str:
 
 
 def require(package: str):
-    """Import and return `package`, or raise MissingPackageError naming the install command."""
+    """Import and return `package`, or raise MissingPackageError naming the install command.
+    A package that is there but fails to import (one of its own dependencies missing) is named
+    as such, with the import's error: reinstalling it with pip brings what it lacks."""
     try:
         return importlib.import_module(package)
-    except ImportError:
-        raise MissingPackageError(missing_message(package), name=package) from None
+    except ImportError as exc:
+        message = missing_message(package)
+        if sys.modules.get(package, 0) is not None and is_installed(package):
+            message = (f"{OPTIONAL[package][2]} needs the {package} package, which is installed "
+                       f"but failed to import ({type(exc).__name__}: {exc}): "
+                       f"{install_hint(package)}")
+        raise MissingPackageError(message, name=package) from None
 
 
 def is_installed(package: str) -> bool:
