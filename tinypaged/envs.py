@@ -50,16 +50,6 @@ def _zero_or_one(name: str, text: str) -> bool:
     return text == "1"
 
 
-def _non_negative_float(name: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ValueError(f"{name} must be a number >= 0, got {text!r}")
-    return value
-
-
 def _fork_or_spawn(name: str, text: str) -> str | None:
     if text not in ("", "fork", "spawn"):
         raise ValueError(f"{name} must be 'fork' or 'spawn', got {text!r}")
@@ -195,13 +185,6 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "0 runs structured output's batched grammar accepts and mask fills on the engine thread, "
         "not on a worker thread beside it (for A/B benchmarks)",
         _is_not_zero,
-    ),
-    "TINYPAGED_GRAMMAR_SWITCH_MS": EnvVar(
-        "float", 0.2,
-        "with the grammar worker thread on, Python's switch interval (sys.setswitchinterval) "
-        "is lowered to this many ms, so the worker takes the GIL soon after each xgrammar call "
-        "while the engine thread runs Python; 0 keeps the interpreter's",
-        _non_negative_float,
     ),
     "TINYPAGED_PIECEWISE_UNCHECKED": EnvVar(
         "bool", False,

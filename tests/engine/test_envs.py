@@ -70,8 +70,6 @@ def test_defaults_when_unset(clean_env):
     ("TINYPAGED_SPEC_DECODE_ATTENTION", "0", "varlen"),  # the on/off switch it was
     ("TINYPAGED_SPEC_DECODE_ATTENTION", "1", "decodes"),
     ("TINYPAGED_PIECEWISE_UNCHECKED", "0", False),
-    ("TINYPAGED_GRAMMAR_SWITCH_MS", "0.5", 0.5),
-    ("TINYPAGED_GRAMMAR_SWITCH_MS", "0", 0.0),
 ])
 def test_parsing_is_read_at_each_lookup(clean_env, name, text, value):
     clean_env.setenv(name, text)  # after `import envs`: the lookup must still see it
@@ -99,9 +97,6 @@ def test_cache_expands_the_home_directory(clean_env):
     ("TINYPAGED_SPEC_DECODE_ATTENTION", "split",
      "TINYPAGED_SPEC_DECODE_ATTENTION must be one of auto, multi_query, decodes, varlen, "
      "got 'split'"),
-    ("TINYPAGED_GRAMMAR_SWITCH_MS", "fast", "TINYPAGED_GRAMMAR_SWITCH_MS must be a number >= 0"),
-    ("TINYPAGED_GRAMMAR_SWITCH_MS", "-1", "must be a number >= 0, got '-1'"),
-    ("TINYPAGED_GRAMMAR_SWITCH_MS", "nan", "must be a number >= 0, got 'nan'"),
 ])
 def test_a_value_outside_the_choices_names_the_variable(clean_env, name, text, message):
     clean_env.setenv(name, text)

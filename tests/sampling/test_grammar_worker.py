@@ -333,35 +333,3 @@ def test_worker_rows_are_the_steps_mask_as_they_stand(llm):
     assert allowed_ids(masks.bitmask[0]) == sorted(set(expected(0)) & set(allowed))
     assert [allowed_ids(r) for r in masks.bitmask[1:]] == [
         expected(i) for i in range(1, len(kinds))]
-
-
-@pytest.mark.parametrize(("thread", "switch_ms", "want_s"), [
-    ("1", None, 2e-4),  # the default: 0.2 ms
-    ("1", "1.5", 1.5e-3),
-    ("1", "0", 5e-3),  # 0 keeps the interpreter's
-    ("1", "20", 5e-3),  # only ever lowered
-    ("0", None, 5e-3),  # no worker thread: nothing to hand the GIL to
-])
-def test_worker_thread_shortens_the_switch_interval(monkeypatch, thread, switch_ms, want_s):
-    """With the worker thread on, Python's switch interval is lowered (the worker takes the GIL
-    soon after each xgrammar call while the engine thread runs Python), and the worker accepts
-    a step's tokens in one call; without it the engine thread, which blocks while they run,
-    hands chunks of the accepts to a pool."""
-    import sys
-
-    from tinypaged.sampling.structured_output import grammar_threads
-
-    monkeypatch.setenv("TINYPAGED_GRAMMAR_THREAD", thread)
-    if switch_ms is None:
-        monkeypatch.delenv("TINYPAGED_GRAMMAR_SWITCH_MS", raising=False)
-    else:
-        monkeypatch.setenv("TINYPAGED_GRAMMAR_SWITCH_MS", switch_ms)
-    before = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(5e-3)
-        worker = GrammarWorker(VOCAB, [EOS], torch.device("cpu"))
-        assert sys.getswitchinterval() == pytest.approx(want_s)
-    finally:
-        sys.setswitchinterval(before)
-    assert worker._num_chunks == (1 if thread == "1" else grammar_threads())
-    assert (worker._accept_pool is None) == (worker._num_chunks == 1)

@@ -30,7 +30,6 @@ allowed exactly when the grammar is complete), so no extra fill per row is neede
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Collection, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -159,21 +158,18 @@ class GrammarWorker:
         self._pin = device.type == "cuda"
         self._bitmask = torch.empty((0, (vocab_size + 31) // 32), dtype=torch.int32)
         self._latest: GrammarAdvance | None = None
+        # xgrammar takes a batch's tokens on one thread: chunks go to these threads as well.
+        self._num_chunks = grammar_threads()
+        self._accept_pool = None
+        if self._num_chunks > 1:
+            self._accept_pool = ThreadPoolExecutor(self._num_chunks - 1,
+                                                   thread_name_prefix="tinypaged-grammar-accept")
         # Not a daemon thread: one killed at exit inside an xgrammar call aborts the process.
         # The executor joins it at exit and ends it when the worker is collected. Without it
         # (TINYPAGED_GRAMMAR_THREAD=0) the same calls run on the engine thread, at the verdicts.
         self._thread = None
         if envs.TINYPAGED_GRAMMAR_THREAD:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="tinypaged-grammar")
-            shorten_switch_interval(envs.TINYPAGED_GRAMMAR_SWITCH_MS)
-        # xgrammar takes a batch's tokens on one thread. On the engine thread, which blocks
-        # while they run, chunks go to more threads; the worker thread takes them in one call,
-        # since each chunk's thread would wait for the GIL twice while the engine thread runs.
-        self._num_chunks = grammar_threads() if self._thread is None else 1
-        self._accept_pool = None
-        if self._num_chunks > 1:
-            self._accept_pool = ThreadPoolExecutor(self._num_chunks - 1,
-                                                   thread_name_prefix="tinypaged-grammar-accept")
 
     def advance(self, seqs: Sequence[Any], positions: list[int], matchers: list[Any],
                 tokens: Any) -> GrammarAdvance:
@@ -209,19 +205,6 @@ class GrammarWorker:
             return None
         job.join()
         return None if job.error is not None else job
-
-
-def shorten_switch_interval(ms: float) -> None:
-    """Let a thread waiting for the GIL take it after `ms` (0: keep the interpreter's).
-
-    The worker thread needs the GIL for a moment after each of its waits (the sampled tokens'
-    copy, the accepts, the fills). A thread that wants the GIL gets it when the holder blocks,
-    or when the holder has run for the switch interval: 5 ms by default, longer than a whole
-    host-bound step. The engine thread rarely blocks before it asks for the verdicts, so with
-    the default each of the worker's returns waits for that moment and its work runs after the
-    engine thread's instead of beside it. Process-wide, and only ever lowered."""
-    if ms > 0 and ms / 1e3 < sys.getswitchinterval():
-        sys.setswitchinterval(ms / 1e3)
 
 
 def grammar_rows(seqs: Sequence[Any], reqs: Sequence[Any]) -> tuple[list[int], list[Any]]:
