@@ -11,11 +11,11 @@ from tinypaged.spec_decode.proposers import NgramProposer
 
 
 def prompt_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """For n from max_n down to min_n: the tokens after the latest earlier occurrence of the
-    last n tokens (one that some token follows), the first n that has one."""
+    """For n from max_n down to min_n: the tokens after the earliest occurrence of the last n
+    tokens before them (one that some token follows), the first n that has one."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         suffix = tokens[-n:]
-        for start in range(len(tokens) - 1 - n, -1, -1):
+        for start in range(len(tokens) - n):
             if tokens[start : start + n] == suffix:
                 return tokens[start + n : start + n + k]
     return []
@@ -31,6 +31,16 @@ def test_lookup_matches_prompt_lookup(min_n, max_n):
         k = rng.randrange(1, 6)
         got = proposer.lookup(np.asarray(tokens, dtype=np.int64), k)
         assert got == prompt_lookup(tokens, k, min_n, max_n), tokens
+
+
+def test_the_earliest_of_the_longest_occurrences_is_followed():
+    # As vLLM's lookup: [1, 2, 3] occurred at 0 (then 9) and at 4 (then 7); a copied passage sits
+    # in the prompt, before the output's own repeats. A longer match wins over an earlier one.
+    proposer = NgramProposer(1, 3)
+    tokens = np.asarray([1, 2, 3, 9, 8, 1, 2, 3, 7, 1, 2, 3], dtype=np.int64)
+    assert proposer.lookup(tokens, 3) == [9, 8, 1]
+    longer = np.asarray([5, 3, 6, 0, 2, 3, 4, 0, 2, 3], dtype=np.int64)  # 3 alone first at 1
+    assert proposer.lookup(longer, 2) == [4, 0]
 
 
 def test_arrays_follow_the_growing_sequences():

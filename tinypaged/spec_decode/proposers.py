@@ -33,8 +33,10 @@ class Proposer:
 
 class NgramProposer(Proposer):
     """Prompt lookup (vLLM's "ngram"): for n from prompt_lookup_max down to prompt_lookup_min,
-    find the latest earlier place where the sequence's last n tokens (prompt + output) occurred
-    and propose the tokens that followed it there.
+    find the earliest place where the sequence's last n tokens (prompt + output) occurred before
+    and propose the tokens that followed it there. The earliest, as vLLM's: in a text that
+    copies or edits a passage of the prompt, that is the passage, while a later occurrence is
+    often a phrase the output already repeated, followed by something else.
 
     It runs before every verification step, on the path the GPU waits for, so each sequence's
     tokens are kept in an array that grows by the step's new tokens (not rebuilt from the list),
@@ -67,7 +69,7 @@ class NgramProposer(Proposer):
         return buffer[: len(ids)]
 
     def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
-        """The drafts after the latest earlier occurrence of the longest suffix of `tokens`
+        """The drafts after the earliest occurrence of the longest suffix of `tokens`
         (n tokens, min_n <= n <= max_n) that occurred before; [] if none did.
 
         An occurrence ending at e < L - 1 matches j tokens when tokens[e - i] = tokens[L-1 - i]
@@ -86,7 +88,7 @@ class NgramProposer(Proposer):
         n = int(matched.max(initial=0))
         if n < self.min_n:
             return []
-        start = int(ends[np.flatnonzero(matched == n)[-1]]) + 1  # the latest of the longest
+        start = int(ends[np.flatnonzero(matched == n)[0]]) + 1  # the earliest of the longest
         return tokens[start : start + k].tolist()
 
 
