@@ -186,6 +186,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "not on a worker thread beside it (for A/B benchmarks)",
         _is_not_zero,
     ),
+    "TINYPAGED_SPEC_PAD_DRAFTS": EnvVar(
+        "bool", True,
+        "0 leaves the n-gram (and oracle) drafts as short as the proposer made them, not padded "
+        "to k so that the verification replays one CUDA graph (for A/B benchmarks)",
+        _is_not_zero,
+    ),
     "TINYPAGED_PIECEWISE_UNCHECKED": EnvVar(
         "bool", False,
         "1 captures piecewise CUDA graphs under tensor parallelism (not yet checked on GPUs)",

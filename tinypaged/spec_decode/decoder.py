@@ -20,6 +20,16 @@ any k. Requests with logits constraints (structured output, allowed_token_ids, b
 logit_bias) speculate too: their drafts are cut where the grammar rejects one, and each
 verified row gets the mask of its own position (grammar.py).
 
+A verification replays one CUDA graph only when every sequence verifies exactly k drafts
+(worker/cuda_graphs.py, q = k + 1); any other step runs the piecewise graphs and launches the
+attention of every layer outside them. So on a GPU with graphs, when every running sequence is
+a decode that may speculate k tokens, shorter drafts of the host proposers (an n-gram lookup
+with no match, or one near the end of the text) are padded to k by repeating their last token
+(`_pad`). No output changes: the rejection rule holds for any draft token (greedy keeps the
+target's argmax; sampling accepts a point-mass draft x with probability p(x), else draws from
+the residual), so a filler is one more row verified and nearly always rejected. The
+spec-decode counters count the proposer's own drafts only.
+
 Async scheduling. `launch` queues the verification and starts the copy of its emitted tokens
 [S, K + 1] to the host, without waiting. A launched step's tokens are taken in two halves:
 
@@ -47,12 +57,14 @@ from typing import Any
 
 import torch
 
+from tinypaged import envs
 from tinypaged.sampling.rejection_sampler import RejectionSampler
 from tinypaged.sampling.sampler import SamplingBatch
 from tinypaged.scheduler import ScheduledSequence, Sequence
 from tinypaged.spec_decode.config import HEADS, SpeculativeConfig
 from tinypaged.spec_decode.grammar import DraftGrammar, DraftMaskBuilder, cut_draft
 from tinypaged.spec_decode.proposers import NgramProposer, OracleProposer, Proposer
+from tinypaged.worker.model_runner import SPEC_GRAPH_MAX_SEQS, no_graphs_reason
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +117,11 @@ class _Verified:
     """A launched verification: its emitted tokens [S, K + 1] on their way to the host, and
     what `apply` needs to take them; `tokens`, `logprobs` and `grown` are what apply made."""
 
-    def __init__(self, items, seqs, reqs, drafts, starts, raw, emitted, event) -> None:
+    def __init__(self, items, seqs, reqs, drafts, starts, raw, emitted, event,
+                 proposed=None) -> None:
         self.items, self.seqs, self.reqs, self.drafts = items, seqs, reqs, drafts
+        # the proposer's draft length of each sequence (drafts[i] may hold fillers after it)
+        self.proposed = [len(d) for d in drafts] if proposed is None else proposed
         self.starts, self.raw = starts, raw  # raw logprobs [R, V] (device) or None
         self.emitted, self.event = emitted, event  # host [S, K + 1] int64 (-1 padded)
         self.tokens: dict[int, list[int]] = {}  # seq_id -> accepted drafts + the target's token
@@ -135,6 +150,10 @@ class SpecDecoder:
         self._landing = [torch.empty(engine.config.max_num_seqs * (self.k + 1), dtype=torch.int64,
                                      pin_memory=self._pin) for _ in range(2)]
         self._num_launched = 0
+        # Pad short drafts to k where a step of k-token drafts replays one CUDA graph.
+        graphs = engine.device.type == "cuda" and no_graphs_reason(engine.config) is None
+        self.pad_drafts = self.proposer.paddable and graphs and envs.TINYPAGED_SPEC_PAD_DRAFTS
+        self._proposed: dict[int, int] = {}  # seq_id -> its draft's length before padding
         logger.info("speculative decoding: %s, k=%d", self.config.method, self.k)
 
     def check_request(self, params: Any) -> None:
@@ -162,6 +181,7 @@ class SpecDecoder:
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
+        self._proposed = {}
         if seqs:
             for seq, k, draft in zip(seqs, ks, self._proposals(seqs, ks)):
                 draft = [int(t) for t in draft[:k]]
@@ -169,6 +189,26 @@ class SpecDecoder:
                 if constraints is not None:  # nothing after a token the grammar rejects
                     draft = cut_draft(constraints, seq.index, draft)
                 seq.spec_token_ids = draft
+            if self.pad_drafts:
+                self._pad(seqs, ks)
+
+    def _pad(self, seqs: list[Sequence], ks: list[int]) -> None:
+        """Fill every draft up to k (its last token repeated; the sequence's last without a
+        draft) when the step can then be one verification graph: every running sequence a
+        decode that may take k drafts, no request waiting to be admitted, none constrained
+        (their masks follow the grammar along the drafts), and a batch the graphs cover."""
+        eng = self.engine
+        sched = eng.scheduler
+        if (len(seqs) != len(sched.running) or sched.waiting or len(seqs) > SPEC_GRAPH_MAX_SEQS
+                or any(k != self.k for k in ks)
+                or any(eng.requests[s.request_id].constraints is not None for s in seqs)):
+            return
+        for seq in seqs:
+            draft = seq.spec_token_ids
+            if len(draft) < self.k:
+                self._proposed[seq.seq_id] = len(draft)
+                filler = draft[-1] if draft else seq.token_ids[-1]
+                seq.spec_token_ids = draft + [filler] * (self.k - len(draft))
 
     def _proposals(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         if not self.proposer.follows_grammar:
@@ -198,6 +238,7 @@ class SpecDecoder:
         if not sampled:
             return [], _Verified(items, [], [], [], [], None, torch.empty(0, 1), None), [], False
         drafts = [it.spec_token_ids for it in sampled]
+        proposed = [min(len(d), self._proposed.get(s.seq_id, len(d))) for s, d in zip(seqs, drafts)]
         batch, starts, gens = self._batch(seqs, reqs, drafts, logits.device)
         out, raw = self.sampler(logits, batch, drafts, gens)  # [S, K' + 1] on the device
         # Start the copy to the host; apply waits for it. A contiguous view: a strided host
@@ -209,7 +250,7 @@ class SpecDecoder:
         if self._pin:
             event = torch.cuda.Event()
             event.record()
-        verified = _Verified(items, seqs, reqs, drafts, starts, raw, emitted, event)
+        verified = _Verified(items, seqs, reqs, drafts, starts, raw, emitted, event, proposed)
         return seqs, verified, [], at_once
 
     def apply(self, step: Any) -> None:
@@ -239,9 +280,9 @@ class SpecDecoder:
         sequences that asked for them). Call once a step: it counts the acceptance."""
         self.apply(step)
         verified: _Verified = step.tokens
-        for seq, draft in zip(verified.seqs, verified.drafts):
-            if draft and not seq.is_finished:  # not a wasted row (async scheduling)
-                self.stats.observe(len(draft), len(verified.tokens[seq.seq_id]) - 1)
+        for seq, n in zip(verified.seqs, verified.proposed):
+            if n and not seq.is_finished:  # not a wasted row (async scheduling)
+                self.stats.observe(n, min(n, len(verified.tokens[seq.seq_id]) - 1))
         return verified.grown, verified.tokens, verified.logprobs
 
     def _batch(self, seqs: list[Sequence], reqs: list, drafts: list[list[int]], device):

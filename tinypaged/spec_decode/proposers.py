@@ -19,6 +19,9 @@ class Proposer:
     # True: propose takes a third argument, a DraftGrammar (grammar.py) for the constrained
     # sequences, and drafts only tokens their grammars allow.
     follows_grammar = False
+    # True: what the proposer keeps follows the target's tokens alone, never its own drafts, so
+    # its drafts may be padded with filler tokens (decoder.py, SpecDecoder._pad).
+    paddable = False
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
         raise NotImplementedError
@@ -41,6 +44,8 @@ class NgramProposer(Proposer):
     It runs before every verification step, on the path the GPU waits for, so each sequence's
     tokens are kept in an array that grows by the step's new tokens (not rebuilt from the list),
     and one pass over it finds every candidate (see `lookup`)."""
+
+    paddable = True
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
@@ -95,6 +100,8 @@ class NgramProposer(Proposer):
 class OracleProposer(Proposer):
     """Benchmarking only: proposes the target's recorded greedy continuation (every draft is
     accepted), or with `miss` that continuation + 1 mod vocab (every draft is rejected)."""
+
+    paddable = True
 
     def __init__(self, table: dict[tuple[int, ...], list[int]], vocab_size: int, miss: bool):
         self.table, self.vocab_size, self.miss = table, vocab_size, miss

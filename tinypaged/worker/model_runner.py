@@ -76,6 +76,10 @@ class KVCacheInfo:
         }
 
 
+# The largest batch of verification steps (k + 1 tokens a sequence) captured as full graphs.
+SPEC_GRAPH_MAX_SEQS = 32
+
+
 def no_graphs_reason(config: EngineConfig) -> str | None:
     """Why a GPU engine runs every step eagerly, or None when it captures CUDA graphs."""
     if config.enforce_eager:
@@ -139,13 +143,14 @@ class ModelRunner:
 
     def _spec_graphs(self, graphs_class):
         """Full graphs of speculative verification steps (k + 1 tokens for every sequence), for
-        batches up to 32; None without speculation, or when the capture fails (such steps then
-        replay the piecewise graphs, or run eagerly)."""
+        batches up to SPEC_GRAPH_MAX_SEQS; None without speculation, or when the capture fails
+        (such steps then replay the piecewise graphs, or run eagerly)."""
         spec = self.config.speculative_config
         if not spec or not isinstance(spec.get("num_speculative_tokens"), int):
             return None
         try:
-            return graphs_class(self, spec["num_speculative_tokens"] + 1, max_batch_size=32)
+            return graphs_class(self, spec["num_speculative_tokens"] + 1,
+                                max_batch_size=SPEC_GRAPH_MAX_SEQS)
         except Exception:
             logger.exception("speculative decoding: capturing k+1-token CUDA graphs failed")
             return None
