@@ -79,6 +79,20 @@ def test_fillers_are_not_counted_as_drafts(llama, launches):
     assert spec["num_drafts"] == spec["num_draft_tokens"] == spec["num_accepted_tokens"] == 0
 
 
+def test_no_padding_past_the_token_budget(llama, launches):
+    # Four sequences at k + 1 = 5 tokens each would take 20 of a 12-token budget: no padding,
+    # so no sequence waits a step for another's fillers.
+    batch = prompts(4, seed=7, lo=6, hi=10)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    base = run(LLM(llama, skip_tokenizer_init=True, **ENGINE), batch, params)
+    llm = ngram_llm(llama, max_num_batched_tokens=12)
+    llm.engine.spec.pad_drafts = True
+    llm.engine.spec.proposer.lookup = lambda tokens, k: []
+    assert run(llm, batch, params) == base
+    assert any(len(ks) == 4 for ks in launches)  # steps of four decodes, none padded
+    assert all(k == 0 for ks in launches for k in ks)
+
+
 def test_no_padding_while_a_request_waits_or_prefills(llama, launches):
     # Eight prompts and room for two sequences at a time: each admission mixes a prefill into
     # the step, and requests wait; those steps keep the proposer's own drafts.

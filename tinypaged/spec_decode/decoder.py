@@ -196,10 +196,12 @@ class SpecDecoder:
         """Fill every draft up to k (its last token repeated; the sequence's last without a
         draft) when the step can then be one verification graph: every running sequence a
         decode that may take k drafts, no request waiting to be admitted, none constrained
-        (their masks follow the grammar along the drafts), and a batch the graphs cover."""
+        (their masks follow the grammar along the drafts), a batch the graphs cover, and k + 1
+        tokens for each within the step's token budget (fillers never crowd out a sequence)."""
         eng = self.engine
         sched = eng.scheduler
         if (len(seqs) != len(sched.running) or sched.waiting or len(seqs) > SPEC_GRAPH_MAX_SEQS
+                or len(seqs) * (self.k + 1) > sched.max_num_batched_tokens
                 or any(k != self.k for k in ks)
                 or any(eng.requests[s.request_id].constraints is not None for s in seqs)):
             return
