@@ -4,8 +4,11 @@ against no speculation, batch 1 and 8, greedy, offline (`LLM`).
 Each prompt asks the model to repeat a paragraph of tinypaged/data/heldout.txt, so most of the
 output is found in the prompt (the case prompt lookup is for: editing, quoting, summarising).
 Prints tok/s with and without speculation, the speed-up and the acceptance rate, and checks the
-greedy tokens are the same. `--engine vllm` runs the same workload through vLLM's `LLM` (the
-anchor kit's vLLM on PYTHONPATH), so both speed-ups come from one GPU in one sitting:
+greedy tokens are the same; for tinypaged on a GPU also how many verification steps replayed
+their full CUDA graph (the rest ran the piecewise graphs; TINYPAGED_SPEC_PAD_DRAFTS=0 for the
+A/B of the draft padding that keeps them in it). `--engine vllm` runs the same workload
+through vLLM's `LLM` (the anchor kit's vLLM on PYTHONPATH), so both speed-ups come from one GPU
+in one sitting:
 
     PYTHONPATH=. python benchmarks/spec_decode_ngram.py [MODEL] \\
         [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}']
@@ -63,6 +66,14 @@ def counters(llm) -> dict[str, int]:
     return out
 
 
+def graph_steps(llm) -> tuple[int, int] | None:
+    """tinypaged on a GPU: (verification steps launched, those replayed as one CUDA graph) so
+    far; the others ran the piecewise graphs with eager attention. None elsewhere."""
+    spec, runner = getattr(llm.engine, "spec", None), getattr(llm.engine, "runner", None)
+    graphs = getattr(runner, "spec_graphs", None)
+    return None if spec is None or graphs is None else (spec.num_launched, graphs.num_runs)
+
+
 def engine_args(engine: str, model: str | None, memory: float) -> dict:
     args = dict(gpu_memory_utilization=memory, max_model_len=2048)
     if engine == "tinypaged":
@@ -102,13 +113,17 @@ def main() -> None:
     llm = LLM(speculative_config=dict(spec), **engine)  # vLLM fills in the dict it is given
     result: dict = {"engine": args.engine, "speculative_config": spec}
     for b in args.batch_sizes:
+        before = graph_steps(llm) if args.engine == "tinypaged" else None
         rate, tokens, compiles = timed(llm, prompts(b), params)
         same = sum(x == y for x, y in zip(tokens, base[b][1]))
         result[f"speedup_batch_{b}"] = rate / base[b][0]
-        print(json.dumps({"engine": args.engine, "batch": b, "base_tok_s": round(base[b][0], 1),
-                          "spec_tok_s": round(rate, 1), "speedup": round(rate / base[b][0], 3),
-                          "identical": f"{same}/{b}", "base_compiles": base[b][2],
-                          "spec_compiles": compiles}), flush=True)
+        line = {"engine": args.engine, "batch": b, "base_tok_s": round(base[b][0], 1),
+                "spec_tok_s": round(rate, 1), "speedup": round(rate / base[b][0], 3),
+                "identical": f"{same}/{b}", "base_compiles": base[b][2], "spec_compiles": compiles}
+        if before is not None:  # the three runs' verifications, and how many were one graph
+            after = graph_steps(llm)
+            line["graph_verifications"] = f"{after[1] - before[1]}/{after[0] - before[0]}"
+        print(json.dumps(line), flush=True)
     c = counters(llm)
     accepted = c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1)
     print(f"{args.engine} {spec}: acceptance rate {100 * accepted:.1f}%, mean acceptance length "

@@ -149,7 +149,7 @@ class SpecDecoder:
         self._pin = engine.device.type == "cuda"
         self._landing = [torch.empty(engine.config.max_num_seqs * (self.k + 1), dtype=torch.int64,
                                      pin_memory=self._pin) for _ in range(2)]
-        self._num_launched = 0
+        self.num_launched = 0
         # Pad short drafts to k where a step of k-token drafts replays one CUDA graph.
         graphs = engine.device.type == "cuda" and no_graphs_reason(engine.config) is None
         self.pad_drafts = self.proposer.paddable and graphs and envs.TINYPAGED_SPEC_PAD_DRAFTS
@@ -245,8 +245,8 @@ class SpecDecoder:
         out, raw = self.sampler(logits, batch, drafts, gens)  # [S, K' + 1] on the device
         # Start the copy to the host; apply waits for it. A contiguous view: a strided host
         # destination would make the copy wait at once.
-        buf = self._landing[self._num_launched % 2]
-        self._num_launched += 1
+        buf = self._landing[self.num_launched % 2]
+        self.num_launched += 1
         emitted, event = buf[: out.numel()].view(out.shape), None
         emitted.copy_(out, non_blocking=True)
         if self._pin:
