@@ -43,6 +43,17 @@ def test_the_earliest_of_the_longest_occurrences_is_followed():
     assert proposer.lookup(longer, 2) == [4, 0]
 
 
+def test_a_match_across_two_tokens_bytes_is_no_match():
+    # The search runs over 4 bytes a token: t's bytes 01 02 03 04 also stand across a (00 00 01
+    # 02) and b (03 04 00 00), which is no occurrence of t.
+    t, a, b = 0x04030201, 0x02010000, 0x00000403
+    proposer = NgramProposer(1, 1)
+    assert proposer.lookup([a, b, 7, t, 9, t], 2) == [9, t]
+    assert proposer.lookup([a, b, 7, 8, t], 2) == []
+    large = [70_000, 131_071, 5, 70_000, 131_071]  # ids past 16 bits
+    assert NgramProposer(1, 2).lookup(large, 3) == [5, 70_000, 131_071]
+
+
 def test_arrays_follow_the_growing_sequences():
     rng = random.Random(0)
     proposer = NgramProposer(2, 4)

@@ -72,7 +72,7 @@ def test_fillers_are_not_counted_as_drafts(llama, launches):
     base = run(LLM(llama, skip_tokenizer_init=True, **ENGINE), batch, params)
     llm = ngram_llm(llama)
     llm.engine.spec.pad_drafts = True
-    llm.engine.spec.proposer.lookup = lambda tokens, k: []
+    llm.engine.spec.proposer.propose = lambda seqs, ks: [[] for _ in seqs]
     assert run(llm, batch, params) == base
     assert [K, K] in launches
     spec = llm.engine.get_stats()["spec_decode"]
@@ -87,7 +87,7 @@ def test_no_padding_past_the_token_budget(llama, launches):
     base = run(LLM(llama, skip_tokenizer_init=True, **ENGINE), batch, params)
     llm = ngram_llm(llama, max_num_batched_tokens=12)
     llm.engine.spec.pad_drafts = True
-    llm.engine.spec.proposer.lookup = lambda tokens, k: []
+    llm.engine.spec.proposer.propose = lambda seqs, ks: [[] for _ in seqs]
     assert run(llm, batch, params) == base
     assert any(len(ks) == 4 for ks in launches)  # steps of four decodes, none padded
     assert all(k == 0 for ks in launches for k in ks)

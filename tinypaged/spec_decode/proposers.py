@@ -8,9 +8,8 @@ without speculation). Proposers here run on the host, from the tokens alone.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence as Seq
-
-import numpy as np
 
 from tinypaged.scheduler import ScheduledSequence, Sequence
 
@@ -42,14 +41,14 @@ class NgramProposer(Proposer):
     often a phrase the output already repeated, followed by something else.
 
     It runs before every verification step, on the path the GPU waits for, so each sequence's
-    tokens are kept in an array that grows by the step's new tokens (not rebuilt from the list),
-    and one pass over it finds every candidate (see `lookup`)."""
+    tokens are kept as bytes (4 a token) that grow by the step's new tokens, and the search for
+    each suffix is `bytes.find`, CPython's substring search in C (see `lookup`)."""
 
     paddable = True
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
-        self.arrays: dict[int, tuple[np.ndarray, int]] = {}  # seq_id -> (buffer, tokens in it)
+        self.arrays: dict[int, bytearray] = {}  # seq_id -> its tokens as int32 bytes
 
     def finish(self, seq: Sequence) -> None:
         self.arrays.pop(seq.seq_id, None)
@@ -58,43 +57,55 @@ class NgramProposer(Proposer):
         if len(self.arrays) > 2 * len(seqs):  # aborted sequences are not finish()ed
             live = {seq.seq_id for seq in seqs}
             self.arrays = {i: a for i, a in self.arrays.items() if i in live}
-        return [self.lookup(self.tokens(seq), k) if k > 0 else [] for seq, k in zip(seqs, ks)]
+        return [self._lookup(self.tokens(seq), seq.token_ids, k) if k > 0 else []
+                for seq, k in zip(seqs, ks)]
 
-    def tokens(self, seq: Sequence) -> np.ndarray:
-        """seq.token_ids as an int64 array, extended by what was appended since the last call
-        (a sequence's tokens only grow)."""
+    def tokens(self, seq: Sequence) -> bytearray:
+        """seq.token_ids as int32 bytes, extended by what was appended since the last call (a
+        sequence's tokens only grow)."""
         ids = seq.token_ids
-        buffer, n = self.arrays.get(seq.seq_id, (None, 0))
-        if buffer is None or n > len(ids):
-            buffer, n = np.empty(2 * len(ids) + 64, dtype=np.int64), 0
-        elif len(ids) > len(buffer):
-            buffer = np.concatenate([buffer[:n], np.empty(len(ids) + n, dtype=np.int64)])
-        buffer[n : len(ids)] = ids[n:]
-        self.arrays[seq.seq_id] = (buffer, len(ids))
-        return buffer[: len(ids)]
+        buffer = self.arrays.get(seq.seq_id)
+        if buffer is None or len(buffer) > 4 * len(ids):
+            buffer = self.arrays[seq.seq_id] = bytearray()
+        buffer += array("i", ids[len(buffer) // 4 :]).tobytes()
+        return buffer
 
-    def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+    def lookup(self, tokens: Seq[int], k: int) -> list[int]:
         """The drafts after the earliest occurrence of the longest suffix of `tokens`
-        (n tokens, min_n <= n <= max_n) that occurred before; [] if none did.
+        (n tokens, min_n <= n <= max_n) that occurred before; [] if none did."""
+        ids = [int(t) for t in tokens]
+        return self._lookup(array("i", ids).tobytes(), ids, k)
 
-        An occurrence ending at e < L - 1 matches j tokens when tokens[e - i] = tokens[L-1 - i]
-        for every i < j. The candidates are the e with tokens[e] = tokens[L-1] (one pass over
-        the sequence); each one's match length is then read off a [candidates, max_n]
-        comparison."""
-        length = len(tokens)
-        max_n = min(self.max_n, length - 1)
-        if max_n < self.min_n:
+    def _lookup(self, data: bytes | bytearray, ids: Seq[int], k: int) -> list[int]:
+        """`lookup` on `ids` and the same ids as int32 bytes. The longest n is tried first (in
+        a text that copies, it matches), then the shortest: no occurrence of the last min_n
+        tokens means none of a longer suffix either, which settles a miss in two searches."""
+        length = len(ids)
+        top = min(self.max_n, length - 1)
+        if top < self.min_n:
             return []
-        ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # ascending
-        back = np.arange(max_n)
-        at = ends[:, None] - back  # [C, max_n]: the positions compared, backwards from each end
-        equal = (tokens[np.maximum(at, 0)] == tokens[length - 1 - back]) & (at >= 0)
-        matched = np.logical_and.accumulate(equal, axis=1).sum(axis=1)  # [C]
-        n = int(matched.max(initial=0))
-        if n < self.min_n:
-            return []
-        start = int(ends[np.flatnonzero(matched == n)[0]]) + 1  # the earliest of the longest
-        return tokens[start : start + k].tolist()
+        start = self._after(data, length, top)
+        if start is None and top > self.min_n:
+            shortest = self._after(data, length, self.min_n)
+            if shortest is None:
+                return []
+            for n in range(top - 1, self.min_n, -1):
+                if (start := self._after(data, length, n)) is not None:
+                    break
+            else:
+                start = shortest
+        return [] if start is None else list(ids[start : start + k])
+
+    @staticmethod
+    def _after(data: bytes | bytearray, length: int, n: int) -> int | None:
+        """The index after the earliest occurrence of the last n tokens that ends before the
+        last token (the search stops at byte 4 (length - 1)), or None; a match at an offset
+        that is not a multiple of 4 straddles two tokens and is skipped."""
+        end, suffix = 4 * (length - 1), data[4 * (length - n) : 4 * length]
+        at = data.find(suffix, 0, end)
+        while at % 4 and at != -1:
+            at = data.find(suffix, at + 1, end)
+        return None if at == -1 else at // 4 + n
 
 
 class OracleProposer(Proposer):
