@@ -8,23 +8,23 @@ rejected, so each step emits one token per sequence, as a plain decode step does
 difference in step time is the machinery's cost). The oracle's table is the first run's greedy
 output.
 
-gpu   Llama-3-8B shape (random weights), prompts of --prompt-len tokens, async scheduling and
-      CUDA graphs as served (TINYPAGED_SPEC_DECODE_ATTENTION=decodes or =varlen in front: the
-      verification graphs' attention as one-token decodes or through the varlen kernel, as
-      before the multi-query decode). Per decode step: wall ms (timed,
-      no profiler); from torch.profiler over --profiled steps, GPU ms per kernel kind (GEMMs,
-      attention, the sampler / rejection sampler, the rest) and GPU busy (the union of the
-      kernels' intervals); idle = timed wall - busy (the GPU waiting for the host); the mean of
-      each step's largest idle gap (profiled: the profiler slows the host, so somewhat longer);
-      CUDA-graph replays per step (1: every step replayed one; a verification step replays the
-      graphs captured for k + 1 tokens a sequence). Kernels are put in a kind by the range they
-      were launched in ("sampling": the sampler or the rejection sampler) or else by name. Host
-      columns (timed steps, wall ms): the engine thread blocked on a step's tokens, and
-      (speculation) from their arrival to the next forward's launch: host work that the GPU
-      waits for. Then the engine-thread calls in that gap, each timed (GAP_PHASES: the
-      scheduler's update and schedule, the proposer, build_step, the runner's execute), and
-      the CUDA runtime calls each made in the profiled steps (a graph launch, the input
-      copies, any synchronization): under speculation all of them delay the next launch.
+gpu   Llama-3-8B shape (random weights; or --model DIR, a checkpoint's own weights), prompts of
+      --prompt-len random tokens, async scheduling and CUDA graphs as served
+      (TINYPAGED_SPEC_DECODE_ATTENTION=decodes or =varlen in front: the verification graphs'
+      attention as one-token decodes or through the varlen kernel, as before the multi-query
+      decode). Per decode step: wall ms (timed, no profiler); from torch.profiler over --profiled
+      steps, GPU ms per kernel kind (GEMMs, attention, the sampler / rejection sampler, the rest)
+      and GPU busy (the union of the kernels' intervals); idle = timed wall - busy (the GPU waiting
+      for the host); the mean of each step's largest idle gap (profiled: the profiler slows the
+      host, so somewhat longer); CUDA-graph replays per step (1: every step replayed one; a
+      verification step replays the graphs captured for k + 1 tokens a sequence). Kernels are put in
+      a kind by the range they were launched in ("sampling": the sampler or the rejection sampler)
+      or else by name. Host columns (timed steps, wall ms): the engine thread blocked on a step's
+      tokens, and (speculation) from their arrival to the next forward's launch: host work that the
+      GPU waits for. Then the engine-thread calls in that gap, each timed (GAP_PHASES: the
+      scheduler's update and schedule, the proposer, build_step, the runner's execute), and the CUDA
+      runtime calls each made in the profiled steps (a graph launch, the input copies, any
+      synchronization): under speculation all of them delay the next launch.
 host  a tiny random Llama on the CPU (torch references), async scheduling on: this thread's
       CPU time per step outside the model's forward and logits, split into the part before
       the forward is launched (under speculation the GPU idles through it: the step needs the
@@ -67,8 +67,8 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(10, vocab - 10, (batch, length), generator=g).tolist()
 
 
-def _engine(path: str, spec: dict | None, **kwargs) -> LLM:
-    return LLM(path, load_format="dummy", skip_tokenizer_init=True, seed=0,
+def _engine(path: str, spec: dict | None, load_format: str = "dummy", **kwargs) -> LLM:
+    return LLM(path, load_format=load_format, skip_tokenizer_init=True, seed=0,
                speculative_config=spec, **kwargs)
 
 
@@ -305,11 +305,17 @@ def _gpu_run(llm: LLM, prompts, args, tag: str) -> dict:
 def run_gpu(args) -> None:
     from tinypaged.bench.offline import SHAPES, shape_dir
 
-    cfg, path = SHAPES[args.model_shape], str(shape_dir(args.model_shape))
     kwargs = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=max(args.batches),
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   cudagraph_mode=args.cudagraph_mode)
-    prompts = {b: _prompts(b, args.prompt_len, cfg["vocab_size"], seed=b) for b in args.batches}
+    if args.model:  # a real checkpoint, its own weights (a GGUF file has no dummy load)
+        path = args.model
+        vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+        kwargs["load_format"] = "auto"
+        args.model_shape = Path(path).name
+    else:
+        path, vocab = str(shape_dir(args.model_shape)), SHAPES[args.model_shape]["vocab_size"]
+    prompts = {b: _prompts(b, args.prompt_len, vocab, seed=b) for b in args.batches}
     rows = {}
     llm = _engine(path, None, **kwargs)
     conts = {b: _record(llm, prompts[b], args.output_len) for b in args.batches}
@@ -474,6 +480,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--model-shape", default="llama3-8b", help="gpu")
+    parser.add_argument("--model", help="gpu: a model folder with real weights, in place of "
+                        "--model-shape (e.g. the default model's, whose GGUF has no dummy load)")
     parser.add_argument("--prompt-len", type=int, default=512, help="gpu")
     parser.add_argument("--output-len", type=int, default=96, help="gpu: tokens per request")
     parser.add_argument("--timed", type=int, default=40, help="gpu: decode steps timed")
