@@ -62,7 +62,10 @@ from tinypaged.models import loader
 from tinypaged.quantization import gguf as gguf_layers
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
-          "down": (14336, 4096), "lm_head": (4096, 128256)}  # name -> (K, N)
+          "down": (14336, 4096), "lm_head": (4096, 128256),  # name -> (K, N)
+          # the default model's layers (SmolLM2-135M, Q4_1): --shapes smol_qkv ... smol_down
+          "smol_qkv": (576, 960), "smol_o": (576, 576), "smol_gate_up": (576, 3072),
+          "smol_down": (1536, 576)}
 TYPES = {"Q4_K": 12, "Q6_K": 14, "Q5_K": 13, "Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
 FP16_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 SCALE = {2: 5e-3, 3: 5e-3, 8: 5e-4, 12: 4e-4, 13: 2e-4, 14: 6e-5}  # weights of ~0.05
@@ -643,7 +646,8 @@ def main():
                         help="KxN of the checks")
     parser.add_argument("--types", nargs="+", choices=list(TYPES),
                         help="GGML types (default: all; rows: the k-quants and Q8_0)")
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES),
+                        default=[s for s in SHAPES if not s.startswith("smol_")])
     parser.add_argument("--no-awq", dest="awq", action="store_false")
     parser.add_argument("--budget-s", type=float, default=1e9,
                         help="stop timing kernels after this many seconds")
