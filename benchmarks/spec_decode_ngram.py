@@ -3,6 +3,8 @@ against no speculation, batch 1 and 8, greedy, offline (`LLM`).
 
 Each prompt asks the model to repeat a paragraph of tinypaged/data/heldout.txt, so most of the
 output is found in the prompt (the case prompt lookup is for: editing, quoting, summarising).
+A run is --num-prompts such prompts (8), `b` at a time at batch b: batch 1 times all 8 one after
+another, not one short output whose few steps a single stall would swing.
 Prints tok/s with and without speculation, the speed-up and the acceptance rate, and checks the
 greedy tokens are the same; for tinypaged on a GPU also how many verification steps replayed
 their full CUDA graph (the rest ran the piecewise graphs; TINYPAGED_SPEC_PAD_DRAFTS=0 for the
@@ -38,18 +40,24 @@ def prompts(n: int) -> list[list[dict]]:
               + paragraphs[i % len(paragraphs)]}] for i in range(n)]
 
 
-def timed(llm, batch: list, params) -> tuple[float, list, dict]:
+def timed(llm, prompts: list, batch: int, params) -> tuple[float, list, dict]:
     """(tok/s, each request's tokens, the kernels compiled in the second and in the timed run)
-    of the third of three identical runs: the first compiles what these shapes need (in either
-    engine) and fills the prefix cache, the second meets the shapes of a cached prompt (its
-    prefill is only what the cache lacks; a compile there is the stall the first fully cached
-    prompt brings a server), so both engines and both configurations are timed warm."""
-    llm.chat(batch, params, use_tqdm=False)
+    of the third of three identical runs; a run is every prompt, `batch` at a time (one chat
+    call each). The first run compiles what these shapes need (in either engine) and fills the
+    prefix cache, the second meets the shapes of a cached prompt (its prefill is only what the
+    cache lacks; a compile there is the stall the first fully cached prompt brings a server), so
+    both engines and both configurations are timed warm."""
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+
+    def run() -> list:
+        return [o for g in groups for o in llm.chat(g, params, use_tqdm=False)]
+
+    run()
     with CompileWatch() as cached:  # reported too: a server would stall here the same way
-        llm.chat(batch, params, use_tqdm=False)
+        run()
     with CompileWatch() as watch:
         start = time.perf_counter()
-        outs = llm.chat(batch, params, use_tqdm=False)
+        outs = run()
         elapsed = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outs]
     compiles = {"second_run": cached.summary()["kernels"], "timed": watch.summary()["kernels"]}
@@ -94,6 +102,8 @@ def main() -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                         '"prompt_lookup_max": 5}')
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts a run: at batch "
+                        "b, b at a time (batch 1: one after another)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--json", type=Path, help="also write the speed-ups here "
@@ -107,19 +117,21 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)
     engine = engine_args(args.engine, args.model, args.gpu_memory_utilization)
     base_llm = LLM(**engine)
-    base = {b: timed(base_llm, prompts(b), params) for b in args.batch_sizes}
+    work = prompts(args.num_prompts)
+    base = {b: timed(base_llm, work, b, params) for b in args.batch_sizes}
     del base_llm
     gc.collect()
     llm = LLM(speculative_config=dict(spec), **engine)  # vLLM fills in the dict it is given
     result: dict = {"engine": args.engine, "speculative_config": spec}
     for b in args.batch_sizes:
         before = graph_steps(llm) if args.engine == "tinypaged" else None
-        rate, tokens, compiles = timed(llm, prompts(b), params)
+        rate, tokens, compiles = timed(llm, work, b, params)
         same = sum(x == y for x, y in zip(tokens, base[b][1]))
         result[f"speedup_batch_{b}"] = rate / base[b][0]
         line = {"engine": args.engine, "batch": b, "base_tok_s": round(base[b][0], 1),
                 "spec_tok_s": round(rate, 1), "speedup": round(rate / base[b][0], 3),
-                "identical": f"{same}/{b}", "base_compiles": base[b][2], "spec_compiles": compiles}
+                "identical": f"{same}/{len(work)}", "base_compiles": base[b][2],
+                "spec_compiles": compiles}
         if before is not None:  # the three runs' verifications, and how many were one graph
             after = graph_steps(llm)
             line["graph_verifications"] = f"{after[1] - before[1]}/{after[0] - before[0]}"
