@@ -6,7 +6,8 @@
 Both run the same requests twice: without speculation, then with `oracle_miss` (every draft
 rejected, so each step emits one token per sequence, as a plain decode step does: any
 difference in step time is the machinery's cost). The oracle's table is the first run's greedy
-output.
+output. `gpu --method oracle` accepts every draft instead (k + 1 tokens a sequence a step): the
+step's cost when it takes all of them (its extra over oracle_miss is what accepted tokens cost).
 
 gpu   Llama-3-8B shape (random weights; or --model DIR, a checkpoint's own weights), prompts of
       --prompt-len random tokens, async scheduling and CUDA graphs as served
@@ -92,8 +93,9 @@ def _finish(engine) -> None:
         engine.step(finished_only=True)
 
 
-def _miss_config(k: int, prompts: list[list[int]], conts: list[list[int]]) -> dict:
-    return {"method": "oracle_miss", "num_speculative_tokens": k,
+def _miss_config(k: int, prompts: list[list[int]], conts: list[list[int]],
+                 method: str = "oracle_miss") -> dict:
+    return {"method": method, "num_speculative_tokens": k,
             "oracle_token_ids": [[p, c] for p, c in zip(prompts, conts)]}
 
 
@@ -325,10 +327,11 @@ def run_gpu(args) -> None:
     del llm
     _release()
     every = [p for b in args.batches for p in prompts[b]]
-    table = _miss_config(args.k, every, [c for b in args.batches for c in conts[b]])
+    table = _miss_config(args.k, every, [c for b in args.batches for c in conts[b]],
+                         args.method)
     llm = _engine(path, table, **kwargs)
     for b in args.batches:
-        rows["oracle_miss", b] = _gpu_run(llm, prompts[b], args, f"spec{b}")
+        rows[args.method, b] = _gpu_run(llm, prompts[b], args, f"spec{b}")
     stats = llm.engine.get_stats()["spec_decode"]
     llm.shutdown()
     del llm
@@ -366,8 +369,9 @@ def print_gpu(rows: dict, stats: dict, args, device: str) -> None:
         for phase, call, n, us in r["gap_calls"][:14]:
             print(f"  {phase:<11} {call:<40} {n:6.1f} {us:9.1f}")
     for b in args.batches:
-        base, spec = rows["no spec", b], rows["oracle_miss", b]
-        print(json.dumps({"batch": b, "ratio": round(base["wall"] / spec["wall"], 3),
+        base, spec = rows["no spec", b], rows[args.method, b]
+        print(json.dumps({"batch": b, "method": args.method,
+                          "ratio": round(base["wall"] / spec["wall"], 3),  # per step
                           "extra_ms": round(spec["wall"] - base["wall"], 3),
                           "extra_busy_ms": round(spec["busy"] - base["busy"], 3),
                           "extra_idle_ms": round(spec["idle"] - base["idle"], 3)}))
@@ -479,6 +483,9 @@ def main() -> None:
     parser.add_argument("mode", choices=["gpu", "host"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--method", choices=["oracle_miss", "oracle"], default="oracle_miss",
+                        help="gpu: oracle accepts every draft (k + 1 tokens a step): what a "
+                        "step costs when it takes all of them")
     parser.add_argument("--model-shape", default="llama3-8b", help="gpu")
     parser.add_argument("--model", help="gpu: a model folder with real weights, in place of "
                         "--model-shape (e.g. the default model's, whose GGUF has no dummy load)")
@@ -498,9 +505,10 @@ def main() -> None:
                         help="host: zeros for the forward and the logits (the host path alone)")
     args = parser.parse_args()
     if args.mode == "gpu":
-        if args.output_len < 8 + args.timed + args.profiled:
-            raise ValueError(f"--output-len must cover 8 + --timed + --profiled decode steps, "
-                             f"got {args.output_len}")
+        per_step = args.k + 1 if args.method == "oracle" else 1
+        if args.output_len < per_step * (8 + args.timed + args.profiled):
+            raise ValueError(f"--output-len must cover 8 + --timed + --profiled decode steps "
+                             f"of {per_step} tokens, got {args.output_len}")
         return run_gpu(args)
     return run_host(args)
 
