@@ -10,12 +10,14 @@ engine thread schedules and launches the next step.
     process N: text first, then the verdicts           (GrammarAdvance.verdict)       engine thread
     sample N+1: the worker's bitmask rows go to the device (LogitsMaskBuilder.build)
 
-Both xgrammar calls release the GIL (its FFI drops it around every call), so the worker's work
-runs beside the engine thread's Python instead of adding to it; per constrained row the engine
-thread keeps only bookkeeping (a list entry, a dict lookup, a set test). The worker holds the GIL
-only between its calls, a few times a step, so it takes little from the engine thread's Python.
-With TINYPAGED_GRAMMAR_THREAD=0 the same batched calls run on the engine thread at the first
-verdict (an A/B switch: without spare cores the thread only adds switches).
+Per constrained row the engine thread keeps only bookkeeping (a list entry, a dict lookup, a set
+test). The worker's calls overlap the engine thread's waits for the device, not its Python:
+measured with xgrammar 0.2.9, a fill call beside a thread running Python takes several times its
+time alone, and two fill calls on two threads take as long as one after the other
+(benchmarks/RESULTS.md, Structured output). So on a step that the host bounds, a constrained row
+costs its accept and its fill either way; with TINYPAGED_GRAMMAR_THREAD=0 the same batched calls
+run on the engine thread at the first verdict (an A/B switch: on the H200 the two modes gave the
+same constrained throughput).
 
 Per advanced matcher the worker's bitmask row is its next mask as long as the matcher takes no
 other token, which holds because the engine reads the rows (build) before it hands the worker the
