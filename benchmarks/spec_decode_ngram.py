@@ -40,14 +40,14 @@ def prompts(n: int) -> list[list[dict]]:
               + paragraphs[i % len(paragraphs)]}] for i in range(n)]
 
 
-def timed(llm, prompts: list, batch: int, params) -> tuple[float, list, dict]:
+def timed(llm, work: list, batch: int, params) -> tuple[float, list, dict]:
     """(tok/s, each request's tokens, the kernels compiled in the second and in the timed run)
     of the third of three identical runs; a run is every prompt, `batch` at a time (one chat
     call each). The first run compiles what these shapes need (in either engine) and fills the
     prefix cache, the second meets the shapes of a cached prompt (its prefill is only what the
     cache lacks; a compile there is the stall the first fully cached prompt brings a server), so
     both engines and both configurations are timed warm."""
-    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    groups = [work[i : i + batch] for i in range(0, len(work), batch)]
 
     def run() -> list:
         return [o for g in groups for o in llm.chat(g, params, use_tqdm=False)]
