@@ -186,6 +186,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "not on a worker thread beside it (for A/B benchmarks)",
         _is_not_zero,
     ),
+    "TINYPAGED_GRAMMAR_PROCESS": EnvVar(
+        "str", "auto",
+        "where structured output's matchers live and take their tokens: auto (a process of "
+        "their own when the device is a GPU, else the engine process) or 1 or 0",
+        lambda name, text: _one_of(name, text, ("auto", "1", "0")),
+    ),
     "TINYPAGED_SPEC_PAD_DRAFTS": EnvVar(
         "bool", True,
         "0 leaves the n-gram (and oracle) drafts as short as the proposer made them, not padded "

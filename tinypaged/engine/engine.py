@@ -67,7 +67,7 @@ from tinypaged.host.threads import apply_cpu_threads
 from tinypaged.lora.slots import bind_lora
 from tinypaged.outputs import RequestOutput
 from tinypaged.sampling.generation_config import default_sampling_params
-from tinypaged.sampling.grammar_worker import GrammarAdvance, GrammarWorker, grammar_verdict
+from tinypaged.sampling.grammar_worker import GrammarAdvance, grammar_verdict
 from tinypaged.sampling.logits_processors import (
     LogitsConstraints,
     LogitsMaskBuilder,
@@ -215,6 +215,8 @@ class Engine:
         if self.batch_queue is not None:  # a stage waiting to send would not read the stop
             self.batch_queue.drop()
         self.executor.shutdown()
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.close()
 
     # ------------------------------------------------------------------ requests
 
@@ -315,19 +317,13 @@ class Engine:
             self._late_requests[request_id] = params.uses_penalties or params.min_tokens > 0
 
     def _get_grammar_compiler(self):
-        if self._grammar_compiler is None:
-            from tinypaged.sampling.structured_output import GrammarCompiler
+        """Made at the first constrained request, and again if its process died."""
+        if self._grammar_compiler is None or not self._grammar_compiler.alive:
+            from tinypaged.sampling.grammar_process import start_grammar
 
-            hf = getattr(self.tokenizer, "hf", None)
-            if hf is None:
-                raise ValueError(
-                    "structured_outputs needs a Hugging Face tokenizer; this model's tokenizer "
-                    f"({type(self.tokenizer).__name__}) has none"
-                )
-            self._grammar_compiler = GrammarCompiler(hf, self.vocab_size, self.eos_token_ids)
-            if self.spec is None:  # speculation walks the matchers itself (spec_decode/grammar.py)
-                self.mask_builder.worker = GrammarWorker(
-                    self.vocab_size, self.eos_token_ids, self.device)
+            self._grammar_compiler = start_grammar(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, self.device,
+                self.mask_builder, speculative=self.spec is not None)
         return self._grammar_compiler
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):

@@ -17,7 +17,9 @@ time alone, and two fill calls on two threads take as long as one after the othe
 (benchmarks/RESULTS.md, Structured output). So on a step that the host bounds, a constrained row
 costs its accept and its fill either way; with TINYPAGED_GRAMMAR_THREAD=0 the same batched calls
 run on the engine thread at the first verdict (an A/B switch: on the H200 the two modes gave the
-same constrained throughput).
+same constrained throughput). Hence the worker's backend: `LocalGrammar` makes the calls here,
+a grammar_process.GrammarProcess (the default on a GPU) makes them in a process of its own, and
+the thread then only waits for the tokens, sends them and copies the mask rows back.
 
 Per advanced matcher the worker's bitmask row is its next mask as long as the matcher takes no
 other token, which holds because the engine reads the rows (build) before it hands the worker the
@@ -33,6 +35,7 @@ allowed exactly when the grammar is complete), so no extra fill per row is neede
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Collection, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
@@ -59,7 +62,7 @@ class GrammarAdvance:
         self.seqs, self.positions, self.matchers, self.tokens = seqs, positions, matchers, tokens
         self.rejected: set[int] = set()  # seq_ids whose token the grammar rejected
         self.ended: set[int] = set()  # seq_ids whose grammar now allows only a stop token
-        self.live: list[Any] = []  # the matchers that filled a next mask: row i of `bitmask`
+        self.live: list[Any] = []  # weakrefs to the matchers that filled row i of `bitmask`
         self.bitmask: torch.Tensor | None = None  # int32 [>= len(live), W], host
         self.error: BaseException | None = None
         self._stop_token_ids: frozenset[int] = frozenset()
@@ -95,37 +98,22 @@ class GrammarAdvance:
     @property
     def rows(self) -> dict[int, int]:
         """id(matcher) -> the row of `bitmask` that holds its next mask."""
-        return {id(m): i for i, m in enumerate(self.live)}
+        return {id(m()): i for i, m in enumerate(self.live) if m() is not None}
 
-    def run(self, filler: MaskFiller, bitmask: torch.Tensor, stop_words: np.ndarray,
-            stop_bits: np.ndarray, pool: Executor | None = None, num_chunks: int = 1) -> None:
-        """The worker thread's part. bitmask: int32 [>= len(matchers), W] host rows it owns;
-        stop_words / stop_bits: the words holding stop-token bits and those bits (uint32);
-        pool, num_chunks: threads that take chunks of the accepts (batch_accept)."""
+    def run(self, backend: Any, bitmask: torch.Tensor) -> None:
+        """The worker thread's part. backend: `LocalGrammar` or a `GrammarProcess` (its `step`
+        does the accepts and fills); bitmask: int32 [>= len(matchers), W] host rows it owns."""
         try:
             sampled = self.tokens.tolist()  # waits for the device with the GIL released
             tokens = [sampled[p] for p in self.positions]
-            rejected = batch_accept(self.matchers, tokens, pool, num_chunks)
-            stop = self._stop_token_ids
-            # A terminated matcher (it took a stop token) has no next mask: xgrammar raises.
-            live = self.matchers if stop.isdisjoint(tokens) else [
-                m for m, t in zip(self.matchers, tokens) if t not in stop
-            ]
-            if live:
-                filler.fill(live, bitmask)
-                words = bitmask[: len(live)].numpy().view(np.uint32)  # [k, W]
-                has_stop = (words[:, stop_words] & stop_bits).any(axis=1)
-                if has_stop.any():  # a complete grammar: ended when nothing else is allowed
-                    rows = np.flatnonzero(has_stop)
-                    other = words[rows].copy()
-                    other[:, stop_words] &= ~stop_bits
-                    index = {id(m): i for i, m in enumerate(self.matchers)}
-                    self.ended = {
-                        self.seqs[self.positions[index[id(live[r])]]].seq_id
-                        for r in rows[~other.any(axis=1)]
-                    }
-            self.rejected = {self.seqs[self.positions[i]].seq_id for i in rejected}
-            self.live = live
+            rejected, ended, live = backend.step(self.matchers, tokens, bitmask)
+            seq_ids = [self.seqs[p].seq_id for p in self.positions]
+            self.rejected = {seq_ids[i] for i in rejected}
+            self.ended = {seq_ids[i] for i in ended}
+            # Weakly: a finished request's matcher goes (and leaves the grammar process) when
+            # the request does, not at the next step; a dead entry matches no matcher.
+            self.live = [weakref.ref(self.matchers[i]) for i in live]
+            self.matchers = []
             self.bitmask = bitmask
         except BaseException as exc:  # surfaces on the engine thread, at wait()
             self.error = exc
@@ -134,25 +122,86 @@ class GrammarAdvance:
             self._done.set()
 
 
+class StopTokens:
+    """The stop tokens' bits in a packed bitmask row [W] (uint32 words): the words that hold
+    them (`words`) and their bits in those words (`bits`)."""
+
+    def __init__(self, stop_token_ids: Collection[int]) -> None:
+        self.ids = frozenset(stop_token_ids)
+        ids = np.asarray(sorted(self.ids), dtype=np.int64)
+        self.words = np.unique(ids >> 5)
+        self.bits = np.zeros(len(self.words), dtype=np.uint32)
+        np.bitwise_or.at(self.bits, np.searchsorted(self.words, ids >> 5),
+                         (1 << (ids & 31)).astype(np.uint32))
+
+    def only_stop(self, words: np.ndarray) -> np.ndarray:
+        """The rows of `words` [k, W] (uint32) that allow a stop token and nothing else."""
+        has_stop = (words[:, self.words] & self.bits).any(axis=1)
+        rows = np.flatnonzero(has_stop)
+        if not len(rows):
+            return rows
+        other = words[rows].copy()
+        other[:, self.words] &= ~self.bits
+        return rows[~other.any(axis=1)]
+
+
+def accept_and_fill(matchers: list[Any], tokens: list[int], filler: MaskFiller,
+                    bitmask: torch.Tensor, stop: StopTokens, pool: Executor | None = None,
+                    num_chunks: int = 1) -> tuple[list[int], list[int], list[int]]:
+    """One step's grammar work: matcher i takes tokens[i] (batch_accept), and each matcher that
+    did not take a stop token fills its next mask into `bitmask` [>= len(matchers), W] int32,
+    rows 0, 1, ... in order. Returns (rejected, ended, live), indices into `matchers`: the
+    tokens the grammar rejected (those matchers keep their state), the matchers whose grammar
+    now allows only a stop token, and the matchers whose masks fill the rows. A matcher that
+    took a stop token is terminated: it has no next mask (xgrammar raises), and ends anyway."""
+    rejected = batch_accept(matchers, tokens, pool, num_chunks)
+    if stop.ids.isdisjoint(tokens):
+        live, filled = list(range(len(matchers))), matchers
+    else:
+        live = [i for i, t in enumerate(tokens) if t not in stop.ids]
+        filled = [matchers[i] for i in live]
+    ended = []
+    if live:
+        filler.fill(filled, bitmask)
+        # A complete grammar allows the stop tokens: ended when it allows nothing else.
+        ended = [live[r] for r in stop.only_stop(bitmask[: len(live)].numpy().view(np.uint32))]
+    return rejected, ended, live
+
+
+class LocalGrammar:
+    """The worker's grammar calls in this process: accepts in chunks on a few threads
+    (xgrammar takes one batch's tokens on one thread) and one batched fill."""
+
+    def __init__(self, stop_token_ids: Collection[int]) -> None:
+        self.stop = StopTokens(stop_token_ids)
+        self.filler = MaskFiller()
+        self.num_chunks = grammar_threads()
+        self.pool = None
+        if self.num_chunks > 1:
+            self.pool = ThreadPoolExecutor(self.num_chunks - 1,
+                                           thread_name_prefix="tinypaged-grammar-accept")
+
+    def step(self, matchers: list[Any], tokens: list[int],
+             bitmask: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+        """accept_and_fill with this object's filler and threads."""
+        return accept_and_fill(matchers, tokens, self.filler, bitmask, self.stop, self.pool,
+                               self.num_chunks)
+
+
 class GrammarWorker:
     """The thread that runs each step's GrammarAdvance, one at a time, in order. One per engine
-    (built at the first structured-output request); `latest()` is the last step's advance, whose
-    mask rows the next step's LogitsMaskBuilder.build reads.
+    (built at the first structured-output request); `take_latest()` is the last step's advance,
+    whose mask rows the next step's LogitsMaskBuilder.build reads.
 
     vocab_size: the logits' width; stop_token_ids: the ids that end a sequence (the grammar
     compiler's, the engine's eos set); device: the logits' device."""
 
     def __init__(self, vocab_size: int, stop_token_ids: Sequence[int],
-                 device: torch.device) -> None:
+                 device: torch.device, backend: Any = None) -> None:
         self.vocab_size = vocab_size
         self.stop_token_ids = frozenset(stop_token_ids)
-        ids = np.asarray(sorted(self.stop_token_ids), dtype=np.int64)
-        self._stop_words = np.unique(ids >> 5)
-        bits = np.zeros(len(self._stop_words), dtype=np.uint32)
-        np.bitwise_or.at(bits, np.searchsorted(self._stop_words, ids >> 5),
-                         (1 << (ids & 31)).astype(np.uint32))
-        self._stop_bits = bits
-        self._filler = MaskFiller()
+        # Where the accepts and fills run: this process (LocalGrammar) or the grammar process.
+        self.backend = backend if backend is not None else LocalGrammar(self.stop_token_ids)
         # Pinned on a GPU: the next step copies these rows straight to the device (one
         # asynchronous copy, LogitsMaskBuilder.build). The copy is queued before that step's
         # sampling, and the next advance refills the rows only once that sampling's tokens are
@@ -160,12 +209,6 @@ class GrammarWorker:
         self._pin = device.type == "cuda"
         self._bitmask = torch.empty((0, (vocab_size + 31) // 32), dtype=torch.int32)
         self._latest: GrammarAdvance | None = None
-        # xgrammar takes a batch's tokens on one thread: chunks go to these threads as well.
-        self._num_chunks = grammar_threads()
-        self._accept_pool = None
-        if self._num_chunks > 1:
-            self._accept_pool = ThreadPoolExecutor(self._num_chunks - 1,
-                                                   thread_name_prefix="tinypaged-grammar-accept")
         # Not a daemon thread: one killed at exit inside an xgrammar call aborts the process.
         # The executor joins it at exit and ends it when the worker is collected. Without it
         # (TINYPAGED_GRAMMAR_THREAD=0) the same calls run on the engine thread, at the verdicts.
@@ -185,8 +228,7 @@ class GrammarWorker:
         job = GrammarAdvance(seqs, positions, matchers, tokens)
         job._stop_token_ids = self.stop_token_ids
         self._latest = job
-        args = (self._filler, self._bitmask, self._stop_words, self._stop_bits,
-                self._accept_pool, self._num_chunks)
+        args = (self.backend, self._bitmask)
         if self._thread is None:
             job._deferred = args
         else:
@@ -207,6 +249,13 @@ class GrammarWorker:
             return None
         job.join()
         return None if job.error is not None else job
+
+    def take_latest(self) -> GrammarAdvance | None:
+        """`latest()`, let go of: the next step's masks read it once, and then its matchers
+        (a finished request's among them) are no longer held here."""
+        job = self.latest()
+        self._latest = None
+        return job
 
 
 def grammar_rows(seqs: Sequence[Any], reqs: Sequence[Any]) -> tuple[list[int], list[Any]]:

@@ -87,7 +87,8 @@ class LogitsConstraints:
     ) -> LogitsConstraints | None:
         """Validate and prepare; raises ValueError naming the field for ids outside the vocab,
         an invalid grammar, or a field that needs a tokenizer when there is none.
-        grammar_compiler() returns the engine's GrammarCompiler (built on first use)."""
+        grammar_compiler() returns the engine's GrammarCompiler or GrammarProcess (built on first
+        use)."""
         if not (
             params.allowed_token_ids is not None or params.bad_words or params.logit_bias
             or params.structured_outputs is not None
@@ -110,9 +111,7 @@ class LogitsConstraints:
             c.bad_words_ids = _bad_words_ids(params.bad_words, tokenizer)
             _check_ids("bad_words", [t for w in c.bad_words_ids for t in w], vocab_size)
         if params.structured_outputs is not None:
-            compiler = grammar_compiler()
-            grammar = compiler.compile(params.structured_outputs)
-            c.matchers = [compiler.matcher(grammar) for _ in range(params.n)]
+            c.matchers = grammar_compiler().matchers(params.structured_outputs, params.n)
         return c
 
     def banned_tokens(self, output_ids: list[int]) -> list[int]:
@@ -146,7 +145,9 @@ class LogitsMaskBuilder:
         self.device = device
         self._host = torch.empty((0, num_words(vocab_size)), dtype=torch.int32)
         self._rows = torch.empty((0,), dtype=torch.int64)
-        self._filler = None  # structured_output.MaskFiller, at the first grammar row
+        # What fills grammar rows: a structured_output.MaskFiller (made at the first grammar row)
+        # or the grammar process (set by the engine), whose matchers live there
+        self.filler = None
         # grammar_worker.GrammarWorker (set by the engine): the last step's matchers took their
         # tokens there and filled their next masks, which `build` sends (or copies) unfilled
         self.worker = None
@@ -173,11 +174,13 @@ class LogitsMaskBuilder:
         if masked:
             host, row_ids = self._buffer(len(masked)), self._rows[: len(masked)]
             row_ids.numpy()[:] = [r[0] for r in masked]
-            worker_rows = self._worker_rows(masked)
+            # the worker's last advance (waited for), read once: then it holds no matchers
+            advance = self.worker.take_latest() if self.worker is not None else None
+            worker_rows = self._worker_rows(masked, advance)
             if worker_rows is not None:  # the worker's rows as they are: no host copy
                 host = worker_rows
             else:
-                self._fill(masked, host)
+                self._fill(masked, host, advance)
             masks.bitmask = host.to(self.device, non_blocking=True)
             masks.bitmask_rows = row_ids.to(self.device, non_blocking=True)
         entries = [
@@ -186,30 +189,29 @@ class LogitsMaskBuilder:
         ]
         return self._finish(masks, entries)
 
-    def _worker_rows(self, masked: list[tuple[int, LogitsConstraints, int, Any]]
-                     ) -> torch.Tensor | None:
-        """The worker's last bitmask [R, W] when its rows are this step's mask as they stand:
-        every masked row a grammar alone (no allowed_token_ids or bad_words to combine), the
-        worker's matchers these rows' matchers in their order (the steady state of a decode
-        batch). Else None."""
-        advance = self.worker.latest() if self.worker is not None else None  # waits for it
+    def _worker_rows(self, masked: list[tuple[int, LogitsConstraints, int, Any]],
+                     advance: Any) -> torch.Tensor | None:
+        """The worker's last bitmask [R, W] (`advance`'s) when its rows are this step's mask as
+        they stand: every masked row a grammar alone (no allowed_token_ids or bad_words to
+        combine), the worker's matchers these rows' matchers in their order (the steady state of
+        a decode batch). Else None."""
         if advance is None or len(advance.live) != len(masked):
             return None
         for (_, c, index, _), m in zip(masked, advance.live):
-            if not c.matchers or c.matchers[index] is not m or c.allowed_words is not None \
+            if not c.matchers or c.matchers[index] is not m() or c.allowed_words is not None \
                     or c.bad_words_ids:
                 return None
         return advance.bitmask[: len(masked)]
 
     def _fill(self, masked: list[tuple[int, LogitsConstraints, int, Any]],
-              host: torch.Tensor) -> None:
+              host: torch.Tensor, advance: Any = None) -> None:
         """Each masked row's mask into its row of `host` [R, W]: the grammar's, and'ed with
         allowed_token_ids, less the banned bad words."""
         words = host.numpy().view(np.uint32)  # the same memory, bit ops without sign
         grammar = [(i, c.matchers[index]) for i, (_, c, index, _) in enumerate(masked)
                    if c.matchers]
         if grammar:
-            self._fill_grammar(grammar, host)
+            self._fill_grammar(grammar, host, advance)
         others = [(i, c, out) for i, (_, c, _, out) in enumerate(masked)
                   if not c.matchers or c.allowed_words is not None or c.bad_words_ids]
         for i, c, output_ids in others:
@@ -220,11 +222,11 @@ class LogitsMaskBuilder:
             if c.bad_words_ids:
                 clear_bits(words[i], c.banned_tokens(output_ids))
 
-    def _fill_grammar(self, grammar: list[tuple[int, Any]], host: torch.Tensor) -> None:
+    def _fill_grammar(self, grammar: list[tuple[int, Any]], host: torch.Tensor,
+                      advance: Any) -> None:
         """The host rows of the grammar rows (host row, matcher): copied from the worker's last
-        advance where it filled the matcher's next mask (every row, once decoding runs), the
-        others filled here in one call (structured_output.MaskFiller)."""
-        advance = self.worker.latest() if self.worker is not None else None  # waits for it
+        `advance` where it filled the matcher's next mask (every row, once decoding runs), the
+        others filled in one call (`self.filler`)."""
         worker_rows = advance.rows if advance is not None else {}
         if worker_rows:
             src = [worker_rows.get(id(m), -1) for _, m in grammar]
@@ -236,10 +238,10 @@ class LogitsMaskBuilder:
                 host[[i for i, _ in fresh]] = advance.bitmask[[j for _, j in fresh]]
             grammar = [(i, m) for (i, m), j in zip(grammar, src) if j < 0]
         if grammar:
-            if self._filler is None:
+            if self.filler is None:
                 from tinypaged.sampling.structured_output import MaskFiller
-                self._filler = MaskFiller()
-            self._filler.fill([m for _, m in grammar], host, [i for i, _ in grammar])
+                self.filler = MaskFiller()
+            self.filler.fill([m for _, m in grammar], host, [i for i, _ in grammar])
 
     def _finish(self, masks: LogitsMasks,
                 entries: list[tuple[int, int, float]]) -> LogitsMasks | None:

@@ -14,6 +14,8 @@ How one request is constrained:
 3. After sampling, the step's matchers take their tokens in batched calls split over a few
    threads and fill their next rows in one call (`batch_accept`, `MaskFiller`), on a worker
    thread while the engine launches the next step (grammar_worker.py); step 2 sends those rows.
+   On a GPU the matchers live in a process of their own, which makes those calls
+   (grammar_process.py): xgrammar's calls do not run beside the engine thread's Python.
    When the grammar is complete, the mask lets the stop tokens (eos) through; the request ends
    when one is sampled, or at once when the grammar allows nothing but a stop token.
 4. With speculative decoding, a speculating sequence gets one mask per verified position, the
@@ -119,21 +121,24 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer and caches them (one per engine, built at the
     first constrained request: reading the vocabulary takes ~0.2-1 s).
 
-    hf_tokenizer: a transformers tokenizer; vocab_size: the logits' width (may exceed the
-    tokenizer's length: padding ids are never allowed); stop_token_ids: the ids that end a
-    sequence (the engine's eos set), allowed once the grammar is complete."""
+    tokenizer: a transformers tokenizer (or an xgrammar TokenizerInfo made from one); vocab_size:
+    the logits' width (may exceed the tokenizer's length: padding ids are never allowed);
+    stop_token_ids: the ids that end a sequence (the engine's eos set), allowed once the grammar
+    is complete."""
 
     def __init__(
-        self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
         cache_size: int = 256,
     ) -> None:
         xgr = _import_xgrammar()
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        info = xgr.TokenizerInfo.from_huggingface(
-            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids
-        )
+        info = tokenizer
+        if not isinstance(tokenizer, xgr.TokenizerInfo):
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids
+            )
         # xgrammar's own cache is off: ours below is the one place a compile is reused.
         self._compiler = xgr.GrammarCompiler(info, max_threads=4, cache_enabled=False)
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
@@ -178,6 +183,17 @@ class GrammarCompiler:
     def matcher(self, compiled: Any) -> Any:
         """A fresh GrammarMatcher (one per sequence) at the start of `compiled`."""
         return self._xgr.GrammarMatcher(compiled)
+
+    alive = True  # as GrammarProcess's (whose process can die)
+
+    def close(self) -> None:
+        """Nothing to end (GrammarProcess ends its process)."""
+
+    def matchers(self, params: StructuredOutputsParams, n: int) -> list[Any]:
+        """n fresh matchers of `params`' grammar (compile's ValueError when it does not
+        compile); grammar_process.GrammarProcess has the same call."""
+        compiled = self.compile(params)
+        return [self.matcher(compiled) for _ in range(n)]
 
 
 def grammar_threads() -> int:
