@@ -7,9 +7,12 @@ process that dies failing only the constrained requests of its step."""
 from __future__ import annotations
 
 import gc
+import glob
 import json
+import os
 import random
 import re
+import tempfile
 
 import jsonschema
 import numpy as np
@@ -88,6 +91,8 @@ def test_process_calls_equal_matchers_here(model_dir, process):
     for _ in range(2):
         with pytest.raises(ValueError, match="structured_outputs.regex"):
             process.matchers(bad, 1)
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), "tinypaged-grammar-*")) and not \
+        glob.glob("/dev/shm/tinypaged-grammar-*")  # the shared rows' files: unlinked once mapped
 
 
 def engine_with_process(model_dir, monkeypatch, **kwargs):
@@ -167,4 +172,7 @@ def test_a_dead_process_fails_only_its_requests(model_dir, monkeypatch):
     out = llm.generate(["again"], SamplingParams(temperature=0, max_tokens=60,
                                                  structured_outputs=JSON), use_tqdm=False)
     jsonschema.validate(json.loads(out[0].outputs[0].text), SCHEMA)
-    assert engine._get_grammar_compiler() is not process
+    restarted = engine._get_grammar_compiler()
+    assert restarted is not process and restarted.alive
+    engine.shutdown()
+    assert restarted._proc.poll() == 0  # asked to end, it did

@@ -127,8 +127,6 @@ class GrammarProcess:
         xgr = require("xgrammar")
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        info = xgr.TokenizerInfo.from_huggingface(
-            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
         self._width = (vocab_size + 31) // 32
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # this tinypaged, wherever it is
@@ -147,6 +145,10 @@ class GrammarProcess:
         self._valid: OrderedDict = OrderedDict()  # cache keys that compiled there
         self._rows: dict[str, SharedRows] = {}  # "step", "fill"
         self.alive = True
+        # While the process imports torch and xgrammar: the vocabulary, read here (the process
+        # may not have the tokenizer's files or its Python classes)
+        info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
         with self._lock:
             self._conn.send((self.stop_token_ids, vocab_size, info.serialize_json()))
             if not self._conn.poll(_START_TIMEOUT_S):
