@@ -224,7 +224,8 @@ def main() -> None:
               f"| {extra('host_wall')} | {per['wait']:.2f} | {per['cpu']:.2f} "
               f"| {got['syncs'] if args.sync_debug else ''} |")
         result[name] = per
-    print(json.dumps({"device": str(llm.engine.device), "per_step_ms": result}))
+    print(json.dumps({"device": str(llm.engine.device), "per_step_ms": result,
+                      "grammar": type(llm.engine._get_grammar_compiler()).__name__}))
     if profile is not None:
         pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)

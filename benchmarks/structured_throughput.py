@@ -150,8 +150,10 @@ def main() -> None:
             if name not in best or tokens / elapsed > best[name][1] / best[name][0]:
                 best[name] = (elapsed, tokens)
     rate = {k: t / e for k, (e, t) in best.items()}
+    grammar = type(llm.engine._get_grammar_compiler()).__name__  # GrammarProcess or here
     print(f"device {llm.engine.device}, {args.num_requests} requests x {args.max_tokens} tokens, "
-          f"prompts {args.min_prompt}-{args.max_prompt}, correctness: {checked} outputs valid")
+          f"prompts {args.min_prompt}-{args.max_prompt}, correctness: {checked} outputs valid, "
+          f"grammar work: {grammar}")
     print("| run | output tokens | seconds | output tok/s |")
     print("|---|---|---|---|")
     for name, (elapsed, tokens) in best.items():
@@ -160,7 +162,7 @@ def main() -> None:
     print(f"half constrained / plain = {ratio:.3f}")
     print(json.dumps({"device": str(llm.engine.device), "num_requests": args.num_requests,
                       "max_tokens": args.max_tokens, "plain_tok_s": rate["plain"],
-                      "half_tok_s": rate["half"], "ratio": ratio}))
+                      "half_tok_s": rate["half"], "ratio": ratio, "grammar": grammar}))
 
 
 if __name__ == "__main__":
