@@ -473,8 +473,6 @@ class Engine:
         else:
             if step.tokens is not None:
                 token_ids = self.executor.collect(step.tokens)
-                if step.grammar is not None:  # the grammar process works while text is made
-                    step.grammar.start()
                 tokens = {seq.seq_id: t for seq, t in zip(step.seqs, token_ids)}
                 if any(lp is not None for lp in step.logprobs):
                     lp_by_seq = {seq.seq_id: lp for seq, lp in zip(step.seqs, step.logprobs)}

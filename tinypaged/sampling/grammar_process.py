@@ -5,10 +5,8 @@ step's accepts and mask fills run there, on other cores, while the engine proces
     GrammarProcess.matchers(params, n)   compile -> a CompiledGrammar (cached); n GrammarMatchers
         -> n RemoteMatchers (keys)                  made at the next message, kept by key
     LogitsMaskBuilder: .fill(matchers, rows) fill -> masks into the shared fill rows
-    GrammarAdvance.start: .begin(...)       step -> accept_and_fill into the shared step rows,
-    (the tokens are on the host)                    while the engine thread makes the text
-    GrammarAdvance's first verdict: .end()          the verdicts back through the socket
-        -> (rejected, ended, live)
+    GrammarWorker's thread: .step(...)      step -> accept_and_fill into the shared step rows;
+        -> (rejected, ended, live)                  the verdicts back through the socket
 
 Why a process: xgrammar's calls do not run beside the engine thread's Python (measured:
 benchmarks/RESULTS.md, Structured output), so on a step that the host bounds a thread adds every
@@ -146,8 +144,6 @@ class GrammarProcess:
         self._keys = itertools.count()
         self._valid: OrderedDict = OrderedDict()  # cache keys that compiled there
         self._rows: dict[str, SharedRows] = {}  # "step", "fill"
-        self._in_flight = False  # a step sent (begin), its reply not yet taken (end)
-        self._early: tuple | None = None  # that reply, when another call read it first
         self.alive = True
         # While the process imports torch and xgrammar: the vocabulary, read here (the process
         # may not have the tokenizer's files or its Python classes)
@@ -158,9 +154,7 @@ class GrammarProcess:
             if not self._conn.poll(_START_TIMEOUT_S):
                 self.close()
                 raise RuntimeError("the grammar process did not start")
-            status, value = self._receive()
-        if status != "ok":
-            raise RuntimeError(f"the grammar process failed to start: {value}")
+        self._reply()
 
     # ------------------------------------------------------------------ what the engine calls
 
@@ -195,34 +189,15 @@ class GrammarProcess:
         else:
             bitmask[rows] = src
 
-    def begin(self, matchers: list[RemoteMatcher], tokens: list[int]) -> None:
-        """Send a step: there, matcher i takes tokens[i] and the live ones fill their masks
-        (grammar_worker.accept_and_fill) while this process goes on; `end` takes the result."""
-        self._shared("step", len(matchers))
-        with self._lock:
-            if self._in_flight:
-                raise RuntimeError("a grammar step is already in flight")
-            self._send("step", [m.key for m in matchers], tokens)
-            self._in_flight, self._early = True, None
-
-    def end(self, bitmask: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
-        """begin's (rejected, ended, live), once there; the live rows are copied into
-        `bitmask`."""
-        with self._lock:
-            status, value = self._early or self._receive()
-            self._in_flight, self._early = False, None
-        if status != "ok":
-            raise RuntimeError(f"the grammar process failed: {value}")
-        rejected, ended, live = value
-        if live:
-            bitmask[: len(live)].copy_(self._rows["step"].tensor[: len(live)])
-        return rejected, ended, live
-
     def step(self, matchers: list[RemoteMatcher], tokens: list[int],
              bitmask: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
-        """`begin` and `end` in one call."""
-        self.begin(matchers, tokens)
-        return self.end(bitmask)
+        """grammar_worker.accept_and_fill, run there; the live rows are copied into
+        `bitmask`."""
+        shared = self._shared("step", len(matchers))
+        rejected, ended, live = self._call("step", [m.key for m in matchers], tokens)
+        if live:
+            bitmask[: len(live)].copy_(shared.tensor[: len(live)])
+        return rejected, ended, live
 
     def num_matchers(self) -> int:
         """How many matchers the process holds (a collected RemoteMatcher's goes with the next
@@ -250,28 +225,22 @@ class GrammarProcess:
 
     def _call(self, op: str, *args: Any) -> Any:
         with self._lock:
-            if self._in_flight and self._early is None:  # a step's reply comes first: keep it
-                self._early = self._receive()
-            self._send(op, *args)
-            status, value = self._receive()
+            news = [self._news.popleft() for _ in range(len(self._news))]
+            freed = [self._freed.popleft() for _ in range(len(self._freed))]
+            try:
+                self._conn.send((news, op, args, freed))
+            except OSError as exc:
+                self._died(exc)
+            return self._reply()
+
+    def _reply(self) -> Any:
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            self._died(exc)
         if status != "ok":
             raise RuntimeError(f"the grammar process failed: {value}")
         return value
-
-    def _send(self, op: str, *args: Any) -> None:
-        """One message (the lock held): the matchers to make first, the keys to drop."""
-        news = [self._news.popleft() for _ in range(len(self._news))]
-        freed = [self._freed.popleft() for _ in range(len(self._freed))]
-        try:
-            self._conn.send((news, op, args, freed))
-        except OSError as exc:
-            self._died(exc)
-
-    def _receive(self) -> tuple[str, Any]:
-        try:
-            return self._conn.recv()
-        except (EOFError, OSError) as exc:
-            self._died(exc)
 
     def _died(self, exc: BaseException) -> None:
         self.alive = False
@@ -325,8 +294,7 @@ def serve(conn: Connection) -> None:
         grammar.filler.fill([matchers[k] for k in keys], shared["fill"].tensor)
 
     def step(keys: list[int], tokens: list[int]) -> tuple[list[int], list[int], list[int]]:
-        grammar.begin([matchers[k] for k in keys], tokens)
-        return grammar.end(shared["step"].tensor)
+        return grammar.step([matchers[k] for k in keys], tokens, shared["step"].tensor)
 
     ops = {"compile": compile_, "map": map_, "fill": fill, "step": step,
            "count": lambda: len(matchers)}

@@ -69,21 +69,6 @@ class GrammarAdvance:
         self._finished = False  # read without the event's lock once set (every verdict)
         self._done = threading.Event()
         self._deferred: tuple | None = None  # run's arguments, without a thread: run at wait()
-        self._begun = False  # the backend has the tokens (start)
-
-    def start(self) -> None:
-        """Without a worker thread, once the tokens are on the host: hand them to the backend
-        (`begin`), so that the grammar process works while the engine thread goes on; `join`
-        takes the result. Does nothing with a worker thread (it has the work already)."""
-        if self._deferred is None or self._begun:
-            return
-        self._begun = True
-        try:
-            self._deferred[0].begin(self.matchers, self._tokens())
-        except BaseException as exc:  # surfaces at wait(), as run's would
-            self.error, self._deferred = exc, None
-            self._finished = True
-            self._done.set()
 
     def join(self) -> None:
         """Block until the work is done (without a worker thread: do it now)."""
@@ -93,10 +78,6 @@ class GrammarAdvance:
             args, self._deferred = self._deferred, None
             self.run(*args)
         self._done.wait()
-
-    def _tokens(self) -> list[int]:
-        sampled = self.tokens.tolist()  # waits for the device with the GIL released
-        return [sampled[p] for p in self.positions]
 
     def wait(self) -> GrammarAdvance:
         """Block until the work is done; re-raise what it raised."""
@@ -120,13 +101,12 @@ class GrammarAdvance:
         return {id(m()): i for i, m in enumerate(self.live) if m() is not None}
 
     def run(self, backend: Any, bitmask: torch.Tensor) -> None:
-        """The worker thread's part (or join's). backend: `LocalGrammar` or a `GrammarProcess`
-        (`begin` takes the tokens, `end` does or waits for the accepts and fills and returns
-        the verdicts); bitmask: int32 [>= len(matchers), W] host rows it owns."""
+        """The worker thread's part. backend: `LocalGrammar` or a `GrammarProcess` (its `step`
+        does the accepts and fills); bitmask: int32 [>= len(matchers), W] host rows it owns."""
         try:
-            if not self._begun:
-                backend.begin(self.matchers, self._tokens())
-            rejected, ended, live = backend.end(bitmask)
+            sampled = self.tokens.tolist()  # waits for the device with the GIL released
+            tokens = [sampled[p] for p in self.positions]
+            rejected, ended, live = backend.step(self.matchers, tokens, bitmask)
             seq_ids = [self.seqs[p].seq_id for p in self.positions]
             self.rejected = {seq_ids[i] for i in rejected}
             self.ended = {seq_ids[i] for i in ended}
@@ -201,15 +181,9 @@ class LocalGrammar:
             self.pool = ThreadPoolExecutor(self.num_chunks - 1,
                                            thread_name_prefix="tinypaged-grammar-accept")
 
-        self._step: tuple | None = None  # begin's arguments
-
-    def begin(self, matchers: list[Any], tokens: list[int]) -> None:
-        """Take a step's matchers and their tokens; `end` does the work."""
-        self._step = matchers, tokens
-
-    def end(self, bitmask: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
-        """accept_and_fill of begin's step, with this object's filler and threads."""
-        (matchers, tokens), self._step = self._step, None
+    def step(self, matchers: list[Any], tokens: list[int],
+             bitmask: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+        """accept_and_fill with this object's filler and threads."""
         return accept_and_fill(matchers, tokens, self.filler, bitmask, self.stop, self.pool,
                                self.num_chunks)
 
