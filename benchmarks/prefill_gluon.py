@@ -1,12 +1,13 @@
 """The Gluon prefill kernel (kernels/attention_gluon.py) on an H200: correct, then how fast.
 
     PYTHONPATH=. python benchmarks/prefill_gluon.py                  # every config, ~1 min
-    PYTHONPATH=. python benchmarks/prefill_gluon.py --configs 128,128,2,pingpong --no-time
+    PYTHONPATH=. python benchmarks/prefill_gluon.py --configs 128,128,2,pingpong,1 --no-time
 
 1. Baselines, in this process: the Triton Hopper kernel (attention_hopper.py at HOPPER_CONFIG,
    what TINYPAGED_PREFILL_ATTENTION=triton runs) and SDPA cuDNN on dense [B, 32, L, 128] q/k/v
    (causal: the same FLOPs as 32/8 GQA), timed on B4 L2048 32/8, B4 L2048 32/32, B1 L8192 32/8.
-2. Checks: each Gluon config (block_m, block_n, stages, mode; attention_gluon.GLUON_CONFIGS) in
+2. Checks: each Gluon config (block_m, block_n, stages, mode, head_group;
+   attention_gluon.GLUON_CONFIGS) in
    a child process of its own, all at once, so that a compile error, a fault or a hang (a
    barrier phase gone wrong waits forever: the child is killed after --child-timeout seconds)
    costs only that config. A child compares the kernel with paged_attention_ref (max error,
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from tinypaged.kernels import attention
-from tinypaged.kernels.attention_gluon import GLUON_CONFIGS, gluon_attention
+from tinypaged.kernels.attention_gluon import CONFIG_KEYS, GLUON_CONFIGS, gluon_attention
 from tinypaged.kernels.attention_hopper import hopper_attention_triton
 
 # (batch, new tokens, query heads, KV heads)
@@ -81,7 +82,6 @@ def emit(kind: str, **fields) -> None:
 
 def check(config) -> bool:
     """Every case against paged_attention_ref; prints one line per case, True when all pass."""
-    block_m, block_n, stages, mode = config
     tag = ",".join(map(str, config))
     all_ok = True
     for dtype in (torch.bfloat16, torch.float16):
@@ -89,8 +89,7 @@ def check(config) -> bool:
         for (name, q_lens, seq_lens), (hq, hk) in [(c, h) for c in CASES for h in HEADS]:
             b = paged_batch(q_lens, seq_lens, hq, hk, dtype, poison=True)
             try:
-                got = gluon_attention(*launch_args(b), block_m=block_m, block_n=block_n,
-                                      num_stages=stages, mode=mode)
+                got = gluon_attention(*launch_args(b), **dict(zip(CONFIG_KEYS, config)))
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 (a compile error: print it, go on)
                 print(f"  FAIL {tag:18s} {name:20s} {hq}/{hk} {str(dtype)[6:]:9s} "
@@ -124,14 +123,14 @@ def check_dispatch() -> None:
 
 
 def parse(text: str) -> tuple:
-    block_m, block_n, stages, mode = text.split(",")
-    return int(block_m), int(block_n), int(stages), mode
+    block_m, block_n, stages, mode, head_group = text.split(",")
+    return int(block_m), int(block_n), int(stages), mode, int(head_group)
 
 
 def check_child(config) -> None:
     check(config)
     default = attention.GLUON_CONFIG
-    if config == tuple(default[k] for k in ("block_m", "block_n", "num_stages", "mode")):
+    if config == tuple(default[k] for k in CONFIG_KEYS):
         check_dispatch()
 
 
@@ -140,16 +139,15 @@ def time_child(configs) -> None:
         batch, length, hq, hk = shape
         b = paged_batch([length] * batch, [length] * batch, hq, hk, torch.bfloat16, False)
         args = launch_args(b)
-        for block_m, block_n, stages, mode in configs:
-            config = {"block_m": block_m, "block_n": block_n, "num_stages": stages, "mode": mode}
+        for config in map(dict, (zip(CONFIG_KEYS, c) for c in configs)):
             try:
                 ms = bench(lambda args=args, config=config: gluon_attention(*args, **config))
             except Exception as e:  # noqa: BLE001 (print it, time the next config)
                 print(f"  gluon {config} {shape_name(shape)}: {type(e).__name__}: "
                       f"{str(e)[-800:]}", flush=True)
                 continue
-            emit("time", impl=f"gluon {block_n} s{stages} {mode}", shape=shape_name(shape),
-                 ms=ms, tflops=tflops(shape, ms))
+            emit("time", impl="gluon {block_n} s{num_stages} {mode} hg{head_group}".format(
+                **config), shape=shape_name(shape), ms=ms, tflops=tflops(shape, ms))
 
 
 def run_children(args, configs, timed: bool) -> dict:
@@ -214,9 +212,9 @@ def baselines() -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", nargs="*", default=[",".join(map(str, c))
-                                                          for c in GLUON_CONFIGS],
-                        help="block_m,block_n,stages,mode of each Gluon config (default: all)")
+    parser.add_argument("--configs", nargs="*", default=[",".join(map(str, c)) for c in GLUON_CONFIGS],
+                        help="block_m,block_n,stages,mode,head_group of each Gluon config "
+                             "(default: all)")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--no-time", action="store_true")
     parser.add_argument("--child-timeout", type=float, default=60.0,

@@ -3,7 +3,6 @@ it, that CPU tensors never reach it, and that every tile config compiles for the
 SASS with TMA, wgmma and warp specialization (Gluon has no interpreter: its numbers are checked
 on a GPU by benchmarks/prefill_gluon.py)."""
 
-import itertools
 import types
 
 import pytest
@@ -93,7 +92,7 @@ for dtype in (torch.bfloat16, torch.float16):
         args = (q, k_cache, k_cache.clone(), torch.zeros(2, 4, dtype=torch.int32),
                 torch.tensor([40, 9], dtype=torch.int32),
                 torch.tensor([0, 3, 4], dtype=torch.int32), 0.1, torch.empty_like(q))
-        configs = [dict(zip(("block_m", "block_n", "num_stages", "mode"), c))
+        configs = [dict(zip(attention_gluon.CONFIG_KEYS, c))
                    for c in attention_gluon.GLUON_CONFIGS]
         if (dtype, num_kv_heads) != (torch.bfloat16, 8):  # the other axes at the default only
             configs = [attention.GLUON_CONFIG]
@@ -113,7 +112,7 @@ def test_gluon_kernel_compiles_for_sm90():
 
 def test_default_config_is_one_of_the_benchmarked():
     config = attention.GLUON_CONFIG
-    assert tuple(config[k] for k in ("block_m", "block_n", "num_stages", "mode")) in \
+    assert tuple(config[k] for k in attention_gluon.CONFIG_KEYS) in \
         attention_gluon.GLUON_CONFIGS
 
 
@@ -145,7 +144,7 @@ def emulated_softmax(s, m_i, l_i, start_n, q_pos, g):
 
 
 def emulate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, block_n,
-            consumers):
+            consumers, head_group):
     """The kernel's schedule in torch, line for line (program order, the producer's TMA rows,
     out-of-bounds zeros, the V rows zeroed past seq_len, the pipelined online softmax), so that
     its index arithmetic runs somewhere before a GPU does (Gluon has no interpreter)."""
@@ -160,9 +159,13 @@ def emulate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                               scale=scale, dtype=q.dtype)
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
-    num_programs = num_tokens // block_q + len(seq_lens)
-    for pid, kv_head in itertools.product(range(num_programs), range(num_kv_heads)):
-        q_block = num_programs - 1 - pid
+    num_q_blocks = num_tokens // block_q + len(seq_lens)
+    done = set()
+    for w in range(num_q_blocks * num_kv_heads):  # the programs, in launch order
+        kv_head = w // (head_group * num_q_blocks) * head_group + w % head_group
+        q_block = num_q_blocks - 1 - w % (head_group * num_q_blocks) // head_group
+        assert (q_block, kv_head) not in done  # each (tile, KV head) once
+        done.add((q_block, kv_head))
         seq = max(b for b in range(len(seq_lens)) if starts[b] // block_q + b <= q_block)
         q_start, q_len = starts[seq], starts[seq + 1] - starts[seq]
         q_begin = (q_block - (q_start // block_q + seq)) * block_q
@@ -199,11 +202,11 @@ def emulate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
             out[token[row_valid], head[row_valid]] = o[row_valid].to(q.dtype)
     return out
 
-@pytest.mark.parametrize("block_n,consumers,group", [(128, 1, 4), (64, 2, 4), (128, 2, 1),
-                                                     (64, 1, 3)])
-def test_schedule_emulation_matches_reference(block_n, consumers, group):
+@pytest.mark.parametrize("block_n,consumers,group,head_group",
+                         [(128, 1, 4, 1), (64, 2, 4, 2), (128, 2, 1, 1), (64, 1, 3, 1)])
+def test_schedule_emulation_matches_reference(block_n, consumers, group, head_group):
     # prefills and chunks inside a cached prefix; every sequence ends inside a cache block,
     # whose unowned slots hold NaN (as the engine's torch.empty cache may)
     batch = Batch([1, 17, 150, 5, 40], [1, 17, 150, 300, 170], group, 128, 16, torch.float16)
-    got = emulate(*batch.args(), block_n, consumers)
+    got = emulate(*batch.args(), block_n, consumers, head_group)
     assert_close(got, batch.run(paged_attention_ref), torch.float16)

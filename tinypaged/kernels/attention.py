@@ -63,9 +63,11 @@ HOPPER_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2,
 # The Gluon kernel (attention_gluon.py), taken instead of HOPPER_CONFIG's when
 # TINYPAGED_PREFILL_ATTENTION=gluon (the default) and gluon_supports the shape: 128 rows on two
 # consumer warpgroups taking turns at the tensor cores (mode, attention_gluon.MODES) plus a TMA
-# producer warp; 128-key tiles, 3 stages: the fastest of GLUON_CONFIGS on every shape
+# producer warp; 128-key tiles, 3 stages; programs launched 4 KV heads at a time, heaviest
+# query tiles first (head_group): the fastest of GLUON_CONFIGS on every shape
 # benchmarks/prefill_gluon.py timed on the H200 (figures: benchmarks/RESULTS.md).
-GLUON_CONFIG = {"block_m": 128, "block_n": 128, "num_stages": 3, "mode": "pingpong"}
+GLUON_CONFIG = {"block_m": 128, "block_n": 128, "num_stages": 3, "mode": "pingpong",
+                "head_group": 4}
 
 _CONFIG_KEYS = (frozenset(VARLEN_CONFIG) | frozenset(DECODE_CONFIG) | frozenset(HOPPER_CONFIG)
                 | frozenset(GLUON_CONFIG))

@@ -47,9 +47,16 @@ What Gluon adds over the Triton kernel is explicit control of the Hopper machine
       S_t = Q K_t^T (async) ; O += P_{t-1} V_{t-1} (async) ; wait S_t ; softmax(S_t) -> P_t
       wait O ; O *= alpha_t
 
-  Q [BLOCK_M, D] is staged once in shared memory (two [rows, 64] halves per consumer: QK^T
-  is two chained wgmmas over K = 64); P goes to the second wgmma from registers; O is two
-  [rows, 64] fp32 accumulators, one per half of V.
+  Each consumer stages its Q rows once in shared memory (two [rows, 64] halves: QK^T is two
+  chained wgmmas over K = 64), while the producer's first copies are in flight; P goes to the
+  second wgmma from registers, and O is one [rows, D] fp32 accumulator: a stage's two V halves
+  are adjacent panels of one [BLOCK_N, D] tile, so P @ V is a single wgmma of N = D.
+
+- Launch order: program w takes KV head w // (HEAD_GROUP * n) * HEAD_GROUP + w % HEAD_GROUP
+  and query tile n - 1 - (w % (HEAD_GROUP * n)) // HEAD_GROUP of the n tiles: the hardware
+  starts programs in order of w, so the heaviest tiles (the last of a sequence) start first
+  and the light ones fill the end of the grid, while HEAD_GROUP KV heads at a time keep their
+  keys and values in L2 for the tiles that share them.
 
 Only D = 128 with q and cache in fp16/bf16, no window or soft-cap (gluon_supports); the rest
 stays on attention_hopper.py / attention_varlen.py. Gluon does not run in the interpreter:
@@ -93,10 +100,14 @@ HALF = tl.constexpr(HALF_COLS) if HAS_GLUON else HALF_COLS  # the same, for the 
 #             tile's wgmmas and hands the turn over once they are issued, so the tensor cores
 #             run one warpgroup's GEMMs while the other does its softmax
 MODES = ("wide", "split", "pingpong")
-# (block_m, block_n, num_stages, mode) the benchmark times (benchmarks/prefill_gluon.py)
-GLUON_CONFIGS = [(128, 128, 2, "wide"), (128, 64, 2, "wide"), (128, 128, 2, "split"),
-                 (128, 128, 2, "pingpong"), (128, 64, 2, "pingpong"), (128, 64, 3, "pingpong"),
-                 (128, 128, 3, "pingpong")]
+# (block_m, block_n, num_stages, mode, head_group) the benchmark times
+# (benchmarks/prefill_gluon.py)
+GLUON_CONFIGS = [(128, 128, 2, "wide", 4), (128, 64, 2, "wide", 4), (128, 128, 2, "split", 4),
+                 (128, 128, 2, "pingpong", 4), (128, 64, 2, "pingpong", 4),
+                 (128, 64, 3, "pingpong", 4), (128, 128, 3, "pingpong", 4),
+                 (128, 128, 3, "pingpong", 1), (128, 128, 3, "pingpong", 2),
+                 (128, 128, 3, "pingpong", 8)]
+CONFIG_KEYS = ("block_m", "block_n", "num_stages", "mode", "head_group")
 
 
 @gluon_jit
@@ -115,22 +126,23 @@ def _find_sequence(QUERY_START_LOC, num_seqs, q_block, BLOCK_Q: gl.constexpr):
 
 @gluon_jit
 def _load_q(Q, q_smem, q_start, q_begin, q_len, kv_head, stride_qt, stride_qh,
-            GROUP: gl.constexpr, ROWS: gl.constexpr, CONSUMERS: gl.constexpr,
-            BLOCK_Q: gl.constexpr, num_warps: gl.constexpr):
-    """Gather the program's CONSUMERS * ROWS query rows (D wide) into q_smem
-    [CONSUMERS * 2, ROWS, HALF], consumer c's half h at 2 * c + h (rows past the query: 0)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+            C: gl.constexpr, GROUP: gl.constexpr, ROWS: gl.constexpr, BLOCK_Q: gl.constexpr,
+            WARPS: gl.constexpr):
+    """Gather consumer C's ROWS query rows (D wide) into its halves q_smem[2 C], q_smem[2 C + 1]
+    [ROWS, HALF] (rows past the query: 0), ready for its wgmmas. Each consumer loads its own
+    rows while the producer's first K/V copies are in flight."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-    for c in gl.static_range(CONSUMERS):
-        rows = c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        q_idx = q_begin + rows // GROUP  # [ROWS] new-token index in the sequence
-        valid = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
-        head = kv_head * GROUP + rows % GROUP
-        offs = (q_start + q_idx).to(gl.int64) * stride_qt + head * stride_qh
-        for half in gl.static_range(2):
-            ptrs = Q + gl.expand_dims(offs, 1) + gl.expand_dims(cols + half * HALF, 0)
-            q_smem.index(2 * c + half).store(gl.load(ptrs, mask=gl.expand_dims(valid, 1),
-                                                     other=0.0))
+    rows = C * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    q_idx = q_begin + rows // GROUP  # [ROWS] new-token index in the sequence
+    valid = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    head = kv_head * GROUP + rows % GROUP
+    offs = (q_start + q_idx).to(gl.int64) * stride_qt + head * stride_qh
+    for half in gl.static_range(2):
+        ptrs = Q + gl.expand_dims(offs, 1) + gl.expand_dims(cols + half * HALF, 0)
+        q_smem.index(2 * C + half).store(gl.load(ptrs, mask=gl.expand_dims(valid, 1), other=0.0))
+    fence_async_shared()  # the generic-proxy stores, before the wgmma (async proxy) reads
+    gl.thread_barrier()  # every warp of the partition has written its rows
 
 
 @gluon_jit
@@ -236,18 +248,18 @@ def _pass_turn(turn, C: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon_jit
-def _consumer(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, OUT,
-              q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head, stride_ot,
-              stride_oh, num_tiles, unmasked_end, qk_scale,
+def _consumer(Q, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, OUT,
+              q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head, stride_qt,
+              stride_qh, stride_ot, stride_oh, num_tiles, unmasked_end, qk_scale,
               C: gl.constexpr, ROWS: gl.constexpr, PINGPONG: gl.constexpr,
               GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
-    """Consumer C (rows C * ROWS .. + ROWS - 1 of the program, on WARPS warps): QK^T, softmax,
-    PV per tile, then the store."""
+    """Consumer C (rows C * ROWS .. + ROWS - 1 of the program, on WARPS warps): its Q rows,
+    then QK^T, softmax, PV per tile, then the store."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HALF, 16])
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 2 * HALF, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_smem.dtype
 
@@ -257,10 +269,15 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, 
     q_pos = gl.where(row_valid, prefix_len + q_idx, -1)  # [ROWS]; -1: every key hidden
 
     s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    o0 = gl.zeros([ROWS, HALF], gl.float32, o_layout)
-    o1 = gl.zeros([ROWS, HALF], gl.float32, o_layout)
+    o = gl.zeros([ROWS, 2 * HALF], gl.float32, o_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    # A stage's two [BLOCK_N, HALF] V halves lie one after the other: together they are the
+    # [BLOCK_N, D] tile of the same 128-byte-swizzled layout (D in panels of HALF columns, as a
+    # TMA copy wider than the swizzle writes them), so P @ V is one wgmma of N = D.
+    v_tiles = v_smem._reinterpret(dtype, [STAGES, BLOCK_N, 2 * HALF], v_smem.layout)
+    _load_q(Q, q_smem, q_start, q_begin, q_len, kv_head, stride_qt, stride_qh, C, GROUP, ROWS,
+            BLOCK_Q, WARPS)
 
     # tile 0: S alone (nothing to multiply V with yet)
     _take_turn(turn, 0, C, PINGPONG)
@@ -278,18 +295,15 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, 
         mbarrier.wait(k_ready.index(stage), (t // STAGES) & 1)
         s = _qk(q_smem, k_smem, stage, s, C)  # S_t, in flight
         mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
-        o0 = warpgroup_mma(p_op, v_smem.index(2 * prev), o0, is_async=True)  # O += P_{t-1} V
-        o1 = warpgroup_mma(p_op, v_smem.index(2 * prev + 1), o1, is_async=True)
+        o = warpgroup_mma(p_op, v_tiles.index(prev), o, is_async=True)  # O += P_{t-1} V
         _pass_turn(turn, C, PINGPONG)
-        s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))  # QK^T done, PV still running
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # QK^T done, PV still running
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, q_pos, t * BLOCK_N, unmasked_end,
                                            qk_scale, BLOCK_N)
-        o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
         mbarrier.arrive(v_empty.index(prev), count=1)
-        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        o0 = o0 * alpha_o
-        o1 = o1 * alpha_o
+        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
     last = (num_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // STAGES) & 1)
@@ -297,38 +311,41 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, 
         # (with two consumers both write the same zeros: the values never differ)
         _zero_rows_past(v_smem, last, key_end - (num_tiles - 1) * BLOCK_N, BLOCK_N, WARPS)
     _take_turn(turn, num_tiles, C, PINGPONG)
-    o0 = warpgroup_mma(p_op, v_smem.index(2 * last), o0, is_async=True)
-    o1 = warpgroup_mma(p_op, v_smem.index(2 * last + 1), o1, is_async=True)
+    o = warpgroup_mma(p_op, v_tiles.index(last), o, is_async=True)
     _pass_turn(turn, C, PINGPONG)
-    o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
     mbarrier.arrive(v_empty.index(last), count=1)
 
     # out = O / l (l >= 1 for every valid row: its max key weighs exp2(0))
     inv_l = gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout)), 1)
     o_rows = C * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+    o_cols = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, o_layout))
     o_idx = q_begin + o_rows // GROUP
     o_valid = gl.expand_dims((o_rows < BLOCK_Q * GROUP) & (o_idx < q_len), 1)
     head = kv_head * GROUP + o_rows % GROUP
     base = OUT + gl.expand_dims((q_start + o_idx).to(gl.int64) * stride_ot + head * stride_oh, 1)
-    gl.store(base + gl.expand_dims(o_cols, 0), (o0 * inv_l).to(dtype), mask=o_valid)
-    gl.store(base + gl.expand_dims(o_cols + HALF, 0), (o1 * inv_l).to(dtype), mask=o_valid)
+    gl.store(base + gl.expand_dims(o_cols, 0), (o * inv_l).to(dtype), mask=o_valid)
 
 
-@gluon_jit(do_not_specialize=("num_seqs", "stride_bt", "num_rows"))
+@gluon_jit(do_not_specialize=("num_seqs", "stride_bt", "num_rows", "num_q_blocks"))
 def _gluon_attention_kernel(
     Q, kv_desc_k, kv_desc_v, OUT, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    num_seqs, num_rows, qk_scale,
-    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+    num_seqs, num_rows, num_q_blocks, qk_scale,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_GROUP: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
     PINGPONG: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(HEAD_DIM == 2 * HALF)
     gl.static_assert(num_warps * 16 * CONSUMERS == BLOCK_M)  # 16 rows a warp, as wgmma has
-    q_block = gl.num_programs(0) - 1 - gl.program_id(0)  # heaviest first, as attention_varlen
-    kv_head = gl.program_id(1)
+    # Program w's work: KV heads are taken HEAD_GROUP at a time (programs run in launch order);
+    # inside a group, query tile by query tile from the last (heaviest first, so that the
+    # light ones fill the end of the grid), every KV head of the group on the same tile (the
+    # group's K/V stays in L2 while its tiles run).
+    w = gl.program_id(0)
+    kv_head = w // (HEAD_GROUP * num_q_blocks) * HEAD_GROUP + w % HEAD_GROUP
+    q_block = num_q_blocks - 1 - w % (HEAD_GROUP * num_q_blocks) // HEAD_GROUP
     seq = _find_sequence(QUERY_START_LOC, num_seqs, q_block, BLOCK_Q)
     q_start = gl.load(QUERY_START_LOC + seq)
     q_len = gl.load(QUERY_START_LOC + seq + 1) - q_start
@@ -360,32 +377,33 @@ def _gluon_attention_kernel(
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    _load_q(Q, q_smem, q_start, q_begin, q_len, kv_head, stride_qt, stride_qh, GROUP, ROWS,
-            CONSUMERS, BLOCK_Q, num_warps)
-    fence_async_shared()  # the barriers' init and Q's stores, before TMA and wgmma see them
+    fence_async_shared()  # the barriers' init, before TMA and wgmma see them
     gl.thread_barrier()
 
     # (the partitions' argument tuples are written out: a jitted tuple cannot hold a function)
     if CONSUMERS == 1:  # wide: the default partition's 8 warps are the consumer
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, OUT,
-                         q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head,
-                         stride_ot, stride_oh, num_tiles, unmasked_end, qk_scale, 0, ROWS,
-                         False, GROUP, BLOCK_Q, BLOCK_N, BLOCK_SIZE, STAGES, num_warps)),
+            (_consumer, (Q, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                         OUT, q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head,
+                         stride_qt, stride_qh, stride_ot, stride_oh, num_tiles, unmasked_end,
+                         qk_scale, 0, ROWS, False, GROUP, BLOCK_Q, BLOCK_N, BLOCK_SIZE,
+                         STAGES, num_warps)),
             (_producer, (kv_desc_k, kv_desc_v, k_smem, v_smem, k_ready, k_empty, v_ready,
                          v_empty, block_table, kv_head * HEAD_DIM, key_end, num_tiles,
                          num_rows, BLOCK_N, BLOCK_SIZE, STAGES)),
         ], [1], [24])
     else:  # split / pingpong: 4 warps each, the default partition is consumer 0
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, OUT,
-                         q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head,
-                         stride_ot, stride_oh, num_tiles, unmasked_end, qk_scale, 0, ROWS,
-                         PINGPONG, GROUP, BLOCK_Q, BLOCK_N, BLOCK_SIZE, STAGES, num_warps)),
-            (_consumer, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, OUT,
-                         q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head,
-                         stride_ot, stride_oh, num_tiles, unmasked_end, qk_scale, 1, ROWS,
-                         PINGPONG, GROUP, BLOCK_Q, BLOCK_N, BLOCK_SIZE, STAGES, num_warps)),
+            (_consumer, (Q, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                         OUT, q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head,
+                         stride_qt, stride_qh, stride_ot, stride_oh, num_tiles, unmasked_end,
+                         qk_scale, 0, ROWS, PINGPONG, GROUP, BLOCK_Q, BLOCK_N, BLOCK_SIZE,
+                         STAGES, num_warps)),
+            (_consumer, (Q, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                         OUT, q_start, q_begin, q_len, prefix_len, seq_len, key_end, kv_head,
+                         stride_qt, stride_qh, stride_ot, stride_oh, num_tiles, unmasked_end,
+                         qk_scale, 1, ROWS, PINGPONG, GROUP, BLOCK_Q, BLOCK_N, BLOCK_SIZE,
+                         STAGES, num_warps)),
             (_producer, (kv_desc_k, kv_desc_v, k_smem, v_smem, k_ready, k_empty, v_ready,
                          v_empty, block_table, kv_head * HEAD_DIM, key_end, num_tiles,
                          num_rows, BLOCK_N, BLOCK_SIZE, STAGES)),
@@ -429,10 +447,12 @@ def gluon_attention(
     block_n: int,
     num_stages: int,
     mode: str,
+    head_group: int,
 ) -> torch.Tensor:
     """Launch the Gluon kernel (arguments checked by attention.paged_attention; the shape by
     gluon_supports). block_m 128 rows on two consumer warpgroups run as `mode` says (MODES);
-    block_n 64 or 128 keys; num_stages K/V tiles in the ring."""
+    block_n 64 or 128 keys; num_stages K/V tiles in the ring; head_group KV heads whose tiles
+    interleave in launch order (lowered to a divisor of Hk)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -441,14 +461,16 @@ def gluon_attention(
                          f"mode {mode!r}, GQA group {group}")
     block_q = block_m // group
     consumers = 1 if mode == "wide" else 2
+    head_group = max(d for d in range(1, min(head_group, num_kv_heads) + 1)
+                     if num_kv_heads % d == 0)
     k_desc, v_desc = _descriptor(k_cache), _descriptor(v_cache)
-    grid = (num_tokens // block_q + seq_lens.shape[0], num_kv_heads)
-    _gluon_attention_kernel[grid](
+    num_q_blocks = num_tokens // block_q + seq_lens.shape[0]  # each sequence's, one spare
+    _gluon_attention_kernel[(num_q_blocks * num_kv_heads, )](
         q, k_desc, v_desc, out, block_tables, seq_lens, query_start_loc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        seq_lens.shape[0], num_blocks * block_size, scale * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, STAGES=num_stages, CONSUMERS=consumers,
-        PINGPONG=mode == "pingpong", num_warps=8 // consumers,
+        seq_lens.shape[0], num_blocks * block_size, num_q_blocks, scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_GROUP=head_group, BLOCK_M=block_m,
+        BLOCK_Q=block_q, BLOCK_SIZE=block_size, BLOCK_N=block_n, STAGES=num_stages,
+        CONSUMERS=consumers, PINGPONG=mode == "pingpong", num_warps=8 // consumers,
     )
     return out
