@@ -212,7 +212,8 @@ def baselines() -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", nargs="*", default=[",".join(map(str, c)) for c in GLUON_CONFIGS],
+    parser.add_argument("--configs", nargs="*",
+                        default=[",".join(map(str, c)) for c in GLUON_CONFIGS],
                         help="block_m,block_n,stages,mode,head_group of each Gluon config "
                              "(default: all)")
     parser.add_argument("--no-check", action="store_true")
