@@ -5,17 +5,19 @@
 
 1. Baselines, in this process: the Triton Hopper kernel (attention_hopper.py at HOPPER_CONFIG,
    what TINYPAGED_PREFILL_ATTENTION=triton runs) and SDPA cuDNN on dense [B, 32, L, 128] q/k/v
-   (causal: the same FLOPs as 32/8 GQA), timed on B4 L2048 32/8, B4 L2048 32/32, B1 L8192 32/8.
+   (causal: the same FLOPs as 32/8 GQA), timed on B4 L2048 32/8, B4 L2048 32/32, B1 L8192 32/8,
+   and the Triton kernel alone on a ragged step of the offline workload (offline_step).
 2. Checks: each Gluon config (block_m, block_n, stages, mode, head_group;
    attention_gluon.GLUON_CONFIGS) in
    a child process of its own, all at once, so that a compile error, a fault or a hang (a
    barrier phase gone wrong waits forever: the child is killed after --child-timeout seconds)
    costs only that config. A child compares the kernel with paged_attention_ref (max error,
    ok/FAIL per case: 32/8 and 32/32 heads, ragged prefills of 1, 17, 300 and 2048 tokens, chunks
-   whose queries start inside a cached prefix, block_size 16, bf16 and fp16; slots no sequence
+   whose queries start inside a cached prefix, the offline step's 130 sequences, block_size 16,
+   bf16 and fp16; slots no sequence
    owns hold NaN), and paged_attention with TINYPAGED_PREFILL_ATTENTION=gluon once.
 3. Timings: one child times every config that neither crashed nor hung in 2 (a wrong result is
-   still timed) on the three shapes, one after the other.
+   still timed) on the four shapes, one after the other.
 4. A table: TFLOP/s of every kernel and config per shape, and its ratio to cuDNN.
 
 Causal FLOPs are counted as benchmarks/kernels.py does: 4 * B * Hq * D * L^2 / 2.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -40,7 +43,7 @@ from tinypaged.kernels.attention_gluon import CONFIG_KEYS, GLUON_CONFIGS, gluon_
 from tinypaged.kernels.attention_hopper import hopper_attention_triton
 
 # (batch, new tokens, query heads, KV heads)
-SHAPES = [(4, 2048, 32, 8), (4, 2048, 32, 32), (1, 8192, 32, 8)]
+SHAPES = [(4, 2048, 32, 8), (4, 2048, 32, 32), (1, 8192, 32, 8), "offline step"]
 # name, q_lens, seq_lens: prefills, and chunks whose queries start inside a cached prefix (the
 # prefixes not multiples of 16 or of a tile)
 CASES = [
@@ -50,12 +53,41 @@ CASES = [
 HEADS = [(32, 8), (32, 32)]
 
 
+def offline_step() -> tuple[list[int], list[int]]:
+    """A mixed step of the offline workload (16,384 tokens: prompts of 100-1,024 tokens, one
+    of them a chunk, beside 104 decodes of contexts 100-1,280), as `tinypaged bench throughput`
+    schedules its fifth: many short programs, which the square shapes do not show."""
+    rng = random.Random(0)
+    q_lens, seq_lens = [1] * 104, [rng.randint(100, 1024) + rng.randint(1, 256) for _ in range(104)]
+    budget = 16384 - 104
+    while budget > 0:
+        length = min(rng.randint(100, 1024), budget)
+        q_lens.append(length)
+        seq_lens.append(length)
+        budget -= length
+    return q_lens, seq_lens
+
+
+def shape_batch(shape, poison=False):
+    if shape == "offline step":
+        return paged_batch(*offline_step(), 32, 8, torch.bfloat16, poison)
+    batch, length, hq, hk = shape
+    return paged_batch([length] * batch, [length] * batch, hq, hk, torch.bfloat16, poison)
+
+
 def shape_name(shape) -> str:
+    if shape == "offline step":
+        return "offline step 32/8"
     batch, length, hq, hk = shape
     return f"B{batch} L{length} {hq}/{hk}"
 
 
 def tflops(shape, ms: float) -> float:
+    """Causal FLOPs (QK^T and PV over each query's visible keys) per second, in TFLOP/s."""
+    if shape == "offline step":
+        q_lens, seq_lens = offline_step()
+        pairs = sum(q * (s - q) + q * q / 2 for q, s in zip(q_lens, seq_lens))
+        return 4 * 32 * 128 * pairs / ms / 1e9
     batch, length, hq, _ = shape
     return 4 * batch * hq * 128 * length * length / 2 / ms / 1e9
 
@@ -86,7 +118,8 @@ def check(config) -> bool:
     all_ok = True
     for dtype in (torch.bfloat16, torch.float16):
         tol = 1.6e-2 if dtype == torch.bfloat16 else 2e-3  # ~2 ulp at 1.0, as kernels.py
-        for (name, q_lens, seq_lens), (hq, hk) in [(c, h) for c in CASES for h in HEADS]:
+        cases = [*CASES, ("offline step", *offline_step())]
+        for (name, q_lens, seq_lens), (hq, hk) in [(c, h) for c in cases for h in HEADS]:
             b = paged_batch(q_lens, seq_lens, hq, hk, dtype, poison=True)
             try:
                 got = gluon_attention(*launch_args(b), **dict(zip(CONFIG_KEYS, config)))
@@ -136,9 +169,7 @@ def check_child(config) -> None:
 
 def time_child(configs) -> None:
     for shape in SHAPES:
-        batch, length, hq, hk = shape
-        b = paged_batch([length] * batch, [length] * batch, hq, hk, torch.bfloat16, False)
-        args = launch_args(b)
+        args = launch_args(shape_batch(shape))
         for config in map(dict, (zip(CONFIG_KEYS, c) for c in configs)):
             try:
                 ms = bench(lambda args=args, config=config: gluon_attention(*args, **config))
@@ -184,13 +215,16 @@ def run_children(args, configs, timed: bool) -> dict:
 def baselines() -> list[dict]:
     rows = []
     for shape in SHAPES:
-        batch, length, hq, hk = shape
-        b = paged_batch([length] * batch, [length] * batch, hq, hk, torch.bfloat16, False)
-        args = launch_args(b)
+        args = launch_args(shape_batch(shape))
         first = len(rows)
         ms = bench(lambda args=args: hopper_attention_triton(*args, **attention.HOPPER_CONFIG))
         rows.append({"impl": "triton hopper", "shape": shape_name(shape), "ms": ms,
                      "tflops": tflops(shape, ms)})
+        if shape == "offline step":  # ragged: no dense peer
+            print(f"  {'triton hopper':22s} {shape_name(shape):16s} {ms * 1e3:9.1f} us "
+                  f"{rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
+            continue
+        batch, length, hq, hk = shape
         q, k, v = (torch.randn(batch, hq, length, 128, device="cuda", dtype=torch.bfloat16)
                    for _ in range(3))
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -258,8 +292,12 @@ def main() -> int:
         cells = []
         for shape in map(shape_name, SHAPES):
             hit = [r for r in rows if r["impl"] == impl and r["shape"] == shape]
-            ratio = hit[0]["tflops"] / cudnn[shape] if hit and shape in cudnn else float("nan")
-            cells.append(f"{hit[0]['tflops']:.0f} ({ratio:.2f}x)" if hit else "-")
+            if not hit:
+                cells.append("-")
+            elif shape in cudnn:
+                cells.append(f"{hit[0]['tflops']:.0f} ({hit[0]['tflops'] / cudnn[shape]:.2f}x)")
+            else:  # the ragged step: microseconds too, no peer
+                cells.append(f"{hit[0]['tflops']:.0f} ({hit[0]['ms'] * 1e3:.0f} us)")
         print(f"| {impl} | " + " | ".join(cells) + " |")
     print(f"(TFLOP/s, ratio to SDPA cuDNN; {time.time() - start:.0f} s)")
     return 0

@@ -55,7 +55,7 @@ from tinypaged.bench.offline import (
 from tinypaged.bench.tiny_models import tiny_llama_config_dir
 
 KINDS = [  # (kind, pattern on the lower-cased kernel name), first match wins
-    ("attention prefill", r"_hopper_attention|_varlen_attention"),
+    ("attention prefill", r"_gluon_attention|_hopper_attention|_varlen_attention"),
     ("attention decode", r"_decode_split|_decode_merge"),
     ("all-reduce", r"all_?reduce|allgather|all_gather|nccl"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|gemv|splitk|cublas|_mma|moe"),
