@@ -111,17 +111,20 @@ CONFIG_KEYS = ("block_m", "block_n", "num_stages", "mode", "head_group")
 
 
 @gluon_jit
-def _find_sequence(QUERY_START_LOC, num_seqs, q_block, BLOCK_Q: gl.constexpr):
-    """The last b with query_start_loc[b] // BLOCK_Q + b <= q_block (binary search)."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if gl.load(QUERY_START_LOC + mid) // BLOCK_Q + mid <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+def _find_sequence(QUERY_START_LOC, num_seqs, q_block, BLOCK_Q: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """The last b with query_start_loc[b] // BLOCK_Q + b <= q_block: as that value grows with
+    b, the count of such b, less one. Counted 32 * num_warps entries a load, so a batch of up
+    to that many sequences costs one memory latency (a binary search waits for log2(B) loads
+    one after the other, before anything else can start)."""
+    CHUNK: gl.constexpr = 32 * num_warps
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    count = 0
+    for base in range(0, num_seqs, CHUNK):
+        b = base + gl.arange(0, CHUNK, layout=layout)
+        first = gl.load(QUERY_START_LOC + b, mask=b < num_seqs, other=0) // BLOCK_Q + b
+        count += gl.sum(((first <= q_block) & (b < num_seqs)).to(gl.int32), axis=0)
+    return count - 1
 
 
 @gluon_jit
@@ -346,7 +349,7 @@ def _gluon_attention_kernel(
     w = gl.program_id(0)
     kv_head = w // (HEAD_GROUP * num_q_blocks) * HEAD_GROUP + w % HEAD_GROUP
     q_block = num_q_blocks - 1 - w % (HEAD_GROUP * num_q_blocks) // HEAD_GROUP
-    seq = _find_sequence(QUERY_START_LOC, num_seqs, q_block, BLOCK_Q)
+    seq = _find_sequence(QUERY_START_LOC, num_seqs, q_block, BLOCK_Q, num_warps)
     q_start = gl.load(QUERY_START_LOC + seq)
     q_len = gl.load(QUERY_START_LOC + seq + 1) - q_start
     q_begin = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first new token of the tile
