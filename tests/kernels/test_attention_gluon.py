@@ -3,7 +3,10 @@ it, that CPU tensors never reach it, and that every tile config compiles for the
 SASS with TMA, wgmma and warp specialization (Gluon has no interpreter: its numbers are checked
 on a GPU by benchmarks/prefill_gluon.py)."""
 
+import re
+import subprocess
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,6 +111,72 @@ for text in ptx:  # a producer warp (24 registers) beside consumer warpgroups of
 
 def test_gluon_kernel_compiles_for_sm90():
     assert compile_for_sm90(LAUNCHES) == ["_gluon_attention_kernel"]
+
+
+SASS_LAUNCH = r"""
+from tinypaged.kernels import attention, attention_gluon
+
+
+def keep_cubin(self, *args, grid, warmup, **kwargs):
+    kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+    open(CUBIN, "wb").write(kernel.asm["cubin"])
+    compiled.add(self.__name__)
+
+
+JITFunction.run = keep_cubin
+q = torch.randn(4, HQ, 128).to(torch.bfloat16)
+k_cache = torch.randn(8, 16, HK, 128).to(torch.bfloat16)
+attention_gluon.gluon_attention(q, k_cache, k_cache.clone(), torch.zeros(2, 4, dtype=torch.int32),
+                                torch.tensor([40, 9], dtype=torch.int32),
+                                torch.tensor([0, 3, 4], dtype=torch.int32), 0.1,
+                                torch.empty_like(q), **attention.GLUON_CONFIG)
+"""
+
+
+def tile_loops(sass: str) -> list[list[str]]:
+    """The consumers' tile loops, as lists of instructions: of the ranges a backward branch
+    closes that issue wgmmas (HGMMA) and a tile's softmax (>= 128 MUFU.EX2), the shortest that
+    do not overlap (the barrier waits' retry stubs at the end of the code branch back into the
+    middle, closing longer ranges)."""
+    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    index = {addr: i for i, (addr, _) in enumerate(code)}
+    loops = []
+    for i, (addr, text) in enumerate(code):
+        target = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr and int(target.group(1), 16) in index:
+            loops.append((index[int(target.group(1), 16)], i))
+    mma = [(a, b) for a, b in loops if any("HGMMA" in t for _, t in code[a:b + 1])
+           and sum("MUFU.EX2" in t for _, t in code[a:b + 1]) >= 128]
+    chosen = []
+    for a, b in sorted(mma, key=lambda r: r[1] - r[0]):
+        if all(b < c or d < a for c, d in chosen):
+            chosen.append((a, b))
+    return [[t for _, t in code[a:b + 1]] for a, b in sorted(chosen)]
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (32, 32)])
+def test_default_config_tile_loop_stays_uniform(tmp_path, num_q_heads, num_kv_heads):
+    # The consumers' tile loop at GLUON_CONFIG: no spilled registers anywhere, and the ring's
+    # stage / phase arithmetic on the uniform datapath (no R2UR moving per-thread values into
+    # the wgmma descriptors' registers). A persistent variant that lost both ran 4-9% slower on
+    # the H200 (benchmarks/RESULTS-log.md, 2026-12-03), so a change that loses them shows here.
+    import triton  # (here: tinypaged's kernels import it first, the interpreter's way)
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("this Triton wheel carries no cuobjdump")
+    cubin = tmp_path / "kernel.cubin"
+    launch = SASS_LAUNCH.replace("CUBIN", repr(str(cubin))).replace("HQ", str(num_q_heads))
+    assert compile_for_sm90(launch.replace("HK", str(num_kv_heads))) == \
+        ["_gluon_attention_kernel"]
+    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout
+    assert not re.search(r"\b(LDL|STL)\b", sass)  # no spills
+    loops = tile_loops(sass)
+    assert len(loops) == 2  # one tile loop a consumer warpgroup
+    for loop in loops:
+        assert sum("HGMMA" in t for t in loop) == 16  # QK^T: 8 of K = 16; P @ V: 8 of K = 16
+        assert not any(t.split()[0].startswith("R2UR") for t in loop if t.split())
 
 
 def test_default_config_is_one_of_the_benchmarked():
