@@ -162,6 +162,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "ask for TMA (w_tma; for A/B benchmarks)",
         _is_not_zero,
     ),
+    "TINYPAGED_PDL": EnvVar(
+        "bool", True,
+        "0 stops the decode kernels (norms, GEMVs, rotary + KV store, decode attention) from "
+        "chaining by programmatic dependent launch at up to 16 rows (Hopper and later; "
+        "kernels/pdl.py): the A/B switch",
+        _is_not_zero,
+    ),
     "TINYPAGED_LORA_PDL": EnvVar(
         "bool", False,
         "1 chains the LoRA expand to its shrink by programmatic dependent launch for batches of "

@@ -250,3 +250,78 @@ for scales, block in (((torch.ones(4, 1536, 1), torch.ones(4, 2048, 1)), None),
 
 def test_fp8_moe_table_tiles_compile_for_sm90():
     assert compile_for_sm90(FP8_MOE_LAUNCHES) == ["_fused_moe_fp8_kernel"]
+
+
+PDL_LAUNCHES = r"""
+from tinypaged.kernels import (attention_decode, dense_gemv, fp8, fp8_act, fp8_rows, norm,
+                               rotary_kv_cache)
+
+ptx = {}
+
+
+def keep_ptx(self, *args, grid, warmup, **kwargs):
+    assert kwargs.get("launch_pdl") is True, self.__name__  # launched with the attribute
+    kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+    ptx.setdefault(self.__name__, []).append(kernel.asm["ptx"])
+    compiled.add(self.__name__)
+
+
+JITFunction.run = keep_ptx
+for module in (attention_decode, dense_gemv, fp8, fp8_act, fp8_rows, norm, rotary_kv_cache):
+    module.pdl_enabled = lambda x: True  # what a CUDA tensor of <= 16 rows on an H200 gets
+bf = torch.bfloat16
+x = torch.randn(1, 4096).to(bf)
+norm.rms_norm_triton(x, torch.ones(4096).to(bf), 1e-6, x.clone())
+norm.rms_norm_quant_fp8_triton(x, torch.ones(4096).to(bf), 1e-6, x.clone())
+w = torch.zeros(4096, 4096).to(bf)
+dense_gemv.dense_gemv(x, w, None, **dense_gemv.gemv_config(1, 4096, 4096))
+dense_gemv.dense_gemv(torch.randn(8, 4096).to(bf), w, None, **dense_gemv.gemv_config(8, 4096, 4096))
+w8 = w.to(torch.float8_e4m3fn)
+dense_gemv.dense_gemv(x, w8, None, torch.ones(4096, 1), None, **dense_gemv.fp8_gemv_config(1, None))
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # only so these dispatch to their kernels
+fp8.quantize_fp8(x)
+fp8_act.silu_and_mul_quant_fp8(torch.randn(8, 2 * 4096).to(bf))
+fp8_rows.fp8_rows(torch.zeros(8, 4096).to(torch.float8_e4m3fn), torch.ones(8, 1), w8,
+                  torch.ones(4096, 1), bf, None, **fp8_rows.fp8_rows_config(8, None))
+del os.environ["TRITON_INTERPRET"]
+q = torch.randn(8, 32, 128).to(bf)
+k_cache = torch.randn(8, 16, 8, 128).to(bf)
+from tinypaged.kernels import rotary
+
+rotary_kv_cache.rotary_store_kv_triton(torch.arange(8), q, q[:, :8], q[:, :8], k_cache,
+                                       k_cache.clone(), torch.arange(8),
+                                       rotary.build_cos_sin_cache(128, 8, 1e4), 128)
+attention_decode.decode_attention_triton(
+    q, k_cache, k_cache.clone(), torch.zeros(8, 4, dtype=torch.int32),
+    torch.full((8,), 60, dtype=torch.int32), torch.arange(9, dtype=torch.int32), 0.1,
+    torch.empty_like(q), num_splits=2, block_n=16, num_warps=4, num_stages=2)
+for name, texts in ptx.items():
+    for p in texts:
+        wait, trigger = p.index("griddepcontrol.wait"), p.index("griddepcontrol.launch_dependents")
+        if "GEMV" in name.upper() or "ROWS" in name.upper():
+            # the weights' L2 prefetch before the wait; every pipelined load of the K loop
+            # (cp.async, or the TMA copies) after it; the trigger after the loop, before the
+            # split-K sums go out (red / atom)
+            lines = p.splitlines()
+            loads = [i for i, line in enumerate(lines) if "cp.async" in line]
+            at = lambda needle: next(i for i, line in enumerate(lines) if needle in line)
+            assert at("prefetch.global.L2") < at("griddepcontrol.wait") < min(loads), name
+            assert max(loads) < at("griddepcontrol.launch_dependents"), name
+            atomics = [i for i, line in enumerate(lines)
+                       if line.split() and line.split()[0].startswith(("red.", "atom."))]
+            assert not atomics or at("griddepcontrol.launch_dependents") < min(atomics), name
+        else:  # elementwise kernels: the next kernel may start at once, then wait first
+            assert trigger < wait, name
+"""
+
+
+def test_decode_kernels_chain_by_pdl_on_sm90():
+    # Every kernel of the decode step, built as pdl_enabled makes it on an H200: launched with
+    # launch_pdl, and in its PTX the wait before any read of another kernel's output
+    assert compile_for_sm90(PDL_LAUNCHES) == sorted([
+        "_rms_norm_kernel", "_quantize_kernel", "_silu_and_mul_quant_kernel",
+        "_dense_gemv_kernel", "_fp8_rows_kernel", "_rotary_store_kv_kernel",
+        "_decode_split_kernel", "_decode_merge_kernel",
+    ])

@@ -50,6 +50,7 @@ import torch
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl
 from tinypaged.kernels.attention_varlen import LOG2E, attention_tile, tile_blocks
 from tinypaged.kernels.online_softmax import log_sum_exp, merge_splits, online_softmax_finish
+from tinypaged.kernels.pdl import launch_kwargs, pdl_enabled, pdl_trigger, pdl_wait
 
 
 # stride_bt is the step's block-table width, ceil(max_seq_len / block_size): 1 in the
@@ -70,7 +71,10 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output, skip the partials
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,  # chained to the kernels around it (kernels/pdl.py)
 ):
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,7 +142,10 @@ def _decode_merge_kernel(
     QUERIES: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits
+    USE_PDL: tl.constexpr,
 ):
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
     part_row = tl.program_id(0).to(tl.int64)  # seq * QUERIES + j: new token j of sequence seq
     head = tl.program_id(1)
     seq = part_row // QUERIES
@@ -200,6 +207,7 @@ def decode_attention_triton(
                                dtype=torch.float32, device=q.device)
     else:  # pass 1 writes `out` directly; the partial buffers are not touched
         o_part = lse_part = out
+    pdl = pdl_enabled(q)
     _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, out, o_part, lse_part, block_tables, seq_lens, query_start_loc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -212,7 +220,7 @@ def decode_attention_triton(
         BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs * max_query_len, num_q_heads)](
@@ -220,6 +228,7 @@ def decode_attention_triton(
             out.stride(0), out.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), num_splits,
             QUERIES=max_query_len, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=next_power_of_2(num_splits), num_warps=4,
+            BLOCK_S=next_power_of_2(num_splits), USE_PDL=pdl, num_warps=4,
+            **launch_kwargs(pdl),
         )
     return out

@@ -62,6 +62,7 @@ from tinypaged import envs
 from tinypaged.kernels._triton import cdiv, dot_precision, jit, tl, use_triton
 from tinypaged.kernels.activation import silu_and_mul_ref
 from tinypaged.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, _round_e4m3, dequantize_fp8
+from tinypaged.kernels.pdl import launch_kwargs, pdl_enabled, pdl_trigger, pdl_wait, prefetch_rows
 from tinypaged.kernels.split_k import (
     programs_target,
     split_k_finish,
@@ -140,6 +141,7 @@ def _dense_gemv_kernel(
     X_COLS: tl.constexpr,  # BLOCK_M, or 1 for one row under QUANTIZE_X (no padded columns)
     W8_WORDS: tl.constexpr,  # one row, FP8 W: int32 words of 4 weights, converted by bit ops
     W_TMA: tl.constexpr,  # w_ptr: a TMA descriptor, [BLOCK_N, BLOCK_K] boxes (kernels/tma.py)
+    USE_PDL: tl.constexpr,  # chained to the kernels around it (kernels/pdl.py)
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums K-steps split_k_range(.., s) of
     # y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
@@ -153,6 +155,9 @@ def _dense_gemv_kernel(
     first, last = split_k_range(tl.cdiv(K, BLOCK_K), split_k)
     if not W_TMA:  # rows past N read row n % N (in bounds, unmasked loads), are not stored
         w_ptrs = w_ptr + (offs_n % N)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        # PDL: W's first two steps into L2 while the kernel before this one runs
+        prefetch_rows(w_ptr, offs_n % N, stride_wn, first * BLOCK_K, K, 2 * BLOCK_K, USE_PDL)
+    pdl_wait(USE_PDL)
     # block-wise: this program's rows lie in scale row pid_n * BLOCK_N // SCALE_BN
     ws_row = ws_ptr + (pid_n * BLOCK_N // SCALE_BN) * stride_wsn
     if USE_DOT:
@@ -209,6 +214,7 @@ def _dense_gemv_kernel(
             if W_SCALE == 2:  # the block's scale on x: BLOCK_K multiplies, not BLOCK_N * BLOCK_K
                 x *= tl.load(ws_row + (step * BLOCK_K // SCALE_BK) * stride_wsk)
             acc += w.to(tl.float32) * x[None, :]  # an e4m3 w straight to fp32
+    pdl_trigger(USE_PDL)  # the next kernel's programs may take the SMs this one leaves
     if USE_DOT:
         out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
@@ -319,7 +325,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         SILU_AND_MUL=silu_and_mul, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
         QUANTIZE_X=quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         ROUND_IN_FP32=not x.is_cuda, X_COLS=1 if quantize_x and M == 1 else block_m,
-        W8_WORDS=w8_words, W_TMA=use_tma, num_warps=num_warps,
+        W8_WORDS=w8_words, W_TMA=use_tma, USE_PDL=pdl_enabled(x), num_warps=num_warps,
+        **launch_kwargs(pdl_enabled(x)),
     )
     return y
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl, use_triton
+from tinypaged.kernels.pdl import launch_kwargs, pdl_enabled, pdl_trigger, pdl_wait
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -90,8 +91,11 @@ def _round_e4m3(x):
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm, stride_sm,
                      GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
                      ONE_PASS: tl.constexpr,
-                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):  # chained to its neighbours (pdl.py)
     # one program: row m, inputs [g * GROUP, (g + 1) * GROUP), in chunks of BLOCK
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
     m = tl.program_id(0)
     g = tl.program_id(1)
     x_row = x_ptr + m * stride_xm + g * GROUP
@@ -149,8 +153,9 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None,
         block = min(next_power_of_2(G), MAX_ONE_PASS)
         _quantize_kernel[grid](x, q, s, s, K, x.stride(0), q.stride(0), s.stride(0), GROUP=G,
                                BLOCK=block, STATIC=scale is not None, ONE_PASS=block >= G,
-                               FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-                               num_warps=max(1, min(16, block // 1024)))
+                               FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, USE_PDL=pdl_enabled(x),
+                               num_warps=max(1, min(16, block // 1024)),
+                               **launch_kwargs(pdl_enabled(x)))
     return q, s
 
 

@@ -24,12 +24,16 @@ from tinypaged.kernels import fp8
 from tinypaged.kernels._triton import jit, next_power_of_2, tl, use_triton
 from tinypaged.kernels.activation import silu_and_mul, silu_and_mul_ref
 from tinypaged.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, _round_e4m3
+from tinypaged.kernels.pdl import launch_kwargs, pdl_enabled, pdl_trigger, pdl_wait
 
 
 @jit
 def _silu_and_mul_quant_kernel(X, Q, S, inter, stride_x, stride_q, stride_s,
                                GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                               FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                               FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                               USE_PDL: tl.constexpr):  # chained to its neighbours (pdl.py)
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
     m = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, BLOCK)
@@ -70,5 +74,6 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, group: int | None = None
     if M:
         _silu_and_mul_quant_kernel[(M, inter // G)](
             x, q, s, inter, x.stride(0), q.stride(0), s.stride(0), GROUP=G, BLOCK=block,
-            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=max(1, min(16, block // 1024)))
+            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, USE_PDL=pdl_enabled(x),
+            num_warps=max(1, min(16, block // 1024)), **launch_kwargs(pdl_enabled(x)))
     return q, s

@@ -43,6 +43,7 @@ import torch
 from tinypaged import envs
 from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
 from tinypaged.kernels.fp8 import FP8_DTYPE, _scale_strides, fp8_gemm_reference
+from tinypaged.kernels.pdl import launch_kwargs, pdl_enabled, pdl_trigger, pdl_wait, prefetch_rows
 from tinypaged.kernels.split_k import (
     programs_target,
     split_k_finish,
@@ -64,12 +65,14 @@ def fp8_rows_enabled(M: int) -> bool:
 
 @jit(do_not_specialize=("M", "split_k"))
 def _fp8_rows_kernel(
-    a_ptr, w_ptr, as_ptr, ws_ptr, y_ptr,  # a [M, K], W [N, K] e4m3; scales fp32; y [M, N]
+    a_ptr, w_ptr, wp_ptr, as_ptr, ws_ptr, y_ptr,  # a [M, K], W [N, K] e4m3 (wp_ptr: W's
+    # pointer, w_ptr its TMA descriptor or the same pointer); scales fp32; y [M, N]
     partial_ptr, count_ptr,  # fp32 [M, N] and int32 [cdiv(N, BLOCK_N)], zero before and after
     M, N, K, stride_am, stride_wn, stride_asm, stride_ask, stride_wsn, stride_wsk, split_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCKWISE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, W_TMA: tl.constexpr,
+    USE_PDL: tl.constexpr,  # chained to the kernels around it (kernels/pdl.py)
 ):
     # W_TMA: w_ptr is a TMA descriptor over W [N, K] with [BLOCK_N, BLOCK_K] boxes (rows past N
     # and columns past K read as 0), else W's pointer
@@ -88,6 +91,9 @@ def _fp8_rows_kernel(
     # block-wise: this program's rows lie in one scale row (BLOCK_N divides SCALE_BN)
     ws_row = ws_ptr + (pid_n * BLOCK_N // SCALE_BN) * stride_wsn
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # y^T
+    # PDL: W's first two steps into L2 while the kernel before this one runs
+    prefetch_rows(wp_ptr, offs_n % N, stride_wn, first * BLOCK_K, K, 2 * BLOCK_K, USE_PDL)
+    pdl_wait(USE_PDL)
     for step in tl.range(first, last, num_stages=STAGES):
         if W_TMA:  # one bulk copy a tile, into shared memory where the wgmma reads it
             w = w_ptr.load([pid_n * BLOCK_N, step * BLOCK_K])
@@ -108,6 +114,7 @@ def _fp8_rows_kernel(
                 None, :]
         else:
             acc = tl.dot(w, at, acc, out_dtype=tl.float32)
+    pdl_trigger(USE_PDL)  # the next kernel's programs may take the SMs this one leaves
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if not BLOCKWISE:  # per token (or tensor) x per channel (or tensor): once, after the sum
         sa = tl.load(as_ptr + offs_m * stride_asm, mask=m_mask, other=0.0)
@@ -172,12 +179,13 @@ def fp8_rows(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     partial, count = (split_k_workspace(a.device, ROWS_MAX_M * N, cdiv(N, 8)) if split_k > 1
                       else (y, y))
     _fp8_rows_kernel[(n_blocks, split_k)](
-        a, w_operand(w, use_tma, block_n, block_k), a_scale, w_scale, y, partial, count, M, N,
+        a, w_operand(w, use_tma, block_n, block_k), w, a_scale, w_scale, y, partial, count, M, N,
         K, a.stride(0), w.stride(0), asm, ask, wsn, wsk, split_k, BLOCK_M=ROWS_MAX_M,
         BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCKWISE=block is not None, SCALE_BN=1 if block is None else block[0],
         SCALE_BK=1 if block is None else block[1], EVEN_K=K % block_k == 0, SPLIT=split_k > 1,
-        STAGES=num_stages, W_TMA=use_tma, num_warps=num_warps)
+        STAGES=num_stages, W_TMA=use_tma, USE_PDL=pdl_enabled(a), num_warps=num_warps,
+        **launch_kwargs(pdl_enabled(a)))
     return y
 
 

@@ -36,6 +36,7 @@ from tinypaged.kernels.fp8 import (
     _round_e4m3,
     quantize_fp8_reference,
 )
+from tinypaged.kernels.pdl import launch_kwargs, pdl_enabled, pdl_trigger, pdl_wait
 
 
 @jit
@@ -48,16 +49,19 @@ def _rms_norm_kernel(
     BLOCK_H: tl.constexpr,  # next power of two >= H
     QUANT: tl.constexpr = False, GROUP: tl.constexpr = 1,  # GROUP: inputs per scale (QUANT)
     FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 1.0,
+    USE_PDL: tl.constexpr = False,  # chained to the kernels around it (kernels/pdl.py)
 ):
+    pdl_trigger(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: no kernel writes it
+    pdl_wait(USE_PDL)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H]
     if HAS_RESIDUAL:
         x += tl.load(RES + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(RES_OUT + row * stride_res_out + cols, x.to(RES_OUT.dtype.element_ty), mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     y = x * rstd * w
     if not QUANT:
         tl.store(OUT + row * stride_out + cols, y.to(OUT.dtype.element_ty), mask=mask)
@@ -95,12 +99,13 @@ def rms_norm_triton(
         res2, res_out, res_out2 = x2, None, out2
     if x2.shape[0] > 0:
         block_h = next_power_of_2(hidden)
+        pdl = pdl_enabled(x2)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out2, res_out2, out2,
             x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0), 0,
             hidden, eps,
             HAS_RESIDUAL=residual is not None,
-            BLOCK_H=block_h,
+            BLOCK_H=block_h, USE_PDL=pdl, **launch_kwargs(pdl),
             num_warps=4 if block_h <= 1024 else (8 if block_h <= 4096 else 16),
         )
     return out if residual is None else (out, res_out)
@@ -136,12 +141,14 @@ def rms_norm_quant_fp8_triton(
     else:
         res2, res_out2 = x2, q
     if rows > 0:
+        pdl = pdl_enabled(x2)
         _rms_norm_kernel[(rows,)](
             x2, res2, weight, q, res_out2, s,
             x2.stride(0), res2.stride(0), q.stride(0), res_out2.stride(0), s.stride(0),
             hidden, eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK_H=block_h, QUANT=True, GROUP=G, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+            USE_PDL=pdl, **launch_kwargs(pdl),
             num_warps=4 if block_h <= 1024 else (8 if block_h <= 4096 else 16),
         )
     return (q, s) if residual is None else (q, s, res_out2.view(x.shape))

@@ -37,6 +37,7 @@ from tinypaged.kernels._triton import jit, next_power_of_2, tl, use_triton
 from tinypaged.kernels.kv_cache import _check_args as _check_store_args
 from tinypaged.kernels.kv_cache import store_kv_ref, to_cache
 from tinypaged.kernels.norm import rms_norm_ref
+from tinypaged.kernels.pdl import launch_kwargs, pdl_enabled, pdl_trigger, pdl_wait
 from tinypaged.kernels.rotary import _check_args as _check_rotary_args
 from tinypaged.kernels.rotary import rotary_embedding_ref
 
@@ -85,7 +86,10 @@ def _rotary_store_kv_kernel(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,  # chained to the kernels around it (kernels/pdl.py)
 ):
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -148,7 +152,8 @@ def rotary_store_kv_triton(
         HEAD_DIM=head_dim, HALF=rotary_dim // 2, INTERLEAVED=interleaved, HAS_NORM=has_norm,
         HAS_SCALE=k_scale != 1.0 or v_scale != 1.0,
         BLOCK_HQ=block_hq, BLOCK_HK=next_power_of_2(k.shape[1]), BLOCK_D=block_d,
-        num_warps=4 if block_hq * block_d <= 2048 else 8,
+        USE_PDL=pdl_enabled(q), num_warps=4 if block_hq * block_d <= 2048 else 8,
+        **launch_kwargs(pdl_enabled(q)),
     )
     return q
 
