@@ -315,6 +315,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     # batch size reallocates it after another one's CUDA graph captured it
     partial, count = (split_k_workspace(x.device, GEMV_MAX_M * N, cdiv(N, 8)) if split_k > 1
                       else (y, y))
+    pdl = pdl_enabled(x)
     _dense_gemv_kernel[(n_blocks, split_k)](
         x, w_operand(weight, use_tma, block_n, block_k),
         y if weight_scale is None else weight_scale, y if bias is None else bias, y,
@@ -325,8 +326,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         SILU_AND_MUL=silu_and_mul, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
         QUANTIZE_X=quantize_x, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         ROUND_IN_FP32=not x.is_cuda, X_COLS=1 if quantize_x and M == 1 else block_m,
-        W8_WORDS=w8_words, W_TMA=use_tma, USE_PDL=pdl_enabled(x), num_warps=num_warps,
-        **launch_kwargs(pdl_enabled(x)),
+        W8_WORDS=w8_words, W_TMA=use_tma, USE_PDL=pdl, num_warps=num_warps, **launch_kwargs(pdl),
     )
     return y
 

@@ -151,11 +151,11 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None,
     if M:
         # up to 16K inputs a row (group) is one block, read once; wider ones in two passes
         block = min(next_power_of_2(G), MAX_ONE_PASS)
+        pdl = pdl_enabled(x)
         _quantize_kernel[grid](x, q, s, s, K, x.stride(0), q.stride(0), s.stride(0), GROUP=G,
                                BLOCK=block, STATIC=scale is not None, ONE_PASS=block >= G,
-                               FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, USE_PDL=pdl_enabled(x),
-                               num_warps=max(1, min(16, block // 1024)),
-                               **launch_kwargs(pdl_enabled(x)))
+                               FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, USE_PDL=pdl,
+                               num_warps=max(1, min(16, block // 1024)), **launch_kwargs(pdl))
     return q, s
 
 

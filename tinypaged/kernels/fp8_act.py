@@ -72,8 +72,9 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, group: int | None = None
     q = torch.empty(M, inter, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(M, inter // G, dtype=torch.float32, device=x.device)
     if M:
+        pdl = pdl_enabled(x)
         _silu_and_mul_quant_kernel[(M, inter // G)](
             x, q, s, inter, x.stride(0), q.stride(0), s.stride(0), GROUP=G, BLOCK=block,
-            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, USE_PDL=pdl_enabled(x),
-            num_warps=max(1, min(16, block // 1024)), **launch_kwargs(pdl_enabled(x)))
+            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, USE_PDL=pdl,
+            num_warps=max(1, min(16, block // 1024)), **launch_kwargs(pdl))
     return q, s

@@ -178,14 +178,14 @@ def fp8_rows(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     # shared workspace after another one's CUDA graph captured it
     partial, count = (split_k_workspace(a.device, ROWS_MAX_M * N, cdiv(N, 8)) if split_k > 1
                       else (y, y))
+    pdl = pdl_enabled(a)
     _fp8_rows_kernel[(n_blocks, split_k)](
         a, w_operand(w, use_tma, block_n, block_k), w, a_scale, w_scale, y, partial, count, M, N,
         K, a.stride(0), w.stride(0), asm, ask, wsn, wsk, split_k, BLOCK_M=ROWS_MAX_M,
         BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCKWISE=block is not None, SCALE_BN=1 if block is None else block[0],
         SCALE_BK=1 if block is None else block[1], EVEN_K=K % block_k == 0, SPLIT=split_k > 1,
-        STAGES=num_stages, W_TMA=use_tma, USE_PDL=pdl_enabled(a), num_warps=num_warps,
-        **launch_kwargs(pdl_enabled(a)))
+        STAGES=num_stages, W_TMA=use_tma, USE_PDL=pdl, num_warps=num_warps, **launch_kwargs(pdl))
     return y
 
 

@@ -29,12 +29,11 @@ and the split targets of both kernels, by batch size, are one table (`LORA_TILES
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from tinypaged import envs
 from tinypaged.kernels._triton import cdiv, dot_precision, jit, next_power_of_2, tl, use_triton
+from tinypaged.kernels.pdl import PDL_MAX_TOKENS, pdl_device
 
 
 def lora_segments(token_slots: torch.Tensor, num_slots: int):
@@ -84,19 +83,13 @@ def lora_tiles(num_tokens: int) -> tuple[int, ...]:
 # the H200 decode at batch 1 gained ~3.5% from it and batch 8 did not move, while the offline
 # run lost a quarter of its throughput with it on, even at up to 16 rows only (benchmarks/
 # RESULTS.md, Multi-LoRA).
-PDL_MAX_TOKENS = 16
-
-
-@functools.cache
-def _pdl_device(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def use_pdl(x: torch.Tensor) -> bool:
     """Whether the LoRA kernels over x [num_tokens, ...] chain by programmatic dependent launch
     (PDL): on Hopper or later, for at most PDL_MAX_TOKENS rows."""
     return (x.is_cuda and x.shape[0] <= PDL_MAX_TOKENS and envs.TINYPAGED_LORA_PDL
-            and _pdl_device(x.device.index or 0))
+            and pdl_device(x.device.index or 0))
 
 
 def block_rows(num_tokens: int) -> int:

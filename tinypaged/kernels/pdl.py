@@ -3,8 +3,8 @@
 Between two dependent kernels in a stream (or a CUDA graph) the GPU normally waits for the first
 to finish and flush before it launches the second, whose programs then start their address
 arithmetic and their first loads from nothing. At decode a kernel streams a few megabytes in
-10-60 us, so that launch and ramp are a visible share of each one (benchmarks/RESULTS.md,
-"Kernels against their ceilings": about 3.5 us of every GEMV).
+10-60 us, so that launch and ramp are a visible share of each one (fitted over the Llama-3-8B
+GEMVs of benchmarks/RESULTS.md, "Kernels against their ceilings": about 3.5 us of each).
 
 With PDL a kernel launched with the `launch_pdl` attribute may start while the one before it
 is still running, once every program of that one has called `gdc_launch_dependents` (or

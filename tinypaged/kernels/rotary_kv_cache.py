@@ -143,6 +143,7 @@ def rotary_store_kv_triton(
         return q
     has_norm = q_norm_weight is not None
     block_hq, block_d = next_power_of_2(num_q_heads), next_power_of_2(head_dim)
+    pdl = pdl_enabled(q)
     _rotary_store_kv_kernel[(num_tokens, 2)](
         positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,  # unused if no norm
@@ -152,8 +153,7 @@ def rotary_store_kv_triton(
         HEAD_DIM=head_dim, HALF=rotary_dim // 2, INTERLEAVED=interleaved, HAS_NORM=has_norm,
         HAS_SCALE=k_scale != 1.0 or v_scale != 1.0,
         BLOCK_HQ=block_hq, BLOCK_HK=next_power_of_2(k.shape[1]), BLOCK_D=block_d,
-        USE_PDL=pdl_enabled(q), num_warps=4 if block_hq * block_d <= 2048 else 8,
-        **launch_kwargs(pdl_enabled(q)),
+        USE_PDL=pdl, num_warps=4 if block_hq * block_d <= 2048 else 8, **launch_kwargs(pdl),
     )
     return q
 
