@@ -253,7 +253,7 @@ def test_fp8_moe_table_tiles_compile_for_sm90():
 
 
 PDL_LAUNCHES = r"""
-from tinypaged.kernels import (attention_decode, dense_gemv, fp8, fp8_act, fp8_rows, norm,
+from tinypaged.kernels import (attention_decode, dense_gemv, fp8, fp8_act, fp8_rows, gguf, norm,
                                rotary_kv_cache)
 
 ptx = {}
@@ -267,14 +267,18 @@ def keep_ptx(self, *args, grid, warmup, **kwargs):
 
 
 JITFunction.run = keep_ptx
-for module in (attention_decode, dense_gemv, fp8, fp8_act, fp8_rows, norm, rotary_kv_cache):
+from tinypaged.kernels import gguf_gemv, gguf_rows, gguf_subdot
+from tinypaged.kernels.gguf_format import row_bytes
+
+for module in (attention_decode, dense_gemv, fp8, fp8_act, fp8_rows, norm, rotary_kv_cache,
+               gguf_gemv, gguf_rows, gguf_subdot):
     module.pdl_enabled = lambda x: True  # what a CUDA tensor of <= 16 rows on an H200 gets
 bf = torch.bfloat16
 x = torch.randn(1, 4096).to(bf)
 norm.rms_norm_triton(x, torch.ones(4096).to(bf), 1e-6, x.clone())
 norm.rms_norm_quant_fp8_triton(x, torch.ones(4096).to(bf), 1e-6, x.clone())
 w = torch.zeros(4096, 4096).to(bf)
-dense_gemv.dense_gemv(x, w, None, **dense_gemv.gemv_config(1, 4096, 4096))
+dense_gemv.dense_gemv(x, w, None, **dict(dense_gemv.gemv_config(1, 4096, 4096), split_k=4))
 dense_gemv.dense_gemv(torch.randn(8, 4096).to(bf), w, None, **dense_gemv.gemv_config(8, 4096, 4096))
 w8 = w.to(torch.float8_e4m3fn)
 dense_gemv.dense_gemv(x, w8, None, torch.ones(4096, 1), None, **dense_gemv.fp8_gemv_config(1, None))
@@ -284,7 +288,16 @@ os.environ["TRITON_INTERPRET"] = "1"  # only so these dispatch to their kernels
 fp8.quantize_fp8(x)
 fp8_act.silu_and_mul_quant_fp8(torch.randn(8, 2 * 4096).to(bf))
 fp8_rows.fp8_rows(torch.zeros(8, 4096).to(torch.float8_e4m3fn), torch.ones(8, 1), w8,
-                  torch.ones(4096, 1), bf, None, **fp8_rows.fp8_rows_config(8, None))
+                  torch.ones(4096, 1), bf, None,
+                  **dict(fp8_rows.fp8_rows_config(8, None), split_k=4))
+gguf_rows.interpreting = gguf_subdot.interpreting = lambda: False  # their PTX compiled too
+for type_id in (12, 14):  # Q4_K_M's two types, with the tiles decode takes
+    qweight = torch.zeros(4096, row_bytes(type_id, 4096), dtype=torch.uint8)
+    kernel, config = gguf.decode_path(type_id, 4096, 1)
+    gguf_gemv.gguf_gemv(x, qweight, type_id, **config)
+    kernel, config = gguf.decode_path(type_id, 4096, 8)
+    (gguf_subdot.gguf_subdot if kernel == "subdot" else gguf_rows.gguf_rows)(
+        torch.randn(8, 4096).to(bf), qweight, type_id, split_k=4, **config)
 del os.environ["TRITON_INTERPRET"]
 q = torch.randn(8, 32, 128).to(bf)
 k_cache = torch.randn(8, 16, 8, 128).to(bf)
@@ -297,23 +310,31 @@ attention_decode.decode_attention_triton(
     q, k_cache, k_cache.clone(), torch.zeros(8, 4, dtype=torch.int32),
     torch.full((8,), 60, dtype=torch.int32), torch.arange(9, dtype=torch.int32), 0.1,
     torch.empty_like(q), num_splits=2, block_n=16, num_warps=4, num_stages=2)
+import re
+
+split = 0  # GEMV launches whose split-K sums were checked
+LOOPS = ("_dense_gemv_kernel", "_fp8_rows_kernel", "_gguf_gemv_kernel", "_gguf_rows_kernel",
+         "_gguf_subdot_kernel")  # the GEMVs: a K loop over the weights
 for name, texts in ptx.items():
     for p in texts:
-        wait, trigger = p.index("griddepcontrol.wait"), p.index("griddepcontrol.launch_dependents")
-        if "GEMV" in name.upper() or "ROWS" in name.upper():
-            # the weights' L2 prefetch before the wait; every pipelined load of the K loop
-            # (cp.async, or the TMA copies) after it; the trigger after the loop, before the
-            # split-K sums go out (red / atom)
-            lines = p.splitlines()
-            loads = [i for i, line in enumerate(lines) if "cp.async" in line]
-            at = lambda needle: next(i for i, line in enumerate(lines) if needle in line)
-            assert at("prefetch.global.L2") < at("griddepcontrol.wait") < min(loads), name
-            assert max(loads) < at("griddepcontrol.launch_dependents"), name
+        lines = p.splitlines()
+        at = lambda needle: [i for i, line in enumerate(lines) if needle in line]
+        wait, trigger = at("griddepcontrol.wait"), at("griddepcontrol.launch_dependents")
+        assert len(wait) == 1 and len(trigger) == 1, name
+        if name in LOOPS:
+            # the weights' L2 prefetch (where the kernel has one) before the wait; every
+            # pipelined load of the K loop (cp.async) after it; the trigger after the loop,
+            # before the split-K sums go out (red / atom)
+            assert all(i < wait[0] for i in at("prefetch.global.L2")), name
+            loads = at("cp.async")
+            assert not loads or wait[0] < min(loads) and max(loads) < trigger[0], name
             atomics = [i for i, line in enumerate(lines)
-                       if line.split() and line.split()[0].startswith(("red.", "atom."))]
-            assert not atomics or at("griddepcontrol.launch_dependents") < min(atomics), name
+                       if re.match(r"\s*(@!?%p\d+\s+)?(atom|red)\.", line)]
+            assert not atomics or trigger[0] < min(atomics), name
+            split += bool(atomics)
         else:  # elementwise kernels: the next kernel may start at once, then wait first
-            assert trigger < wait, name
+            assert trigger[0] < wait[0], name
+assert split >= 4, split
 """
 
 
@@ -324,4 +345,5 @@ def test_decode_kernels_chain_by_pdl_on_sm90():
         "_rms_norm_kernel", "_quantize_kernel", "_silu_and_mul_quant_kernel",
         "_dense_gemv_kernel", "_fp8_rows_kernel", "_rotary_store_kv_kernel",
         "_decode_split_kernel", "_decode_merge_kernel",
+        "_gguf_gemv_kernel", "_gguf_rows_kernel", "_gguf_subdot_kernel",
     ])

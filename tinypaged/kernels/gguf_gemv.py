@@ -26,6 +26,7 @@ import torch
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, num_sms, tl
 from tinypaged.kernels.gguf_format import check_qweight, ggml_type, row_bytes
 from tinypaged.kernels.gguf_gemv_step import _load_step, _step_dot
+from tinypaged.kernels.pdl import launch_kwargs, pdl_enabled, pdl_trigger, pdl_wait
 from tinypaged.kernels.split_k import (
     split_k_finish,
     split_k_range,
@@ -46,6 +47,7 @@ def _gguf_gemv_kernel(
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
     STAGES: tl.constexpr, ROW_ALIGN: tl.constexpr, WHOLE: tl.constexpr,
     PREFETCH: tl.constexpr, ASM: tl.constexpr,
+    USE_PDL: tl.constexpr,  # chained to the kernels around it (kernels/pdl.py)
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); a row is stride_w * ROW_ALIGN words: ROW_ALIGN = 4 tells
     # the compiler that rows start 16-byte aligned, so that 16-byte loads can be used; WHOLE:
@@ -73,6 +75,9 @@ def _gguf_gemv_kernel(
     blk = first * BPS + h // (8 // BPS)  # [H, 1, 1]
     v0, v1, v2, v3, v4 = _load_step(w32_ptr, f16_ptr, row_w, nb, first, blk, h, w,
                                     row_ok & (blk < nb) & (first < last), QTYPE, WHOLE)
+    # PDL: the first step's weights (above) load while the kernel before this one runs; x and
+    # the split-K workspace only after it has finished
+    pdl_wait(USE_PDL)
     for step in tl.range(first, last, num_stages=STAGES):
         blk = step * BPS + h // (8 // BPS)
         if PREFETCH:
@@ -86,6 +91,7 @@ def _gguf_gemv_kernel(
                                             row_ok & (blk < nb), QTYPE, WHOLE)
         acc = _step_dot(acc, c0, c1, c2, c3, c4, x_ptr, stride_xm, M, K, step, blk, h, w, one,
                         ROWS_X, QTYPE, BLOCK_M, ASM)
+    pdl_trigger(USE_PDL)  # the next kernel's programs may take the SMs this one leaves
     total = tl.sum(acc, axis=0)  # [BN, BLOCK_M]
     m_idx = tl.arange(0, BLOCK_M)[None, :]
     at = m_idx * N + rows[:, None]
@@ -129,11 +135,13 @@ def gguf_gemv(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     partial, count = split_k_workspace(x.device, M * N, n_blocks)
     align = 4 if qweight.shape[1] % 16 == 0 else 1
+    pdl = pdl_enabled(x)
     _gguf_gemv_kernel[(n_blocks, split_k)](
         x, qweight.view(torch.int32), qweight.view(torch.float16), y,
         partial, count, M, N, K, x.stride(0), qweight.shape[1] // 4 // align, _ONE, split_k,
         QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=next_power_of_2(M), SPLIT=split_k > 1,
         STAGES=num_stages, ROW_ALIGN=align, WHOLE=K // ggml_type(type_id).block_elems % 4 == 0,
-        PREFETCH=prefetch, ASM=asm and type_id == 14 and x.is_cuda, num_warps=num_warps,
+        PREFETCH=prefetch, ASM=asm and type_id == 14 and x.is_cuda, USE_PDL=pdl,
+        num_warps=num_warps, **launch_kwargs(pdl),
     )
     return y

@@ -45,6 +45,7 @@ from tinypaged.kernels._triton import (
 )
 from tinypaged.kernels.gguf_format import check_qweight, gguf_dequantize_reference
 from tinypaged.kernels.gguf_layout import to_file_layout
+from tinypaged.kernels.pdl import launch_kwargs, pdl_enabled, pdl_trigger, pdl_wait, prefetch_rows
 from tinypaged.kernels.split_k import (
     programs_target,
     split_k_finish,
@@ -245,6 +246,7 @@ def _gguf_rows_kernel(
     M, N, K, stride_xm, stride_w, split_k,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
     STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, ASM: tl.constexpr,
+    USE_PDL: tl.constexpr,  # chained to the kernels around it (kernels/pdl.py)
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums steps split_k_range(.., s) of
     # y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
@@ -258,9 +260,14 @@ def _gguf_rows_kernel(
     nb = K // (256 if QTYPE == 12 or QTYPE == 13 or QTYPE == 14 else 32)
     first, last = split_k_range(tl.cdiv(K, 256), split_k)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # y^T
+    # PDL: the first two steps' quant bytes into L2 while the kernel before this one runs
+    QB: tl.constexpr = 256 if QTYPE == 8 else 128  # quant bytes of a step in a row
+    prefetch_rows(u8_ptr, rows % N, stride_w, first * QB, tl.cdiv(K, 256) * QB, 2 * QB, USE_PDL)
+    pdl_wait(USE_PDL)
     for step in tl.range(first, last, num_stages=STAGES):
         acc = _step(acc, x_ptr, u8_ptr, i8_ptr, f16_ptr, row, nb, step, stride_xm, M, K, QTYPE,
                     BLOCK_N, BLOCK_M, DOT_PRECISION, ASM)
+    pdl_trigger(USE_PDL)  # the next kernel's programs may take the SMs this one leaves
     m = tl.arange(0, BLOCK_M)[None, :]
     at = m * N + rows[:, None]  # y[m, n], [BN, BM]
     mask = (rows < N)[:, None] & (m < M)
@@ -297,12 +304,13 @@ def gguf_rows(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: int
     x, qweight = x.contiguous(), qweight.contiguous()
     block_m, (n_blocks, split_k), y, partial, count = rows_launch(
         x, N, K, block_n, split_k, programs_per_sm, min_block_m)
+    pdl = pdl_enabled(x)
     _gguf_rows_kernel[(n_blocks, split_k)](
         x, qweight, qweight.view(torch.int8), qweight.view(torch.float16), y, partial, count,
         M, N, K, x.stride(0), qweight.shape[1], split_k,
         QTYPE=type_id, BLOCK_N=block_n, BLOCK_M=block_m,
         SPLIT=split_k > 1, STAGES=num_stages, DOT_PRECISION=dot_precision(x.dtype),
-        ASM=asm and not interpreting(), num_warps=num_warps,
+        ASM=asm and not interpreting(), USE_PDL=pdl, num_warps=num_warps, **launch_kwargs(pdl),
     )
     return y
 

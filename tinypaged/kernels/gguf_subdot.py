@@ -39,6 +39,7 @@ from tinypaged.kernels._triton import dot_precision, interpreting, jit, tl
 from tinypaged.kernels.awq_unpack import MAGIC16
 from tinypaged.kernels.gguf_format import check_qweight
 from tinypaged.kernels.gguf_rows import _weights, gguf_rows_reference, rows_launch
+from tinypaged.kernels.pdl import launch_kwargs, pdl_enabled, pdl_trigger, pdl_wait, prefetch_rows
 from tinypaged.kernels.split_k import (
     split_k_finish,
     split_k_range,
@@ -184,6 +185,7 @@ def _gguf_subdot_kernel(
     M, N, K, stride_xm, stride_w, split_k,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
     MAGIC16: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, JOIN: tl.constexpr,
+    USE_PDL: tl.constexpr,  # chained to the kernels around it (kernels/pdl.py)
 ):
     # grid: (cdiv(N, BLOCK_N), split_k); program (n, s) sums super-blocks split_k_range(.., s)
     # of y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
@@ -194,9 +196,13 @@ def _gguf_subdot_kernel(
     nb = K // 256
     first, last = split_k_range(nb, split_k)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # y^T
+    # PDL: the first two super-blocks' quant bytes into L2 while the kernel before this one runs
+    prefetch_rows(u8_ptr, rows % N, stride_w, first * 128, nb * 128, 256, USE_PDL)
+    pdl_wait(USE_PDL)
     for step in tl.range(first, last, num_stages=STAGES):
         acc = _q4_k_step(acc, x_ptr, u8_ptr, i32_ptr, row, nb, step, stride_xm, M, BLOCK_M,
                          MAGIC16, ASM, DOT_PRECISION, JOIN)
+    pdl_trigger(USE_PDL)  # the next kernel's programs may take the SMs this one leaves
     m = tl.arange(0, BLOCK_M)[None, :]
     at = m * N + rows[:, None]  # y[m, n], [BN, BM]
     mask = (rows < N)[:, None] & (m < M)
@@ -235,12 +241,14 @@ def gguf_subdot(x: torch.Tensor, qweight: torch.Tensor, type_id: int, block_n: i
     block_m, (n_blocks, split_k), y, partial, count = rows_launch(
         x, N, K, block_n, split_k, programs_per_sm, min_block_m)  # gguf_rows' shape, workspace
     magic = MAGIC16[x.dtype][0]
+    pdl = pdl_enabled(x)
     _gguf_subdot_kernel[(n_blocks, split_k)](
         x, qweight, qweight.view(torch.int32), y, partial, count,
         M, N, K, x.stride(0), qweight.shape[1], split_k,
         BLOCK_N=block_n, BLOCK_M=block_m, SPLIT=split_k > 1,
         STAGES=num_stages, MAGIC16=magic, ASM=asm and magic != 0 and not interpreting(),
-        DOT_PRECISION=dot_precision(x.dtype), JOIN=join, num_warps=num_warps,
+        DOT_PRECISION=dot_precision(x.dtype), JOIN=join, USE_PDL=pdl, num_warps=num_warps,
+        **launch_kwargs(pdl),
     )
     return y
 
