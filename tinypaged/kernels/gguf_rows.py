@@ -260,9 +260,12 @@ def _gguf_rows_kernel(
     nb = K // (256 if QTYPE == 12 or QTYPE == 13 or QTYPE == 14 else 32)
     first, last = split_k_range(tl.cdiv(K, 256), split_k)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # y^T
-    # PDL: the first two steps' quant bytes into L2 while the kernel before this one runs
-    QB: tl.constexpr = 256 if QTYPE == 8 else 128  # quant bytes of a step in a row
-    prefetch_rows(u8_ptr, rows % N, stride_w, first * QB, tl.cdiv(K, 256) * QB, 2 * QB, USE_PDL)
+    # PDL: the first two steps' quant bytes into L2 while the kernel before this one runs (a
+    # row's quant plane: nb blocks of 128 bytes (k-quants), 32 (Q8_0) or 16 (Q4_0, Q4_1))
+    QB: tl.constexpr = 128 if QTYPE == 12 or QTYPE == 13 or QTYPE == 14 else (
+        32 if QTYPE == 8 else 16)
+    STEP: tl.constexpr = 128 if QB == 128 else 8 * QB  # quant bytes of a step
+    prefetch_rows(u8_ptr, rows % N, stride_w, first * STEP, nb * QB, 2 * STEP, USE_PDL)
     pdl_wait(USE_PDL)
     for step in tl.range(first, last, num_stages=STAGES):
         acc = _step(acc, x_ptr, u8_ptr, i8_ptr, f16_ptr, row, nb, step, stride_xm, M, K, QTYPE,
