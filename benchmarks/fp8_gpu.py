@@ -5,6 +5,11 @@ FP8 tensor-core peak reference, measured in the same run) and bf16 cuBLAS, and t
 time for 1-16 rows beside bf16. Prints one compact JSON line per measurement.
 
     python benchmarks/fp8_gpu.py [--quick]
+    python benchmarks/fp8_gpu.py --mid-rows   # only: gemm_config's tiles at 32-1024 rows
+
+--mid-rows times the scaled GEMM at the row counts of large decode batches (32-1024) on the
+Llama-3-8B layer shapes with each candidate tile, two interleaved rounds (the faster kept),
+beside torch._scaled_mm, and prints which tile gemm_config picks against the fastest.
 """
 
 import json
@@ -35,6 +40,48 @@ def operands(M, N, K_, block):
     s = w.abs().amax(1, keepdim=True) / K.FP8_MAX
     return x, (w / s).to(torch.float8_e4m3fn), s
 
+
+# ------------------------------------------------------------------ --mid-rows
+def _tile(bm, bn, bk, warps, stages):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+
+
+MID_TILES = {"128x128 w8 s3": _tile(128, 128, 128, 8, 3),
+             "128x128 w8 s4": _tile(128, 128, 128, 8, 4),
+             "64x64 w4 s5": _tile(64, 64, 128, 4, 5), "64x128 w4 s4": _tile(64, 128, 128, 4, 4),
+             "128x64 w4 s4": _tile(128, 64, 128, 4, 4), "128x256 w8 s3": _tile(128, 256, 128, 8, 3),
+             "64x128x256 w4 s3": _tile(64, 128, 256, 4, 3)}
+LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def mid_rows():
+    for M in (32, 64, 128, 192, 256, 384, 512, 1024):
+        total = dict.fromkeys([*MID_TILES, "gemm_config", "scaled_mm"], 0.0)
+        for layer, (N, K_) in LAYERS.items():
+            x, wq, ws = operands(M, N, K_, False)
+            q, s = K.quantize_fp8(x)
+            calls = {name: (lambda cfg=cfg: K.fp8_gemm(q, s, wq, ws, torch.bfloat16, None,
+                                                       config=cfg))
+                     for name, cfg in MID_TILES.items()}
+            calls["gemm_config"] = lambda: K.fp8_gemm(q, s, wq, ws, torch.bfloat16)
+            calls["scaled_mm"] = lambda: torch._scaled_mm(
+                q, wq.t(), scale_a=s, scale_b=ws.t().contiguous(), out_dtype=torch.bfloat16)
+            us = {}
+            for _ in range(2):  # interleaved rounds: a clock change hits every tile alike
+                for name, call in calls.items():
+                    us[name] = min(us.get(name, 1e9), do_bench(call, warmup=10, rep=30) * 1e3)
+            for name in total:
+                total[name] += us[name]
+            fastest = min(MID_TILES, key=us.get)
+            emit(mid_rows=M, layer=layer, gemm_config_us=round(us["gemm_config"], 1),
+                 fastest=fastest, fastest_us=round(us[fastest], 1),
+                 scaled_mm_us=round(us["scaled_mm"], 1))
+        emit(mid_rows=M, layer="all four", **{k: round(v, 1) for k, v in total.items()})
+
+
+if "--mid-rows" in sys.argv:
+    mid_rows()
+    sys.exit()
 
 # ------------------------------------------------------------------ correctness
 bad = 0

@@ -58,10 +58,11 @@ KINDS = [  # (kind, pattern on the lower-cased kernel name), first match wins
     ("attention prefill", r"_gluon_attention|_hopper_attention|_varlen_attention"),
     ("attention decode", r"_decode_split|_decode_merge"),
     ("all-reduce", r"all_?reduce|allgather|all_gather|nccl"),
-    ("gemm", r"gemm|nvjet|cutlass|xmma|gemv|splitk|cublas|_mma|moe"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|gemv|splitk|cublas|_mma|moe|fp8_rows"),
     ("rms norm", r"rms_norm"),
     ("rotary + kv store", r"rotary|store_kv"),
-    ("silu and mul", r"act_and_mul"),
+    ("silu and mul", r"act_and_mul|silu_and_mul"),
+    ("quantize fp8", r"quantize"),
     ("copies", r"memcpy|memset"),
 ]
 
@@ -151,9 +152,12 @@ def attribute(trace: dict) -> tuple[dict, dict, float]:
     return by_kind, by_kernel, _union_ms(intervals)
 
 
-def rooflines(cfg: dict, steps: list[dict], tp: int) -> dict:
+def rooflines(cfg: dict, steps: list[dict], tp: int, quantization: str | None = None) -> dict:
     """Ideal ms of the recorded steps' GEMMs and attention on one of `tp` GPUs: steps with
-    prompt tokens at PEAK_FLOPS, pure-decode steps at COPY_BW."""
+    prompt tokens at PEAK_FLOPS, pure-decode steps at COPY_BW. FP8 weights: the GEMMs at twice
+    PEAK_FLOPS (Hopper's FP8 tensor-core rate) and one byte a weight (the LM head stays bf16)."""
+    fp8 = quantization == "fp8"
+    gemm_peak, weight_bytes = PEAK_FLOPS * (2 if fp8 else 1), 1 if fp8 else 2
     layers, h, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
     nq, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     out: dict = defaultdict(float)
@@ -161,12 +165,13 @@ def rooflines(cfg: dict, steps: list[dict], tp: int) -> dict:
         q, seq = s["q_lens"].astype(np.float64), s["seq_lens"].astype(np.float64)
         if s["kind"] == "mixed":
             params = layers * (_attn_params(cfg) + _mlp_params(cfg, 1)[0])
-            out["mixed gemm"] += 2 * params * q.sum() / PEAK_FLOPS * 1e3 / tp
+            out["mixed gemm"] += 2 * params * q.sum() / gemm_peak * 1e3 / tp
             pairs = (q * (seq - q) + q * (q + 1) / 2).sum()
             out["mixed attention"] += 4 * layers * nq * hd * pairs / PEAK_FLOPS * 1e3 / tp
         else:
-            params = layers * (_attn_params(cfg) + _mlp_params(cfg, len(seq))[1]) + vocab * h
-            out["decode gemm (+ lm head)"] += 2 * params / COPY_BW * 1e3 / tp
+            params = layers * (_attn_params(cfg) + _mlp_params(cfg, len(seq))[1])
+            weights = weight_bytes * params + 2 * vocab * h
+            out["decode gemm (+ lm head)"] += weights / COPY_BW * 1e3 / tp
             kv_bytes = seq.sum() * 2 * nkv * hd * 2 * layers
             out["decode attention"] += kv_bytes / COPY_BW * 1e3 / tp
     return dict(out)
@@ -178,7 +183,7 @@ def profile_offline(shape: str, args) -> dict:
     llm = LLM(str(shape_dir(shape)), load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=2048, seed=0, max_num_batched_tokens=16384,
               max_num_seqs=256, num_kv_blocks=-(-kv_tokens // 16), block_size=16,
-              tensor_parallel_size=args.tp)
+              tensor_parallel_size=args.tp, quantization=args.quantization)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
     def generate(prompts):
@@ -201,18 +206,21 @@ def profile_offline(shape: str, args) -> dict:
     outs = generate(prompts)
     wall_ms = 1e3 * (time.perf_counter() - start)
     llm.shutdown()
-    return {"shape": shape, "tp": args.tp, "wall_ms": wall_ms, "busy_ms": busy_ms,
+    return {"shape": shape, "tp": args.tp, "quantization": args.quantization,
+            "wall_ms": wall_ms, "busy_ms": busy_ms,
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "steps": {k: sum(s["kind"] == k for s in steps) for k in ("mixed", "decode")},
             "by_kind": {f"{s}|{k}": ms for (s, k), ms in by_kind.items()},
             "by_kernel": {f"{s}|{n}": v for (s, n), v in by_kernel.items()},
-            "ideal_ms": rooflines(cfg, steps, args.tp)}
+            "ideal_ms": rooflines(cfg, steps, args.tp, args.quantization)}
 
 
 def print_offline(r: dict, top: int) -> None:
     wall, busy = r["wall_ms"], r["busy_ms"]
-    print(f"\n{r['shape']} shape, TP={r['tp']}: {r['output_tokens'] / wall * 1e3:,.0f} output "
-          f"tok/s ({wall:.0f} ms); {r['steps']['mixed']} steps with prompt tokens, "
+    quant = f", {r['quantization']}" if r.get("quantization") else ""
+    print(f"\n{r['shape']} shape{quant}, TP={r['tp']}: "
+          f"{r['output_tokens'] / wall * 1e3:,.0f} output tok/s ({wall:.0f} ms); "
+          f"{r['steps']['mixed']} steps with prompt tokens, "
           f"{r['steps']['decode']} pure-decode steps")
     step_kinds = ("mixed", "decode", "outside steps")
     table: dict = defaultdict(lambda: dict.fromkeys(step_kinds, 0.0))
@@ -278,7 +286,8 @@ def run_decode(args) -> None:
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": args.layers}))
     llm = LLM(str(path), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=2048, num_kv_blocks=1024, max_num_seqs=max(args.batches))
+              max_model_len=2048, num_kv_blocks=1024, max_num_seqs=max(args.batches),
+              quantization=args.quantization)
     results = {b: decode_kernels(llm, b, args.prompt_len, cfg["vocab_size"]) for b in args.batches}
     names = sorted({n for table, _ in results.values() for n in table},
                    key=lambda n: -max(t.get(n, [0, 0])[1] for t, _ in results.values()))
@@ -355,6 +364,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256, help="offline")
     parser.add_argument("--output-len", type=int, default=256, help="offline")
     parser.add_argument("--tp", type=int, default=1, help="offline: tensor-parallel size")
+    parser.add_argument("--quantization", choices=["fp8"],
+                        help="offline and decode: bf16 weights quantized at load")
     parser.add_argument("--top", type=int, default=8, help="offline: kernels listed per step kind")
     parser.add_argument("--json", help="offline: also write the numbers here")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode")

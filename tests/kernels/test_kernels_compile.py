@@ -227,6 +227,41 @@ def test_fp8_dot_tiles_multiply_on_fp8_wgmma():
     assert compile_for_sm90(FP8_DOT_LAUNCHES) == ["_dense_gemv_kernel", "_fp8_rows_kernel"]
 
 
+FP8_GEMM_LAUNCHES = r"""
+import os
+
+from tinypaged.kernels import fp8
+
+os.environ["TRITON_INTERPRET"] = "1"  # only so fp8_gemm's dispatch picks the kernel
+ptx = []
+
+
+def keep_ptx(self, *args, grid, warmup, **kwargs):
+    kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+    assert kernel.metadata.shared <= 227 * 1024, (self.__name__, kernel.metadata.shared)
+    ptx.append(kernel.asm["ptx"])
+    compiled.add(self.__name__)
+
+
+JITFunction.run = keep_ptx
+configs = {}  # every tile gemm_config gives from 64 rows on, with one shape that takes it
+for m in (64, 128, 256, 512):
+    for n in (4096, 6144, 28672):
+        configs.setdefault(tuple(sorted(fp8.gemm_config(m, n).items())), (m, n))
+assert len(configs) == 4, configs
+for m, n in configs.values():
+    a, w = (torch.zeros(rows, 4096).to(torch.float8_e4m3fn) for rows in (m, n))
+    fp8.fp8_gemm(a, torch.ones(m, 1), w, torch.ones(n, 1), torch.bfloat16)
+    fp8.fp8_gemm(a, torch.ones(m, 32), w, torch.ones(n // 128, 32), torch.bfloat16, (128, 128))
+# e4m3 operands straight into Hopper's FP8 wgmma, per channel and block-wise
+assert len(ptx) == 8 and all(".e4m3.e4m3" in p and "wgmma.mma_async" in p for p in ptx)
+"""
+
+
+def test_fp8_gemm_tiles_compile_to_fp8_wgmma():
+    assert compile_for_sm90(FP8_GEMM_LAUNCHES) == ["_fp8_gemm_kernel"]
+
+
 FP8_MOE_LAUNCHES = r"""
 from tinypaged.kernels import moe_fp8
 
