@@ -154,8 +154,10 @@ def attribute(trace: dict) -> tuple[dict, dict, float]:
 
 def rooflines(cfg: dict, steps: list[dict], tp: int, quantization: str | None = None) -> dict:
     """Ideal ms of the recorded steps' GEMMs and attention on one of `tp` GPUs: steps with
-    prompt tokens at PEAK_FLOPS, pure-decode steps at COPY_BW. FP8 weights: the GEMMs at twice
-    PEAK_FLOPS (Hopper's FP8 tensor-core rate) and one byte a weight (the LM head stays bf16)."""
+    prompt tokens at PEAK_FLOPS; pure-decode steps' attention at COPY_BW, their GEMMs at the
+    slower of COPY_BW and PEAK_FLOPS (a batch of 256 rows is past the H200's ridge). FP8
+    weights: the GEMMs at twice PEAK_FLOPS (Hopper's FP8 tensor-core rate) and one byte a
+    weight (the LM head stays bf16)."""
     fp8 = quantization == "fp8"
     gemm_peak, weight_bytes = PEAK_FLOPS * (2 if fp8 else 1), 1 if fp8 else 2
     layers, h, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
@@ -171,7 +173,8 @@ def rooflines(cfg: dict, steps: list[dict], tp: int, quantization: str | None = 
         else:
             params = layers * (_attn_params(cfg) + _mlp_params(cfg, len(seq))[1])
             weights = weight_bytes * params + 2 * vocab * h
-            out["decode gemm (+ lm head)"] += weights / COPY_BW * 1e3 / tp
+            flops = 2 * len(seq) * (params / gemm_peak + vocab * h / PEAK_FLOPS)  # seconds
+            out["decode gemm (+ lm head)"] += max(weights / COPY_BW, flops) * 1e3 / tp
             kv_bytes = seq.sum() * 2 * nkv * hd * 2 * layers
             out["decode attention"] += kv_bytes / COPY_BW * 1e3 / tp
     return dict(out)

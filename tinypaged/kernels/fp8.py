@@ -207,7 +207,7 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, M, N, K,
 def gemm_config(M: int, N: int) -> dict:
     """Tile shapes. For 1-16 rows (decode) 16-row tiles and 16 or 64 columns, so that the
     N / BLOCK_N programs cover the SMs while they stream the weights (a block-wise weight keeps
-    BLOCK_K at its scale block, 128). From 64 rows on, by the count of 128 x 128 output tiles:
+    BLOCK_K at its scale block, 128). Above 64 rows, by the count of 128 x 128 output tiles:
     where they are too few to fill the H200's 132 SMs twice, smaller tiles or a deeper pipeline
     beat the prefill tile (a decode batch of 128-512 rows on o, down and qkv); otherwise
     128 x 128 x 128 (benchmarks/fp8_gpu.py --mid-rows times each against the others)."""
