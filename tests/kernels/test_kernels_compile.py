@@ -244,7 +244,7 @@ def keep_ptx(self, *args, grid, warmup, **kwargs):
 
 
 JITFunction.run = keep_ptx
-configs = {}  # every tile gemm_config gives from 64 rows on, with one shape that takes it
+configs = {}  # every tile gemm_config gives from 64 rows on (four), with a shape that takes it
 for m in (64, 128, 256, 512):
     for n in (4096, 6144, 28672):
         configs.setdefault(tuple(sorted(fp8.gemm_config(m, n).items())), (m, n))

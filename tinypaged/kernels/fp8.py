@@ -207,10 +207,10 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, M, N, K,
 def gemm_config(M: int, N: int) -> dict:
     """Tile shapes. For 1-16 rows (decode) 16-row tiles and 16 or 64 columns, so that the
     N / BLOCK_N programs cover the SMs while they stream the weights (a block-wise weight keeps
-    BLOCK_K at its scale block, 128). Above 64 rows, by the count of 128 x 128 output tiles:
-    where they are too few to fill the H200's 132 SMs twice, smaller tiles or a deeper pipeline
-    beat the prefill tile (a decode batch of 128-512 rows on o, down and qkv); otherwise
-    128 x 128 x 128 (benchmarks/fp8_gpu.py --mid-rows times each against the others)."""
+    BLOCK_K at its scale block, 128). Above 64 rows, by the count of 128 x 128 output tiles,
+    the prefill tile: where they leave half the H200's 132 SMs idle, 64 x 64 tiles (four times
+    as many); where they are fewer than the SMs, a deeper pipeline (a decode batch of 128-512
+    rows on o, down and qkv; benchmarks/fp8_gpu.py --mid-rows times each against the others)."""
     if M <= 16:  # the fastest of five configs on an H200 (benchmarks/fp8_gpu.py)
         if N > 8192:
             return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4,
