@@ -19,9 +19,13 @@ accumulators from tl.dot on fp8 operands: wgmma on Hopper) and, with 16-row tile
 N tiles, the W8A8 decode path where kernels/fp8_rows.py does not take it (one row, or
 $TINYPAGED_FP8_ROWS=0; fp8_rows.py says why those tiles leave FP8 wgmma unused).
 
-The fp32 -> e4m3 rounding goes through `_round_e4m3`: the Triton interpreter's own conversion
-truncates where rounding carries into the exponent (126.1 -> 64, not 128); rounding in fp32
-first makes the conversion exact on every backend, for a few ALU ops in a memory-bound kernel.
+The fp32 -> e4m3 conversion rounds to nearest even on the GPU (Triton emits sm_90's
+cvt.rn.satfinite, bit for bit torch's cast); the Triton interpreter's own conversion truncates
+where rounding carries into the exponent (126.1 -> 64, not 128). So under the interpreter the
+kernels first round in fp32 with `_round_e4m3` (ROUND_IN_FP32, set for CPU tensors), which gives
+the same values (a negative value that rounds to zero gives +0, not -0). Not on the GPU: its
+ten-odd integer ops a value made the activation quantizers ALU-bound (the SiLU-and-mul + quantize
+of a 16,384-row prefill step took 1.3x as long with them).
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm, s
                      GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
                      ONE_PASS: tl.constexpr,
                      FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                     ROUND_IN_FP32: tl.constexpr,  # the interpreter's rounding (docstring)
                      USE_PDL: tl.constexpr = False):  # chained to its neighbours (pdl.py)
     # one program: row m, inputs [g * GROUP, (g + 1) * GROUP), in chunks of BLOCK
     pdl_trigger(USE_PDL)
@@ -110,7 +115,9 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm, s
             scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, MIN_SCALE)
             tl.store(s_ptr + m * stride_sm + g, scale)
         y = tl.minimum(tl.maximum(x * (1.0 / scale), -FP8_MAX), FP8_MAX)
-        tl.store(q_row + cols, _round_e4m3(y).to(q_ptr.dtype.element_ty), mask=mask)
+        if ROUND_IN_FP32:
+            y = _round_e4m3(y)
+        tl.store(q_row + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         if STATIC:
             scale = tl.load(static_ptr).to(tl.float32)
@@ -127,7 +134,9 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm, s
             mask = (k0 + cols < GROUP) & (g * GROUP + k0 + cols < K)
             x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
             y = tl.minimum(tl.maximum(x * inv, -FP8_MAX), FP8_MAX)
-            tl.store(q_row + k0 + cols, _round_e4m3(y).to(q_ptr.dtype.element_ty), mask=mask)
+            if ROUND_IN_FP32:
+                y = _round_e4m3(y)
+            tl.store(q_row + k0 + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_fp8(x: torch.Tensor, group: int | None = None,
@@ -154,7 +163,8 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None,
         pdl = pdl_enabled(x)
         _quantize_kernel[grid](x, q, s, s, K, x.stride(0), q.stride(0), s.stride(0), GROUP=G,
                                BLOCK=block, STATIC=scale is not None, ONE_PASS=block >= G,
-                               FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, USE_PDL=pdl,
+                               FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+                               ROUND_IN_FP32=not x.is_cuda, USE_PDL=pdl,
                                num_warps=max(1, min(16, block // 1024)), **launch_kwargs(pdl))
     return q, s
 

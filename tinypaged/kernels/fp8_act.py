@@ -10,7 +10,7 @@ Separately that is two launches and a round trip of act [M, I] through memory (w
 twice by the two-pass quantizer or once from registers); fused, one program per row (or group)
 reads gate and up once, keeps act in registers for its max, and writes one byte a value. Rows (or
 groups) up to 16K wide (fp8.MAX_ONE_PASS) fuse; wider ones take the two separate kernels.
-The rounding to e4m3 is fp8.py's `_round_e4m3` (exact under the interpreter too).
+The rounding to e4m3 is fp8.py's (`_round_e4m3` under the interpreter).
 
 `silu_and_mul_quant_fp8` runs the kernel on CUDA (or under TRITON_INTERPRET=1), else the torch
 reference of the same signature.
@@ -31,6 +31,7 @@ from tinypaged.kernels.pdl import launch_kwargs, pdl_enabled, pdl_trigger, pdl_w
 def _silu_and_mul_quant_kernel(X, Q, S, inter, stride_x, stride_q, stride_s,
                                GROUP: tl.constexpr, BLOCK: tl.constexpr,
                                FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                               ROUND_IN_FP32: tl.constexpr,  # fp8.py: the interpreter's rounding
                                USE_PDL: tl.constexpr):  # chained to its neighbours (pdl.py)
     pdl_trigger(USE_PDL)
     pdl_wait(USE_PDL)
@@ -44,7 +45,9 @@ def _silu_and_mul_quant_kernel(X, Q, S, inter, stride_x, stride_q, stride_s,
     scale = tl.maximum(tl.max(tl.abs(act), 0) / FP8_MAX, MIN_SCALE)
     tl.store(S + m * stride_s + g, scale)
     y = tl.minimum(tl.maximum(act * (1.0 / scale), -FP8_MAX), FP8_MAX)
-    tl.store(Q + m * stride_q + cols, _round_e4m3(y).to(Q.dtype.element_ty), mask=mask)
+    if ROUND_IN_FP32:
+        y = _round_e4m3(y)
+    tl.store(Q + m * stride_q + cols, y.to(Q.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul_quant_fp8_reference(x: torch.Tensor, group: int | None = None
@@ -75,6 +78,6 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, group: int | None = None
         pdl = pdl_enabled(x)
         _silu_and_mul_quant_kernel[(M, inter // G)](
             x, q, s, inter, x.stride(0), q.stride(0), s.stride(0), GROUP=G, BLOCK=block,
-            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, USE_PDL=pdl,
-            num_warps=max(1, min(16, block // 1024)), **launch_kwargs(pdl))
+            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, ROUND_IN_FP32=not x.is_cuda, USE_PDL=pdl,
+            num_warps=max(1, min(32, block // 512)), **launch_kwargs(pdl))
     return q, s

@@ -49,6 +49,7 @@ def _rms_norm_kernel(
     BLOCK_H: tl.constexpr,  # next power of two >= H
     QUANT: tl.constexpr = False, GROUP: tl.constexpr = 1,  # GROUP: inputs per scale (QUANT)
     FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 1.0,
+    ROUND_IN_FP32: tl.constexpr = False,  # QUANT: the interpreter's rounding (kernels/fp8.py)
     USE_PDL: tl.constexpr = False,  # chained to the kernels around it (kernels/pdl.py)
 ):
     pdl_trigger(USE_PDL)
@@ -73,7 +74,9 @@ def _rms_norm_kernel(
         g = tl.arange(0, BLOCK_H // GROUP)
         tl.store(SCALE + row * stride_s + g, scale, mask=g * GROUP < H)
         q = tl.minimum(tl.maximum(groups * (1.0 / scale)[:, None], -FP8_MAX), FP8_MAX)
-        q = tl.reshape(_round_e4m3(q), (BLOCK_H,))
+        if ROUND_IN_FP32:
+            q = _round_e4m3(q)
+        q = tl.reshape(q, (BLOCK_H,))
         tl.store(OUT + row * stride_out + cols, q.to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -148,7 +151,7 @@ def rms_norm_quant_fp8_triton(
             hidden, eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK_H=block_h, QUANT=True, GROUP=G, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-            USE_PDL=pdl, **launch_kwargs(pdl),
+            ROUND_IN_FP32=not x.is_cuda, USE_PDL=pdl, **launch_kwargs(pdl),
             num_warps=4 if block_h <= 1024 else (8 if block_h <= 4096 else 16),
         )
     return (q, s) if residual is None else (q, s, res_out2.view(x.shape))
