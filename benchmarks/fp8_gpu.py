@@ -5,11 +5,12 @@ FP8 tensor-core peak reference, measured in the same run) and bf16 cuBLAS, and t
 time for 1-16 rows beside bf16. Prints one compact JSON line per measurement.
 
     python benchmarks/fp8_gpu.py [--quick]
-    python benchmarks/fp8_gpu.py --mid-rows   # only: gemm_config's tiles at 32-1024 rows
+    python benchmarks/fp8_gpu.py --mid-rows   # only: gemm_config's tiles at 128-16,384 rows
 
---mid-rows times the scaled GEMM at the row counts of large decode batches (32-1024) on the
-Llama-3-8B layer shapes with each candidate tile, two interleaved rounds (the faster kept),
-beside torch._scaled_mm, and prints which tile gemm_config picks against the fastest.
+--mid-rows times the scaled GEMM from decode batches to prefill steps (128-16,384 rows) on the
+Llama-3-8B layer shapes with each candidate tile (operands by TMA or by pointer loads) beside
+torch._scaled_mm, in CUDA-graph replays over weights read from HBM, and prints which tile
+gemm_config picks against the fastest.
 """
 
 import json
@@ -42,34 +43,40 @@ def operands(M, N, K_, block):
 
 
 # ------------------------------------------------------------------ --mid-rows
-def _tile(bm, bn, bk, warps, stages):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+def _tile(bm, bn, warps, stages, tma=True):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=warps,
+                num_stages=stages, TMA=tma)
 
 
-MID_TILES = {"128x128 w8 s3": _tile(128, 128, 128, 8, 3),
-             "128x128 w8 s4": _tile(128, 128, 128, 8, 4),
-             "64x64 w4 s5": _tile(64, 64, 128, 4, 5), "64x128 w4 s4": _tile(64, 128, 128, 4, 4),
-             "128x64 w4 s4": _tile(128, 64, 128, 4, 4), "128x256 w8 s3": _tile(128, 256, 128, 8, 3),
-             "64x128x256 w4 s3": _tile(64, 128, 256, 4, 3)}
+MID_TILES = {"128x128 w8 s3 (pointers)": _tile(128, 128, 8, 3, False),
+             "128x128 w8 s3": _tile(128, 128, 8, 3), "128x128 w8 s4": _tile(128, 128, 8, 4),
+             "64x64 w4 s5": _tile(64, 64, 4, 5), "64x128 w4 s4": _tile(64, 128, 4, 4),
+             "128x64 w4 s4": _tile(128, 64, 4, 4), "128x256 w8 s3": _tile(128, 256, 8, 3),
+             "64x256 w4 s4": _tile(64, 256, 4, 4)}
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
 def mid_rows():
-    for M in (32, 64, 128, 192, 256, 384, 512, 1024):
+    """Each tile (TMA unless named otherwise), gemm_config and torch._scaled_mm on the four
+    layers, us per call from CUDA-graph replays that cycle through weight copies larger together
+    than the L2, so that every call reads its weight from HBM as a model's step does."""
+    from awq_gemv import graph_us
+
+    for M in (128, 256, 512, 1024, 2048, 4096, 16384):
         total = dict.fromkeys([*MID_TILES, "gemm_config", "scaled_mm"], 0.0)
         for layer, (N, K_) in LAYERS.items():
-            x, wq, ws = operands(M, N, K_, False)
+            x = torch.randn(M, K_, device=dev, generator=gen, dtype=torch.bfloat16)
             q, s = K.quantize_fp8(x)
-            calls = {name: (lambda cfg=cfg: K.fp8_gemm(q, s, wq, ws, torch.bfloat16, None,
-                                                       config=cfg))
+            ws = [operands(1, N, K_, False)[1:] for _ in range(max(2, -(-150_000_000 // (N * K_))))]
+            calls = {name: [lambda w=w, cfg=cfg: K.fp8_gemm(q, s, w[0], w[1], torch.bfloat16,
+                                                             None, config=cfg) for w in ws]
                      for name, cfg in MID_TILES.items()}
-            calls["gemm_config"] = lambda: K.fp8_gemm(q, s, wq, ws, torch.bfloat16)
-            calls["scaled_mm"] = lambda: torch._scaled_mm(
-                q, wq.t(), scale_a=s, scale_b=ws.t().contiguous(), out_dtype=torch.bfloat16)
-            us = {}
-            for _ in range(2):  # interleaved rounds: a clock change hits every tile alike
-                for name, call in calls.items():
-                    us[name] = min(us.get(name, 1e9), do_bench(call, warmup=10, rep=30) * 1e3)
+            calls["gemm_config"] = [lambda w=w: K.fp8_gemm(q, s, w[0], w[1], torch.bfloat16)
+                                    for w in ws]
+            calls["scaled_mm"] = [lambda w=w: torch._scaled_mm(
+                q, w[0].t(), scale_a=s, scale_b=w[1].t().contiguous(), out_dtype=torch.bfloat16)
+                for w in ws]
+            us = {name: graph_us(fns, 20) for name, fns in calls.items()}
             for name in total:
                 total[name] += us[name]
             fastest = min(MID_TILES, key=us.get)
@@ -95,8 +102,9 @@ for M, K_, group, static in [(1, 4096, None, False), (37, 14336, None, False),
     bad += not ok
     emit(check="quantize", M=M, K=K_, group=group, static=static, ok=ok)
 for M, N, K_, block in [(1, 4096, 4096, False), (8, 6144, 4096, False), (16, 4096, 14336, True),
-                        (200, 1024, 512, False), (1000, 28672, 4096, True),
-                        (4096, 4096, 4096, False), (33, 4096, 4096, None)]:
+                        (200, 1024, 512, False), (256, 6144, 4096, False),
+                        (1000, 28672, 4096, True), (4096, 4096, 4096, False),
+                        (33, 4096, 4096, None)]:
     x, wq, ws = operands(M, N, K_, bool(block))
     b = (128, 128) if block else None
     if block is None:  # per-tensor scales

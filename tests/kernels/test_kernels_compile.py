@@ -244,17 +244,21 @@ def keep_ptx(self, *args, grid, warmup, **kwargs):
 
 
 JITFunction.run = keep_ptx
-configs = {}  # every tile gemm_config gives from 64 rows on (four), with a shape that takes it
-for m in (64, 128, 256, 512):
+configs = {}  # every tile gemm_config gives from 64 rows on (five), with a shape that takes it
+for m in (64, 128, 256, 512, 4096):
     for n in (4096, 6144, 28672):
         configs.setdefault(tuple(sorted(fp8.gemm_config(m, n).items())), (m, n))
-assert len(configs) == 4, configs
+assert len(configs) == 5, configs
+tma = []
 for m, n in configs.values():
     a, w = (torch.zeros(rows, 4096).to(torch.float8_e4m3fn) for rows in (m, n))
     fp8.fp8_gemm(a, torch.ones(m, 1), w, torch.ones(n, 1), torch.bfloat16)
     fp8.fp8_gemm(a, torch.ones(m, 32), w, torch.ones(n // 128, 32), torch.bfloat16, (128, 128))
-# e4m3 operands straight into Hopper's FP8 wgmma, per channel and block-wise
-assert len(ptx) == 8 and all(".e4m3.e4m3" in p and "wgmma.mma_async" in p for p in ptx)
+    tma += [fp8.gemm_config(m, n).get("TMA", False)] * 2
+# e4m3 operands straight into Hopper's FP8 wgmma, per channel and block-wise; the tiles that
+# ask for TMA load both operands by bulk tensor copies
+assert len(ptx) == 10 and all(".e4m3.e4m3" in p and "wgmma.mma_async" in p for p in ptx)
+assert [p.count("cp.async.bulk.tensor.2d") >= 2 for p in ptx] == tma and sum(tma) == 8, tma
 """
 
 

@@ -34,6 +34,7 @@ import torch
 
 from tinypaged.kernels._triton import cdiv, jit, next_power_of_2, tl, use_triton
 from tinypaged.kernels.pdl import launch_kwargs, pdl_enabled, pdl_trigger, pdl_wait
+from tinypaged.kernels.tma import w_operand, w_tma_fits
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -176,7 +177,10 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, M, N, K,
                      stride_am, stride_wn, stride_cm, stride_asm, stride_ask, stride_wsn,
                      stride_wsk, BLOCKWISE: tl.constexpr, SCALE_BN: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, TMA: tl.constexpr = False):
+    # TMA: a_ptr and w_ptr are descriptors over a [M, K] and w [N, K] with [BLOCK_M, BLOCK_K]
+    # and [BLOCK_N, BLOCK_K] boxes (kernels/tma.py): each step's tiles by two bulk copies, rows
+    # past M or N and columns past K zero-filled by the copy engine
     # grouped ordering of the output tiles (GROUP_M row tiles share a column tile in L2)
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -189,13 +193,20 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, M, N, K,
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_mask, n_mask = rm < M, rn < N
-    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]
-    w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]  # [BK, BN], K contiguous
+    if not TMA:
+        a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]
+        w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]  # [BK, BN], K contiguous
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_mask = k0 + rk < K
-        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if TMA:
+            a = a_ptr.load([pid_m * BLOCK_M, k0])
+            w = tl.trans(w_ptr.load([pid_n * BLOCK_N, k0]))  # [BK, BN]
+        else:
+            k_mask = k0 + rk < K
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
         if BLOCKWISE:  # BLOCK_K is the scales' K block: one pair of scales per step
             kb = k0 // BLOCK_K
             sa = tl.load(as_ptr + rm * stride_asm + kb * stride_ask, mask=m_mask, other=0.0)
@@ -204,8 +215,6 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, M, N, K,
             acc += tl.dot(a, w, out_dtype=tl.float32) * sa[:, None] * sw[None, :]
         else:
             acc = tl.dot(a, w, acc, out_dtype=tl.float32)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     if not BLOCKWISE:  # per-tensor / per-token x per-channel: the scales once, here
         sa = tl.load(as_ptr + rm * stride_asm, mask=m_mask, other=0.0)
         sw = tl.load(ws_ptr + rn * stride_wsn, mask=n_mask, other=0.0)
@@ -217,10 +226,13 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, M, N, K,
 def gemm_config(M: int, N: int) -> dict:
     """Tile shapes. For 1-16 rows (decode) 16-row tiles and 16 or 64 columns, so that the
     N / BLOCK_N programs cover the SMs while they stream the weights (a block-wise weight keeps
-    BLOCK_K at its scale block, 128). Above 64 rows, by the count of 128 x 128 output tiles,
-    the prefill tile: where they leave half the H200's 132 SMs idle, 64 x 64 tiles (four times
-    as many); where they are fewer than the SMs, a deeper pipeline (a decode batch of 128-512
-    rows on o, down and qkv; benchmarks/fp8_gpu.py --mid-rows times each against the others)."""
+    BLOCK_K at its scale block, 128). Above 64 rows both operands come by TMA (TMA: bulk copies
+    into shared memory that the wgmma reads, no address math or masks per thread), and the
+    tile by the count of 128 x 128 output tiles: where they would leave half the H200's 132 SMs
+    idle, 64 x 64 tiles (four times as many); where they are fewer than the SMs, 64 x 128 (a
+    decode batch of 128-512 rows on o, down and qkv); up to 2,048 rows 128 x 128; past that
+    128 x 256, which halves the reads of the activations' tiles (benchmarks/fp8_gpu.py
+    --mid-rows times each against the others)."""
     if M <= 16:  # the fastest of five configs on an H200 (benchmarks/fp8_gpu.py)
         if N > 8192:
             return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4,
@@ -230,10 +242,13 @@ def gemm_config(M: int, N: int) -> dict:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
     tiles = cdiv(M, 128) * cdiv(N, 128)
     if tiles <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=5)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=5,
+                    TMA=True)
     if tiles <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4,
+                    TMA=True)
+    return dict(BLOCK_M=128, BLOCK_N=128 if M <= 2048 else 256, BLOCK_K=128, GROUP_M=8,
+                num_warps=8, num_stages=3, TMA=True)
 
 
 def _scale_strides(s: torch.Tensor, rows: int) -> tuple[int, int]:
@@ -262,7 +277,13 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     asm, ask = _scale_strides(a_scale, M)
     wsn, wsk = _scale_strides(w_scale, N if block is None else cdiv(N, block[0]))
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
-    _fp8_gemm_kernel[grid](a, w, c, a_scale, w_scale, M, N, K, a.stride(0), w.stride(0),
+    stride_am, stride_wn = a.stride(0), w.stride(0)
+    tma = cfg.pop("TMA", False) and a.stride(1) == 1 and w_tma_fits(
+        a, cfg["BLOCK_M"], cfg["BLOCK_K"]) and w_tma_fits(w, cfg["BLOCK_N"], cfg["BLOCK_K"])
+    if tma:
+        a, w = (w_operand(a, True, cfg["BLOCK_M"], cfg["BLOCK_K"]),
+                w_operand(w, True, cfg["BLOCK_N"], cfg["BLOCK_K"]))
+    _fp8_gemm_kernel[grid](a, w, c, a_scale, w_scale, M, N, K, stride_am, stride_wn,
                            c.stride(0), asm, ask, wsn, wsk, BLOCKWISE=block is not None,
-                           SCALE_BN=1 if block is None else block[0], **cfg)
+                           SCALE_BN=1 if block is None else block[0], TMA=tma, **cfg)
     return c

@@ -1,5 +1,6 @@
 """A weight [N, K] streamed by TMA: the host-side descriptor the decode GEMVs take instead of a
-pointer when their tiles ask for it (w_tma in FP8_ROWS_CONFIGS and FP8_ONE_ROW_CONFIGS).
+pointer when their tiles ask for it (w_tma in FP8_ROWS_CONFIGS and FP8_ONE_ROW_CONFIGS), and
+the FP8 GEMM above 64 rows for both of its operands (TMA in kernels/fp8.py's gemm_config).
 
     w_tma_fits(w, block_n, block_k) -> bool
     w_operand(w, use_tma, block_n, block_k) -> TensorDescriptor over w, or w itself
