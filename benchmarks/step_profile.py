@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/step_profile.py offline [--model-shape llama3-8b qwen3-0.6b]
         [--num-prompts 256] [--tp 1] [--json out.json]
     PYTHONPATH=. python benchmarks/step_profile.py decode [--model-shape llama3-8b]
-        [--batches 1 8] [--layers 32] [--prompt-len 512]
+        [--batches 1 8] [--layers 32] [--prompt-len 512] [--graphs] [--quantization fp8]
     PYTHONPATH=. python benchmarks/step_profile.py host [--batch-sizes 64 256] [--profile]  # CPU
 
 offline  `tinypaged bench throughput`'s workload (prompts of 100-1024 random tokens, 256 greedy
@@ -18,8 +18,10 @@ offline  `tinypaged bench throughput`'s workload (prompts of 100-1024 random tok
          all-reduce kernels include waiting for the slowest rank).
 decode   GPU us per kernel and decode step at each batch size (three eager steps under the
          profiler) beside the wall time of a CUDA-graph step: the difference is host work and
-         launch gaps. --layers below the shape's count makes it cheaper (per-layer kernels then
-         scale by layers; the LM head, the sampler and the host do not).
+         launch gaps. --graphs profiles the CUDA-graph replays instead (the kernels the engine
+         runs; under PDL a kernel's time includes waiting on its predecessor's tail). --layers
+         below the shape's count makes it cheaper (per-layer kernels then scale by layers; the
+         LM head, the sampler and the host do not).
 host     the engine's own Python per decode step, on the CPU: a tiny random Llama on the torch
          references, its forward and logits timed apart and subtracted (this thread's CPU time,
          which a busy machine disturbs less than wall time); --profile: a cProfile of it.
@@ -256,8 +258,11 @@ def print_offline(r: dict, top: int) -> None:
 # ------------------------------------------------------------------------------------ decode
 
 
-def decode_kernels(llm: LLM, batch: int, prompt_len: int, vocab: int) -> tuple[dict, float]:
-    """({kernel name: [calls, GPU us] per decode step}, wall us of a CUDA-graph decode step)."""
+def decode_kernels(llm: LLM, batch: int, prompt_len: int, vocab: int,
+                   graphs: bool = False) -> tuple[dict, float]:
+    """({kernel name: [calls, GPU us] per decode step}, wall us of a CUDA-graph decode step).
+    The kernels are the eager steps', or with graphs the CUDA-graph replays' (what the engine
+    runs: the one-row paths, the kernels chained by PDL)."""
     engine, profiled, timed = llm.engine, 3, 5
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for i, prompt in enumerate(sample_requests(batch, prompt_len, prompt_len, vocab, seed=batch)):
@@ -270,12 +275,14 @@ def decode_kernels(llm: LLM, batch: int, prompt_len: int, vocab: int) -> tuple[d
         engine.step(finished_only=True)
     torch.cuda.synchronize()
     step_us = 1e6 * (time.perf_counter() - start) / timed
-    graphs, engine.runner.graphs = engine.runner.graphs, None  # eager: the profiler sees kernels
+    saved = engine.runner.graphs
+    if not graphs:
+        engine.runner.graphs = None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(profiled):
             engine.step(finished_only=True)
         torch.cuda.synchronize()
-    engine.runner.graphs = graphs
+    engine.runner.graphs = saved
     while engine.has_unfinished_requests():
         engine.step(finished_only=True)
     table = {e.key: [e.count / profiled, e.device_time_total / profiled]
@@ -291,7 +298,8 @@ def run_decode(args) -> None:
     llm = LLM(str(path), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=2048, num_kv_blocks=1024, max_num_seqs=max(args.batches),
               quantization=args.quantization)
-    results = {b: decode_kernels(llm, b, args.prompt_len, cfg["vocab_size"]) for b in args.batches}
+    results = {b: decode_kernels(llm, b, args.prompt_len, cfg["vocab_size"], args.graphs)
+               for b in args.batches}
     names = sorted({n for table, _ in results.values() for n in table},
                    key=lambda n: -max(t.get(n, [0, 0])[1] for t, _ in results.values()))
     print(f"{torch.cuda.get_device_name()}, {args.model_shape[0]} shape with "
@@ -374,6 +382,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode")
     parser.add_argument("--layers", type=int, help="decode: fewer layers than the shape's")
     parser.add_argument("--prompt-len", type=int, default=512, help="decode")
+    parser.add_argument("--graphs", action="store_true",
+                        help="decode: profile the CUDA-graph replays, not eager steps")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256], help="host")
     parser.add_argument("--steps", type=int, default=40, help="host: decode steps timed")
     parser.add_argument("--profile", action="store_true", help="host: cProfile the largest batch")
