@@ -4,12 +4,13 @@ tensor cores with --sweep-dot) on the GPU.
 
 1. Checks: against dense_gemv_reference for every scale kind (per tensor, per channel,
    block-wise [128, 128]), M = 1..16 (1, 8, 16 with the SiLU-and-mul input), bf16 and fp16
-   activations, a Llama-3-8B layer and an odd
-   shape with a bias (N, K not multiples of the tiles); three calls each (a moving result would
-   be a split-K race) and the split-K workspace left zeroed. Then an FP8 linear (what the models
+   activations, a Llama-3-8B layer, an odd shape with a bias (N, K not multiples of the tiles)
+   and a wide one (N >= WIDE_N); three calls each (a moving result would be a split-K race) and
+   the split-K workspace left zeroed. Then an FP8 linear (what the models
    build) captured in a CUDA graph at 1 and 8 rows and replayed on new inputs.
-2. Timings, per Llama-3-8B layer and M = 1, 8, 16: the W8A16 GEMV (FP8_GEMV_CONFIGS), the W8A8
-   path it replaces at decode (quantize_fp8 + fp8_gemm), and the bf16 decode linear
+2. Timings, per Llama-3-8B layer and M = 1, 8, 16: the W8A16 GEMV (FP8_GEMV_CONFIGS, the tile
+   of each layer's shape; the down projection forms its input from gate_up, as the models call
+   it), the W8A8 path it replaces at decode (quantize_fp8 + fp8_gemm), and the bf16 decode linear
    (dense_linear); CUDA-graph replays over weight copies larger together than 3x the L2, so
    every call streams its weight from HBM; GB/s counts weight bytes against the copy bandwidth
    measured in the same run. --sweep also times candidate tiles and prints the best per row.
@@ -55,7 +56,9 @@ def checks():
     bad = 0
     for dtype in (torch.bfloat16, torch.float16):
         for kind in KINDS:
-            for K, N, bias in ((4096, 6144, False), (1000, 1000, True)):
+            # a Llama-3-8B layer, an odd shape, a wide one (the one-row wide tile, a partial
+            # last column block)
+            for K, N, bias in ((4096, 6144, False), (1000, 1000, True), (4096, D.WIDE_N + 8, True)):
                 w, s, block = fp8_weight(N, K, kind)
                 b = torch.randn(N, device="cuda", dtype=dtype) if bias else None
                 worst, failed = 0.0, bad
@@ -63,7 +66,7 @@ def checks():
                     x = torch.randn(M, K, device="cuda", dtype=dtype)
                     ref = D.dense_gemv_reference(x.float(), w, None if b is None else b.float(),
                                                  s, block)
-                    cfg = D.fp8_gemv_config(M, block)
+                    cfg = D.fp8_gemv_config(M, block, N=N)
                     errs = [((D.dense_gemv(x, w, b, s, block, **cfg).float() - ref).norm()
                              / ref.norm()).item() for _ in range(3)]
                     ok = max(errs) < 1e-2 and max(errs) - min(errs) < 1e-3 and workspace_clean()
@@ -78,23 +81,26 @@ def checks():
                     ref = D.dense_gemv_reference(gate_up.float(), w, None, s, block,
                                                  silu_and_mul=True)
                     y = D.dense_gemv(gate_up, w, None, s, block, silu_and_mul=True,
-                                     **D.fp8_gemv_config(M, block))
+                                     **D.fp8_gemv_config(M, block, N=N, silu_and_mul=True))
                     err = ((y.float() - ref).norm() / ref.norm()).item()
                     ok = err < 1e-2 and workspace_clean()
                     bad += not ok
                     print(f"  {'ok  ' if ok else 'FAIL'} silu_and_mul input M={M}: {err:.1e}")
     for scheme, M, err in fp8_linear_graph_errors():
-        bad += not err < 1e-2
-        print(f"  {'ok  ' if err < 1e-2 else 'FAIL'} CUDA graph, FP8 linear {scheme} M={M}: "
+        # from 2 rows the linear quantizes x to e4m3 (W8A8 through fp8_rows): against the
+        # reference on bf16 x it is held to --sweep-rows' 0.06, one row (W8A16) to 1e-2
+        limit = 1e-2 if M == 1 else 0.06
+        bad += not err < limit
+        print(f"  {'ok  ' if err < limit else 'FAIL'} CUDA graph, FP8 linear {scheme} M={M}: "
               f"{err:.1e}", flush=True)
     return bad
 
 
-def candidates(M, block):
-    """Tiles tried by --sweep (the table's config first)."""
+def candidates(M, block, N, silu):
+    """Tiles tried by --sweep (the table's config for this shape first)."""
     if M == 1:
-        grid = itertools.product((16, 32, 64) if block else (16, 32),
-                                 (128,) if block else (256, 512, 1024), (2, 3), (4, 8), (3, 4))
+        grid = itertools.product((16, 32, 64) if block else (8, 16, 32),
+                                 (128,) if block else (256, 512, 1024), (1, 2, 3), (4, 8), (3, 4))
         out = [dict(block_n=n, block_k=k, programs_per_sm=p, num_warps=w, num_stages=st)
                for n, k, p, w, st in grid]
     else:
@@ -102,7 +108,7 @@ def candidates(M, block):
                                  (8, 16))
         out = [dict(block_n=n, block_k=k, programs_per_sm=p, num_stages=st, min_block_m=mb)
                for n, k, p, st, mb in grid if mb >= M]
-    return [D.fp8_gemv_config(M, block)] + out
+    return [D.fp8_gemv_config(M, block, N=N, silu_and_mul=silu)] + out
 
 
 def table(bw, sweep, rows, deadline):
@@ -117,23 +123,31 @@ def table(bw, sweep, rows, deadline):
             ws = [fp8_weight(N, K, kind) for _ in range(copies)]
             block = ws[0][2]
             for M in (1, 8, 16):
+                # the down projection's FP8 GEMV forms its input from gate_up, as the models
+                # call it (the bf16 column: dense_linear on the formed input)
+                silu = layer == "down"
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                xg = torch.randn(M, 2 * K, device="cuda", dtype=torch.bfloat16) if silu else x
                 bf16 = graph_us([lambda w=w: D.dense_linear(x, w) for w in dense])
 
                 def w8a8(w):
-                    q, s = fp8.quantize_fp8(x, 128 if block else None)
+                    if silu:
+                        q, s = fp8_act.silu_and_mul_quant_fp8(xg, 128 if block else None)
+                    else:
+                        q, s = fp8.quantize_fp8(x, 128 if block else None)
                     return fp8.fp8_gemm(q, s, w[0], w[1], x.dtype, block)
 
+                def gemv(cfg, w):
+                    return D.dense_gemv(xg, w[0], None, w[1], block, silu_and_mul=silu, **cfg)
+
                 old = graph_us([lambda w=w: w8a8(w) for w in ws])
-                ours = graph_us([lambda w=w: D.dense_gemv(x, w[0], None, w[1], block,
-                                                          **D.fp8_gemv_config(M, block))
-                                 for w in ws])
+                table_cfg = D.fp8_gemv_config(M, block, N=N, silu_and_mul=silu)
+                ours = graph_us([lambda w=w: gemv(table_cfg, w) for w in ws])
                 best = (ours, "table")
                 if sweep and time.time() < deadline:
-                    for cfg in candidates(M, block)[1:]:
+                    for cfg in candidates(M, block, N, silu)[1:]:
                         try:
-                            t = graph_us([lambda w=w: D.dense_gemv(x, w[0], None, w[1], block,
-                                                                   **cfg) for w in ws], 20)
+                            t = graph_us([lambda w=w: gemv(cfg, w) for w in ws], 20)
                         except Exception as e:  # noqa: BLE001  (a config that does not compile)
                             print(f"  ({cfg}: {str(e)[:60]})")
                             continue

@@ -154,7 +154,7 @@ def checks():
             K, N = CHECK_SHAPES[0]
             w, s, block = fp8_weight(N, K, kind)
             x = torch.randn(1, 2 * K if silu else K, device=DEV, dtype=torch.bfloat16)
-            cfg = dict(D.fp8_gemv_config(1, block), silu_and_mul=silu)
+            cfg = dict(D.fp8_gemv_config(1, block, N=N, silu_and_mul=silu), silu_and_mul=silu)
             ref = D.dense_gemv_reference(x.float(), w, None, s, block, silu_and_mul=silu)
             conv = D.dense_gemv(x, w, None, s, block, **cfg)
             errs = [rel(D.dense_gemv(x, w, None, s, block, w8_words=True, **cfg), ref)
@@ -243,8 +243,8 @@ def time_kind(kind, deadline, times):
         return graph_us([lambda w=w: R.fp8_rows(q, qs, w[0], w[1], x.dtype, block, **cfg)
                          for w in weights[layer]], 20)
 
-    for layer, _, _ in SHAPES:
-        one = D.fp8_gemv_config(1, block)
+    for layer, _, N in SHAPES:  # the table's one-row tile of this layer's shape
+        one = D.fp8_gemv_config(1, block, N=N, silu_and_mul=xs[layer, 1][1])
         put(1, "convert", layer, gemv(layer, 1, one))
         put(1, "words", layer, gemv(layer, 1, dict(one, w8_words=True)))
         for M in ROWS_MS:
@@ -384,13 +384,17 @@ def summary(times, cands, bw):
                         f"{weight_bytes / us_v / 1e3:,.0f} | "
                         f"{weight_bytes / us_v * 1e6 / bw:.0%} | "
                         f"{sum(t[old].values()) / us_v:.2f}x | {cfg_v}")
-            if M == 1:  # the one-row entry: the fastest of conversion, words, swept words
-                table = D.fp8_gemv_config(1, blocks[kind])
-                options = [(sum(t["convert"].values()), table),
-                           (sum(t["words"].values()), dict(table, w8_words=True))]
+            if M == 1:  # the one-row entries: the table's tiles (one per shape), the same
+                # with w8_words, or a swept tile for every shape, whichever is fastest
+                options = [(sum(t["convert"].values()), {}),
+                           (sum(t["words"].values()), dict(w8_words=True))]
                 if cfg is not None:
                     options.append((us_best, cfg))
-                gemv_entries["one_row" + suffix] = min(options, key=lambda o: o[0])[1]
+                won = min(options, key=lambda o: o[0])[1]
+                for key, table in D.FP8_ONE_ROW_CONFIGS.items():
+                    if won and key.endswith("_block") == bool(suffix):
+                        gemv_entries[key] = dict(table, **won) if won.keys() == {"w8_words"} \
+                            else won
             else:
                 # the table's tile stays unless a swept one beat it (budget cut or noise)
                 table = R.fp8_rows_config(M, blocks[kind])

@@ -121,8 +121,13 @@ for dtype in (torch.bfloat16, torch.float16):  # dense and int8 split-K (the fin
             dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), w8, bias, scale, block,
                                   split_k=4, **config)
             dense_gemv.dense_gemv(torch.randn(m, 8192).to(dtype), w8, None, scale, block,
-                                  silu_and_mul=True, **config)
-            if m == 1 and mode == "w8a16":  # e4m3 bytes to fp32 by integer ops (w8_words)
+                                  silu_and_mul=True,
+                                  **dense_gemv.fp8_gemv_config(m, block, mode, silu_and_mul=True))
+            if m == 1 and mode == "w8a16":  # the wide weights' tile; e4m3 bytes to fp32 by
+                # integer ops (w8_words)
+                dense_gemv.dense_gemv(torch.randn(m, 4096).to(dtype), w8, None, scale, block,
+                                      **dense_gemv.fp8_gemv_config(m, block, mode,
+                                                                   dense_gemv.WIDE_N))
                 dense_gemv.dense_gemv(torch.randn(m, 8192).to(dtype), w8, None, scale, block,
                                       silu_and_mul=True, w8_words=True, **config)
     for group in (None, 128):  # RMSNorm with its output quantized to e4m3 (W8A8 prefill)

@@ -443,10 +443,19 @@ FP8_GEMV_MAX_M = {"w8a16": 1, "w8a8dot": GEMV_MAX_M}  # rows up to which FP8 tak
 # the sweep's best w8a8dot tile from 2 rows on (it prints one row per key; equal rows kept once)
 _DOT_ROWS = dict(block_n=128, block_k=128, num_warps=8, num_stages=4, programs_per_sm=2,
                  quantize_x=True)
-# W8A16 at one row; w8_words (e4m3 bytes to fp32 by integer ops) or the weight by TMA (w_tma)
-# where the H200 sweep finds it faster (benchmarks/fp8_gemv.py --sweep-rows prints this table)
+# W8A16 at one row, by the weight's shape (fp8_gemv_config). K is split only where the column
+# blocks leave SMs without a program (programs_per_sm 1): on the H200, splitting the 4096-wide
+# layers (o, down) in two lost more than their extra programs gained. The down
+# projection's input formed as it loads (silu_and_mul: two loads and a sigmoid a column, shared
+# by the tile's rows) takes long K steps; a wide weight (N >= WIDE_N, thousands of column blocks)
+# short steps of more rows, so that more programs fit an SM. w8_words (e4m3 bytes to fp32 by
+# integer ops) or the weight by TMA (w_tma) where the H200 sweep finds it faster
+# (benchmarks/fp8_gemv.py --sweep-rows prints this table; --sweep, each shape's best tiles).
+WIDE_N = 16384
 FP8_ONE_ROW_CONFIGS = {
-    "one_row": dict(block_n=16, block_k=512, programs_per_sm=2),
+    "one_row": dict(block_n=16, block_k=512, num_stages=4, programs_per_sm=1),
+    "one_row_wide": dict(block_n=32, block_k=256, num_stages=4, programs_per_sm=1),
+    "one_row_silu": dict(block_n=16, block_k=1024, num_stages=4, programs_per_sm=1),
     "one_row_block": dict(block_n=64, block_k=128, num_warps=4, num_stages=3,
                           programs_per_sm=2, w_tma=True),
 }
@@ -469,12 +478,18 @@ def fp8_gemv_mode() -> str:
     return envs.TINYPAGED_FP8_GEMV
 
 
-def fp8_gemv_config(M: int, block: tuple[int, int] | None, mode: str = "w8a16") -> dict:
-    """dense_gemv's tiles for an FP8 weight at M rows (block: the weight's scale block)."""
+def fp8_gemv_config(M: int, block: tuple[int, int] | None, mode: str = "w8a16", N: int = 0,
+                    silu_and_mul: bool = False) -> dict:
+    """dense_gemv's tiles for an FP8 weight [N, K] at M rows (block: the weight's scale block;
+    silu_and_mul: the input is gate_up, formed as it loads)."""
     if mode == "w8a8dot":
         key = f"w8a8dot_m{1 << (M - 1).bit_length()}"
+    elif M > 1:
+        key = "rows"
+    elif block:
+        key = "one_row"
     else:
-        key = "one_row" if M == 1 else "rows"
+        key = "one_row_silu" if silu_and_mul else "one_row_wide" if N >= WIDE_N else "one_row"
     return FP8_GEMV_CONFIGS[key + ("_block" if block else "")]
 
 

@@ -169,7 +169,8 @@ class Fp8Config(QuantizationMethod):
         mode = fp8_gemv_mode()
         if use_triton(x2) and self.takes_gemv(x2, mode):
             y = dense_gemv(x2, layer.weight, bias, layer.weight_scale, self.block,
-                           **fp8_gemv_config(x2.shape[0], self.block, mode))
+                           **fp8_gemv_config(x2.shape[0], self.block, mode,
+                                             layer.weight.shape[0]))
             return y.reshape(*x.shape[:-1], -1)
         if use_triton(x2):
             if self.weight_scheme == "block":
@@ -218,7 +219,8 @@ def fp8_silu_and_mul_down(down: nn.Module, gate_up: torch.Tensor) -> torch.Tenso
     mode = fp8_gemv_mode()
     if method.takes_gemv(x2, mode):
         y = dense_gemv(x2, down.weight, None, down.weight_scale, method.block, silu_and_mul=True,
-                       **fp8_gemv_config(x2.shape[0], method.block, mode))
+                       **fp8_gemv_config(x2.shape[0], method.block, mode,
+                                         down.weight.shape[0], silu_and_mul=True))
     elif method.static_input:
         return None
     else:
