@@ -1,10 +1,12 @@
 """FP8 checkpoints in each format (quant_method "fp8" per tensor, static or dynamic inputs, and
 block-wise; compressed-tensors float-quantized per channel and per tensor), written here in the
-format's layout: logits and greedy tokens match transformers running the dequantized weights
+format's layout, and one written by llm-compressor (data/): logits and greedy tokens match
+transformers running the dequantized weights
 (the CPU path is weight-only FP8 in fp32). The W8A8 path (the Triton kernels, interpreted) is
 checked layer by layer, and quantize-at-load (`quantization="fp8"`) against the dense model."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from helpers.models import (  # noqa: F401  (single_thread: autouse fixture)
 )
 from helpers.quantize import LINEARS, save_tiny
 from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from tinypaged import LLM
 from tinypaged.config import EngineConfig
@@ -109,6 +112,28 @@ def test_checkpoint_matches_dequantized_transformers(tmp_path, fmt, kind):
         assert qkv.input_scale.item() == pytest.approx(0.03)  # the largest of q, k, v
     check_prefill_then_decode(PagedRunner(model, block_size=4, num_blocks=32), hf_model,
                               PROMPTS, 2, what=f"fp8 {fmt}")
+
+
+LLMCOMPRESSOR_FP8 = Path(__file__).parent / "data" / "llmcompressor_fp8_dynamic"
+
+
+def test_llm_compressor_checkpoint_matches_dequantized_transformers():
+    """A checkpoint llm-compressor itself wrote (FP8_DYNAMIC: data/make_llmcompressor_fp8.py) is
+    detected as compressed-tensors FP8 with per-channel scales, and gives the logits and greedy
+    tokens of transformers running its dequantized weights."""
+    config = json.loads((LLMCOMPRESSOR_FP8 / "config.json").read_text())
+    assert config.pop("quantization_config")["format"] == "float-quantized"
+    hf_model = LlamaForCausalLM(LlamaConfig(**config)).float().eval()
+    tensors = load_file(str(LLMCOMPRESSOR_FP8 / "model.safetensors"))
+    hf_model.load_state_dict({  # w = q * scale, one scale per output row
+        name: t.float() * tensors[name + "_scale"] if name + "_scale" in tensors else t.float()
+        for name, t in tensors.items() if not name.endswith("_scale")}, strict=True)
+    model, _, _ = load_model(EngineConfig(model=str(LLMCOMPRESSOR_FP8)), "cpu")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant_config, CompressedTensorsFp8Config)
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (128, 1)
+    check_prefill_then_decode(PagedRunner(model, block_size=4, num_blocks=32), hf_model,
+                              PROMPTS, 2, what="llm-compressor FP8_DYNAMIC")
 
 
 def test_llm_generates_the_dequantized_models_tokens(tmp_path):
