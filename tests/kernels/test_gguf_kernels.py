@@ -108,7 +108,7 @@ def test_dequantize_kernel(interpret, type_id, dtype):
     assert torch.equal(ours, reference)
 
 
-@pytest.mark.parametrize("dtype,M", [(torch.float32, 1), (torch.float16, 3)])
+@pytest.mark.parametrize("dtype,M", [(torch.float32, 1), (torch.float16, 3), (torch.float32, 5)])
 @pytest.mark.parametrize("type_id", QUANTIZED_TYPES, ids=NAMES.get)
 def test_gemv_kernel(interpret, type_id, dtype, M):
     K = _k(type_id)
@@ -180,6 +180,7 @@ def test_linear_dispatch(interpret, monkeypatch):
     assert gguf.decode_path(14, 512, 1) == ("gemv", {"prefetch": True, "asm": True})
     assert gguf.decode_path(14, 256, 1) is None  # 210-byte rows: not whole words
     assert gguf.decode_path(8, 256, 9) is None  # Q8_0: the GEMV up to 8 rows
+    assert gguf.decode_path(3, 256, 5) == ("gemv", {"num_warps": 1})  # from 2 rows, one warp
     assert gguf.gguf_linear(x[:0], qweight, type_id).shape == (0, 16)
 
 
@@ -226,6 +227,9 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
     qweight = torch.zeros(4096, row_bytes(type_id, 4096), dtype=torch.uint8)
     gguf.gguf_gemv(torch.randn(1, 4096).to(torch.bfloat16), qweight, type_id)
     gguf.gguf_dequantize(qweight, type_id, 4096, torch.bfloat16)
+    if type_id in (2, 3, 8):  # every row of x at once, as decode_path gives 2-8 rows
+        gguf.gguf_gemv(torch.randn(5, 4096).to(torch.bfloat16), qweight, type_id, split_k=4,
+                       **gguf.decode_path(type_id, 4096, 5)[1])
     if type_id in (12, 14):
         gguf.gguf_gemv(torch.randn(8, 4096).to(torch.float16), qweight, type_id, split_k=4)
         gguf_mma(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, split_k=4)

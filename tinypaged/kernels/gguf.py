@@ -49,10 +49,17 @@ __all__ = ["DECODE_PATHS", "GEMV_MAX_M", "decode_path", "dequantize_reference", 
 # (each weight dequantized once, the rows on tensor cores; its tiles from ROWS_CONFIGS): on the
 # H200 it beat the GEMV from 4 rows and gguf_mma at every size for Q4_K and Q6_K, on the sum of
 # the Llama-3-8B layers (the o projection alone lost at 4 and 16 rows; benchmarks/gguf_gemv.py
-# --only rows, figures in benchmarks/RESULTS.md); 3 rows is interpolated between 2 and 4.
+# --only rows, figures in benchmarks/RESULTS.md); 3 rows is interpolated between 2 and 4. The
+# legacy types (Q4_0, Q4_1, Q8_0) take the GEMV to GEMV_MAX_M rows, from 2 rows with one warp
+# a program (8 rows of W): there it multiplies all rows of x at once (gguf_gemv_step.py), and
+# on the H200 the small tiles beat the default on the SmolLM2-135M layers at 2-8 rows
+# (speculative decoding verifies 5 rows a sequence; benchmarks/RESULTS.md). Other types take
+# the GEMV to GEMV_MAX_M rows with its defaults.
+_LEGACY = ((1, "gemv", {}), (GEMV_MAX_M, "gemv", {"num_warps": 1}))
 DECODE_PATHS: dict[int, tuple[tuple[int, str, dict], ...]] = {
     12: ((3, "gemv", {}), (16, "rows", {})),
     14: ((1, "gemv", {"prefetch": True, "asm": True}), (3, "gemv", {}), (16, "rows", {})),
+    2: _LEGACY, 3: _LEGACY, 8: _LEGACY,
 }
 _GEMV_ONLY = ((GEMV_MAX_M, "gemv", {}),)
 # gguf_rows' tiles (DECODE_PATHS' "rows", and 2..ROWS_MAX_M rows of every type with

@@ -66,8 +66,11 @@ def _gguf_gemv_kernel(
     steps = tl.cdiv(nb, BPS)
     first, last = split_k_range(steps, split_k)
     acc = tl.zeros((H, BLOCK_N, BLOCK_M), tl.float32)
-    # the rows of x, one at a time in a loop that is not unrolled (unrolled 8 times, the body made
-    # the compile take minutes); each row reuses the step's decoded weights
+    # the rows of x: the k-quants take them one at a time in a loop that is not unrolled
+    # (unrolled 8 times, the body made the compile take minutes; all at once, as [.., BLOCK_M]
+    # tensors, it ran twice as long on the H200); the legacy types all at once
+    # (gguf_gemv_step._dot_rows), which cut 2-8 rows of the SmolLM2-135M layers by a quarter
+    # to a half. Each row reuses the step's decoded weights
     ROWS_X = 1 if BLOCK_M == 1 else M
     # the step's block of chunk h (legacy blocks of 16 or 32 quant bytes) and the loads that
     # exist; with PREFETCH the loop carries the next step's loads, issued before this step's

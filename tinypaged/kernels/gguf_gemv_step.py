@@ -88,6 +88,27 @@ def _dot(f0, f1, f2, f3, x_ptrs, x_mask):
 
 
 @jit
+def _x_rows(x_ptr, stride_xm, M, k, BLOCK_M: tl.constexpr):
+    # every row of x at the K indices k [H, 1, 4]: pointers [H, 1, 4, BLOCK_M], row m of x along
+    # the last dim, and the mask of the rows that exist [1, 1, 1, BLOCK_M]
+    m = tl.arange(0, BLOCK_M)[None, None, None, :]
+    return x_ptr + m * stride_xm + k[:, :, :, None], m < M
+
+
+@jit
+def _dot_rows(f0, f1, f2, f3, x_ptrs, x_mask):
+    # _dot for all rows of x at once: x_ptrs [H, 1, 4, BLOCK_M] (_x_rows) -> (sum f x
+    # [H, BN, BLOCK_M], sum x [H, 1, BLOCK_M]), a column per row
+    x0 = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptrs + 4, mask=x_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptrs + 8, mask=x_mask, other=0.0).to(tl.float32)
+    x3 = tl.load(x_ptrs + 12, mask=x_mask, other=0.0).to(tl.float32)
+    fx = tl.sum(f0[:, :, :, None] * x0 + f1[:, :, :, None] * x1 + f2[:, :, :, None] * x2
+                + f3[:, :, :, None] * x3, axis=2)
+    return fx, tl.sum(x0 + x1 + x2 + x3, axis=2)
+
+
+@jit
 def _k_scale_min(w1, w2, w3, s):
     # Q4_K / Q5_K: 6-bit scale and min of sub-block s [H, 1, 1] from the scale words [H, BN, 1]
     # (bytes 0-3, 4-7, 8-11 of the 12; layout in gguf_format.k_scale_min)
@@ -257,10 +278,16 @@ def _step_dot(acc, v0, v1, v2, v3, v4, x_ptr, stride_xm, M, K, step, blk, h, w, 
         # signed bytes: XOR-ing the sign bits (0x80808080) gives q + 128 in 0..255
         q0, q1, q2, q3 = _byte_fracs(v0 ^ -0x7F7F7F80, 0xFF << 15, one)
         k_lo = step * 128 + h * 16
-        for mi in range(ROWS_X):
-            x_lo = x_ptr + mi * stride_xm + k_lo + tl.arange(0, 4)[None, None, :]
-            s, xs = _dot(q0, q1, q2, q3, x_lo, (mi < M) & (k_lo < K))
-            acc = _add_row(acc, d * ((s - xs) * 256.0 - 128.0 * xs), mi, BLOCK_M)
+        if BLOCK_M > 1:  # every row at once
+            x_lo, x_ok = _x_rows(x_ptr, stride_xm, M, k_lo + tl.arange(0, 4)[None, None, :],
+                                 BLOCK_M)
+            s, xs = _dot_rows(q0, q1, q2, q3, x_lo, x_ok & (k_lo < K)[:, :, :, None])
+            acc += d * ((s - xs) * 256.0 - 128.0 * xs)
+        else:
+            for mi in range(ROWS_X):
+                x_lo = x_ptr + mi * stride_xm + k_lo + tl.arange(0, 4)[None, None, :]
+                s, xs = _dot(q0, q1, q2, q3, x_lo, (mi < M) & (k_lo < K))
+                acc = _add_row(acc, d * ((s - xs) * 256.0 - 128.0 * xs), mi, BLOCK_M)
     else:  # Q4_0 / Q4_1: chunk h = block blk, low nibbles weights 0..15, high nibbles 16..31
         d = _select(v1, w, blk % 4)
         if QTYPE == 3:
@@ -270,11 +297,20 @@ def _step_dot(acc, v0, v1, v2, v3, v4, x_ptr, stride_xm, M, K, step, blk, h, w, 
         q0, q1, q2, q3 = _byte_fracs(v0, 0xF << 15, one)
         p0, p1, p2, p3 = _byte_fracs(v0, 0xF << 19, one)
         k_lo = blk * 32
-        for mi in range(ROWS_X):
-            x_lo = x_ptr + mi * stride_xm + k_lo + tl.arange(0, 4)[None, None, :]
-            x_ok = (mi < M) & (k_lo < K)
-            s_lo, xs_lo = _dot(q0, q1, q2, q3, x_lo, x_ok)
-            s_hi, xs_hi = _dot(p0, p1, p2, p3, x_lo + 16, x_ok)
-            part = d * ((s_lo - xs_lo) * 256.0 + (s_hi - xs_hi) * 16.0) + mn * (xs_lo + xs_hi)
-            acc = _add_row(acc, part, mi, BLOCK_M)
+        if BLOCK_M > 1:  # every row at once
+            x_lo, x_ok = _x_rows(x_ptr, stride_xm, M, k_lo + tl.arange(0, 4)[None, None, :],
+                                 BLOCK_M)
+            x_ok = x_ok & (k_lo < K)[:, :, :, None]
+            s_lo, xs_lo = _dot_rows(q0, q1, q2, q3, x_lo, x_ok)
+            s_hi, xs_hi = _dot_rows(p0, p1, p2, p3, x_lo + 16, x_ok)
+            acc += d * ((s_lo - xs_lo) * 256.0 + (s_hi - xs_hi) * 16.0) + mn * (xs_lo + xs_hi)
+        else:
+            for mi in range(ROWS_X):
+                x_lo = x_ptr + mi * stride_xm + k_lo + tl.arange(0, 4)[None, None, :]
+                x_ok = (mi < M) & (k_lo < K)
+                s_lo, xs_lo = _dot(q0, q1, q2, q3, x_lo, x_ok)
+                s_hi, xs_hi = _dot(p0, p1, p2, p3, x_lo + 16, x_ok)
+                part = d * ((s_lo - xs_lo) * 256.0 + (s_hi - xs_hi) * 16.0) \
+                    + mn * (xs_lo + xs_hi)
+                acc = _add_row(acc, part, mi, BLOCK_M)
     return acc
