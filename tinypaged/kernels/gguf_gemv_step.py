@@ -75,13 +75,19 @@ def _high_bits(v):
 
 
 @jit
+def _x4(x_ptrs, x_mask):
+    # the activations of bytes 0..3 of the thread's words, in fp32: byte b's four start at
+    # x_ptrs + 4b
+    return (tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32),
+            tl.load(x_ptrs + 4, mask=x_mask, other=0.0).to(tl.float32),
+            tl.load(x_ptrs + 8, mask=x_mask, other=0.0).to(tl.float32),
+            tl.load(x_ptrs + 12, mask=x_mask, other=0.0).to(tl.float32))
+
+
+@jit
 def _dot(f0, f1, f2, f3, x_ptrs, x_mask):
-    # (sum f x over the thread's 16 weights [H, BN, 1], sum x [H, 1, 1]); byte b's four
-    # activations start at x_ptrs + 4b
-    x0 = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptrs + 4, mask=x_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptrs + 8, mask=x_mask, other=0.0).to(tl.float32)
-    x3 = tl.load(x_ptrs + 12, mask=x_mask, other=0.0).to(tl.float32)
+    # (sum f x over the thread's 16 weights [H, BN, 1], sum x [H, 1, 1]); x_ptrs [H, 1, 4] (_x4)
+    x0, x1, x2, x3 = _x4(x_ptrs, x_mask)
     fx = tl.sum(f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3, axis=2, keep_dims=True)
     xs = tl.sum(x0 + x1 + x2 + x3, axis=2, keep_dims=True)
     return fx, xs
@@ -99,10 +105,7 @@ def _x_rows(x_ptr, stride_xm, M, k, BLOCK_M: tl.constexpr):
 def _dot_rows(f0, f1, f2, f3, x_ptrs, x_mask):
     # _dot for all rows of x at once: x_ptrs [H, 1, 4, BLOCK_M] (_x_rows) -> (sum f x
     # [H, BN, BLOCK_M], sum x [H, 1, BLOCK_M]), a column per row
-    x0 = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptrs + 4, mask=x_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptrs + 8, mask=x_mask, other=0.0).to(tl.float32)
-    x3 = tl.load(x_ptrs + 12, mask=x_mask, other=0.0).to(tl.float32)
+    x0, x1, x2, x3 = _x4(x_ptrs, x_mask)
     fx = tl.sum(f0[:, :, :, None] * x0 + f1[:, :, :, None] * x1 + f2[:, :, :, None] * x2
                 + f3[:, :, :, None] * x3, axis=2)
     return fx, tl.sum(x0 + x1 + x2 + x3, axis=2)
