@@ -3,6 +3,8 @@ schema against the same batch unconstrained (issue #13's target: within 10%).
 
     PYTHONPATH=. python benchmarks/structured_throughput.py          # the default model, GPU if any
     PYTHONPATH=. python benchmarks/structured_throughput.py --model DIR --load-format dummy
+    PYTHONPATH=.:/tmp/vsite python benchmarks/structured_throughput.py --engine vllm --model DIR \
+        --load-format dummy      # the same runs through vLLM (the anchor kit's), for its ratio
 
 With `--load-format dummy`, DIR needs only config.json and the tokenizer files (tokenizer.json,
 tokenizer_config.json, chat_template.jinja): random weights in the model's shape, so a GPU machine
@@ -28,9 +30,6 @@ import time
 
 import torch
 
-from tinypaged import LLM, SamplingParams, StructuredOutputsParams
-from tinypaged.kernels import logits as ops
-
 PERSON = {
     "type": "object",
     "properties": {
@@ -50,7 +49,17 @@ PERSON = {
 LONG = {"type": "array", "items": PERSON, "minItems": 1000}
 
 
+def tinypaged_api() -> tuple:
+    """tinypaged's (SamplingParams, StructuredOutputsParams), imported only when used: importing
+    tinypaged's kernels installs its Triton launcher, which a vLLM run should not have."""
+    from tinypaged import SamplingParams, StructuredOutputsParams
+
+    return SamplingParams, StructuredOutputsParams
+
+
 def check_kernels(device: torch.device, vocab: int) -> None:
+    from tinypaged.kernels import logits as ops
+
     g = torch.Generator(device=device).manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         logits = torch.randn(64, vocab, device=device, generator=g).to(dtype)
@@ -85,13 +94,14 @@ def valid_person(doc) -> bool:
     )
 
 
-def check(llm: LLM) -> int:
+def check(llm) -> int:
     if llm.engine.device.type == "cuda":
         check_kernels(llm.engine.device, llm.engine.vocab_size)
+    sampling, structured = tinypaged_api()
     convs = [[{"role": "user", "content": f"Describe person {i} as JSON."}] for i in range(4)]
     # No free whitespace: random (dummy) weights would fill it forever.
-    so = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
-    params = SamplingParams(temperature=0, max_tokens=300, structured_outputs=so)
+    so = structured(json=PERSON, disable_any_whitespace=True)
+    params = sampling(temperature=0, max_tokens=300, structured_outputs=so)
     for out in llm.chat(convs, params, use_tqdm=False):
         text = out.outputs[0].text
         if out.outputs[0].finish_reason != "stop":
@@ -101,30 +111,33 @@ def check(llm: LLM) -> int:
     return len(convs)
 
 
-def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
+def run(llm, prompts: list[list[int]], params: list) -> tuple[float, int]:
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def workload(args, vocab: int) -> tuple[list[list[int]], SamplingParams, SamplingParams]:
+def workload(args, vocab: int, api=None) -> tuple[list[list[int]], object, object]:
     """(prompts, plain params, constrained params): `args.num_requests` prompts of random ids
     (Random(0), lengths in [args.min_prompt, args.max_prompt]), greedy, `args.max_tokens`
-    tokens, EOS ignored; the constrained ones follow LONG (also benchmarks/structured_steps.py)."""
+    tokens, EOS ignored; the constrained ones follow LONG (also benchmarks/structured_steps.py).
+    api: vLLM's (SamplingParams, StructuredOutputsParams) in place of tinypaged's."""
+    sampling, structured = api or tinypaged_api()
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, vocab - 1000)
                 for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                for _ in range(args.num_requests)]
-    plain = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
-                                 structured_outputs=StructuredOutputsParams(json=LONG))
+    plain = sampling(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    constrained = sampling(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                           structured_outputs=structured(json=LONG))
     return prompts, plain, constrained
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--engine", choices=("tinypaged", "vllm"), default="tinypaged")
     ap.add_argument("--device", default=None)
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--num-requests", type=int, default=256)
@@ -134,12 +147,27 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    llm = LLM(args.model, device=args.device, enable_prefix_caching=False,
-              load_format=args.load_format,
-              max_model_len=max(args.max_prompt + args.max_tokens, 512) + 8)
-    checked = check(llm)
-    vocab = llm.engine.vocab_size
-    prompts, plain, constrained = workload(args, vocab)
+    max_model_len = max(args.max_prompt + args.max_tokens, 512) + 8
+    if args.engine == "vllm":  # its own LLM and params classes, the same arguments
+        import vllm
+        from vllm.sampling_params import StructuredOutputsParams as VllmStructured
+
+        api = (vllm.SamplingParams, VllmStructured)
+        llm = vllm.LLM(args.model, enable_prefix_caching=False, load_format=args.load_format,
+                       max_model_len=max_model_len)
+        vocab, device = llm.llm_engine.model_config.get_vocab_size(), "cuda"
+        grammar = f"vLLM {vllm.__version__}"
+    else:
+        from tinypaged import LLM
+
+        api = None
+        llm = LLM(args.model, device=args.device, enable_prefix_caching=False,
+                  load_format=args.load_format, max_model_len=max_model_len)
+        vocab, device = llm.engine.vocab_size, str(llm.engine.device)
+        grammar = type(llm.engine._get_grammar_compiler()).__name__  # GrammarProcess or here
+    # tinypaged's outputs only: vLLM takes disable_any_whitespace per engine, not per request
+    checked = check(llm) if api is None else 0
+    prompts, plain, constrained = workload(args, vocab, api)
     runs = {"plain": [plain] * len(prompts),
             "half": [constrained if i % 2 else plain for i in range(len(prompts))]}
     run(llm, prompts[:4], runs["half"][:4])  # warm-up: compile the schema, first kernels
@@ -150,8 +178,7 @@ def main() -> None:
             if name not in best or tokens / elapsed > best[name][1] / best[name][0]:
                 best[name] = (elapsed, tokens)
     rate = {k: t / e for k, (e, t) in best.items()}
-    grammar = type(llm.engine._get_grammar_compiler()).__name__  # GrammarProcess or here
-    print(f"device {llm.engine.device}, {args.num_requests} requests x {args.max_tokens} tokens, "
+    print(f"device {device}, {args.num_requests} requests x {args.max_tokens} tokens, "
           f"prompts {args.min_prompt}-{args.max_prompt}, correctness: {checked} outputs valid, "
           f"grammar work: {grammar}")
     print("| run | output tokens | seconds | output tok/s |")
@@ -160,7 +187,7 @@ def main() -> None:
         print(f"| {name} | {tokens} | {elapsed:.2f} | {rate[name]:.1f} |")
     ratio = rate["half"] / rate["plain"]
     print(f"half constrained / plain = {ratio:.3f}")
-    print(json.dumps({"device": str(llm.engine.device), "num_requests": args.num_requests,
+    print(json.dumps({"engine": args.engine, "device": device, "num_requests": args.num_requests,
                       "max_tokens": args.max_tokens, "plain_tok_s": rate["plain"],
                       "half_tok_s": rate["half"], "ratio": ratio, "grammar": grammar}))
 
