@@ -25,7 +25,8 @@ gpu   Llama-3-8B shape (random weights; or --model DIR, a checkpoint's own weigh
       GPU waits for. Then the engine-thread calls in that gap, each timed (GAP_PHASES: the
       scheduler's update and schedule, the proposer, build_step, the runner's execute), and the CUDA
       runtime calls each made in the profiled steps (a graph launch, the input copies, any
-      synchronization): under speculation all of them delay the next launch.
+      synchronization): under speculation all of them delay the next launch (which calls; their
+      times are inflated by the profiler, a graph launch's most of all).
 host  a tiny random Llama on the CPU (torch references), async scheduling on: this thread's
       CPU time per step outside the model's forward and logits, split into the part before
       the forward is launched (under speculation the GPU idles through it: the step needs the
@@ -364,8 +365,10 @@ def print_gpu(rows: dict, stats: dict, args, device: str) -> None:
     for (name, b), r in rows.items():
         if name == "no spec":
             continue
-        print(f"\nCUDA runtime calls inside each phase, {name} batch {b} (profiled steps; "
-              "calls and us a step):")
+        # which calls a phase makes; their times are the profiler's (a graph launch shows
+        # 0.3-0.5 ms here, 10-20 us timed without it: RESULTS-log.md, session 53)
+        print(f"\nCUDA runtime calls inside each phase, {name} batch {b} (profiled steps, "
+              "times under the profiler; calls and us a step):")
         for phase, call, n, us in r["gap_calls"][:14]:
             print(f"  {phase:<11} {call:<40} {n:6.1f} {us:9.1f}")
     for b in args.batches:
