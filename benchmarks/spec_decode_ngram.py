@@ -5,12 +5,12 @@ Each prompt asks the model to repeat a paragraph of tinypaged/data/heldout.txt, 
 output is found in the prompt (the case prompt lookup is for: editing, quoting, summarising).
 A run is --num-prompts such prompts (8), `b` at a time at batch b: batch 1 times all 8 one after
 another, not one short output whose few steps a single stall would swing.
-Prints tok/s with and without speculation, the speed-up and the acceptance rate, and checks the
-greedy tokens are the same; for tinypaged on a GPU also how many verification steps replayed
-their full CUDA graph (the rest ran the piecewise graphs; TINYPAGED_SPEC_PAD_DRAFTS=0 for the
-A/B of the draft padding that keeps them in it). `--engine vllm` runs the same workload
-through vLLM's `LLM` (the anchor kit's vLLM on PYTHONPATH), so both speed-ups come from one GPU
-in one sitting:
+Prints tok/s with and without speculation, the speed-up and the acceptance rate (each batch
+size's, then overall), and checks the greedy tokens are the same; for tinypaged on a GPU also
+how many verification steps replayed their full CUDA graph (the rest ran the piecewise graphs;
+TINYPAGED_SPEC_PAD_DRAFTS=0 for the A/B of the draft padding that keeps them in it).
+`--engine vllm` runs the same workload through vLLM's `LLM` (the anchor kit's vLLM on
+PYTHONPATH), so both speed-ups come from one GPU in one sitting:
 
     PYTHONPATH=. python benchmarks/spec_decode_ngram.py [MODEL] \\
         [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}']
@@ -125,12 +125,17 @@ def main() -> None:
     result: dict = {"engine": args.engine, "speculative_config": spec}
     for b in args.batch_sizes:
         before = graph_steps(llm) if args.engine == "tinypaged" else None
+        counted = counters(llm)
         rate, tokens, compiles = timed(llm, work, b, params)
+        # this batch size's three runs: drafted and accepted tokens since `counted`
+        drafted, accepted = (counters(llm).get(k, 0) - counted.get(k, 0)
+                             for k in ("num_draft_tokens", "num_accepted_tokens"))
         same = sum(x == y for x, y in zip(tokens, base[b][1]))
         result[f"speedup_batch_{b}"] = rate / base[b][0]
         line = {"engine": args.engine, "batch": b, "base_tok_s": round(base[b][0], 1),
                 "spec_tok_s": round(rate, 1), "speedup": round(rate / base[b][0], 3),
-                "identical": f"{same}/{len(work)}", "base_compiles": base[b][2],
+                "identical": f"{same}/{len(work)}",
+                "acceptance": round(accepted / max(drafted, 1), 3), "base_compiles": base[b][2],
                 "spec_compiles": compiles}
         if before is not None:  # the three runs' verifications, and how many were one graph
             after = graph_steps(llm)
