@@ -8,7 +8,8 @@ another, not one short output whose few steps a single stall would swing.
 Prints tok/s with and without speculation, the speed-up and the acceptance rate (each batch
 size's, then overall), and checks the greedy tokens are the same; for tinypaged on a GPU also
 how many verification steps replayed their full CUDA graph (the rest ran the piecewise graphs;
-TINYPAGED_SPEC_PAD_DRAFTS=0 for the A/B of the draft padding that keeps them in it).
+TINYPAGED_SPEC_PAD_DRAFTS=0 for the A/B of the draft padding that keeps them in it), and, with
+TINYPAGED_SPEC_OVERLAP=1, how many steps were launched before the tokens of the one in flight.
 `--engine vllm` runs the same workload through vLLM's `LLM` (the anchor kit's vLLM on
 PYTHONPATH), so both speed-ups come from one GPU in one sitting:
 
@@ -82,6 +83,12 @@ def graph_steps(llm) -> tuple[int, int] | None:
     return None if spec is None or graphs is None else (spec.num_launched, graphs.num_runs)
 
 
+def overlapped_steps(llm) -> int:
+    """tinypaged: steps proposed before the verification in flight gave its tokens, so far."""
+    spec = getattr(llm.engine, "spec", None)
+    return 0 if spec is None else spec.num_overlapped
+
+
 def engine_args(engine: str, model: str | None, memory: float) -> dict:
     args = dict(gpu_memory_utilization=memory, max_model_len=2048)
     if engine == "tinypaged":
@@ -125,6 +132,7 @@ def main() -> None:
     result: dict = {"engine": args.engine, "speculative_config": spec}
     for b in args.batch_sizes:
         before = graph_steps(llm) if args.engine == "tinypaged" else None
+        overlapped = overlapped_steps(llm) if args.engine == "tinypaged" else 0
         counted = counters(llm)
         rate, tokens, compiles = timed(llm, work, b, params)
         # this batch size's three runs: drafted and accepted tokens since `counted`
@@ -140,6 +148,8 @@ def main() -> None:
         if before is not None:  # the three runs' verifications, and how many were one graph
             after = graph_steps(llm)
             line["graph_verifications"] = f"{after[1] - before[1]}/{after[0] - before[0]}"
+        if args.engine == "tinypaged" and llm.engine.spec.overlap:
+            line["overlapped_steps"] = overlapped_steps(llm) - overlapped
         print(json.dumps(line), flush=True)
     c = counters(llm)
     accepted = c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1)

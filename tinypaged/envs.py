@@ -205,6 +205,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "to k so that the verification replays one CUDA graph (for A/B benchmarks)",
         _is_not_zero,
     ),
+    "TINYPAGED_SPEC_OVERLAP": EnvVar(
+        "bool", False,
+        "1 overlaps speculative verifications (n-gram and the oracles, one rank, async "
+        "scheduling): each is launched before the tokens of the one in flight are known, as if "
+        "it accepted every draft, and moved on the device to where it ended",
+        _is_one,
+    ),
     "TINYPAGED_PIECEWISE_UNCHECKED": EnvVar(
         "bool", False,
         "1 captures piecewise CUDA graphs under tensor parallelism (not yet checked on GPUs)",

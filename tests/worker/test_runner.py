@@ -259,3 +259,36 @@ def test_graph_staging_layout_reads_back_on_the_device_side():
         assert not dev.block_tables[:batch, width:].any()
         assert (dev.slot_mapping[batch:] == -1).all() and (dev.seq_lens[batch:] == 1).all()
         assert not dev.block_tables[batch:].any() and not dev.input_ids[batch:].any()
+
+
+def test_a_step_behind_a_verification_in_flight_moves_to_where_it_ended(tables):
+    """build_step places the rows of a sequence behind a verification in flight as if every
+    draft were accepted (its first row a placeholder); shift_to_verified then moves them on the
+    device to what the oracle gives for the tokens that verification really emitted."""
+    from tinypaged.kernels.spec_shift import shift_to_verified
+
+    a = Sequence("a", list(range(10, 20)))  # 10 tokens; verified 3 drafts, 1 + 3 in flight
+    b = Sequence("b", list(range(30, 36)))  # a plain decode beside it
+    a.block_table, b.block_table = [7, 3, 12, 5], [9, 2]
+    a.num_output_placeholders = 4
+    drafts = [50, 51]
+    behind = ScheduledSequence(a, 3, 13, sample=True, spec_token_ids=drafts)
+    step = build_step([behind, decode(b)], BLOCK, tables, prev_sample_rows={a.seq_id: 1},
+                      prev_assumed={a.seq_id: 4})
+    assert step.verify_rows.tolist() == [1, -1] and step.verify_assumed.tolist() == [4, 0]
+    assert step.input_ids.tolist()[:3] == [0, *drafts] and step.prev_sample_indices is None
+    assert step.positions.tolist()[:3] == [13, 14, 15] and step.seq_lens.tolist() == [16, 6]
+    # its verification accepted 1 of the 3 drafts and corrected the next: 2 tokens, not 4
+    emitted = torch.tensor([[1, 2, 3, 4], [20, 77, -1, -1]])
+    t = {name: torch.from_numpy(getattr(step, name).copy()) for name in
+         ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
+          "block_tables")}
+    shift_to_verified(emitted, torch.from_numpy(step.verify_rows),
+                      torch.from_numpy(step.verify_assumed), t["query_start_loc"],
+                      t["block_tables"], BLOCK, t["input_ids"], t["positions"],
+                      t["slot_mapping"], t["seq_lens"])
+    a.token_ids += [20, 77, *drafts]  # the oracle reads the drafts from the tokens
+    want = oracle([ScheduledSequence(a, 3, 11, sample=True), decode(b)])
+    for name in ("input_ids", "positions", "slot_mapping"):
+        assert t[name].tolist() == want[name], name
+    assert t["seq_lens"].tolist() == [14, 6]

@@ -73,6 +73,9 @@ class ScheduledSequence:
     # Speculative decoding: proposed tokens scheduled after the last one (num_new_tokens counts
     # them); the step verifies them and update() rolls back the slots of the rejected ones.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Overlapped verification (spec_decode/decoder.py): the drafts a later schedule counted as
+    # accepted (placeholders) before this step's tokens were known; update() takes them back.
+    num_assumed: int = 0
 
 
 @dataclass
@@ -355,11 +358,12 @@ class Scheduler:
         the slots of the rejected drafts are rolled back before the filled blocks are
         registered (so every registered hash names tokens whose K/V is in the block)."""
         seq = item.seq
-        seq.num_output_placeholders -= 1
+        seq.num_output_placeholders -= 1 + item.num_assumed
         seq.token_ids.extend(tokens)
         if seq.status is SequenceStatus.RUNNING:
             self.block_manager.rollback(seq, len(item.spec_token_ids) + 1 - len(tokens))
-            self.block_manager.mark_computed(seq)
+            # up to the last token, which is not computed yet (a later step in flight may be)
+            self.block_manager.mark_computed(seq, min(seq.num_computed_tokens, len(seq) - 1))
 
     # ---- ending --------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str = "stop") -> None:

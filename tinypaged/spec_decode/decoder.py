@@ -47,6 +47,30 @@ N+1, whose tokens are dropped, as in the engine without speculation; one that re
 max_tokens is not scheduled again (Scheduler.schedule). A step holding a request whose next
 proposal or masks read what the stop checks leave (a grammar's matcher) is taken whole at once,
 as synchronously. Penalties, min_tokens and logprobs need only the tokens, which apply gives.
+
+Overlapped verification (`TINYPAGED_SPEC_OVERLAP=1`; n-gram and the oracles, which propose from
+tokens alone, on one rank). Even so the GPU idles from N's tokens' arrival to N+1's launch, while
+the host applies, proposes, schedules and builds. Overlapped, step N+1 is launched before N's
+tokens are known, and apply N runs while N+1 computes:
+
+    propose N+1 -> schedule -> launch N+1 -> apply N -> stop checks of N
+
+- **Schedule as if N accepted every draft** (`_assume`): a sequence verifying n drafts in N
+  counts n + 1 placeholders, so N+1's rows sit at the furthest positions N can leave them and
+  their blocks are allocated; its first row is a placeholder for N's last emitted token.
+- **Move on the device** (kernels/spec_shift.py): once N's walk has run, each such sequence's
+  rows move back by the tokens N did not emit, their slots follow, and the placeholder gets N's
+  last token. The rejected drafts' KV rows are at positions the moved rows write again. Apply N
+  then rolls back the host's count the same way (Scheduler.update).
+- **Propose from a guess**: N+1's drafts continue `token_ids + tail`, the tail being the drafts
+  N is assumed to accept; the proposer is asked one token more, whose first is the guess of N's
+  last token, so the drafts follow the guess. Any draft is verified by the same rule, so a wrong
+  guess costs acceptance, never output. A guess that proved wrong (`_on_track`) also made N+1's
+  drafts wrong: the next proposal then assumes N+1 accepts none of them.
+
+Requests whose sampling reads host state (penalties, min_tokens, grammars) turn it off for the
+steps they run in; the spec-decode counters then differ from the synchronous engine's (other
+drafts), the outputs do not.
 """
 
 from __future__ import annotations
@@ -154,6 +178,16 @@ class SpecDecoder:
         graphs = engine.device.type == "cuda" and no_graphs_reason(engine.config) is None
         self.pad_drafts = self.proposer.paddable and graphs and envs.TINYPAGED_SPEC_PAD_DRAFTS
         self._proposed: dict[int, int] = {}  # seq_id -> its draft's length before padding
+        # Overlapped verification (module docstring): whether it is on, the tokens assumed for
+        # each sequence's verification in flight (None: its next step has no drafts to be
+        # wrong), and whether that verification's drafts followed the right tokens.
+        config = engine.config
+        self.overlap = bool(envs.TINYPAGED_SPEC_OVERLAP and self.proposer.overlaps
+                            and config.async_scheduling and config.tensor_parallel_size == 1
+                            and config.pipeline_parallel_size == 1)
+        self._assumed: dict[int, list[int] | None] = {}
+        self._on_track: dict[int, bool] = {}
+        self.num_overlapped = 0  # steps proposed before the tokens of the one in flight
         logger.info("speculative decoding: %s, k=%d", self.config.method, self.k)
 
     def check_request(self, params: Any) -> None:
@@ -168,22 +202,32 @@ class SpecDecoder:
         """Propose for the step about to be scheduled, once `prev` (the launched step not yet
         taken, if any) has given its tokens."""
         eng = self.engine
+        in_flight: dict[int, tuple[ScheduledSequence, int]] = {}
         if prev is not None:
-            self.apply(prev)
+            if self.overlap and not eng._late_requests:
+                in_flight = self._assume(prev)
+            else:
+                self.apply(prev)
         seqs, ks = [], []
         for seq in eng.scheduler.running.values():
             seq.spec_token_ids = []
-            if seq.num_uncomputed_tokens != 1 or seq.num_output_placeholders:
+            if seq.num_uncomputed_tokens != 1 or (seq.num_output_placeholders
+                                                  and seq.seq_id not in in_flight):
                 continue  # a prefill (or a recompute after preemption)
             if seq.request_id not in eng.requests:
                 continue
-            k = min(self.k, seq.max_length - len(seq) - 1)
+            k = min(self.k, seq.max_length - len(seq) - seq.num_output_placeholders - 1)
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
         self._proposed = {}
         if seqs:
-            for seq, k, draft in zip(seqs, ks, self._proposals(seqs, ks)):
+            if in_flight:
+                proposals = self._guessed(seqs, ks, in_flight)
+            else:
+                self._on_track.clear()  # every draft follows known tokens
+                proposals = self._proposals(seqs, ks)
+            for seq, k, draft in zip(seqs, ks, proposals):
                 draft = [int(t) for t in draft[:k]]
                 constraints = eng.requests[seq.request_id].constraints
                 if constraints is not None:  # nothing after a token the grammar rejects
@@ -191,6 +235,52 @@ class SpecDecoder:
                 seq.spec_token_ids = draft
             if self.pad_drafts:
                 self._pad(seqs, ks)
+
+    def _assume(self, prev: Any) -> dict[int, tuple[ScheduledSequence, int]]:
+        """Count every draft of the verification in flight as accepted (placeholders, taken back
+        by Scheduler.update); seq_id -> (its item, the proposer's draft length)."""
+        verified: _Verified = prev.tokens
+        if verified.grown is not None:
+            return {}
+        self.num_overlapped += 1
+        sampled = [it for it in verified.items if it.sample]
+        in_flight = {}
+        for item, n in zip(sampled, verified.proposed):
+            if not item.seq.is_finished:
+                item.num_assumed = len(item.spec_token_ids)
+                item.seq.num_output_placeholders += item.num_assumed
+                in_flight[item.seq.seq_id] = item, n
+        return in_flight
+
+    def _guessed(self, seqs: list[Sequence], ks: list[int],
+                 in_flight: dict[int, tuple[ScheduledSequence, int]]) -> list[list[int]]:
+        """Drafts proposed before the verification in flight gave its tokens: a sequence
+        behind one continues its token_ids + the drafts it is assumed to accept (none when
+        they followed a wrong guess), and the first token proposed is the guess of that
+        verification's last token, recorded in `_assumed` with the tail."""
+        if len(self._on_track) > 2 * len(seqs):  # aborted sequences are not finished here
+            live = {seq.seq_id for seq in seqs}
+            self._on_track = {i: v for i, v in self._on_track.items() if i in live}
+            self._assumed = {i: v for i, v in self._assumed.items() if i in live}
+        tails, asks = [], []
+        for seq, k in zip(seqs, ks):
+            entry = in_flight.get(seq.seq_id)
+            if entry is None:  # nothing in flight: proposed from its own tokens
+                self._on_track[seq.seq_id] = True
+                tails.append(())
+                asks.append(k)
+                continue
+            item, n = entry
+            tails.append(item.spec_token_ids[:n] if self._on_track.get(seq.seq_id, True) else [])
+            asks.append(k + 1)
+        drafts = []
+        for seq, tail, proposal in zip(seqs, tails, self.proposer.propose(seqs, asks, tails)):
+            if seq.seq_id not in in_flight:
+                drafts.append(proposal)
+                continue
+            drafts.append(proposal[1:])
+            self._assumed[seq.seq_id] = [*tail, *proposal[:1]] if proposal[1:] else None
+        return drafts
 
     def _pad(self, seqs: list[Sequence], ks: list[int]) -> None:
         """Fill every draft up to k (its last token repeated; the sequence's last without a
@@ -243,6 +333,8 @@ class SpecDecoder:
         proposed = [min(len(d), self._proposed.get(s.seq_id, len(d))) for s, d in zip(seqs, drafts)]
         batch, starts, gens = self._batch(seqs, reqs, drafts, logits.device)
         out, raw = self.sampler(logits, batch, drafts, gens)  # [S, K' + 1] on the device
+        if self.overlap:  # where the step built before these tokens are known moves to
+            eng.runner.keep_verified(out)
         # Start the copy to the host; apply waits for it. A contiguous view: a strided host
         # destination would make the copy wait at once.
         buf = self._landing[self.num_launched % 2]
@@ -266,6 +358,10 @@ class SpecDecoder:
         eng = self.engine
         rows = eng.executor.collect(verified) if verified.seqs else []
         tokens = verified.tokens = {s.seq_id: t for s, t in zip(verified.seqs, rows)}
+        if self.overlap:  # did the next step's drafts follow the right tokens?
+            for seq, toks in zip(verified.seqs, rows):
+                assumed = self._assumed.pop(seq.seq_id, None)
+                self._on_track[seq.seq_id] = assumed is None or toks == assumed
         self.proposer.observe(verified.items, tokens)
         if verified.raw is not None:  # now: after the next launch a read waits for its forward
             for seq, req, start, toks in zip(verified.seqs, verified.reqs, verified.starts, rows):
@@ -325,6 +421,8 @@ class SpecDecoder:
             self.engine._after_token(req, seq, lp, rejected)
             if seq.finish_reason is not None:
                 self.proposer.finish(seq)
+                self._assumed.pop(seq.seq_id, None)
+                self._on_track.pop(seq.seq_id, None)
                 break  # the tokens after a stop are dropped
 
     def get_stats(self) -> dict[str, Any]:

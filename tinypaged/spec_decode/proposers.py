@@ -3,7 +3,10 @@
     proposer.propose(seqs, ks) -> one list of at most ks[i] token ids per sequence
 
 A proposer may return fewer tokens than asked (none at all: the sequence decodes one token as
-without speculation). Proposers here run on the host, from the tokens alone.
+without speculation). Proposers here run on the host, from the tokens alone, so they can also
+continue a text the host does not have yet: `propose(seqs, ks, tails)` proposes what follows
+`seq.token_ids + tails[i]` (overlapped verification, decoder.py: the tail is what the
+verification in flight is assumed to accept).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ class Proposer:
     # True: what the proposer keeps follows the target's tokens alone, never its own drafts, so
     # its drafts may be padded with filler tokens (decoder.py, SpecDecoder._pad).
     paddable = False
+    # True: propose takes `tails`, tokens assumed to follow each sequence's token_ids.
+    overlaps = False
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
         raise NotImplementedError
@@ -44,7 +49,7 @@ class NgramProposer(Proposer):
     tokens are kept as bytes (4 a token) that grow by the step's new tokens, and the search for
     each suffix is `bytes.find`, CPython's substring search in C (see `lookup`)."""
 
-    paddable = True
+    paddable = overlaps = True
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
@@ -53,12 +58,19 @@ class NgramProposer(Proposer):
     def finish(self, seq: Sequence) -> None:
         self.arrays.pop(seq.seq_id, None)
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int],
+                tails: Seq[Seq[int]] | None = None) -> list[list[int]]:
         if len(self.arrays) > 2 * len(seqs):  # aborted sequences are not finish()ed
             live = {seq.seq_id for seq in seqs}
             self.arrays = {i: a for i, a in self.arrays.items() if i in live}
-        return [self._lookup(self.tokens(seq), seq.token_ids, k) if k > 0 else []
-                for seq, k in zip(seqs, ks)]
+        if tails is None:
+            return [self._lookup(self.tokens(seq), seq.token_ids, k) if k > 0 else []
+                    for seq, k in zip(seqs, ks)]
+        # Asked for the guess too (decoder.py), a match close to the end would leave no draft
+        # after it: its copy goes on past the end, as the period it found (x y x y -> x y ...).
+        return [self._lookup(self.tokens(seq) + array("i", tail).tobytes(),
+                             seq.token_ids + list(tail), k, periodic=True) if k > 0 else []
+                for seq, k, tail in zip(seqs, ks, tails)]
 
     def tokens(self, seq: Sequence) -> bytearray:
         """seq.token_ids as int32 bytes, extended by what was appended since the last call (a
@@ -76,10 +88,12 @@ class NgramProposer(Proposer):
         ids = [int(t) for t in tokens]
         return self._lookup(array("i", ids).tobytes(), ids, k)
 
-    def _lookup(self, data: bytes | bytearray, ids: Seq[int], k: int) -> list[int]:
+    def _lookup(self, data: bytes | bytearray, ids: Seq[int], k: int,
+                periodic: bool = False) -> list[int]:
         """`lookup` on `ids` and the same ids as int32 bytes. The longest n is tried first (in
         a text that copies, it matches), then the shortest: no occurrence of the last min_n
-        tokens means none of a longer suffix either, which settles a miss in two searches."""
+        tokens means none of a longer suffix either, which settles a miss in two searches.
+        `periodic`: a copy that reaches the end of `ids` goes on copying its own start."""
         length = len(ids)
         top = min(self.max_n, length - 1)
         if top < self.min_n:
@@ -94,7 +108,12 @@ class NgramProposer(Proposer):
                     break
             else:
                 start = shortest
-        return [] if start is None else list(ids[start : start + k])
+        if start is None:
+            return []
+        out = list(ids[start : start + k])
+        while periodic and 0 < len(out) < k:  # position start + len(out) is out's own
+            out.append(out[start + len(out) - length])
+        return out
 
     @staticmethod
     def _after(data: bytes | bytearray, length: int, n: int) -> int | None:
@@ -112,7 +131,7 @@ class OracleProposer(Proposer):
     """Benchmarking only: proposes the target's recorded greedy continuation (every draft is
     accepted), or with `miss` that continuation + 1 mod vocab (every draft is rejected)."""
 
-    paddable = True
+    paddable = overlaps = True
 
     def __init__(self, table: dict[tuple[int, ...], list[int]], vocab_size: int, miss: bool):
         self.table, self.vocab_size, self.miss = table, vocab_size, miss
@@ -121,11 +140,12 @@ class OracleProposer(Proposer):
     def finish(self, seq: Sequence) -> None:
         self.conts.pop(seq.seq_id, None)
 
-    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int],
+                tails: Seq[Seq[int]] | None = None) -> list[list[int]]:
         if len(self.conts) > 2 * len(seqs):  # aborted sequences are not finish()ed
             self.conts = {i: e for i, e in self.conts.items() if not e[0].is_finished}
         out = []
-        for seq, k in zip(seqs, ks):
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
             entry = self.conts.get(seq.seq_id)
             if entry is None:  # the prompt is hashed once per sequence, not once per step
                 cont = self.table.get(tuple(seq.prompt_token_ids))
@@ -136,7 +156,7 @@ class OracleProposer(Proposer):
                     )
                 entry = self.conts[seq.seq_id] = (seq, cont)
             cont = entry[1]
-            done = seq.num_output_tokens
+            done = seq.num_output_tokens + (len(tails[i]) if tails is not None else 0)
             guess = cont[done : done + k]
             out.append([(t + 1) % self.vocab_size for t in guess] if self.miss else guess)
         return out

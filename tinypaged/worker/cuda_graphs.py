@@ -31,6 +31,9 @@ With enable_lora each bucket is captured twice, with the LoRA kernels and withou
 which no sequence has an adapter replays the graph without them (lora/idle.py says why this
 way and what it costs).
 
+A step behind a verification in flight (speculative decoding, overlapped: input_batch.py) has its
+rows moved in the static inputs after the copies, before the replay (kernels/spec_shift.py).
+
 The pinned buffers come in two sets used in turn: under async scheduling the host stages step
 N+1 while step N's copy may still be queued behind the GPU's work (step N-1 has been processed by
 then, so the set it used has been read).
@@ -134,6 +137,7 @@ class DecodeGraphs:
         ]
         self.num_runs = 0
         self.host_fields: dict[tuple[int, int], _Fields] = {}  # (set, bs) -> numpy views
+        self.device_fields: dict[int, _Fields] = {}  # bs -> the static inputs' views
         # the LoRA slots' step state (None without enable_lora): graphs are keyed by
         # (bs, run_lora), a step replays the one of its own run_lora (lora/idle.py)
         runtime = getattr(runner, "lora", None)
@@ -213,6 +217,13 @@ class DecodeGraphs:
         n64 = 4 * bs * self.q
         self.ids64[:n64].copy_(host64[:n64], non_blocking=True)
         self.ids32[: len(stage.ids32)].copy_(host32[: len(stage.ids32)], non_blocking=True)
+        if step.verify_rows is not None:  # behind a verification in flight: move its rows
+            f = self.device_fields.get(bs)
+            if f is None:
+                f = self.device_fields[bs] = _Fields(self.ids64, self.ids32, bs, self.mb, self.q)
+            md = AttentionMetadata(f.slot_mapping, self.query_start_loc[: b + 1], f.seq_lens,
+                                   f.block_tables, self.q, self.runner.max_model_len)
+            self.runner.shift(step, f.input_ids, f.positions, md)
         key = bs, replay_variant(self.lora_batch)
         self.graphs[key].replay()
         if self.aux[key] is not None:  # the rows of this step, as an eager forward keeps them

@@ -13,9 +13,15 @@ sampled). `build_step` makes, on the CPU and without per-token Python loops, a S
     prev_sample_indices[T] or None                    under async scheduling: for a token not on
                                                       the host yet (a placeholder), its row in the
                                                       previous step's sampled ids, else -1
+    verify_rows[B], verify_assumed[B] or None         speculative decoding, overlapped: for a
+                                                      sequence whose verification is in flight,
+                                                      its row in that step's emitted tokens and
+                                                      the count assumed emitted, else -1 and 0
 
 A placeholder's input id is gathered on the device (`gather_input_ids`), from the previous step's
-sampled ids, which never come back to the host in between.
+sampled ids, which never come back to the host in between. Behind a verification in flight the
+whole sequence moves on the device instead (kernels/spec_shift.py): its rows were placed as if
+every draft were accepted, and the placeholder is the verification's last emitted token.
 
 Eager steps, CUDA-graph replays and every tensor-parallel rank read the same StepInput, so the
 slot of each token is computed here and nowhere else:
@@ -58,18 +64,23 @@ class StepInput:
     max_query_len: int
     max_seq_len: int
     prev_sample_indices: np.ndarray | None = None  # int64 [T], -1 = the id is in input_ids
+    verify_rows: np.ndarray | None = None  # int64 [B], -1 = no verification in flight
+    verify_assumed: np.ndarray | None = None  # int64 [B]: tokens it was assumed to emit
     lora: Any = None  # lora.slots.LoRAStep: each token's adapter slot (None: no adapter)
 
 
 def build_step(
     scheduled: Seq[ScheduledSequence], block_size: int, block_tables: HostBlockTables,
     prompt_logits: Seq[bool] | None = None, prev_sample_rows: Mapping[int, int] | None = None,
+    prev_assumed: Mapping[int, int] | None = None,
 ) -> StepInput:
     """The flat batch of one scheduled step as host arrays (see the module docstring).
 
     prompt_logits[b]: return the logits of every new row of sequence b (for prompt logprobs),
     its sampled row last, instead of only the sampled row. prev_sample_rows[seq_id]: the row
-    of each sequence sampled by the previous step, for the placeholders (async scheduling)."""
+    of each sequence sampled by the previous step, for the placeholders (async scheduling).
+    prev_assumed[seq_id] (speculative decoding): that step was a verification, and a sequence
+    with a placeholder was scheduled as if it emitted this many tokens."""
     bs = block_size
     num_seqs = len(scheduled)
     seqs = [it.seq for it in scheduled]
@@ -92,13 +103,25 @@ def build_step(
         seq_idx = np.arange(num_seqs).repeat(q_lens)
         positions = np.arange(total) + (starts - cu[:-1]).repeat(q_lens)
         new_tokens = itertools.chain.from_iterable(
-            (s.token_ids[c:c + n] + it.spec_token_ids) if c < len(s.token_ids) else _PLACEHOLDER
+            (s.token_ids[c:c + n] if c < len(s.token_ids) else _PLACEHOLDER) + it.spec_token_ids
             for it, s, c, n in zip(scheduled, seqs, computed, new)
         )
         input_ids = np.fromiter(new_tokens, np.int64, total)
-    prev_sample_indices = None
+    prev_sample_indices = verify_rows = verify_assumed = None
     holes = (input_ids < 0).nonzero()[0]
-    if holes.size:
+    if holes.size and prev_assumed is not None:  # behind verifications in flight
+        verify_rows = np.full(num_seqs, -1, np.int64)
+        verify_assumed = np.zeros(num_seqs, np.int64)
+        where = seq_idx[holes]
+        try:
+            verify_rows[where] = [prev_sample_rows[seqs[b].seq_id] for b in where.tolist()]
+            verify_assumed[where] = [prev_assumed[seqs[b].seq_id] for b in where.tolist()]
+        except (KeyError, TypeError):
+            raise RuntimeError(
+                "a scheduled token is a placeholder that the previous step did not verify (bug)"
+            ) from None
+        input_ids[holes] = 0
+    elif holes.size:
         prev_sample_indices = np.full(total, -1, np.int64)
         try:
             prev_sample_indices[holes] = [
@@ -124,7 +147,8 @@ def build_step(
             logits_indices = np.flatnonzero(keep)  # in token order: sequence by sequence
     return StepInput(
         input_ids, positions, slot_mapping, cu.astype(np.int32), np.array(ends, np.int32),
-        tables, logits_indices, max_query_len, max_seq_len, prev_sample_indices,
+        tables, logits_indices, max_query_len, max_seq_len, prev_sample_indices, verify_rows,
+        verify_assumed,
     )
 
 
@@ -182,7 +206,7 @@ def _token_at(seq: Sequence, position: int) -> int:
     return tokens[position] if position < len(tokens) else -1  # -1: a placeholder
 
 
-_PLACEHOLDER = (-1,)
+_PLACEHOLDER = [-1]
 _num_computed = operator.attrgetter("num_computed_tokens")
 _num_new = operator.attrgetter("num_new_tokens")
 _sample = operator.attrgetter("sample")

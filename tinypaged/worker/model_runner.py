@@ -16,7 +16,9 @@ After the engine samples, `keep_sampled(sampled)` keeps the step's sampled ids o
 `sampled_ids [max_num_seqs]`, where the next step's placeholders read their input ids (async
 scheduling; under tensor parallelism rank 0 broadcasts the buffer to every rank in stream order,
 so no worker ever waits on the host), and starts their copy to the host: a non-blocking copy into
-a pinned buffer and a CUDA event, which `SampledTokens.tolist()` waits for.
+a pinned buffer and a CUDA event, which `SampledTokens.tolist()` waits for. A verification's
+emitted tokens are kept the same way (`keep_verified`): a step built before they are known moves
+its rows to them on the device (input_batch.py, kernels/spec_shift.py).
 
 The KV cache is allocated once: on the GPU from `gpu_memory_utilization` after a profiling forward
 pass at the largest batch (gpu_memory.py), on the CPU from `cpu_kv_cache_space` GiB, or
@@ -37,6 +39,7 @@ from tinypaged.config import EngineConfig
 from tinypaged.distributed import parallel_state as distributed
 from tinypaged.kernels._triton import kernel_choice
 from tinypaged.kernels.kv_cache import kv_cache_torch_dtype
+from tinypaged.kernels.spec_shift import shift_to_verified
 from tinypaged.lora.slots import LoRAStep, lora_runtime
 from tinypaged.models.attention_metadata import AttentionMetadata
 from tinypaged.models.layers import Attention
@@ -124,6 +127,11 @@ class ModelRunner:
         self.host_ids = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.pin)
                          for _ in range(2 if self.pin else 0)]
         self.num_kept = 0
+        # Speculative decoding: the last verification's emitted tokens [S, K + 1] (device) and,
+        # for the step after it, each sampled sequence's count of tokens assumed emitted.
+        self.speculative = config.speculative_config is not None
+        self.verified: torch.Tensor | None = None
+        self.prev_assumed: dict[int, int] | None = None
         self.lora = lora_runtime(config, model, dtype, device)  # None without enable_lora
         self.graphs = None  # eager while profiling; captured after the cache exists
         self.piecewise = None  # piecewise graphs of steps with prompt tokens (optional)
@@ -268,13 +276,30 @@ class ModelRunner:
     ) -> StepInput:
         """The flat batch of one scheduled step as host arrays (input_batch.build_step)."""
         step = build_step(scheduled, self.block_size, self.block_tables, prompt_logits,
-                          self.prev_sample_rows)
+                          self.prev_sample_rows, self.prev_assumed)
         if self.lora is not None:
             step.lora = self.lora.plan([it.seq.lora_request for it in scheduled],
                                        [it.num_new_tokens for it in scheduled])
         if self.async_scheduling:  # where the next step finds each sequence's sampled id
             self.prev_sample_rows = sample_rows(scheduled)
+            if self.speculative:  # a verification: a sequence may emit up to 1 + its drafts
+                self.prev_assumed = {it.seq.seq_id: 1 + len(it.spec_token_ids)
+                                     for it in scheduled if it.sample}
         return step
+
+    def keep_verified(self, emitted: torch.Tensor) -> None:
+        """Keep a verification's emitted tokens [S, K + 1] (device, -1 padded) for the step
+        built before they are known (`shift`)."""
+        self.verified = emitted
+
+    def shift(self, step: StepInput, input_ids: torch.Tensor, positions: torch.Tensor,
+              md: AttentionMetadata) -> None:
+        """Move the rows of the sequences behind a verification in flight (device tensors of
+        the step, in place; kernels/spec_shift.py)."""
+        to = self._to_device
+        shift_to_verified(self.verified, to(step.verify_rows), to(step.verify_assumed),
+                          md.query_start_loc, md.block_tables, self.block_size, input_ids,
+                          positions, md.slot_mapping, md.seq_lens)
 
     def keep_sampled(self, sampled: torch.Tensor | None) -> SampledTokens | None:
         """Keep a step's sampled ids [S] on the device for the next step's placeholders and
@@ -309,10 +334,12 @@ class ModelRunner:
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
         )
-        input_ids = to(step.input_ids)
+        input_ids, positions = to(step.input_ids), to(step.positions)
         if step.prev_sample_indices is not None:
             input_ids = gather_input_ids(input_ids, to(step.prev_sample_indices), self.sampled_ids)
-        return input_ids, to(step.positions), md, to(step.logits_indices)
+        if step.verify_rows is not None:
+            self.shift(step, input_ids, positions, md)
+        return input_ids, positions, md, to(step.logits_indices)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(array)

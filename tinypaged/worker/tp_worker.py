@@ -81,6 +81,8 @@ class WorkerReport:
 
 def pack_step(step: StepInput) -> bytes:
     """One step's arrays as one byte string (a few KiB for a decode batch)."""
+    if step.verify_rows is not None:
+        raise RuntimeError("overlapped verification runs on one rank only (bug)")
     num_seqs, width = step.block_tables.shape
     prev = step.prev_sample_indices
     prev = np.empty(0, np.int64) if prev is None else prev
