@@ -5,7 +5,7 @@ from helpers.compile_sm90 import compile_for_sm90
 
 LAUNCHES = r"""
 from tinypaged.kernels import (activation, attention, kv_cache, norm, rejection, rotary,
-                               rotary_kv_cache)
+                               rotary_kv_cache, spec_shift)
 
 for dtype in (torch.bfloat16, torch.float16):
     x = torch.randn(4, 4096).to(dtype)
@@ -144,6 +144,12 @@ for target, drafted in ((None, None), (probs, probs)):
     rejection.rejection_sample_triton(draft, torch.tensor([4, 2, 0]), starts, torch.zeros(3),
                                       target, drafted, torch.rand(15),
                                       torch.zeros(15, dtype=torch.int64))
+# overlapped verification: a step's rows moved to where the verification in flight ended
+spec_shift.shift_to_verified_triton(
+    torch.zeros(3, 5, dtype=torch.int64), torch.tensor([2, -1, 0]), torch.tensor([5, 0, 5]),
+    torch.tensor([0, 5, 6, 11], dtype=torch.int32), torch.zeros(3, 8, dtype=torch.int32), 16,
+    torch.zeros(11, dtype=torch.int64), torch.zeros(11, dtype=torch.int64),
+    torch.zeros(11, dtype=torch.int64), torch.zeros(3, dtype=torch.int32))
 """
 
 
@@ -158,7 +164,7 @@ def test_every_launcher_compiles_for_sm90():
         "_awq_gemv1_kernel", "_awq_gemv_kernel", "_awq_gemm_kernel", "_awq_mma_kernel",
         "_awq_dequantize_kernel", "_one_shot_all_reduce_kernel", "_two_shot_all_reduce_kernel",
         "_dense_gemv_kernel", "_int8_gemv1_kernel", "_int8_gemm_kernel", "_int8_dequantize_kernel",
-        "_rejection_kernel",
+        "_rejection_kernel", "_shift_kernel",
     ])
 
 
