@@ -292,3 +292,44 @@ def test_a_step_behind_a_verification_in_flight_moves_to_where_it_ended(tables):
     for name in ("input_ids", "positions", "slot_mapping"):
         assert t[name].tolist() == want[name], name
     assert t["seq_lens"].tolist() == [14, 6]
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_a_graph_step_behind_a_verification_moves_in_the_static_inputs(triton):
+    """As DecodeGraphs.run does it: a verification step (q = 3 rows a sequence) staged in a
+    bucket's layout and copied flat, then moved in place through the bucket's device views,
+    reads back as the same step moved eagerly; padding rows stay padding."""
+    from tinypaged.kernels import spec_shift
+    from tinypaged.worker.cuda_graphs import _Fields
+
+    move = spec_shift.shift_to_verified_triton if triton else spec_shift.shift_to_verified_ref
+    q, mb, bs = 3, 6, 4
+    tables = HostBlockTables(max_rows=4, max_blocks_per_seq=mb)
+    seqs = [Sequence(f"v{i}", list(range(9 + 3 * i))) for i in range(3)]
+    items = []
+    for i, s in enumerate(seqs):
+        s.block_table = list(range(10 * i, 10 * i + mb))
+        s.num_output_placeholders = 3  # 2 drafts in flight, assumed accepted, + its last token
+        items.append(ScheduledSequence(s, q, len(s) + 2, True, spec_token_ids=[60 + i, 70 + i]))
+    step = build_step(items, BLOCK, tables, prev_sample_rows={s.seq_id: 2 - i for i, s in
+                                                               enumerate(seqs)},
+                      prev_assumed={s.seq_id: 3 for s in seqs})
+    emitted = torch.tensor([[5, 6, 7], [8, -1, -1], [9, 10, -1]])  # rows of seqs 2, 1, 0
+    rows, assumed = torch.from_numpy(step.verify_rows), torch.from_numpy(step.verify_assumed)
+    eager = {n: torch.from_numpy(getattr(step, n).copy()) for n in
+             ("input_ids", "positions", "slot_mapping", "seq_lens")}
+    move(emitted, rows, assumed, torch.from_numpy(step.query_start_loc),
+         torch.from_numpy(step.block_tables), BLOCK, eager["input_ids"], eager["positions"],
+         eager["slot_mapping"], eager["seq_lens"])
+    host64, host32 = np.zeros(4 * bs * q, np.int64), np.zeros(bs * (1 + mb), np.int32)
+    _Fields(host64, host32, bs, mb, q).fill(step, len(seqs))
+    dev = _Fields(torch.from_numpy(host64.copy()), torch.from_numpy(host32.copy()), bs, mb, q)
+    qsl = torch.arange(len(seqs) + 1, dtype=torch.int32) * q
+    move(emitted, rows, assumed, qsl, dev.block_tables, BLOCK, dev.input_ids, dev.positions,
+         dev.slot_mapping, dev.seq_lens)
+    t = len(seqs) * q
+    for name in ("input_ids", "positions", "slot_mapping"):
+        assert getattr(dev, name)[:t].tolist() == eager[name].tolist(), name
+    assert dev.seq_lens[: len(seqs)].tolist() == eager["seq_lens"].tolist()
+    assert eager["input_ids"][::q].tolist() == [10, 8, 7]  # each one's last emitted token
+    assert (dev.slot_mapping[t:] == -1).all() and (dev.seq_lens[len(seqs):] == q).all()
