@@ -168,6 +168,24 @@ def test_every_launcher_compiles_for_sm90():
     ])
 
 
+SHIFT_ALIGNMENTS = r"""
+from tinypaged.kernels import spec_shift
+
+ids64, ids32 = torch.zeros(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int32)
+for at in range(4):  # views at every offset, as a CUDA-graph bucket's inputs are
+    spec_shift.shift_to_verified_triton(
+        torch.zeros(3, 5, dtype=torch.int64), ids64[at : at + 3], ids64[at + 3 : at + 6],
+        ids32[at : at + 4], ids32[at + 8 : at + 32].view(3, 8), 16, ids64[at + 8 : at + 19],
+        ids64[at + 20 : at + 31], ids64[at + 32 : at + 43], ids32[at + 40 : at + 43])
+print(sum(len(cache[0]) for cache in spec_shift._shift_kernel.device_caches.values()))
+"""
+
+
+def test_the_shift_kernel_compiles_once_for_every_alignment():
+    """Outside the CUDA graphs, so a variant per alignment would compile mid-serving."""
+    assert compile_for_sm90(SHIFT_ALIGNMENTS) == ["1", "_shift_kernel"]
+
+
 FP8_DOT_LAUNCHES = r"""
 from tinypaged.kernels import dense_gemv
 

@@ -81,14 +81,18 @@ except ImportError:  # no triton wheel for this platform: references only
     tl = _NoTritonLanguage()
 
 
-def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
+def jit(fn=None, *, do_not_specialize: tuple[str, ...] = (),
+        do_not_specialize_on_alignment: tuple[str, ...] = ()):
     """`triton.jit`, building interpreter kernels on CPU-only machines (see module docstring).
 
     do_not_specialize: integer arguments that change from step to step (sequence counts, split
     counts, M). Triton otherwise compiles a separate variant when such a value is 1 or a multiple
-    of 16, a 1-2 s stall in the middle of serving the first time it happens."""
+    of 16, a 1-2 s stall in the middle of serving the first time it happens.
+    do_not_specialize_on_alignment: pointer arguments that may or may not be 16-byte aligned
+    (views at offsets into a larger buffer), which would otherwise give a variant each."""
     if fn is None:
-        return lambda f: jit(f, do_not_specialize=do_not_specialize)
+        return lambda f: jit(f, do_not_specialize=do_not_specialize,
+                             do_not_specialize_on_alignment=do_not_specialize_on_alignment)
     if not HAS_TRITON:
         return fn
     if not _has_gpu():
@@ -96,8 +100,11 @@ def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
 
         # the interpreter ignores do_not_specialize; kept for tools that compute the GPU
         # compiler's specialization key of a launch (tinypaged/bench/compile_keys.py)
-        return InterpretedFunction(fn, do_not_specialize=list(do_not_specialize))
-    return triton.jit(fn, do_not_specialize=list(do_not_specialize))
+        return InterpretedFunction(fn, do_not_specialize=list(do_not_specialize),
+                                   do_not_specialize_on_alignment=list(
+                                       do_not_specialize_on_alignment))
+    return triton.jit(fn, do_not_specialize=list(do_not_specialize),
+                      do_not_specialize_on_alignment=list(do_not_specialize_on_alignment))
 
 
 def interpreting() -> bool:

@@ -30,9 +30,13 @@ _MAX_WIDTH = 128  # emitted row width bound: num_speculative_tokens <= 64, so K 
 _BLOCK_Q = 16  # rows of a sequence moved at a time
 
 
-# Widths, strides and the block size are runtime values: each new constexpr value would compile
-# the kernel again in the middle of serving.
-@jit(do_not_specialize=("width", "block_size", "table_stride"))
+# Widths, strides and the block size are runtime values, and no pointer is assumed aligned (a
+# CUDA graph's inputs are views at offsets into one buffer): each new value or alignment would
+# compile the kernel again in the middle of serving.
+@jit(do_not_specialize=("width", "block_size", "table_stride"),
+     do_not_specialize_on_alignment=("EMITTED", "ROWS", "ASSUMED", "QUERY_START_LOC",
+                                     "BLOCK_TABLES", "INPUT_IDS", "POSITIONS", "SLOT_MAPPING",
+                                     "SEQ_LENS"))
 def _shift_kernel(
     EMITTED,  # [S, width] int64, -1 after each row's tokens
     ROWS,  # [B] int64, -1 = nothing in flight

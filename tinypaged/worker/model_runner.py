@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tinypaged import envs
 from tinypaged.config import EngineConfig
 from tinypaged.distributed import parallel_state as distributed
 from tinypaged.kernels._triton import kernel_choice
@@ -245,6 +246,11 @@ class ModelRunner:
                 self.execute(self._dummy_step([_dummy_prefill(q_len, blocks)]))
         if self.lora is not None:  # no token on a slot again: the graphs' captures run over that
             self.lora.prepare(None)
+        if self.speculative and envs.TINYPAGED_SPEC_OVERLAP:  # its move, outside the graphs
+            none = torch.full((1,), -1, dtype=torch.int64, device=self.device)  # moves nothing
+            ids32 = torch.zeros(2, dtype=torch.int32, device=self.device)
+            shift_to_verified(none[None], none, none, ids32, ids32[None], self.block_size,
+                              none.clone(), none.clone(), none.clone(), ids32.clone())
         torch.cuda.synchronize(self.device)
 
     def _dummy_step(self, batch: list[ScheduledSequence]) -> StepInput:
