@@ -105,7 +105,9 @@ def test_async_outputs_equal_sync_without_speculation(llama, case, method, tmp_p
     assert sync.engine.get_stats()["spec_decode"] == spec
 
 
-def test_aborts_while_a_verification_is_in_flight(llama, case):
+@pytest.mark.parametrize("overlap", ["0", "1"])  # 1: the next one launched before its tokens
+def test_aborts_while_a_verification_is_in_flight(llama, case, overlap, monkeypatch):
+    monkeypatch.setenv("TINYPAGED_SPEC_OVERLAP", overlap)
     params, base, table = case
     config = {"method": "oracle", "num_speculative_tokens": 2, "oracle_token_ids": table}
     llm = LLM(llama, speculative_config=config, async_scheduling=True, **ENGINE)
@@ -123,6 +125,7 @@ def test_aborts_while_a_verification_is_in_flight(llama, case):
             engine.abort_request(str(steps - 2))
     assert set(done) == {"1", "3", "4"}
     assert [done[r] for r in ("1", "3", "4")] == [base[i][0] for i in (1, 3, 4)]
+    assert engine.spec.num_overlapped > 2 or overlap == "0"
     assert_all_free(llm)
     # The engine takes new requests afterwards (a stale in-flight step holds finished ones).
     assert outputs(llm, params) == base
