@@ -9,7 +9,8 @@ Prints tok/s with and without speculation, the speed-up and the acceptance rate 
 size's, then overall), and checks the greedy tokens are the same; for tinypaged on a GPU also
 how many verification steps replayed their full CUDA graph (the rest ran the piecewise graphs;
 TINYPAGED_SPEC_PAD_DRAFTS=0 for the A/B of the draft padding that keeps them in it), and, with
-TINYPAGED_SPEC_OVERLAP=1, how many steps were launched before the tokens of the one in flight.
+overlapped verification, how many steps were launched before the tokens of the one in flight
+(`--overlap both`: without it, then with it, against the same runs without speculation).
 `--engine vllm` runs the same workload through vLLM's `LLM` (the anchor kit's vLLM on
 PYTHONPATH), so both speed-ups come from one GPU in one sitting:
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -113,6 +115,10 @@ def main() -> None:
                         "b, b at a time (batch 1: one after another)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--overlap", choices=("env", "off", "on", "both"), default="env",
+                        help="tinypaged: overlapped verification (TINYPAGED_SPEC_OVERLAP) as "
+                        "the environment sets it, off, on, or off then on against the same "
+                        "runs without speculation")
     parser.add_argument("--json", type=Path, help="also write the speed-ups here "
                         "(docs/plot_speculative.py's input)")
     args = parser.parse_args()
@@ -128,8 +134,22 @@ def main() -> None:
     base = {b: timed(base_llm, work, b, params) for b in args.batch_sizes}
     del base_llm
     gc.collect()
+    modes = {"env": [None], "off": ["0"], "on": ["1"], "both": ["0", "1"]}[args.overlap]
+    for mode in modes if args.engine == "tinypaged" else [None]:
+        if mode is not None:
+            os.environ["TINYPAGED_SPEC_OVERLAP"] = mode
+        result = run_speculative(LLM, engine, spec, work, params, base, args)
+        gc.collect()
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+def run_speculative(LLM, engine: dict, spec: dict, work: list, params, base: dict, args) -> dict:
+    """Time the speculative engine at every batch size against `base`; print a line each and
+    the overall acceptance; return the speed-ups and counters (--json's content)."""
     llm = LLM(speculative_config=dict(spec), **engine)  # vLLM fills in the dict it is given
     result: dict = {"engine": args.engine, "speculative_config": spec}
+    overlap = args.engine == "tinypaged" and llm.engine.spec.overlap
     for b in args.batch_sizes:
         before = graph_steps(llm) if args.engine == "tinypaged" else None
         overlapped = overlapped_steps(llm) if args.engine == "tinypaged" else 0
@@ -148,16 +168,19 @@ def main() -> None:
         if before is not None:  # the three runs' verifications, and how many were one graph
             after = graph_steps(llm)
             line["graph_verifications"] = f"{after[1] - before[1]}/{after[0] - before[0]}"
-        if args.engine == "tinypaged" and llm.engine.spec.overlap:
+        if args.engine == "tinypaged":  # on only where it applies (async scheduling, one rank)
+            line["overlap"] = overlap
+        if overlap:
             line["overlapped_steps"] = overlapped_steps(llm) - overlapped
         print(json.dumps(line), flush=True)
     c = counters(llm)
     accepted = c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1)
-    print(f"{args.engine} {spec}: acceptance rate {100 * accepted:.1f}%, mean acceptance length "
+    print(f"{args.engine} {spec}{' overlapped' if overlap else ''}: acceptance rate "
+          f"{100 * accepted:.1f}%, mean acceptance length "
           f"{1 + c['num_accepted_tokens'] / max(c['num_drafts'], 1):.2f}")
-    if args.json:
-        result["spec_decode"] = {**c, "acceptance_rate": accepted}
-        args.json.write_text(json.dumps(result, indent=2))
+    result["spec_decode"] = {**c, "acceptance_rate": accepted}
+    del llm
+    return result
 
 if __name__ == "__main__":
     main()
