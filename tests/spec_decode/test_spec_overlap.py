@@ -146,3 +146,25 @@ def test_sampled_continuations_keep_their_distribution(llama):
     assert 2 < len(keys) <= 8
     stat = chi2_contingency([[c.get(key, 0) for key in keys] for c in counts])
     assert stat.pvalue > 1e-3, (counts, stat)
+
+
+def test_samples_of_one_request_and_the_model_length_limit(llama):
+    """n = 2 greedy samples of a request (siblings sharing its prompt blocks), and requests
+    generating up to max_model_len (no max_tokens), whose last drafts are cut by the assumed
+    length of the verification in flight."""
+    batch = prompts(3, seed=6, lo=20, hi=40)
+    params = [SamplingParams(temperature=0.0, max_tokens=18, n=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)]
+    engine = dict(ENGINE, max_model_len=64)
+
+    def run(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+
+    base = run(LLM(llama, **engine))
+    assert base[1][0][1] == "length" and len(batch[1]) + len(base[1][0][0]) == 64
+    llm = LLM(llama, speculative_config=ngram(4), **engine)
+    assert run(llm) == base
+    assert llm.engine.spec.num_overlapped > 4
+    assert_all_free(llm)
