@@ -128,9 +128,11 @@ class ModelRunner:
         self.host_ids = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.pin)
                          for _ in range(2 if self.pin else 0)]
         self.num_kept = 0
-        # Speculative decoding: the last verification's emitted tokens [S, K + 1] (device) and,
-        # for the step after it, each sampled sequence's count of tokens assumed emitted.
-        self.speculative = config.speculative_config is not None
+        # Overlapped verification (spec_decode/decoder.py): the last verification's emitted
+        # tokens [S, K + 1] (device) and, for the step after it, each sampled sequence's count of
+        # tokens assumed emitted.
+        self.overlap = (config.speculative_config is not None and self.async_scheduling
+                        and envs.TINYPAGED_SPEC_OVERLAP)
         self.verified: torch.Tensor | None = None
         self.prev_assumed: dict[int, int] | None = None
         self.lora = lora_runtime(config, model, dtype, device)  # None without enable_lora
@@ -246,7 +248,7 @@ class ModelRunner:
                 self.execute(self._dummy_step([_dummy_prefill(q_len, blocks)]))
         if self.lora is not None:  # no token on a slot again: the graphs' captures run over that
             self.lora.prepare(None)
-        if self.speculative and envs.TINYPAGED_SPEC_OVERLAP:  # its move, outside the graphs
+        if self.overlap:  # its move, outside the graphs
             none = torch.full((1,), -1, dtype=torch.int64, device=self.device)  # moves nothing
             ids32 = torch.zeros(2, dtype=torch.int32, device=self.device)
             shift_to_verified(none[None], none, none, ids32, ids32[None], self.block_size,
@@ -288,7 +290,7 @@ class ModelRunner:
                                        [it.num_new_tokens for it in scheduled])
         if self.async_scheduling:  # where the next step finds each sequence's sampled id
             self.prev_sample_rows = sample_rows(scheduled)
-            if self.speculative:  # a verification: a sequence may emit up to 1 + its drafts
+            if self.overlap:  # a verification: a sequence may emit up to 1 + its drafts
                 self.prev_assumed = {it.seq.seq_id: 1 + len(it.spec_token_ids)
                                      for it in scheduled if it.sample}
         return step
