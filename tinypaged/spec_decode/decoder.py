@@ -69,8 +69,8 @@ tokens are known, and apply N runs while N+1 computes:
   drafts wrong: the next proposal then assumes N+1 accepts none of them.
 
 Requests whose sampling reads host state (penalties, min_tokens, grammars) turn it off for the
-steps they run in; the spec-decode counters then differ from the synchronous engine's (other
-drafts), the outputs do not.
+steps they run in. Where it runs, other drafts are proposed than synchronously, so the
+spec-decode counters differ from the synchronous engine's; the outputs do not.
 """
 
 from __future__ import annotations
