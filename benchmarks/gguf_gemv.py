@@ -71,7 +71,7 @@ FP16_FIELDS = {2: (0,), 3: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 SCALE = {2: 5e-3, 3: 5e-3, 8: 5e-4, 12: 4e-4, 13: 2e-4, 14: 6e-5}  # weights of ~0.05
 # --sweep: (block_n, num_warps, num_stages) of the GEMV (--configs picks others)
 SWEEP = ["64/2/1/p", "32/2/1/p", "32/2/1", "64/4/1/p", "16/2/1/p", "32/2/2"]
-DEVICE = "cuda"  # of the checks' tensors (a CPU test of kernels.py's wiring sets "cpu")
+DEVICE = "cuda"  # of the checks' tensors (a CPU test of kernel_bench.py's wiring sets "cpu")
 X_DTYPE = torch.bfloat16  # of the rows stage's x (a CPU run under the interpreter: fp16)
 
 

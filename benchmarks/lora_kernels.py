@@ -1,4 +1,4 @@
-"""The LoRA shrink / expand kernels at Llama-3-8B sizes, for benchmarks/kernels.py --lora
+"""The LoRA shrink / expand kernels at Llama-3-8B sizes, for benchmarks/kernel_bench.py --lora
 (checks on the GPU against the torch references, then timings in CUDA graphs).
 
 Every adapted linear of a step runs one shrink (x [T, in] @ A [slot]^T -> h [T, S * R]) and one
@@ -62,7 +62,7 @@ def check() -> bool:
 
 
 def time_all(record) -> None:
-    """`record` is benchmarks/kernels.py's: one row per (op, layer, T)."""
+    """`record` is benchmarks/kernel_bench.py's: one row per (op, layer, T)."""
     for t in TOKENS:
         hit = min(SLOTS, t)
         for layer in LAYERS:

@@ -20,7 +20,7 @@
    still timed) on the four shapes, one after the other.
 4. A table: TFLOP/s of every kernel and config per shape, and its ratio to cuDNN.
 
-Causal FLOPs are counted as benchmarks/kernels.py does: 4 * B * Hq * D * L^2 / 2.
+Causal FLOPs are counted as benchmarks/kernel_bench.py does: 4 * B * Hq * D * L^2 / 2.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def bench(fn) -> float:
 
 def paged_batch(q_lens, seq_lens, hq, hk, dtype, poison):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from kernels import PagedBatch  # benchmarks/kernels.py
+    from kernel_bench import PagedBatch
 
     return PagedBatch(q_lens, seq_lens, hq, hk, 128, dtype, block_size=16, poison=poison)
 
@@ -117,7 +117,7 @@ def check(config) -> bool:
     tag = ",".join(map(str, config))
     all_ok = True
     for dtype in (torch.bfloat16, torch.float16):
-        tol = 1.6e-2 if dtype == torch.bfloat16 else 2e-3  # ~2 ulp at 1.0, as kernels.py
+        tol = 1.6e-2 if dtype == torch.bfloat16 else 2e-3  # ~2 ulp at 1.0, as kernel_bench.py
         cases = [*CASES, ("offline step", *offline_step())]
         for (name, q_lens, seq_lens), (hq, hk) in [(c, h) for c in cases for h in HEADS]:
             b = paged_batch(q_lens, seq_lens, hq, hk, dtype, poison=True)

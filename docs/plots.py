@@ -1,6 +1,6 @@
-"""Turn a `benchmarks/kernels.py --json` run into one PNG per kernel family (matplotlib).
+"""Turn a `benchmarks/kernel_bench.py --json` run into one PNG per kernel family (matplotlib).
 
-    PYTHONPATH=. python benchmarks/kernels.py --awq --json docs/kernels/h200.json   # on a GPU
+    PYTHONPATH=. python benchmarks/kernel_bench.py --awq --json docs/kernels/h200.json   # on a GPU
     python docs/plots.py docs/kernels/h200.json                                    # anywhere
 
 writes docs/kernels/<family>.png beside the JSON (or into --out DIR), each titled with the run
@@ -39,7 +39,8 @@ def load(path: Path) -> dict:
     run = json.loads(path.read_text())
     missing = {"ceilings", "rows"} - set(run)
     if missing:
-        raise SystemExit(f"{path}: not a benchmarks/kernels.py --json file (no {sorted(missing)})")
+        raise SystemExit(f"{path}: not a benchmarks/kernel_bench.py --json file "
+                         f"(no {sorted(missing)})")
     return run
 
 
@@ -96,7 +97,8 @@ def plot_family(family: str, rows: list[dict], run: dict, out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", type=Path, help="a file written by benchmarks/kernels.py --json")
+    parser.add_argument("json", type=Path,
+                        help="a file written by benchmarks/kernel_bench.py --json")
     parser.add_argument("--out", type=Path, default=None, help="default: the JSON's folder")
     args = parser.parse_args(argv)
     try:

@@ -1,6 +1,6 @@
-"""The guide's scripts: docs/walkthrough.py runs as the guide says; benchmarks/kernels.py --json
-and docs/plots.py agree on the format (rows recorded on the CPU, torch ops timed for real and
-ceilings measured the same way, become one PNG per kernel family)."""
+"""The guide's scripts: docs/walkthrough.py runs as the guide says; benchmarks/kernel_bench.py
+--json and docs/plots.py agree on the format (rows recorded on the CPU, torch ops timed for real
+and ceilings measured the same way, become one PNG per kernel family)."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def cpu_ms(fn) -> float:
 
 def test_kernel_json_becomes_one_png_per_family(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    pytest.importorskip("triton")  # benchmarks/kernels.py imports triton.testing
-    bench = load_script(ROOT / "benchmarks" / "kernels.py")
+    pytest.importorskip("triton")  # benchmarks/kernel_bench.py imports triton.testing
+    bench = load_script(ROOT / "benchmarks" / "kernel_bench.py")
     plots = load_script(ROOT / "docs" / "plots.py")
     monkeypatch.setattr(bench, "bench_ms", cpu_ms)
     src = torch.randn(2**20)
@@ -89,18 +89,18 @@ def test_plots_reject_a_file_that_is_not_a_kernel_run(tmp_path):
     plots = load_script(ROOT / "docs" / "plots.py")
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"requests": 256}))
-    with pytest.raises(SystemExit, match="not a benchmarks/kernels.py --json file"):
+    with pytest.raises(SystemExit, match="not a benchmarks/kernel_bench.py --json file"):
         plots.main([str(path)])
 
 
 def test_kernels_gguf_check_drives_every_type_m_and_shape(monkeypatch):
-    """benchmarks/kernels.py --gguf checks through benchmarks/gguf_gemv.py's checks(): the call
+    """benchmarks/kernel_bench.py --gguf checks through benchmarks/gguf_gemv.py's checks(): the call
     between the two scripts, run on the CPU with the GPU work stubbed (it broke on the GPU once,
     where nothing else runs it)."""
-    pytest.importorskip("triton")  # benchmarks/kernels.py imports triton.testing
+    pytest.importorskip("triton")  # benchmarks/kernel_bench.py imports triton.testing
     pytest.importorskip("gguf")
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    bench = load_script(ROOT / "benchmarks" / "kernels.py")
+    bench = load_script(ROOT / "benchmarks" / "kernel_bench.py")
     import gguf_gemv
 
     seen = []
@@ -167,7 +167,8 @@ def test_gguf_rows_stage_runs_on_the_cpu(argv):
     """benchmarks/gguf_gemv.py --only rows (the 2..16-row kernel vs the old paths and bf16) and
     its tile sweep, under the interpreter on tiny layers with the timing stubbed: every path is
     checked against the reference, and the sweep prints a ROWS_CONFIGS table. In a child: an
-    earlier `import triton.testing` (benchmarks/kernels.py) leaves Triton unable to interpret."""
+    earlier `import triton.testing` (benchmarks/kernel_bench.py) leaves Triton unable to
+    interpret."""
     pytest.importorskip("gguf")
     result = subprocess.run([sys.executable, "-c", ROWS_STAGE, *argv], cwd=ROOT, text=True,
                             capture_output=True, timeout=600, check=False,

@@ -245,7 +245,7 @@ def test_store_kv_bad_arguments():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)  # bf16: the interpreter truncates where the GPU
-@pytest.mark.parametrize("group", [None, 128])  # rounds (benchmarks/kernels.py --only fp8)
+@pytest.mark.parametrize("group", [None, 128])  # rounds (benchmarks/kernel_bench.py --only fp8)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_quant_fp8_kernel(dtype, group, with_residual):
     # H = 384: not a power of two (a padded block, three groups of 128 in a 512-wide block)

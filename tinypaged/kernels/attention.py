@@ -45,7 +45,7 @@ from tinypaged.kernels.kv_cache import check_cache_pair
 
 # The tile configurations (the launchers have no defaults of their own), overridable per call
 # through `config=`. Prefill: 128-row query tiles over 32-key tiles, 4 warps, 3 stages; decode
-# streams K/V in 64-key tiles with 4 warps, 3 stages. Tuned with `benchmarks/kernels.py --tune`
+# streams K/V in 64-key tiles with 4 warps, 3 stages. Tuned with `benchmarks/kernel_bench.py --tune`
 # (B4 L2048 32/8 heads, bf16); the decode tiles held against a sweep of variants in CUDA graphs
 # (block_n 32-128, 2-8 warps, 1-3 stages, next tile prefetched, sums instead of tl.dot, a
 # register cap): none was faster on every shape. 128-key tiles take fewer loop trips on the long

@@ -1,13 +1,13 @@
 """Kernel benchmark on one GPU: correctness first, then speed beside ceilings and torch peers.
 
-    PYTHONPATH=. python benchmarks/kernels.py            # checks, then timings, then a table
-    PYTHONPATH=. python benchmarks/kernels.py --awq      # also the AWQ int4 GEMM / GEMV
-    PYTHONPATH=. python benchmarks/kernels.py --tune     # also sweep attention tiles (~2 min)
-    PYTHONPATH=. python benchmarks/kernels.py --moe --gguf --gptq   # MoE, GGUF, GPTQ int8
-    PYTHONPATH=. python benchmarks/kernels.py --only fp8 --json docs/kernels/h200.json --update
-    PYTHONPATH=. python benchmarks/kernels.py --all --json docs/kernels/h200.json   # for the plots
-    PYTHONPATH=. python benchmarks/kernels.py --all --quick    # fewer checks and repeats
-    PYTHONPATH=. python benchmarks/kernels.py --only moe --json docs/kernels/h200.json --update
+    PYTHONPATH=. python benchmarks/kernel_bench.py            # checks, then timings, then a table
+    PYTHONPATH=. python benchmarks/kernel_bench.py --awq      # also the AWQ int4 GEMM / GEMV
+    PYTHONPATH=. python benchmarks/kernel_bench.py --tune     # also sweep attention tiles (~2 min)
+    PYTHONPATH=. python benchmarks/kernel_bench.py --moe --gguf --gptq   # MoE, GGUF, GPTQ int8
+    PYTHONPATH=. python benchmarks/kernel_bench.py --only fp8 --json docs/kernels/h200.json --update
+    PYTHONPATH=. python benchmarks/kernel_bench.py --all --json docs/kernels/h200.json  # the plots
+    PYTHONPATH=. python benchmarks/kernel_bench.py --all --quick    # fewer checks and repeats
+    PYTHONPATH=. python benchmarks/kernel_bench.py --only moe --json docs/kernels/h200.json --update
 
 1. Every Triton kernel is compared with its torch reference in bf16 and fp16 (max error printed;
    --quick: bf16 only, the attention cases at one head shape) before its family is timed; a
@@ -900,7 +900,7 @@ def main() -> None:
     parser.add_argument("--commit", help="the commit to record (default: git rev-parse HEAD)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+        sys.exit("benchmarks/kernel_bench.py needs a CUDA GPU")
     torch.manual_seed(0)
     if args.quick:
         REPEATS.update(warmup=5, rep=25)
