@@ -30,7 +30,10 @@ import gc
 import json
 import os
 import time
+import warnings
 from pathlib import Path
+
+import torch
 
 from tinypaged.bench.compile_watch import CompileWatch
 
@@ -43,27 +46,38 @@ def prompts(n: int) -> list[list[dict]]:
               + paragraphs[i % len(paragraphs)]}] for i in range(n)]
 
 
-def timed(llm, work: list, batch: int, params) -> tuple[float, list, dict]:
+def timed(llm, work: list, batch: int, params,
+          sync_debug: bool = False) -> tuple[float, list, dict]:
     """(tok/s, each request's tokens, the kernels compiled in the second and in the timed run)
     of the third of three identical runs; a run is every prompt, `batch` at a time (one chat
     call each). The first run compiles what these shapes need (in either engine) and fills the
     prefix cache, the second meets the shapes of a cached prompt (its prefill is only what the
     cache lacks; a compile there is the stall the first fully cached prompt brings a server), so
-    both engines and both configurations are timed warm."""
+    both engines and both configurations are timed warm. `sync_debug` (a GPU): the second run
+    under torch's sync debug mode; the compiles then also count the host syncs it warned of."""
     groups = [work[i : i + batch] for i in range(0, len(work), batch)]
 
     def run() -> list:
         return [o for g in groups for o in llm.chat(g, params, use_tqdm=False)]
 
     run()
-    with CompileWatch() as cached:  # reported too: a server would stall here the same way
-        run()
+    with CompileWatch() as cached, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if sync_debug:  # what makes the host wait for the GPU, as torch names it
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()  # reported too: a server would stall here the same way
+        finally:
+            if sync_debug:
+                torch.cuda.set_sync_debug_mode("default")
     with CompileWatch() as watch:
         start = time.perf_counter()
         outs = run()
         elapsed = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outs]
     compiles = {"second_run": cached.summary()["kernels"], "timed": watch.summary()["kernels"]}
+    if sync_debug:
+        compiles["syncs_warned"] = sum("synchroniz" in str(w.message) for w in caught)
     return sum(map(len, tokens)) / elapsed, tokens, compiles
 
 
@@ -119,6 +133,9 @@ def main() -> None:
                         help="tinypaged: overlapped verification (TINYPAGED_SPEC_OVERLAP) as "
                         "the environment sets it, off, on, or off then on against the same "
                         "runs without speculation")
+    parser.add_argument("--sync-debug", action="store_true", help="tinypaged on a GPU: the "
+                        "speculative engine's second (untimed) run under torch's sync debug "
+                        "mode, counting the host syncs it warns of (spec_compiles)")
     parser.add_argument("--json", type=Path, help="also write the speed-ups here "
                         "(docs/plot_speculative.py's input)")
     args = parser.parse_args()
@@ -154,7 +171,8 @@ def run_speculative(LLM, engine: dict, spec: dict, work: list, params, base: dic
         before = graph_steps(llm) if args.engine == "tinypaged" else None
         overlapped = overlapped_steps(llm) if args.engine == "tinypaged" else 0
         counted = counters(llm)
-        rate, tokens, compiles = timed(llm, work, b, params)
+        rate, tokens, compiles = timed(llm, work, b, params, args.sync_debug
+                                       and args.engine == "tinypaged" and torch.cuda.is_available())
         # this batch size's three runs: drafted and accepted tokens since `counted`
         drafted, accepted = (counters(llm).get(k, 0) - counted.get(k, 0)
                              for k in ("num_draft_tokens", "num_accepted_tokens"))
