@@ -117,7 +117,7 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     ),
     "TINYPAGED_GGUF_ROWS": EnvVar(
         "bool", False,
-        "1 sends GGUF decode linears of 2 to 16 rows to the tensor-core GEMV of "
+        "1 sends GGUF decode linears of 2 to 64 rows to the tensor-core GEMV of "
         "kernels/gguf_rows.py (each weight dequantized once); 0 keeps the per-type paths of "
         "kernels/gguf.py's DECODE_PATHS (for A/B benchmarks)",
         _is_one,
@@ -206,11 +206,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         _is_not_zero,
     ),
     "TINYPAGED_SPEC_OVERLAP": EnvVar(
-        "bool", False,
-        "1 overlaps speculative verifications (n-gram and the oracles, one rank, async "
-        "scheduling): each is launched before the tokens of the one in flight are known, as if "
-        "it accepted every draft, and moved on the device to where it ended",
-        _is_one,
+        "bool", True,
+        "0 launches each speculative verification only once the tokens of the one in flight "
+        "are known; by default (n-gram and the oracles, one rank, async scheduling) it is "
+        "launched before, as if that one accepted every draft, and moved on the device to where "
+        "it ended",
+        _is_not_zero,
     ),
     "TINYPAGED_PIECEWISE_UNCHECKED": EnvVar(
         "bool", False,

@@ -75,8 +75,12 @@ def case(llama):
     return params, base, [[p, o[0] + [0] * 20] for p, o in zip(BATCH, first)]
 
 
-@pytest.mark.parametrize("method", ["ngram", "oracle", "oracle_miss", "draft", "draft_self"])
-def test_async_outputs_equal_sync_without_speculation(llama, case, method, tmp_path):
+@pytest.mark.parametrize("method, overlap", [  # overlap "0": verified once the tokens are known
+    ("ngram", "1"), ("ngram", "0"), ("oracle", "1"), ("oracle_miss", "1"), ("oracle_miss", "0"),
+    ("draft", "1"), ("draft_self", "1")])
+def test_async_outputs_equal_sync_without_speculation(llama, case, method, overlap, tmp_path,
+                                                      monkeypatch):
+    monkeypatch.setenv("TINYPAGED_SPEC_OVERLAP", overlap)
     params, base, table = case
     config = {"ngram": {"method": "ngram", "num_speculative_tokens": 4,
                         "prompt_lookup_min": 1, "prompt_lookup_max": 3},
@@ -89,9 +93,13 @@ def test_async_outputs_equal_sync_without_speculation(llama, case, method, tmp_p
     if method == "draft":  # a draft with other weights: drafts partly accepted
         tiny_hf_model("llama", seed=9, num_hidden_layers=1).save_pretrained(tmp_path)
     llm = LLM(llama, speculative_config=config, async_scheduling=True, **ENGINE)
+    # overlapped verification: proposers from tokens alone, the runner as the decoder
+    overlapped = overlap == "1" and not method.startswith("draft")
+    assert llm.engine.spec.overlap == llm.engine.runner.overlap == overlapped
     overlaps = count_overlaps(llm)
     assert outputs(llm, params) == base
     assert overlaps[0] > 2
+    assert (llm.engine.spec.num_overlapped > 2) == overlapped
     spec = llm.engine.get_stats()["spec_decode"]
     assert spec["num_drafts"] > 0
     if method in ("oracle", "draft_self"):
@@ -99,10 +107,11 @@ def test_async_outputs_equal_sync_without_speculation(llama, case, method, tmp_p
     if method == "oracle_miss":
         assert spec["num_accepted_tokens"] == 0
     assert_all_free(llm)
-    # The counters are those of the synchronous engine: no wasted row is counted.
+    # Not overlapped, the counters are those of the synchronous engine: no wasted row is
+    # counted (overlapped, other drafts are proposed: after a guess of the last token)
     sync = LLM(llama, speculative_config=config, async_scheduling=False, **ENGINE)
     assert outputs(sync, params) == base
-    assert sync.engine.get_stats()["spec_decode"] == spec
+    assert (sync.engine.get_stats()["spec_decode"] == spec) or overlapped
 
 
 @pytest.mark.parametrize("overlap", ["0", "1"])  # 1: the next one launched before its tokens

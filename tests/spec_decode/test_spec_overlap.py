@@ -1,4 +1,4 @@
-"""Overlapped verification (TINYPAGED_SPEC_OVERLAP=1, spec_decode/decoder.py): each step is
+"""Overlapped verification (spec_decode/decoder.py; on by default, set here): each step is
 launched before the tokens of the verification in flight are known, as if it accepted every
 draft, and moved on the device to where it ended (kernels/spec_shift.py). On the CPU, with async
 scheduling forced as the engine's async tests do: every request's output equals the engine's

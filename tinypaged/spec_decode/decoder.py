@@ -48,8 +48,8 @@ max_tokens is not scheduled again (Scheduler.schedule). A step holding a request
 proposal or masks read what the stop checks leave (a grammar's matcher) is taken whole at once,
 as synchronously. Penalties, min_tokens and logprobs need only the tokens, which apply gives.
 
-Overlapped verification (`TINYPAGED_SPEC_OVERLAP=1`; n-gram and the oracles, which propose from
-tokens alone, on one rank). Even so the GPU idles from N's tokens' arrival to N+1's launch, while
+Overlapped verification (n-gram and the oracles, which propose from tokens alone, on one rank;
+`TINYPAGED_SPEC_OVERLAP=0` turns it off). Even so the GPU idles from N's tokens' arrival to N+1's launch, while
 the host applies, proposes, schedules and builds. Overlapped, step N+1 is launched before N's
 tokens are known, and apply N runs while N+1 computes:
 
@@ -185,6 +185,8 @@ class SpecDecoder:
         self.overlap = bool(envs.TINYPAGED_SPEC_OVERLAP and self.proposer.overlaps
                             and config.async_scheduling and config.tensor_parallel_size == 1
                             and config.pipeline_parallel_size == 1)
+        if self.overlap:
+            engine.runner.start_overlap()
         self._assumed: dict[int, list[int] | None] = {}
         self._on_track: dict[int, bool] = {}
         self.num_overlapped = 0  # steps proposed before the tokens of the one in flight

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tinypaged import envs
 from tinypaged.config import EngineConfig
 from tinypaged.distributed import parallel_state as distributed
 from tinypaged.kernels._triton import kernel_choice
@@ -128,11 +127,10 @@ class ModelRunner:
         self.host_ids = [torch.zeros(config.max_num_seqs, dtype=torch.int64, pin_memory=self.pin)
                          for _ in range(2 if self.pin else 0)]
         self.num_kept = 0
-        # Overlapped verification (spec_decode/decoder.py): the last verification's emitted
-        # tokens [S, K + 1] (device) and, for the step after it, each sampled sequence's count of
-        # tokens assumed emitted.
-        self.overlap = (config.speculative_config is not None and self.async_scheduling
-                        and envs.TINYPAGED_SPEC_OVERLAP)
+        # Overlapped verification (spec_decode/decoder.py turns it on: `start_overlap`): the
+        # last verification's emitted tokens [S, K + 1] (device) and, for the step after it,
+        # each sampled sequence's count of tokens assumed emitted.
+        self.overlap = False
         self.verified: torch.Tensor | None = None
         self.prev_assumed: dict[int, int] | None = None
         self.lora = lora_runtime(config, model, dtype, device)  # None without enable_lora
@@ -248,11 +246,6 @@ class ModelRunner:
                 self.execute(self._dummy_step([_dummy_prefill(q_len, blocks)]))
         if self.lora is not None:  # no token on a slot again: the graphs' captures run over that
             self.lora.prepare(None)
-        if self.overlap:  # its move, outside the graphs
-            none = torch.full((1,), -1, dtype=torch.int64, device=self.device)  # moves nothing
-            ids32 = torch.zeros(2, dtype=torch.int32, device=self.device)
-            shift_to_verified(none[None], none, none, ids32, ids32[None], self.block_size,
-                              none.clone(), none.clone(), none.clone(), ids32.clone())
         torch.cuda.synchronize(self.device)
 
     def _dummy_step(self, batch: list[ScheduledSequence]) -> StepInput:
@@ -294,6 +287,19 @@ class ModelRunner:
                 self.prev_assumed = {it.seq.seq_id: 1 + len(it.spec_token_ids)
                                      for it in scheduled if it.sample}
         return step
+
+    def start_overlap(self) -> None:
+        """Build each later step behind a verification in flight as the speculative decoder
+        assumes (all its drafts accepted) and move its rows on the device once that one's
+        tokens are known (`shift`). The move runs outside the graphs; its kernel is compiled
+        here, not in the middle of serving."""
+        self.overlap = True
+        if self.device.type == "cuda":
+            none = torch.full((1,), -1, dtype=torch.int64, device=self.device)  # moves nothing
+            ids32 = torch.zeros(2, dtype=torch.int32, device=self.device)
+            shift_to_verified(none[None], none, none, ids32, ids32[None], self.block_size,
+                              none.clone(), none.clone(), none.clone(), ids32.clone())
+            torch.cuda.synchronize(self.device)
 
     def keep_verified(self, emitted: torch.Tensor) -> None:
         """Keep a verification's emitted tokens [S, K + 1] (device, -1 padded) for the step
