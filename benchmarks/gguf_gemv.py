@@ -17,10 +17,11 @@ decode of a Llama-3-8B-shape model with Q4_K_M-like weights beside bf16.
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only kernels --m 1 --sweep  # GEMV configs
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only kernels --m 8 --dequant  # vs cuBLAS
 
-4. Rows (`--only rows`, not in the default run): 2..16-row decode, gguf_rows.py (each weight
+4. Rows (`--only rows`, not in the default run): 2..64-row decode, gguf_rows.py (each weight
    dequantized once, rows on tensor cores) beside the path DECODE_PATHS takes without
-   TINYPAGED_GGUF_ROWS and beside bf16 (the engine's dense_linear and cuBLAS), for M = 1, 2,
-   4, 8, 16 on the Llama-3-8B layer shapes; --sweep-rows times gguf_rows' tile grid at
+   TINYPAGED_GGUF_ROWS (past 16 rows: dequantize + cuBLAS, the path before gguf_rows took
+   them) and beside bf16 (the engine's dense_linear and cuBLAS), for M = 1, 2, 4, 8, 16 (--rows-m)
+   on the Llama-3-8B layer shapes (--shapes; smol_* the default model's); --sweep-rows times gguf_rows' tile grid at
    --sweep-m rows instead and prints kernels/gguf.py's ROWS_CONFIGS table:
 
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only rows --types Q4_K Q6_K --no-awq
@@ -265,7 +266,9 @@ def rows_table(args, deadline):
                     return
                 with rows_off():
                     path = gguf.decode_path(type_id, K, M)
-                old = timed(x, weights, type_id, dict(old=True), w_ref)
+                if M > 16:  # before gguf_rows took verification sizes: dequantize + cuBLAS
+                    path = None
+                old = timed(x, weights, type_id, dict(old=M <= 16, dequant=M > 16), w_ref)
                 new = timed(x, weights, type_id, dict(rows=gguf.rows_config(type_id, M)), w_ref)
                 ours, cublas = bf16[M]
                 gbs = "-" if new is None else f"{N * row_bytes(type_id, K) / new / 1e3:.0f}"

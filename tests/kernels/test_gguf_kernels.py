@@ -157,14 +157,15 @@ def test_mma_kernel(interpret, type_id, dtype, M, split_k, xs_dot):
 
 
 def test_linear_dispatch(interpret, monkeypatch):
-    """DECODE_PATHS picks the kernel by M: Q4_K's GEMV up to 3 rows, gguf_rows up to 16, then
-    dequantize + cuBLAS; each agrees with the reference (the kernels are spied on). Q4_K's
-    gguf_subdot is off here (test_subdot_dispatch)."""
+    """DECODE_PATHS picks the kernel by M: Q4_K's GEMV up to 3 rows, gguf_rows up to 64 (a
+    verification's k + 1 rows a sequence), then dequantize + cuBLAS; each agrees with the
+    reference (the kernels are spied on). Q4_K's gguf_subdot is off here
+    (test_subdot_dispatch)."""
     monkeypatch.setenv("TINYPAGED_GGUF_SUBDOT", "0")
     K, type_id = 256, 12
     raw = torch.from_numpy(random_blocks(type_id, 16, K, seed=3))
     qweight = to_device_layout(raw, type_id, K)
-    x = torch.randn(17, K)
+    x = torch.randn(65, K)
     reference = x @ gguf_dequantize_reference(raw, type_id, K).T
     assert torch.equal(gguf.linear_reference(x, qweight, type_id), reference)
     calls = []
@@ -174,12 +175,16 @@ def test_linear_dispatch(interpret, monkeypatch):
             calls.append(_n), _k(*a, **kw))[1])
     tol = dict(rtol=1e-4, atol=1e-4 * reference.abs().max())
     for M, kernel in ((2, "gguf_gemv"), (3, "gguf_gemv"), (4, "gguf_rows"), (16, "gguf_rows"),
-                      (17, "gguf_dequantize")):
+                      (40, "gguf_rows"), (65, "gguf_dequantize")):
         torch.testing.assert_close(gguf.gguf_linear(x[:M], qweight, type_id), reference[:M], **tol)
         assert calls.pop() == kernel, M
     assert gguf.decode_path(14, 512, 1) == ("gemv", {"prefetch": True, "asm": True})
     assert gguf.decode_path(14, 256, 1) is None  # 210-byte rows: not whole words
-    assert gguf.decode_path(8, 256, 9) is None  # Q8_0: the GEMV up to 8 rows
+    assert gguf.decode_path(8, 256, 9) == ("rows", {})  # Q8_0: the GEMV up to 8 rows
+    assert gguf.decode_path(13, 256, 8) == ("gemv", {})  # Q5_K: likewise
+    assert gguf.decode_path(13, 256, 9) == ("rows", {})
+    assert gguf.decode_path(3, 96, 40) == ("rows", {})  # Q4_1 rows of 96: whole blocks of 32
+    assert gguf.decode_path(14, 256, 40) is None  # 210-byte rows: no GEMV, so no decode path
     assert gguf.decode_path(3, 256, 5) == ("gemv", {"num_warps": 1})  # from 2 rows, one warp
     assert gguf.gguf_linear(x[:0], qweight, type_id).shape == (0, 16)
 
@@ -239,6 +244,7 @@ for type_id in QUANTIZED_TYPES:  # every type in bf16; M = 8, split K and fp16 o
     for config in ({}, dict(block_n=128, num_warps=8, num_stages=3, asm=True)):  # the sweep's
         gguf_rows(torch.randn(8, 4096).to(torch.bfloat16), qweight, type_id, split_k=4, **config)
     gguf_rows(torch.randn(16, 4096).to(torch.float16), qweight, type_id, block_n=32, split_k=1)
+    gguf_rows(torch.randn(40, 4096).to(torch.bfloat16), qweight, type_id)  # x^T of 64 columns
     if type_id == 12:  # gguf_subdot: PTX and portable, wgmma (64 rows, 4 warps) and mma.sync
         for config in (dict(asm=True), dict(block_n=32, num_warps=2), dict(join=True, asm=True),
                        dict(join=True), dict(block_n=128, num_warps=8, num_stages=4)):
@@ -256,13 +262,14 @@ def test_kernels_compile_for_sm90():
                                                "_gguf_subdot_kernel"]
 
 
-ROWS_CASES = [(torch.float32, 2), (torch.float16, 5), (torch.float32, 8), (torch.float16, 16)]
+ROWS_CASES = [(torch.float32, 2), (torch.float16, 5), (torch.float32, 8), (torch.float16, 16),
+              (torch.float32, 40)]
 
 
 @pytest.mark.parametrize("dtype,M", ROWS_CASES, ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("type_id", [12, 13, 14, 8, 2, 3], ids=NAMES.get)
 def test_rows_kernel(interpret, type_id, dtype, M):
-    """gguf_rows (2..16 rows, every type) against its torch reference: 20 rows of W in two
+    """gguf_rows (2..64 rows, every type) against its torch reference: 20 rows of W in two
     programs of 16 (the second mostly past N), legacy rows of 576 with a short last step."""
     K = _k(type_id)
     raw = torch.from_numpy(random_blocks(type_id, 20, K, seed=9))
@@ -295,9 +302,9 @@ def test_rows_split_k(interpret, type_id):
 
 
 def test_rows_dispatch(interpret, monkeypatch):
-    """$TINYPAGED_GGUF_ROWS=1 sends 2..16 rows of every type to gguf_rows (ROWS_CONFIGS' tiles),
+    """$TINYPAGED_GGUF_ROWS=1 sends 2..64 rows of every type to gguf_rows (ROWS_CONFIGS' tiles),
     one row and prefill keep their paths; unset, DECODE_PATHS: gguf_rows from 4 rows for Q4_K
-    and Q6_K, the GEMV below, and Q5_K's GEMV at every decode size (gguf_subdot off)."""
+    and Q6_K, the GEMV below, and Q5_K's GEMV to 8 rows (gguf_subdot off)."""
     monkeypatch.setenv("TINYPAGED_GGUF_SUBDOT", "0")
     assert gguf.decode_path(12, 512, 3) == ("gemv", {})
     assert gguf.decode_path(12, 512, 8) == ("rows", gguf.rows_config(12, 8))
@@ -310,7 +317,8 @@ def test_rows_dispatch(interpret, monkeypatch):
     assert gguf.decode_path(13, 512, 2) == ("rows", {})
     assert gguf.decode_path(14, 256, 16) == ("rows", {})  # 210-byte rows: fine here
     assert gguf.decode_path(12, 512, 1) == ("gemv", {})
-    assert gguf.decode_path(8, 512, 17) is None
+    assert gguf.decode_path(8, 512, 64) == ("rows", {})
+    assert gguf.decode_path(8, 512, 65) is None
     assert linear_calls(monkeypatch, "gguf_rows", type_id=13, K=256, seed=11) == [{}]
 
 
@@ -356,6 +364,7 @@ def test_subdot_dispatch(interpret, monkeypatch):
     for the types SUBDOT_CONFIGS lists that subdot_supported takes (Q4_K only: Q6_K keeps
     gguf_rows even if listed); everything else keeps its path."""
     assert gguf.decode_path(12, 512, 8) == ("subdot", gguf.subdot_config(12, 8))
+    assert gguf.decode_path(12, 512, 17) == ("rows", gguf.rows_config(12, 17))  # past 16 rows
     assert gguf.decode_path(14, 1024, 16) == ("rows", gguf.rows_config(14, 16))  # not listed
     monkeypatch.setitem(gguf.SUBDOT_CONFIGS, 14, ((16, {"block_n": 16}),))
     assert gguf.decode_path(14, 1024, 16) == ("rows", gguf.rows_config(14, 16))  # unsupported

@@ -2,12 +2,12 @@
 
 W is the uint8 `qweight [N, row_bytes]` of one GGML type in the device layout: the file's blocks
 regrouped into planes at load (gguf_layout.py; gguf_format.py has the block formats). Decode
-runs the kernel DECODE_PATHS picks per type and M: the GEMV of gguf_gemv.py, which streams the
-packed bytes once, or (Q4_K / Q6_K batches) the tensor-core matmul of gguf_mma.py; with
-$TINYPAGED_GGUF_ROWS=1, 2 to 16 rows of every type take gguf_rows.py (each weight dequantized
-once in registers, the rows on tensor cores); the Q4_K linears that would take gguf_rows take
-gguf_subdot.py instead (one product per sub-block; $TINYPAGED_GGUF_SUBDOT=0 keeps gguf_rows,
-SUBDOT_CONFIGS lists the types). Larger M
+and speculative verification (x of up to ROWS_MAX_M = 64 rows) run the kernel DECODE_PATHS picks
+per type and M: the GEMV of gguf_gemv.py, which streams the packed bytes once, or from a few
+rows gguf_rows.py (each weight dequantized once in registers, the rows on tensor cores); the
+Q4_K linears that would take gguf_rows take gguf_subdot.py instead up to 16 rows (one product
+per sub-block; $TINYPAGED_GGUF_SUBDOT=0 keeps gguf_rows, SUBDOT_CONFIGS lists the types);
+$TINYPAGED_GGUF_ROWS=1 sends 2 to 64 rows of every type to gguf_rows. Larger M
 (prefill) dequantizes W into x's dtype with `_gguf_dequantize_kernel` and multiplies with cuBLAS,
 where the matmul, not the weight read, is the cost. The dequantize kernel (also the embedding's
 row lookup) takes BLOCK_N rows and a chunk of 256 weights (one k-quant super-block, or 8 legacy
@@ -30,9 +30,9 @@ from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
 from tinypaged.kernels.gguf_format import DENSE_TYPES, check_qweight, gguf_dequantize_reference
 from tinypaged.kernels.gguf_gemv import GEMV_MAX_M, gemv_supported, gguf_gemv
 from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
-from tinypaged.kernels.gguf_mma import gguf_mma
+from tinypaged.kernels.gguf_mma import MMA_MAX_M, gguf_mma
 from tinypaged.kernels.gguf_rows import ROWS_MAX_M, gguf_rows, rows_supported
-from tinypaged.kernels.gguf_subdot import gguf_subdot, subdot_supported
+from tinypaged.kernels.gguf_subdot import SUBDOT_MAX_M, gguf_subdot, subdot_supported
 
 __all__ = ["DECODE_PATHS", "GEMV_MAX_M", "decode_path", "dequantize_reference", "gguf_dequantize",
            "gguf_gemv", "gguf_linear", "gguf_mma", "gguf_rows", "gguf_subdot",
@@ -54,14 +54,16 @@ __all__ = ["DECODE_PATHS", "GEMV_MAX_M", "decode_path", "dequantize_reference", 
 # a program (8 rows of W): there it multiplies all rows of x at once (gguf_gemv_step.py), and
 # on the H200 the small tiles beat the default on the SmolLM2-135M layers at 2-8 rows
 # (speculative decoding verifies 5 rows a sequence; benchmarks/RESULTS.md). Other types take
-# the GEMV to GEMV_MAX_M rows with its defaults.
-_LEGACY = ((1, "gemv", {}), (GEMV_MAX_M, "gemv", {"num_warps": 1}))
+# the GEMV to GEMV_MAX_M rows with its defaults. Past those, up to ROWS_MAX_M rows (a batch-8
+# verification's 40), every type takes gguf_rows, which reads W's blocks once where dequantize
+# + cuBLAS writes and reads a bf16 copy of W in two launches.
+_LEGACY = ((1, "gemv", {}), (GEMV_MAX_M, "gemv", {"num_warps": 1}), (ROWS_MAX_M, "rows", {}))
 DECODE_PATHS: dict[int, tuple[tuple[int, str, dict], ...]] = {
-    12: ((3, "gemv", {}), (16, "rows", {})),
-    14: ((1, "gemv", {"prefetch": True, "asm": True}), (3, "gemv", {}), (16, "rows", {})),
+    12: ((3, "gemv", {}), (ROWS_MAX_M, "rows", {})),
+    14: ((1, "gemv", {"prefetch": True, "asm": True}), (3, "gemv", {}), (ROWS_MAX_M, "rows", {})),
     2: _LEGACY, 3: _LEGACY, 8: _LEGACY,
 }
-_GEMV_ONLY = ((GEMV_MAX_M, "gemv", {}),)
+_GEMV_ONLY = ((GEMV_MAX_M, "gemv", {}), (ROWS_MAX_M, "rows", {}))
 # gguf_rows' tiles (DECODE_PATHS' "rows", and 2..ROWS_MAX_M rows of every type with
 # $TINYPAGED_GGUF_ROWS=1): per type, rows (max M, tile keyword arguments), the first whose max
 # M >= M wins; a type or M not listed takes gguf_rows' defaults. benchmarks/gguf_gemv.py --only
@@ -261,11 +263,11 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> torch.T
 def decode_path(type_id: int, K: int, M: int) -> tuple[str, dict] | None:
     """(kernel, keyword arguments) for an M-row x: gguf_rows for 2..ROWS_MAX_M rows when
     $TINYPAGED_GGUF_ROWS is 1, else the row of DECODE_PATHS; None: dequantize + cuBLAS. With
-    $TINYPAGED_GGUF_SUBDOT=1, gguf_subdot where either would give gguf_rows a type that
-    SUBDOT_CONFIGS lists."""
+    $TINYPAGED_GGUF_SUBDOT=1, gguf_subdot where either would give gguf_rows up to
+    SUBDOT_MAX_M rows of a type that SUBDOT_CONFIGS lists."""
     path = _decode_path(type_id, K, M)
     if (path is not None and path[0] == "rows" and envs.TINYPAGED_GGUF_SUBDOT
-            and type_id in SUBDOT_CONFIGS and subdot_supported(type_id, K)):
+            and M <= SUBDOT_MAX_M and type_id in SUBDOT_CONFIGS and subdot_supported(type_id, K)):
         return "subdot", subdot_config(type_id, M)
     return path
 
@@ -279,7 +281,9 @@ def _decode_path(type_id: int, K: int, M: int) -> tuple[str, dict] | None:
     for max_m, kernel, config in DECODE_PATHS.get(type_id, _GEMV_ONLY):
         if M <= max_m:
             if kernel == "rows":
-                return ("rows", rows_config(type_id, M)) if rows else ("mma", {"xs_dot": True})
+                if rows:
+                    return "rows", rows_config(type_id, M)
+                return ("mma", {"xs_dot": True}) if M <= MMA_MAX_M else None
             return kernel, config
     return None
 

@@ -1,5 +1,6 @@
-"""The GGUF decode GEMV for 2 to 16 rows: y [M, N] = x [M, K] @ W^T on tensor cores, W in its
-GGUF blocks (device layout, gguf_layout.py), every quantized type.
+"""The GGUF decode GEMV for 2 to 64 rows: y [M, N] = x [M, K] @ W^T on tensor cores, W in its
+GGUF blocks (device layout, gguf_layout.py), every quantized type. Batched decode takes up to 16
+rows; a speculative verification takes k + 1 rows a sequence (40 at batch 8, k = 4).
 
 At decode sizes the product is bound by reading W once. The one-row GEMV (gguf_gemv.py) spends
 one FMA per weight and row of x on CUDA cores, so at 8 rows its arithmetic, not its bytes, sets
@@ -7,7 +8,7 @@ the time. Here each weight is dequantized once, in registers, into x's dtype, an
 go through the tensor cores, as the dense GEMV (dense_gemv.py) does:
 
 - y^T [BLOCK_N, BLOCK_M] = W x^T: a program owns BLOCK_N rows of W (the M slot of tl.dot) and a
-  range of K steps; x^T, padded to BLOCK_M = 8 or 16 columns, is the N slot. A step is 256
+  range of K steps; x^T, padded to BLOCK_M = 8 to 64 columns, is the N slot. A step is 256
   weights a row: one k-quant super-block, or 8 blocks of 32 (Q8_0, Q4_0, Q4_1).
 - A step's quant bytes are contiguous in the quant plane (128 bytes a row; Q8_0 256) and load
   as 16-byte vectors into a [BLOCK_N G, bytes / G] uint8 tile: each row of W as G sub-rows
@@ -54,7 +55,7 @@ from tinypaged.kernels.split_k import (
 )
 
 ROWS_TYPES = (2, 3, 8, 12, 13, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
-ROWS_MAX_M = 16
+ROWS_MAX_M = 64
 K_QUANTS = (12, 13, 14)
 # type id -> sub-rows a row of W takes in a step (_step): one per group of weights that share
 # a scale
