@@ -20,9 +20,10 @@ decode of a Llama-3-8B-shape model with Q4_K_M-like weights beside bf16.
 4. Rows (`--only rows`, not in the default run): 2..64-row decode, gguf_rows.py (each weight
    dequantized once, rows on tensor cores) beside the path DECODE_PATHS takes without
    TINYPAGED_GGUF_ROWS (past 16 rows: dequantize + cuBLAS, the path before gguf_rows took
-   them) and beside bf16 (the engine's dense_linear and cuBLAS), for M = 1, 2, 4, 8, 16 (--rows-m)
-   on the Llama-3-8B layer shapes (--shapes; smol_* the default model's); --sweep-rows times gguf_rows' tile grid at
-   --sweep-m rows instead and prints kernels/gguf.py's ROWS_CONFIGS table:
+   them) and beside bf16 (the engine's dense_linear and cuBLAS), for M = 1, 2, 4, 8, 16
+   (--rows-m) on the Llama-3-8B layer shapes (--shapes; smol_* the default model's);
+   --sweep-rows times gguf_rows' tile grid at --sweep-m rows instead (summed over a layer of
+   --sweep-layer) and prints kernels/gguf.py's ROWS_CONFIGS table:
 
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only rows --types Q4_K Q6_K --no-awq
     PYTHONPATH=. python benchmarks/gguf_gemv.py --only rows --sweep-rows --sweep-m 8 16
@@ -213,6 +214,8 @@ def kernels(args, deadline):
 ROWS_SWEEP = ["64/4/2", "64/4/2/a", "32/4/2/a", "64/4/3/a", "128/4/2/a", "128/8/2/a",
               "64/4/2/2/a"]
 ROWS_SHAPES = ["qkv", "o", "gate_up", "down"]  # a layer's linears, summed by --sweep-rows
+# --sweep-layer smol: the default model's (SmolLM2-135M) instead
+LAYERS = {"llama3-8b": ROWS_SHAPES, "smol": [f"smol_{name}" for name in ROWS_SHAPES]}
 
 
 def weight_copies(type_id, N, K):
@@ -296,14 +299,14 @@ def rows_sweep(args, deadline):
             configs.setdefault(label, config)
         return list(configs.items())
 
-    best = {}
-    print("| type | M | block_n/warps/stages[/pps][/a] | " + " | ".join(ROWS_SHAPES)
+    best, layer = {}, LAYERS[args.sweep_layer]
+    print("| type | M | block_n/warps/stages[/pps][/a] | " + " | ".join(layer)
           + " | layer us |")
-    print("|---|---|---|" + "---|" * len(ROWS_SHAPES) + "---|")
+    print("|---|---|---|" + "---|" * len(layer) + "---|")
     for (tname, type_id), M in itertools.product(args.types, args.sweep_m):
         configs = configs_of(type_id)
         per_shape = {label: [] for label, _ in configs}
-        for name in ROWS_SHAPES:
+        for name in layer:
             K, N = SHAPES[name]
             x = torch.randn(M, K, device=DEVICE).to(X_DTYPE)
             weights = weight_copies(type_id, N, K)
@@ -317,7 +320,7 @@ def rows_sweep(args, deadline):
             del weights, w_ref
         totals = {}
         for label, _ in configs:
-            if len(per_shape[label]) == len(ROWS_SHAPES):
+            if len(per_shape[label]) == len(layer):
                 totals[label] = sum(per_shape[label])
                 print(f"| {tname} | {M} | {label} | "
                       + " | ".join(f"{t:.1f}" for t in per_shape[label])
@@ -664,6 +667,8 @@ def main():
                         help="stages to run (default: all but rows)")
     parser.add_argument("--rows-m", type=int, nargs="+", default=[1, 2, 4, 8, 16],
                         help="rows of x of the rows stage's table")
+    parser.add_argument("--sweep-layer", choices=list(LAYERS), default="llama3-8b",
+                        help="--sweep-rows: whose layer's linears are summed")
     parser.add_argument("--sweep-rows", action="store_true",
                         help="rows stage: sweep gguf_rows' tiles at --sweep-m rows instead")
     parser.add_argument("--rows-configs", nargs="+", default=ROWS_SWEEP,

@@ -180,11 +180,13 @@ def test_linear_dispatch(interpret, monkeypatch):
         assert calls.pop() == kernel, M
     assert gguf.decode_path(14, 512, 1) == ("gemv", {"prefetch": True, "asm": True})
     assert gguf.decode_path(14, 256, 1) is None  # 210-byte rows: not whole words
-    assert gguf.decode_path(8, 256, 9) == ("rows", {})  # Q8_0: the GEMV up to 8 rows
-    assert gguf.decode_path(13, 256, 8) == ("gemv", {})  # Q5_K: likewise
-    assert gguf.decode_path(13, 256, 9) == ("rows", {})
-    assert gguf.decode_path(3, 96, 40) == ("rows", {})  # Q4_1 rows of 96: whole blocks of 32
+    assert gguf.decode_path(8, 256, 9) is None  # Q8_0: the GEMV up to 8 rows, then cuBLAS
+    assert gguf.decode_path(3, 256, 40) is None  # (gguf_rows lost to it on the default model)
+    assert gguf.decode_path(13, 256, 8) == ("gemv", {})  # Q5_K: the GEMV up to 8 rows
+    assert gguf.decode_path(13, 256, 9) == ("rows", {})  # then gguf_rows, as the k-quants
     assert gguf.decode_path(14, 256, 40) is None  # 210-byte rows: no GEMV, so no decode path
+    assert gguf.decode_path(14, 512, 40) == ("rows", {})  # Q6_K: gguf_rows up to 40 rows
+    assert gguf.decode_path(14, 512, 41) is None
     assert gguf.decode_path(3, 256, 5) == ("gemv", {"num_warps": 1})  # from 2 rows, one warp
     assert gguf.gguf_linear(x[:0], qweight, type_id).shape == (0, 16)
 

@@ -55,12 +55,15 @@ __all__ = ["DECODE_PATHS", "GEMV_MAX_M", "decode_path", "dequantize_reference", 
 # on the H200 the small tiles beat the default on the SmolLM2-135M layers at 2-8 rows
 # (speculative decoding verifies 5 rows a sequence; benchmarks/RESULTS.md). Other types take
 # the GEMV to GEMV_MAX_M rows with its defaults. Past those, up to ROWS_MAX_M rows (a batch-8
-# verification's 40), every type takes gguf_rows, which reads W's blocks once where dequantize
-# + cuBLAS writes and reads a bf16 copy of W in two launches.
-_LEGACY = ((1, "gemv", {}), (GEMV_MAX_M, "gemv", {"num_warps": 1}), (ROWS_MAX_M, "rows", {}))
+# verification's 40), the k-quants take gguf_rows, which reads W's blocks once where dequantize
+# + cuBLAS writes and reads a bf16 copy of W in two launches: on the H200, at 40 and 64 rows of
+# the Llama-3-8B layers, 1.2-2.6x faster for Q4_K and Q5_K; Q6_K's 1.0-1.3x at 40 rows, but at
+# 64 it lost on 3 of 5 linears, so Q6_K stops at 40. The legacy types keep dequantize + cuBLAS
+# there: on the SmolLM2-135M layers gguf_rows took 11-25 us a linear at 40 rows, it 5-9.
+_LEGACY = ((1, "gemv", {}), (GEMV_MAX_M, "gemv", {"num_warps": 1}))
 DECODE_PATHS: dict[int, tuple[tuple[int, str, dict], ...]] = {
     12: ((3, "gemv", {}), (ROWS_MAX_M, "rows", {})),
-    14: ((1, "gemv", {"prefetch": True, "asm": True}), (3, "gemv", {}), (ROWS_MAX_M, "rows", {})),
+    14: ((1, "gemv", {"prefetch": True, "asm": True}), (3, "gemv", {}), (40, "rows", {})),
     2: _LEGACY, 3: _LEGACY, 8: _LEGACY,
 }
 _GEMV_ONLY = ((GEMV_MAX_M, "gemv", {}), (ROWS_MAX_M, "rows", {}))
