@@ -30,7 +30,7 @@ from tinypaged.kernels._triton import cdiv, jit, tl, use_triton
 from tinypaged.kernels.gguf_format import DENSE_TYPES, check_qweight, gguf_dequantize_reference
 from tinypaged.kernels.gguf_gemv import GEMV_MAX_M, gemv_supported, gguf_gemv
 from tinypaged.kernels.gguf_layout import to_device_layout, to_file_layout
-from tinypaged.kernels.gguf_mma import MMA_MAX_M, gguf_mma
+from tinypaged.kernels.gguf_mma import MMA_MAX_M, MMA_TYPES, gguf_mma
 from tinypaged.kernels.gguf_rows import ROWS_MAX_M, gguf_rows, rows_supported
 from tinypaged.kernels.gguf_subdot import SUBDOT_MAX_M, gguf_subdot, subdot_supported
 
@@ -286,7 +286,9 @@ def _decode_path(type_id: int, K: int, M: int) -> tuple[str, dict] | None:
             if kernel == "rows":
                 if rows:
                     return "rows", rows_config(type_id, M)
-                return ("mma", {"xs_dot": True}) if M <= MMA_MAX_M else None
+                if type_id in MMA_TYPES and M <= MMA_MAX_M:
+                    return "mma", {"xs_dot": True}
+                return None
             return kernel, config
     return None
 
