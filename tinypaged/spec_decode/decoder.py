@@ -49,9 +49,9 @@ proposal or masks read what the stop checks leave (a grammar's matcher) is taken
 as synchronously. Penalties, min_tokens and logprobs need only the tokens, which apply gives.
 
 Overlapped verification (n-gram and the oracles, which propose from tokens alone, on one rank;
-`TINYPAGED_SPEC_OVERLAP=0` turns it off). Even so the GPU idles from N's tokens' arrival to N+1's launch, while
-the host applies, proposes, schedules and builds. Overlapped, step N+1 is launched before N's
-tokens are known, and apply N runs while N+1 computes:
+`TINYPAGED_SPEC_OVERLAP=0` turns it off). Even so the GPU would idle from N's tokens' arrival to
+N+1's launch, while the host applies, proposes, schedules and builds. Overlapped, step N+1 is
+launched before N's tokens are known, and apply N runs while N+1 computes:
 
     propose N+1 -> schedule -> launch N+1 -> apply N -> stop checks of N
 
