@@ -123,6 +123,25 @@ def test_host_state_requests_turn_it_off_while_they_run(llama):
     assert_all_free(llm)
 
 
+def test_logprobs_equal_no_speculation(llama):
+    """Logprobs need only the emitted tokens, so a request asking for them does not turn
+    overlap off: its tokens and top-2 logprobs equal the engine's without speculation."""
+    batch = prompts(3, seed=7, lo=9, hi=30)
+    params = SamplingParams(temperature=0.0, max_tokens=14, logprobs=2, ignore_eos=True)
+    base = LLM(llama, **ENGINE).generate([{"prompt_token_ids": p} for p in batch], params,
+                                         use_tqdm=False)
+    llm = LLM(llama, speculative_config=ngram(3), **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert llm.engine.spec.num_overlapped > 2
+    for x, y in zip(base, outs):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert len(y.outputs[0].logprobs) == len(y.outputs[0].token_ids)
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert lx.keys() == ly.keys()
+            assert all(abs(lx[t] - ly[t]) < 1e-4 for t in lx)
+    assert_all_free(llm)
+
+
 def test_sampled_continuations_keep_their_distribution(llama):
     """300 seeded samples of a 3-token continuation (top-k 2: 8 outcomes), speculated by the
     oracle (drafts accepted with probability p, so the steps move back by varying counts),
