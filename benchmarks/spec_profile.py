@@ -21,11 +21,13 @@ gpu   Llama-3-8B shape (random weights; or --model DIR, a checkpoint's own weigh
       verification step replays the graphs captured for k + 1 tokens a sequence). Kernels are put in
       a kind by the range they were launched in ("sampling": the sampler or the rejection sampler)
       or else by name. Host columns (timed steps, wall ms): the engine thread blocked on a step's
-      tokens, and (speculation) from their arrival to the next forward's launch: host work that the
-      GPU waits for. Then the engine-thread calls in that gap, each timed (GAP_PHASES: the
+      tokens, and (speculation) from their arrival to the next forward's launch: with
+      TINYPAGED_SPEC_OVERLAP=0, host work that the GPU waits for; overlapped (the default) that
+      launch is the step after next, queued while the GPU computes the one in flight, so GPU idle
+      is what tells. Then the engine-thread calls in that gap, each timed (GAP_PHASES: the
       scheduler's update and schedule, the proposer, build_step, the runner's execute), and the CUDA
       runtime calls each made in the profiled steps (a graph launch, the input copies, any
-      synchronization): under speculation all of them delay the next launch (which calls; their
+      synchronization): not overlapped, all of them delay the next launch (which calls; their
       times are inflated by the profiler, a graph launch's most of all).
 host  a tiny random Llama on the CPU (torch references), async scheduling on: this thread's
       CPU time per step outside the model's forward and logits, split into the part before
