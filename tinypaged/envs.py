@@ -208,9 +208,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "TINYPAGED_SPEC_OVERLAP": EnvVar(
         "bool", True,
         "0 launches each speculative verification only once the tokens of the one in flight "
-        "are known; by default (n-gram and the oracles, one rank, async scheduling) it is "
-        "launched before, as if that one accepted every draft, and moved on the device to where "
-        "it ended",
+        "are known; by default (n-gram and the oracles, async scheduling, no pipeline stages) "
+        "it is launched before, as if that one accepted every draft, and moved on the device to "
+        "where it ended",
         _is_not_zero,
     ),
     "TINYPAGED_PIECEWISE_UNCHECKED": EnvVar(

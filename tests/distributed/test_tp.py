@@ -234,3 +234,13 @@ def test_step_round_trips_through_bytes():
         assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs), name
         assert ours.flags.writeable
     assert (back.max_query_len, back.max_seq_len) == (4, 30)
+    assert back.verify_rows is None and back.broadcast_verified == 0
+    # behind an overlapped verification (spec_decode/decoder.py), whose tokens come after it
+    step.verify_rows, step.verify_assumed = np.array([2, -1]), np.array([5, 0])
+    step.broadcast_verified = 5
+    back = unpack_step(pack_step(step))
+    for name in ("input_ids", "verify_rows", "verify_assumed", "block_tables"):
+        ours, theirs = getattr(back, name), getattr(step, name)
+        assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs), name
+        assert ours.flags.aligned
+    assert back.broadcast_verified == 5

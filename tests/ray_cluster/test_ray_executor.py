@@ -8,8 +8,10 @@ ranks as Ray actors placed by a placement group, on the local multi-node cluster
   kills every actor (and its process) and removes the placement group.
 - A killed actor (PP=2's) fails the engine within seconds with an error naming the rank, and it
   stays failed; shutdown still leaves nothing.
-Each engine's actors take ~10 s to start here (a Python process importing torch), so three
-engines cover the five cases.
+- TP=2 with overlapped speculative verification (n-gram, async scheduling) gives one rank's
+  greedy tokens.
+Each engine's actors take ~10 s to start here (a Python process importing torch), so four
+engines cover the six cases.
 """
 
 from __future__ import annotations
@@ -144,3 +146,25 @@ def test_pp2_equals_one_rank_and_a_killed_actor_fails_it_within_seconds(cluster,
     with pytest.raises(RuntimeError, match="rank 1"):  # and it stays failed
         tokens(llm)
     shut_down_leaving_nothing(llm)
+
+
+@pytest.mark.timeout(300)
+def test_tp2_overlapped_verification_equals_one_rank(cluster, model_dir):
+    """n-gram speculation under async scheduling over a Ray actor: each step behind a
+    verification in flight carries its rows' moves, and the actor takes the verification's
+    tokens from rank 0 after it (worker/tp_worker.py), so the tokens are one rank's."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+
+    want = run_engine(model_dir, run, **ENGINE)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}
+    llm = LLM(model_dir, tensor_parallel_size=2, distributed_executor_backend="ray",
+              async_scheduling=True, speculative_config=spec, **ENGINE)
+    try:
+        assert run(llm) == want
+        assert llm.engine.spec.overlap and llm.engine.spec.num_overlapped > 2
+    finally:
+        llm.shutdown()

@@ -207,18 +207,26 @@ def test_sampling_features_async_equal_sync(llama):
 
 
 @pytest.mark.timeout(180)
-def test_tp2_async_equals_sync(llama, case):
+@pytest.mark.parametrize("method", ["ngram", "oracle_miss"])
+def test_tp2_async_equals_sync(llama, case, method):
     """Over 2 ranks on gloo: rank 0 joins the workers' per-step broadcast of sampled ids, which
-    a verification step does not use, so every rank's collectives stay in step."""
-    params, base, _ = case
-    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-              "prompt_lookup_max": 3}
+    a verification step does not use, so every rank's collectives stay in step. Verifications
+    overlap: each step behind one carries its rows' moves to the workers, and rank 0 broadcasts
+    the tokens it emitted after it (oracle_miss: every sequence moves back every step)."""
+    params, base, table = case
+    config = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+              "prompt_lookup_max": 3, "oracle_token_ids": table}
+    if method == "ngram":
+        del config["oracle_token_ids"]
+    else:
+        del config["prompt_lookup_min"], config["prompt_lookup_max"]
     llm = LLM(llama, speculative_config=config, async_scheduling=True, tensor_parallel_size=2,
               **ENGINE)
     try:
         overlaps = count_overlaps(llm)
         assert outputs(llm, params) == base
         assert overlaps[0] > 2
+        assert llm.engine.spec.overlap and llm.engine.spec.num_overlapped > 2
         assert llm.engine.get_stats()["spec_decode"]["num_drafts"] > 0
     finally:
         llm.shutdown()

@@ -48,10 +48,11 @@ max_tokens is not scheduled again (Scheduler.schedule). A step holding a request
 proposal or masks read what the stop checks leave (a grammar's matcher) is taken whole at once,
 as synchronously. Penalties, min_tokens and logprobs need only the tokens, which apply gives.
 
-Overlapped verification (n-gram and the oracles, which propose from tokens alone, on one rank;
-`TINYPAGED_SPEC_OVERLAP=0` turns it off). Even so the GPU would idle from N's tokens' arrival to
-N+1's launch, while the host applies, proposes, schedules and builds. Overlapped, step N+1 is
-launched before N's tokens are known, and apply N runs while N+1 computes:
+Overlapped verification (n-gram and the oracles, which propose from tokens alone, without
+pipeline stages; `TINYPAGED_SPEC_OVERLAP=0` turns it off). Even so the GPU would idle from N's
+tokens' arrival to N+1's launch, while the host applies, proposes, schedules and builds.
+Overlapped, step N+1 is launched before N's tokens are known, and apply N runs while N+1
+computes:
 
     propose N+1 -> schedule -> launch N+1 -> apply N -> stop checks of N
 
@@ -183,10 +184,9 @@ class SpecDecoder:
         # wrong), and whether that verification's drafts followed the right tokens.
         config = engine.config
         self.overlap = bool(envs.TINYPAGED_SPEC_OVERLAP and self.proposer.overlaps
-                            and config.async_scheduling and config.tensor_parallel_size == 1
-                            and config.pipeline_parallel_size == 1)
+                            and config.async_scheduling and config.pipeline_parallel_size == 1)
         if self.overlap:
-            engine.runner.start_overlap()
+            engine.runner.start_overlap(self.k)
         self._assumed: dict[int, list[int] | None] = {}
         self._on_track: dict[int, bool] = {}
         self.num_overlapped = 0  # steps proposed before the tokens of the one in flight
@@ -336,7 +336,7 @@ class SpecDecoder:
         batch, starts, gens = self._batch(seqs, reqs, drafts, logits.device)
         out, raw = self.sampler(logits, batch, drafts, gens)  # [S, K' + 1] on the device
         if self.overlap:  # where the step built before these tokens are known moves to
-            eng.runner.keep_verified(out)
+            eng.executor.keep_verified(out)
         # Start the copy to the host; apply waits for it. A contiguous view: a strided host
         # destination would make the copy wait at once.
         buf = self._landing[self.num_launched % 2]

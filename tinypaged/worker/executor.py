@@ -138,6 +138,9 @@ class UniprocExecutor:
     def keep_sampled(self, sampled: torch.Tensor | None) -> SampledTokens | None:
         return self.runner.keep_sampled(sampled)
 
+    def keep_verified(self, emitted: torch.Tensor) -> None:
+        self.runner.keep_verified(emitted)
+
     def collect(self, tokens: SampledTokens) -> list[int]:
         return tokens.tolist()
 
@@ -423,6 +426,10 @@ class MultiprocExecutor:
     def keep_sampled(self, sampled: torch.Tensor | None) -> SampledTokens | None:
         """Rank 0's samples: kept for the next step and, with async scheduling, broadcast."""
         return self._guarded(self.runner.keep_sampled, sampled)
+
+    def keep_verified(self, emitted: torch.Tensor) -> None:
+        """A verification's emitted tokens (overlapped): kept and broadcast to the workers."""
+        self._guarded(self.runner.keep_verified, emitted)
 
     def collect(self, tokens: SampledTokens) -> list[int]:
         """Wait for a step's sampled ids on the host: a hung NCCL kernel surfaces here, and the

@@ -66,6 +66,9 @@ class StepInput:
     prev_sample_indices: np.ndarray | None = None  # int64 [T], -1 = the id is in input_ids
     verify_rows: np.ndarray | None = None  # int64 [B], -1 = no verification in flight
     verify_assumed: np.ndarray | None = None  # int64 [B]: tokens it was assumed to emit
+    # tensor parallelism, overlapped: after this step rank 0 broadcasts the tokens it emits in
+    # a buffer of this width (ModelRunner.keep_verified); 0: not
+    broadcast_verified: int = 0
     lora: Any = None  # lora.slots.LoRAStep: each token's adapter slot (None: no adapter)
 
 

@@ -17,8 +17,9 @@ After the engine samples, `keep_sampled(sampled)` keeps the step's sampled ids o
 scheduling; under tensor parallelism rank 0 broadcasts the buffer to every rank in stream order,
 so no worker ever waits on the host), and starts their copy to the host: a non-blocking copy into
 a pinned buffer and a CUDA event, which `SampledTokens.tolist()` waits for. A verification's
-emitted tokens are kept the same way (`keep_verified`): a step built before they are known moves
-its rows to them on the device (input_batch.py, kernels/spec_shift.py).
+emitted tokens are kept the same way (`keep_verified`; under tensor parallelism broadcast from
+rank 0 after the steps whose StepInput says so): a step built before they are known moves its
+rows to them on the device (input_batch.py, kernels/spec_shift.py).
 
 The KV cache is allocated once: on the GPU from `gpu_memory_utilization` after a profiling forward
 pass at the largest batch (gpu_memory.py), on the CPU from `cpu_kv_cache_space` GiB, or
@@ -128,10 +129,12 @@ class ModelRunner:
                          for _ in range(2 if self.pin else 0)]
         self.num_kept = 0
         # Overlapped verification (spec_decode/decoder.py turns it on: `start_overlap`): the
-        # last verification's emitted tokens [S, K + 1] (device) and, for the step after it,
-        # each sampled sequence's count of tokens assumed emitted.
+        # last verification's emitted tokens [S, K + 1] (device; under tensor parallelism a
+        # buffer [max_num_seqs, k + 1] that rank 0 broadcasts) and, for the step after it, each
+        # sampled sequence's count of tokens assumed emitted.
         self.overlap = False
         self.verified: torch.Tensor | None = None
+        self.verified_width = 0  # k + 1 under tensor parallelism, else 0
         self.prev_assumed: dict[int, int] | None = None
         self.lora = lora_runtime(config, model, dtype, device)  # None without enable_lora
         self.graphs = None  # eager while profiling; captured after the cache exists
@@ -246,6 +249,9 @@ class ModelRunner:
                 self.execute(self._dummy_step([_dummy_prefill(q_len, blocks)]))
         if self.lora is not None:  # no token on a slot again: the graphs' captures run over that
             self.lora.prepare(None)
+        if (self.config.speculative_config is not None and self.async_scheduling
+                and distributed.get_tp_rank() > 0):  # verifications may overlap (start_overlap)
+            self._compile_shift()
         torch.cuda.synchronize(self.device)
 
     def _dummy_step(self, batch: list[ScheduledSequence]) -> StepInput:
@@ -286,14 +292,21 @@ class ModelRunner:
             if self.overlap:  # a verification: a sequence may emit up to 1 + its drafts
                 self.prev_assumed = {it.seq.seq_id: 1 + len(it.spec_token_ids)
                                      for it in scheduled if it.sample}
+                if self.prev_assumed:  # the decoder keeps its tokens (keep_verified)
+                    step.broadcast_verified = self.verified_width
         return step
 
-    def start_overlap(self) -> None:
-        """Build each later step behind a verification in flight as the speculative decoder
-        assumes (all its drafts accepted) and move its rows on the device once that one's
-        tokens are known (`shift`). The move runs outside the graphs; its kernel is compiled
-        here, not in the middle of serving."""
+    def start_overlap(self, k: int) -> None:
+        """Build each later step behind a verification in flight (of up to k drafts a
+        sequence) as the speculative decoder assumes (all its drafts accepted) and move its rows
+        on the device once that one's tokens are known (`shift`). The move runs outside the
+        graphs; its kernel is compiled here (workers: in the warm-up), not mid-serving."""
         self.overlap = True
+        if distributed.get_tp_size() > 1:  # the tokens go to the workers in a fixed buffer
+            self.verified_width = k + 1
+        self._compile_shift()
+
+    def _compile_shift(self) -> None:
         if self.device.type == "cuda":
             none = torch.full((1,), -1, dtype=torch.int64, device=self.device)  # moves nothing
             ids32 = torch.zeros(2, dtype=torch.int32, device=self.device)
@@ -301,10 +314,22 @@ class ModelRunner:
                               none.clone(), none.clone(), none.clone(), ids32.clone())
             torch.cuda.synchronize(self.device)
 
-    def keep_verified(self, emitted: torch.Tensor) -> None:
+    def keep_verified(self, emitted: torch.Tensor | None, width: int = 0) -> None:
         """Keep a verification's emitted tokens [S, K + 1] (device, -1 padded) for the step
-        built before they are known (`shift`)."""
-        self.verified = emitted
+        built before they are known (`shift`). Under tensor parallelism every rank calls it
+        after such a step (its StepInput's broadcast_verified is the width), the workers with
+        None: rank 0 broadcasts them in a buffer [max_num_seqs, width], -1 past its own."""
+        width = width or self.verified_width
+        if not width:
+            self.verified = emitted
+            return
+        if self.verified is None or self.verified.shape[1] != width:
+            self.verified = torch.empty(self.config.max_num_seqs, width, dtype=torch.int64,
+                                        device=self.device)
+        if emitted is not None:
+            self.verified.fill_(-1)
+            self.verified[: emitted.shape[0], : emitted.shape[1]].copy_(emitted)
+        distributed.broadcast_from_rank0(self.verified)
 
     def shift(self, step: StepInput, input_ids: torch.Tensor, positions: torch.Tensor,
               md: AttentionMetadata) -> None:

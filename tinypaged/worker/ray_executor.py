@@ -103,9 +103,12 @@ class RayWorker:
         return self.runner.kv_cache_info.num_blocks
 
     def execute(self, payload: bytes) -> None:
-        self.runner.execute(unpack_step(payload))
+        step = unpack_step(payload)
+        self.runner.execute(step)
         if self.runner.broadcast_sampled:
             self.runner.keep_sampled(None)
+        if step.broadcast_verified:  # an overlapped verification's tokens (tp_worker.py)
+            self.runner.keep_verified(None, step.broadcast_verified)
 
     def leave(self) -> bool:
         runner = getattr(self, "runner", None)
@@ -312,6 +315,9 @@ class RayExecutor:
 
     def keep_sampled(self, sampled: torch.Tensor | None) -> SampledTokens | None:
         return self._guarded(self.runner.keep_sampled, sampled)
+
+    def keep_verified(self, emitted: torch.Tensor) -> None:
+        self._guarded(self.runner.keep_verified, emitted)
 
     def collect(self, tokens: SampledTokens) -> list[int]:
         return self._guarded(tokens.tolist)

@@ -4,10 +4,14 @@ The engine's executor (executor.py) starts `worker_main` in a process per rank a
 over one pipe: start-up messages are pickled tuples. Every step is then one byte string,
 `pack_step(StepInput)`, broadcast through shared memory (distributed/shm_broadcast.py):
 
-    int64 header [B, T, max_blocks, S, max_query_len, max_seq_len, P]
+    int64 header [B, T, max_blocks, S, max_query_len, max_seq_len, P, V, W]
     int64 input_ids[T], positions[T], slot_mapping[T], logits_indices[S],
-          prev_sample_indices[P] (P = T when the step has placeholders, else 0)
+          prev_sample_indices[P] (P = T when the step has placeholders, else 0),
+          verify_rows[B], verify_assumed[B] (V = 1: behind an overlapped verification)
     int32 query_start_loc[B + 1], seq_lens[B], block_tables[B * max_blocks]
+
+(W: the width of the overlapped verification's tokens that rank 0 broadcasts after the step,
+0 for none.)
 
 (int64 arrays first, so every array starts aligned to its element size). A decode step of 256
 sequences is ~10 KiB plus its block tables. The empty byte string means "stop".
@@ -19,7 +23,8 @@ sequences is ~10 KiB plus its block tables. The empty byte string means "stop".
     <- EngineConfig (max_model_len resolved); ModelRunner (profile, KV min over ranks, graphs)
     -> ("ready", num_blocks)
     <= step bytes ... run each: the same forward as every rank, logits dropped; with async
-                      scheduling, then receive rank 0's sampled ids (a broadcast on the device)
+                      scheduling, then receive rank 0's sampled ids (a broadcast on the device),
+                      and after an overlapped verification (W > 0) its emitted tokens
     <= b"" (stop)           -> ("stopping", pid), then leave the group with rank 0 and exit
     <- a closed pipe / a dead parent: exit without teardown
     -> ("error", traceback) on any failure, then exit(1) without teardown
@@ -67,6 +72,7 @@ LEAVE_TIMEOUT_S = 10.0  # how long a stopping worker waits to leave the group wi
 _INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices",
                  "prev_sample_indices")
 _INT32_FIELDS = ("query_start_loc", "seq_lens", "block_tables")
+_VERIFY_FIELDS = ("verify_rows", "verify_assumed")  # int64, behind an overlapped verification
 
 
 @dataclass(frozen=True)
@@ -81,15 +87,17 @@ class WorkerReport:
 
 def pack_step(step: StepInput) -> bytes:
     """One step's arrays as one byte string (a few KiB for a decode batch)."""
-    if step.verify_rows is not None:
-        raise RuntimeError("overlapped verification runs on one rank only (bug)")
     num_seqs, width = step.block_tables.shape
     prev = step.prev_sample_indices
     prev = np.empty(0, np.int64) if prev is None else prev
+    verify = step.verify_rows is not None  # behind an overlapped verification
     header = np.array([num_seqs, len(step.input_ids), width, len(step.logits_indices),
-                       step.max_query_len, step.max_seq_len, len(prev)], dtype=np.int64)
+                       step.max_query_len, step.max_seq_len, len(prev), verify,
+                       step.broadcast_verified], dtype=np.int64)
     parts = [header] + [getattr(step, f).astype(np.int64, copy=False) for f in _INT64_FIELDS[:-1]]
     parts.append(prev)
+    if verify:
+        parts += [getattr(step, f).astype(np.int64, copy=False) for f in _VERIFY_FIELDS]
     parts += [getattr(step, f).astype(np.int32, copy=False) for f in _INT32_FIELDS]
     lora = b"" if step.lora is None else pickle.dumps(step.lora)  # after the arrays
     return b"".join(np.ascontiguousarray(p).tobytes() for p in parts) + lora
@@ -97,23 +105,24 @@ def pack_step(step: StepInput) -> bytes:
 
 def unpack_step(payload: bytes) -> StepInput:
     buf = bytearray(payload)  # writable, so torch.from_numpy takes the arrays without a warning
-    num_seqs, num_tokens, width, num_sampled, max_query_len, max_seq_len, num_prev = (
-        np.frombuffer(buf, np.int64, 7).tolist()
-    )
+    (num_seqs, num_tokens, width, num_sampled, max_query_len, max_seq_len, num_prev, verify,
+     broadcast_verified) = np.frombuffer(buf, np.int64, 9).tolist()
     sizes = {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
              "logits_indices": num_sampled, "prev_sample_indices": num_prev,
              "query_start_loc": num_seqs + 1, "seq_lens": num_seqs,
-             "block_tables": num_seqs * width}
-    arrays, offset = {}, 56
-    for name in _INT64_FIELDS + _INT32_FIELDS:
-        dtype = np.int64 if name in _INT64_FIELDS else np.int32
+             "block_tables": num_seqs * width, "verify_rows": num_seqs,
+             "verify_assumed": num_seqs}
+    arrays, offset = {}, 72
+    for name in _INT64_FIELDS + (_VERIFY_FIELDS if verify else ()) + _INT32_FIELDS:
+        dtype = np.int32 if name in _INT32_FIELDS else np.int64
         arrays[name] = np.frombuffer(buf, dtype, sizes[name], offset)
         offset += arrays[name].nbytes
     arrays["block_tables"] = arrays["block_tables"].reshape(num_seqs, width)
     if not num_prev:
         arrays["prev_sample_indices"] = None
     lora = pickle.loads(bytes(buf[offset:])) if offset < len(buf) else None
-    return StepInput(**arrays, max_query_len=max_query_len, max_seq_len=max_seq_len, lora=lora)
+    return StepInput(**arrays, max_query_len=max_query_len, max_seq_len=max_seq_len, lora=lora,
+                     broadcast_verified=broadcast_verified)
 
 
 def start_method() -> str:
@@ -237,9 +246,12 @@ def worker_main(rank: int, world_size: int, backend: str, init_method: str,
         freeze_gc_heap(collect=False)  # lives as long as its engine; forked (gc_freeze.py)
         conn.send(WorkerReport("ready", runner.kv_cache_info.num_blocks))
         while payload := channel.recv(conn):
-            runner.execute(unpack_step(payload))
+            step = unpack_step(payload)
+            runner.execute(step)
             if runner.broadcast_sampled:  # the next step's placeholders read rank 0's samples
                 runner.keep_sampled(None)
+            if step.broadcast_verified:  # and an overlapped verification's, its tokens
+                runner.keep_verified(None, step.broadcast_verified)
         runner.release_graphs()  # NCCL cannot leave while a graph holds a collective
         # rank 0 destroys the group once all have said so
         conn.send(WorkerReport("stopping", os.getpid()))
