@@ -182,7 +182,10 @@ def run_speculative(LLM, engine: dict, spec: dict, work: list, params, base: dic
                 "spec_tok_s": round(rate, 1), "speedup": round(rate / base[b][0], 3),
                 "identical": f"{same}/{len(work)}",
                 "acceptance": round(accepted / max(drafted, 1), 3), "base_compiles": base[b][2],
-                "spec_compiles": compiles}
+                "spec_compiles": compiles,
+                # each request's output tokens: at batch b the longest of each group of b
+                # sets how many steps the group takes, with and without speculation
+                "out_lens": [len(t) for t in tokens], "base_out_lens": [len(t) for t in base[b][1]]}
         if before is not None:  # the three runs' verifications, and how many were one graph
             after = graph_steps(llm)
             line["graph_verifications"] = f"{after[1] - before[1]}/{after[0] - before[0]}"
