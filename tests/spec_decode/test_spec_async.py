@@ -207,26 +207,35 @@ def test_sampling_features_async_equal_sync(llama):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("method", ["ngram", "oracle_miss"])
+@pytest.mark.parametrize("method", ["ngram", "oracle_miss", "draft"])
 def test_tp2_async_equals_sync(llama, case, method):
     """Over 2 ranks on gloo: rank 0 joins the workers' per-step broadcast of sampled ids, which
     a verification step does not use, so every rank's collectives stay in step. Verifications
     overlap: each step behind one carries its rows' moves to the workers, and rank 0 broadcasts
-    the tokens it emitted after it (oracle_miss: every sequence moves back every step)."""
+    the tokens it emitted after it (oracle_miss: every sequence moves back every step). A draft
+    model (not overlapped) runs whole on rank 0 beside the sharded target: the target itself
+    as its draft, so every draft is accepted only if the draft computes what the target does."""
     params, base, table = case
-    config = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-              "prompt_lookup_max": 3, "oracle_token_ids": table}
-    if method == "ngram":
-        del config["oracle_token_ids"]
-    else:
-        del config["prompt_lookup_min"], config["prompt_lookup_max"]
+    config = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                        "prompt_lookup_max": 3},
+              "oracle_miss": {"method": "oracle_miss", "num_speculative_tokens": 3,
+                              "oracle_token_ids": table},
+              "draft": {"model": llama, "num_speculative_tokens": 3}}[method]
     llm = LLM(llama, speculative_config=config, async_scheduling=True, tensor_parallel_size=2,
               **ENGINE)
     try:
         overlaps = count_overlaps(llm)
         assert outputs(llm, params) == base
         assert overlaps[0] > 2
-        assert llm.engine.spec.overlap and llm.engine.spec.num_overlapped > 2
-        assert llm.engine.get_stats()["spec_decode"]["num_drafts"] > 0
+        assert llm.engine.spec.overlap == (method != "draft")
+        assert llm.engine.spec.num_overlapped > 2 or method == "draft"
+        spec = llm.engine.get_stats()["spec_decode"]
+        assert spec["num_drafts"] > 0
+        if method == "draft":  # whole: twice the heads of rank 0's shard of the target
+            proposer = llm.engine.spec.proposer
+            target_heads = llm.engine.executor.model.model.layers[0].self_attn.num_heads
+            assert proposer.executor.model.model.layers[0].self_attn.num_heads == 2 * target_heads
+            assert spec["num_accepted_tokens"] == spec["num_draft_tokens"]
+            assert_all_free(llm)
     finally:
         llm.shutdown()

@@ -6,6 +6,7 @@ penalties, logprobs, stop strings and seeds; every KV block free afterwards; bad
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 from helpers.models import (  # noqa: F401  (single_thread: an autouse fixture)
@@ -17,6 +18,8 @@ from helpers.models import (  # noqa: F401  (single_thread: an autouse fixture)
 )
 
 from tinypaged import LLM, SamplingParams
+from tinypaged.config import EngineConfig
+from tinypaged.spec_decode.draft_model import DraftModelProposer
 
 ENGINE = dict(num_kv_blocks=96, block_size=4, max_model_len=128)
 
@@ -136,6 +139,11 @@ def test_bad_configs_are_refused(llama):
     llm = LLM(llama, speculative_config=ngram(2), **ENGINE)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate("hello", SamplingParams(prompt_logprobs=1), use_tqdm=False)
+    # a draft model runs on rank 0 beside the target (tensor parallelism: test_spec_async.py),
+    # not across pipeline stages
+    staged = SimpleNamespace(config=EngineConfig(model=llama, pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1"):
+        DraftModelProposer(llama, staged)
 
 
 def test_metrics_and_cli(llama):

@@ -22,6 +22,7 @@ not change at all.
     abort_tp()                                        unblock collectives after a peer died
     leave_tp(graceful, timeout_s)                     leave the group, within a time bound
     build_as(rank, size)                              layers built as that rank, without a group
+    local()                                           rank 0 alone: no sharding, no collectives
 
 Pipeline parallelism (`pipeline_parallel_size` P > 1, worker/pipeline.py) makes the world
 N = tp * P ranks: each stage's tp ranks form the group the layers' collectives use, and hidden
@@ -103,6 +104,21 @@ def build_as(rank: int, size: int, pp_rank: int = 0, pp_size: int = 1) -> Iterat
         yield
     finally:
         _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE = saved
+
+
+@contextmanager
+def local() -> Iterator[None]:
+    """Inside, this process is a group of its own: layers built see one rank and the
+    collectives do nothing. For a small model that rank 0 alone builds and runs beside the
+    sharded one (a speculative draft model); nothing inside may expect the other ranks."""
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _GROUP_DEVICE, _CUSTOM_AR
+    saved = _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _GROUP_DEVICE, _CUSTOM_AR
+    _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _GROUP_DEVICE, _CUSTOM_AR = (
+        0, 1, 0, 1, None, None, None)
+    try:
+        yield
+    finally:
+        _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _GROUP_DEVICE, _CUSTOM_AR = saved
 
 
 def init_tp(rank: int, world_size: int, backend: str, init_method: str,

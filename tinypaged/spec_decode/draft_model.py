@@ -1,6 +1,8 @@
 """The draft-model proposer (vLLM's "draft_model": `{"model": PATH, "num_speculative_tokens":
 k}`): a smaller model with the target's tokenizer proposes k tokens by greedy decoding, on its
-own paged KV cache, k forward passes per target step.
+own paged KV cache, k forward passes per target step. Under tensor parallelism the draft is not
+sharded: rank 0 alone builds and runs it, whole, on its own device (distributed.local()), and
+the workers never see it.
 
 Each proposing sequence has a draft twin (a `Sequence` of this proposer's own, with its own
 blocks from its own BlockManager). At each step the twin takes the target's tokens; its cache is
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from tinypaged.config import EngineConfig
+from tinypaged.distributed import parallel_state as distributed
 from tinypaged.scheduler import ScheduledSequence, Sequence
 from tinypaged.scheduler.block_manager import BlockManager
 from tinypaged.spec_decode.grammar import DraftGrammar
@@ -34,10 +37,10 @@ class DraftModelProposer(Proposer):
         from tinypaged.worker.executor import UniprocExecutor
 
         target = engine.config
-        if target.tensor_parallel_size != 1:
+        if target.pipeline_parallel_size != 1:
             raise ValueError(
-                "speculative_config: a draft model runs on one device; tensor_parallel_size > 1 "
-                "cannot be combined with it in tinypaged yet"
+                "speculative_config: a draft model runs on the last pipeline stage's rank 0; "
+                "pipeline_parallel_size > 1 cannot be combined with it in tinypaged yet"
             )
         config = EngineConfig(
             model=model, dtype=target.dtype, device=str(engine.device),
@@ -48,8 +51,9 @@ class DraftModelProposer(Proposer):
             async_scheduling=False, skip_tokenizer_init=True, seed=target.seed,
             load_format=target.load_format, kernels=target.kernels,
         )
-        self.executor = UniprocExecutor(config, engine.device)
-        self.runner = self.executor.init_runner()
+        with distributed.local():  # under tensor parallelism: whole, on rank 0's device
+            self.executor = UniprocExecutor(config, engine.device)
+            self.runner = self.executor.init_runner()
         self.vocab_size = engine.vocab_size
         draft_vocab = getattr(self.executor.model, "vocab_size", None)
         if draft_vocab is not None and draft_vocab < self.vocab_size:
@@ -115,7 +119,8 @@ class DraftModelProposer(Proposer):
                 rows.append(i)
             if not items:
                 break
-            logits = self.executor.execute(items)  # [len(items), V]
+            with distributed.local():
+                logits = self.executor.execute(items)  # [len(items), V]
             if grammar is not None:
                 grammar.mask_(logits, rows)
             tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
