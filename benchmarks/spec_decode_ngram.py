@@ -81,6 +81,13 @@ def timed(llm, work: list, batch: int, params,
     return sum(map(len, tokens)) / elapsed, tokens, compiles
 
 
+def diverge_at(a, b) -> int:
+    """The first index where token lists a and b differ (one ending counts), -1 if equal."""
+    if list(a) == list(b):
+        return -1
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def counters(llm) -> dict[str, int]:
     """The spec-decode counters from vLLM's LLM.get_metrics() (tinypaged's has the same)."""
     out = {}
@@ -185,7 +192,9 @@ def run_speculative(LLM, engine: dict, spec: dict, work: list, params, base: dic
                 "spec_compiles": compiles,
                 # each request's output tokens: at batch b the longest of each group of b
                 # sets how many steps the group takes, with and without speculation
-                "out_lens": [len(t) for t in tokens], "base_out_lens": [len(t) for t in base[b][1]]}
+                "out_lens": [len(t) for t in tokens], "base_out_lens": [len(t) for t in base[b][1]],
+                # where each output first leaves the one without speculation (-1: never)
+                "diverge_at": [diverge_at(x, y) for x, y in zip(tokens, base[b][1])]}
         if before is not None:  # the three runs' verifications, and how many were one graph
             after = graph_steps(llm)
             line["graph_verifications"] = f"{after[1] - before[1]}/{after[0] - before[0]}"

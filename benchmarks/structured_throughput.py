@@ -145,6 +145,8 @@ def main() -> None:
     ap.add_argument("--min-prompt", type=int, default=100)
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vllm-backend", default="auto", help="--engine vllm: its "
+                    "structured_outputs_config backend (auto, xgrammar, guidance, ...)")
     args = ap.parse_args()
 
     max_model_len = max(args.max_prompt + args.max_tokens, 512) + 8
@@ -154,9 +156,10 @@ def main() -> None:
 
         api = (vllm.SamplingParams, VllmStructured)
         llm = vllm.LLM(args.model, enable_prefix_caching=False, load_format=args.load_format,
-                       max_model_len=max_model_len)
+                       max_model_len=max_model_len,
+                       structured_outputs_config={"backend": args.vllm_backend})
         vocab, device = llm.llm_engine.model_config.get_vocab_size(), "cuda"
-        grammar = f"vLLM {vllm.__version__}"
+        grammar = f"vLLM {vllm.__version__}, backend {args.vllm_backend}"
     else:
         from tinypaged import LLM
 
