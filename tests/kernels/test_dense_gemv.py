@@ -262,13 +262,22 @@ def test_parallel_linears_use_dense_linear(monkeypatch):
 
 
 def test_table_picks_the_measured_paths():
-    # the H200 table: every one-row shape takes the GEMV, wide layers keep cuBLAS at 2..16 rows
+    # the H200 table: every one-row shape takes the GEMV; at 2..8 rows the Llama-3-8B layers
+    # take it with a tile each, a small model's wide layers keep cuBLAS; 9..16 rows cuBLAS but
+    # for the LM heads
     assert dense_gemv.gemv_config(1, 6144, 1024) == dict(split_k=1)
     assert dense_gemv.gemv_config(1, 28672, 4096) == dict(programs_per_sm=2)
-    assert dense_gemv.gemv_config(8, 28672, 4096) is None
+    layers = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+              "down": (4096, 14336)}
+    tiles = {name: dense_gemv.gemv_config(5, N, K) for name, (N, K) in layers.items()}
+    assert all(tile is not None and tile["min_block_m"] == 8 for tile in tiles.values())
+    assert tiles["o"]["block_n"] == 128 and tiles["qkv"]["programs_per_sm"] == 4
+    assert tiles["gate_up"]["programs_per_sm"] == tiles["down"]["programs_per_sm"] == 1
+    assert tiles["gate_up"].get("w_tma") and not tiles["down"].get("w_tma")
+    assert all(dense_gemv.gemv_config(9, N, K) is None for N, K in layers.values())
+    assert dense_gemv.gemv_config(8, 6144, 1024) is None  # Qwen3-0.6B's gate-up
+    assert dense_gemv.gemv_config(8, 1024, 2048) == dense_gemv._TENSOR_CORES  # its o
     assert dense_gemv.gemv_config(16, 128256, 4096)["min_block_m"] == 8
-    assert dense_gemv.gemv_config(8, 4096, 4096) is not None
-    assert dense_gemv.gemv_config(16, 4096, 4096) is None
     assert dense_gemv.gemv_config(dense_gemv.GEMV_MAX_M + 1, 128256, 4096) is None
 
 

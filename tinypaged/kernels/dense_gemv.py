@@ -406,14 +406,23 @@ _TENSOR_CORES = dict(block_k=128, num_stages=4, min_block_m=8)  # x^T padded to 
 # dense_gemv on CUDA, first match wins; every other shape (and M > GEMV_MAX_M) runs F.linear
 # (cuBLAS). At one row the GEMV matched or beat cuBLAS on every layer measured: cuBLAS already
 # streams the large layers at about the copy bandwidth, and on small ones (Qwen3-0.6B's, o) it
-# loses the tail to launch and ramp time that split K removes. At 2..16 rows only the LM heads
-# and the o-sized layers gain; cuBLAS keeps the wide ones (gate_up, qkv, down). Figures:
-# benchmarks/RESULTS.md.
+# loses the tail to launch and ramp time that split K removes. At 2..8 rows the Llama-3-8B-sized
+# layers (K >= 4096) take the GEMV with a tile per shape, from an H200 sweep at 5 rows (a batch-1
+# verification at k = 4): within 3% of the one-row GEMV's time on every layer, where cuBLAS took
+# 6% more summed, and it joins the step's PDL chain; split K to about one program per SM on the
+# wide (gate-up) and long-K (down) weights, the weight by TMA but on the long K. Smaller layers
+# keep cuBLAS at 2..16 rows except the LM heads and the o-sized ones. Figures:
+# benchmarks/RESULTS.md (Decode; Speculative decoding).
+_ROWS = dict(block_k=128, num_stages=4, min_block_m=8)
 DENSE_GEMV_PATHS: tuple[tuple[int, int, int, int, int, dict], ...] = (
     (1, 0, 1024, 0, _ANY, dict(split_k=1)),  # K <= 1024: too few K steps to split
     (1, 0, _ANY, 0, _ANY, dict(programs_per_sm=2)),
     (GEMV_MAX_M, 0, _ANY, 65536, _ANY, _TENSOR_CORES),  # LM heads
-    (8, 2048, 4096, 0, 4096, _TENSOR_CORES),  # o-sized: 4096x4096, 2048x1024, 3072x1024
+    (8, 12288, _ANY, 4096, 65535, dict(_ROWS, programs_per_sm=1)),  # long K: down, 14336x4096
+    (8, 4096, 8191, 16384, 65535, dict(_ROWS, programs_per_sm=1, w_tma=True)),  # gate-up
+    (8, 4096, 8191, 4096, 4096, dict(_ROWS, block_n=128, programs_per_sm=2, w_tma=True)),  # o
+    (8, 4096, 8191, 4097, 16383, dict(_ROWS, programs_per_sm=4, w_tma=True)),  # qkv, 4096x6144
+    (8, 2048, 4096, 0, 4096, _TENSOR_CORES),  # o-sized: 2048x1024, 3072x1024
 )
 
 
