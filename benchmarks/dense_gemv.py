@@ -9,6 +9,13 @@ weight bytes only, against the device copy bandwidth measured in the same run.
     PYTHONPATH=. python benchmarks/dense_gemv.py --budget 50 --json out.json
     PYTHONPATH=. python benchmarks/dense_gemv.py --e2e          # bench latency, GEMV on vs off
     PYTHONPATH=. python benchmarks/dense_gemv.py --e2e --quantization fp8   # FP8: W8A16 vs W8A8
+    PYTHONPATH=. python benchmarks/dense_gemv.py --sweep-rows 5 8 16 40 --budget 240
+
+--sweep-rows times, per layer of --model-shape and each M, the one-row GEMV, cuBLAS at M rows,
+the path DENSE_GEMV_PATHS gives M, and every tensor-core tile of SWEEP_TILES (checked first;
+none past --budget), and prints each layer's best tile. DENSE_GEMV_PATHS' 2..8-row tiles came
+from such a sweep at 5 rows (a batch-1 verification at k = 4); the kernel takes up to
+DOT_MAX_M rows (a batch-8 verification has 40).
 """
 import argparse
 import gc
@@ -48,6 +55,12 @@ CANDIDATES = {
         dict(block_k=128, num_stages=4, min_block_m=8)],
 }
 PPSM = (2, 6)  # programs per SM tried besides the default 3, at M = 1 and 8
+# --sweep-rows: tensor-core tiles (x^T padded to at least 8 columns), split K to 1..4 programs
+# per SM, the weight by pointer loads or TMA; and wide 8-warp tiles
+SWEEP_TILES = [dict(block_n=bn, block_k=128, num_stages=4, min_block_m=8, programs_per_sm=pps,
+                    w_tma=tma) for bn in (64, 128) for pps in (1, 2, 3, 4) for tma in (False, True)]
+SWEEP_TILES += [dict(block_n=128, block_k=256, num_stages=4, num_warps=8, min_block_m=8,
+                     programs_per_sm=pps, w_tma=tma) for pps in (2, 4) for tma in (False, True)]
 
 
 def weights(K, N, dtype=torch.bfloat16):
@@ -210,6 +223,45 @@ def table(bw, rows, passing, deadline):
         del ws
 
 
+def sweep_rows(ms, model_shape, deadline):
+    """--sweep-rows: per layer of model_shape and M in ms, us per call (graph replays, weights
+    from HBM) of the one-row GEMV, cuBLAS at M rows, the table's path at M and each tile of
+    SWEEP_TILES that passes check(); then each layer's best tile against cuBLAS."""
+    print("| layer | KxN | M | one-row GEMV | cuBLAS | table's path | best tile | vs cuBLAS | "
+          "its tile |\n|---|---|---|---|---|---|---|---|---|")
+    for model, layer, K, N in SHAPES:
+        if model != model_shape:
+            continue
+        ws = weights(K, N)
+        reps = 50 if K * N < (64 << 20) else 10
+        x1 = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        one = graph_us([gemv_call(x1, w, dense_gemv.gemv_config(1, N, K)) for w in ws], reps)
+        for M in ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            base = graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws], reps)
+            path = dense_gemv.gemv_config(M, N, K)
+            table_us = (f"{graph_us([gemv_call(x, w, path) for w in ws], reps):.1f}" if path
+                        else "cuBLAS")
+            times = []
+            for tile in SWEEP_TILES:
+                if time.time() > deadline:
+                    break
+                try:
+                    check(x, ws[0], None, **tile)
+                except Exception as e:  # a wrong result, or a tile that does not fit
+                    print(f"  skip {layer} M={M} {tile}: {str(e)[:120]}", flush=True)
+                    continue
+                times.append((graph_us([gemv_call(x, w, tile) for w in ws], reps), tile))
+            if not times:
+                print(f"| {layer} | {K}x{N} | {M} | {one:.1f} | {base:.1f} | {table_us} | - |")
+                continue
+            best, tile = min(times, key=lambda r: r[0])
+            print(f"| {layer} | {K}x{N} | {M} | {one:.1f} | {base:.1f} | {table_us} | {best:.1f} "
+                  f"| {base / best:.2f}x | {tile} |", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+
 def e2e(args, start):
     """`tinypaged bench latency` with the GEMV on and off (TINYPAGED_DENSE_GEMV), alternating in
     one process (the second engine reuses the first's compiled kernels) until the budget is
@@ -255,6 +307,8 @@ def main():
     parser.add_argument("--json", help="write every timing here")
     parser.add_argument("--e2e", action="store_true",
                         help="only the end-to-end A/B: bench latency with the GEMV on and off")
+    parser.add_argument("--sweep-rows", type=int, nargs="+", metavar="M",
+                        help="only the tile sweep at these row counts (1 < M <= DOT_MAX_M)")
     parser.add_argument("--model-shape", default="llama3-8b")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--output-len", type=int, default=128)
@@ -265,6 +319,9 @@ def main():
     start = time.time()
     if args.e2e:
         e2e(args, start)
+        return
+    if args.sweep_rows:
+        sweep_rows(args.sweep_rows, args.model_shape, start + args.budget)
         return
     torch.manual_seed(0)
     passing = diagnose()

@@ -45,6 +45,8 @@ def assert_workspace_zero():
     (5, 777, 33, False, 2),
     (16, 512, 128, True, 4),
     (9, 256, 100, False, 16),  # more splits than K steps: empty splits dropped
+    (40, 384, 96, True, 2),  # a batch-8 verification's rows: x^T padded to 64 columns
+    (64, 256, 64, False, 1),
 ])
 def test_gemv_matches_reference(dtype, M, K, N, bias, split_k):
     x, w, b = random_linear(M, K, N, dtype, seed=M * K + N, bias=bias)
@@ -209,8 +211,8 @@ def test_fp8_rejects_bad_scales():
 
 
 def test_rejects_bad_arguments():
-    x, w, _ = random_linear(17, 64, 32, torch.float32, seed=1)
-    with pytest.raises(ValueError, match="1 to 16"):
+    x, w, _ = random_linear(65, 64, 32, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="1 to 64"):
         dense_gemv.dense_gemv(x, w)
     with pytest.raises(ValueError, match="contiguous along K"):
         dense_gemv.dense_gemv(x[:2], w.t().contiguous().t())
@@ -278,6 +280,8 @@ def test_table_picks_the_measured_paths():
     assert dense_gemv.gemv_config(8, 6144, 1024) is None  # Qwen3-0.6B's gate-up
     assert dense_gemv.gemv_config(8, 1024, 2048) == dense_gemv._TENSOR_CORES  # its o
     assert dense_gemv.gemv_config(16, 128256, 4096)["min_block_m"] == 8
+    # past GEMV_MAX_M rows dense_linear keeps cuBLAS, though the kernel takes up to DOT_MAX_M
+    assert dense_gemv.GEMV_MAX_M < dense_gemv.DOT_MAX_M
     assert dense_gemv.gemv_config(dense_gemv.GEMV_MAX_M + 1, 128256, 4096) is None
 
 

@@ -347,8 +347,11 @@ norm.rms_norm_triton(x, torch.ones(4096).to(bf), 1e-6, x.clone())
 norm.rms_norm_quant_fp8_triton(x, torch.ones(4096).to(bf), 1e-6, x.clone())
 w = torch.zeros(4096, 4096).to(bf)
 dense_gemv.dense_gemv(x, w, None, **dict(dense_gemv.gemv_config(1, 4096, 4096), split_k=4))
-for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):  # the 2..8-row tiles
-    dense_gemv.dense_gemv(torch.randn(5, 4096).to(bf), w, None, **dense_gemv.gemv_config(5, N, K))
+for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):  # the 2..8-row tiles,
+    # and at DOT_MAX_M rows (x^T of 64 columns: a batch-8 verification's 40 rows)
+    for m in (5, dense_gemv.DOT_MAX_M):
+        dense_gemv.dense_gemv(torch.randn(m, 4096).to(bf), w, None,
+                              **dense_gemv.gemv_config(5, N, K))
 w8 = w.to(torch.float8_e4m3fn)
 dense_gemv.dense_gemv(x, w8, None, torch.ones(4096, 1), None, **dense_gemv.fp8_gemv_config(1, None))
 import os

@@ -1,4 +1,4 @@
-"""The dense decode GEMV: y [M, N] = x [M, K] @ W [N, K]^T (+ b) for 1 <= M <= 16.
+"""The dense decode GEMV: y [M, N] = x [M, K] @ W [N, K]^T (+ b) for 1 <= M <= 64.
 
 W is an nn.Linear weight (bf16, fp16 or fp32, row n = output feature n, contiguous along K), or
 an FP8 (e4m3) weight with its scales, W = q * s (W8A16: x stays in its dtype):
@@ -27,9 +27,10 @@ once, at the copy bandwidth, from every SM at once:
   every 4th input to match the bytes, is multiplied by 2^64 so that every product stays a
   normal fp32 number, and y by the exact 2^56 at the end: the same products as the conversion,
   summed in another order.
-- 2 <= M <= 16 (USE_DOT True): y^T = W x^T on tensor cores, W in the MMA's M slot and x^T,
-  padded to BLOCK_M (8 or 16) columns, in the N slot; M FMAs per weight would swamp the CUDA
-  cores at 16 rows, a tensor-core product costs the same for any M up to 16.
+- 2 <= M <= DOT_MAX_M = 64 (USE_DOT True): y^T = W x^T on tensor cores, W in the MMA's M slot
+  and x^T, padded to BLOCK_M (8 to 64) columns, in the N slot; M FMAs per weight would swamp
+  the CUDA cores at 16 rows, while the weight's bytes bound a tensor-core product to well past
+  64 (a speculative verification has k + 1 rows a sequence: 40 at batch 8, k = 4).
 - quantize_x (FP8 weights, any M; $TINYPAGED_FP8_GEMV=w8a8dot): W8A8 with no conversion per
   weight. Each step quantizes its [BLOCK_K, BLOCK_M] slice of x^T to e4m3 in registers, one
   scale per row of x, s = max|x| / 448 (per token group of BLOCK_K, as quantize_fp8's groups),
@@ -72,6 +73,7 @@ from tinypaged.kernels.split_k import (
 from tinypaged.kernels.tma import w_operand, w_tma_fits
 
 GEMV_MAX_M = 16  # rows of x up to which dense_linear may take the GEMV
+DOT_MAX_M = 64  # rows of x the tensor-core path takes
 
 
 @jit
@@ -244,7 +246,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                programs_per_sm: int = 3, tensor_cores: bool | None = None,
                quantize_x: bool = False, w8_words: bool = False,
                w_tma: bool = False) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), 1 <= M <= 16, fp32 accumulation, in
+    """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), 1 <= M <= 64, fp32 accumulation, in
     x's dtype (the Triton kernel; dense_linear and the FP8 linear decide when to call it).
 
     weight: in x's dtype, or float8_e4m3fn with weight_scale (fp32: [1, 1] per tensor, [N, 1]
@@ -270,8 +272,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if silu_and_mul and x.shape[1] != 2 * weight.shape[1]:
         raise ValueError(f"dense_gemv: silu_and_mul takes x [M, 2K] for weight [N, K]; got x "
                          f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
-    if not 1 <= M <= GEMV_MAX_M:
-        raise ValueError(f"dense_gemv: x has {M} rows; the GEMV takes 1 to {GEMV_MAX_M} "
+    if not 1 <= M <= DOT_MAX_M:
+        raise ValueError(f"dense_gemv: x has {M} rows; the GEMV takes 1 to {DOT_MAX_M} "
                          "(use F.linear for more)")
     fp8 = weight.dtype == torch.float8_e4m3fn
     if tuple(weight.shape) != (N, K) or weight.stride(1) != 1 or (
@@ -312,8 +314,10 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     split_k = cdiv(steps, cdiv(steps, split_k))  # drop splits that would get no step
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     # sized for GEMV_MAX_M rows and 8-row blocks whatever M and the tiles are, so that no decode
-    # batch size reallocates it after another one's CUDA graph captured it
-    partial, count = (split_k_workspace(x.device, GEMV_MAX_M * N, cdiv(N, 8)) if split_k > 1
+    # batch size reallocates it after another one's CUDA graph captured it (more rows than
+    # dense_linear routes here: DOT_MAX_M)
+    rows = GEMV_MAX_M if M <= GEMV_MAX_M else DOT_MAX_M
+    partial, count = (split_k_workspace(x.device, rows * N, cdiv(N, 8)) if split_k > 1
                       else (y, y))
     pdl = pdl_enabled(x)
     _dense_gemv_kernel[(n_blocks, split_k)](
