@@ -316,8 +316,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     # sized for GEMV_MAX_M rows and 8-row blocks whatever M and the tiles are, so that no decode
     # batch size reallocates it after another one's CUDA graph captured it (more rows than
     # dense_linear routes here: DOT_MAX_M)
-    rows = GEMV_MAX_M if M <= GEMV_MAX_M else DOT_MAX_M
-    partial, count = (split_k_workspace(x.device, rows * N, cdiv(N, 8)) if split_k > 1
+    ws_rows = GEMV_MAX_M if M <= GEMV_MAX_M else DOT_MAX_M
+    partial, count = (split_k_workspace(x.device, ws_rows * N, cdiv(N, 8)) if split_k > 1
                       else (y, y))
     pdl = pdl_enabled(x)
     _dense_gemv_kernel[(n_blocks, split_k)](
@@ -417,15 +417,15 @@ _TENSOR_CORES = dict(block_k=128, num_stages=4, min_block_m=8)  # x^T padded to 
 # wide (gate-up) and long-K (down) weights, the weight by TMA but on the long K. Smaller layers
 # keep cuBLAS at 2..16 rows except the LM heads and the o-sized ones. Figures:
 # benchmarks/RESULTS.md (Decode; Speculative decoding).
-_ROWS = dict(block_k=128, num_stages=4, min_block_m=8)
 DENSE_GEMV_PATHS: tuple[tuple[int, int, int, int, int, dict], ...] = (
     (1, 0, 1024, 0, _ANY, dict(split_k=1)),  # K <= 1024: too few K steps to split
     (1, 0, _ANY, 0, _ANY, dict(programs_per_sm=2)),
     (GEMV_MAX_M, 0, _ANY, 65536, _ANY, _TENSOR_CORES),  # LM heads
-    (8, 12288, _ANY, 4096, 65535, dict(_ROWS, programs_per_sm=1)),  # long K: down, 14336x4096
-    (8, 4096, 8191, 16384, 65535, dict(_ROWS, programs_per_sm=1, w_tma=True)),  # gate-up
-    (8, 4096, 8191, 4096, 4096, dict(_ROWS, block_n=128, programs_per_sm=2, w_tma=True)),  # o
-    (8, 4096, 8191, 4097, 16383, dict(_ROWS, programs_per_sm=4, w_tma=True)),  # qkv, 4096x6144
+    # Llama-3-8B's down (14336x4096), gate-up (4096x28672), o (4096x4096), qkv (4096x6144)
+    (8, 12288, _ANY, 4096, 65535, dict(_TENSOR_CORES, programs_per_sm=1)),
+    (8, 4096, 8191, 16384, 65535, dict(_TENSOR_CORES, programs_per_sm=1, w_tma=True)),
+    (8, 4096, 8191, 4096, 4096, dict(_TENSOR_CORES, block_n=128, programs_per_sm=2, w_tma=True)),
+    (8, 4096, 8191, 4097, 16383, dict(_TENSOR_CORES, programs_per_sm=4, w_tma=True)),
     (8, 2048, 4096, 0, 4096, _TENSOR_CORES),  # o-sized: 2048x1024, 3072x1024
 )
 
