@@ -158,8 +158,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "TINYPAGED_FP8_TMA": EnvVar(
         "bool", True,
         "0 makes the FP8 kernels (kernels/fp8_rows.py, the one-row FP8 GEMV of "
-        "kernels/dense_gemv.py, the FP8 GEMM of kernels/fp8.py) load their operands by pointer "
-        "loads even where their tile tables ask for TMA (w_tma, TMA; for A/B benchmarks)",
+        "kernels/dense_gemv.py, the FP8 GEMM of kernels/fp8.py) and the dense GEMV's 2-8-row "
+        "tiles load their operands by pointer loads even where their tile tables ask for TMA "
+        "(w_tma, TMA; for A/B benchmarks)",
         _is_not_zero,
     ),
     "TINYPAGED_PDL": EnvVar(

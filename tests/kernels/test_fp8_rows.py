@@ -93,6 +93,17 @@ def test_tma_falls_back_where_no_descriptor_fits(monkeypatch):
     w256 = w[:, :256].contiguous()
     assert not tma.w_tma_fits(w, 64, 128) and not tma.w_tma_fits(w[:, :256], 64, 128)
     assert not tma.w_tma_fits(w256, 64, 512) and tma.w_tma_fits(w256, 64, 256)
+
+    class OnGPU:  # w256 as a CUDA tensor would present it: a GPU before Hopper has no TMA
+        is_cuda, device = True, torch.device("cuda", 0)
+
+        def __getattr__(self, name):
+            return getattr(w256, name)
+
+    monkeypatch.setattr(tma, "tma_device", lambda index: False)
+    assert not tma.w_tma_fits(OnGPU(), 64, 256)
+    monkeypatch.setattr(tma, "tma_device", lambda index: True)
+    assert tma.w_tma_fits(OnGPU(), 64, 256)
     ref = fp8_rows.fp8_rows_reference(a, a_scale, w, w_scale, torch.float32, block)
     y = fp8_rows.fp8_rows(a, a_scale, w, w_scale, torch.float32, block, w_tma=True)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

@@ -15,16 +15,26 @@ launch and replays it as long as the weight stays where it is (weights do).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tinypaged import envs
 
 
+@functools.cache
+def tma_device(device_index: int) -> bool:
+    """Whether the GPU has the Tensor Memory Accelerator (compute capability 9.0 and up)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def w_tma_fits(w: torch.Tensor, block_n: int, block_k: int) -> bool:
     """Whether a descriptor can stream w [N, K] (contiguous along K) in [block_n, block_k]
-    tiles: a 16-byte aligned base and row stride (K % 16 == 0 for e4m3, % 8 for bf16), boxes
-    of at most 256 a side; and $TINYPAGED_FP8_TMA not 0 (the A/B switch)."""
-    return (envs.TINYPAGED_FP8_TMA and w.stride(1) == 1 and w.data_ptr() % 16 == 0
+    tiles: a GPU with TMA (or the interpreter, on the CPU), a 16-byte aligned base and row
+    stride (K % 16 == 0 for e4m3, % 8 for bf16), boxes of at most 256 a side; and
+    $TINYPAGED_FP8_TMA not 0 (the A/B switch)."""
+    return (envs.TINYPAGED_FP8_TMA and (not w.is_cuda or tma_device(w.device.index or 0))
+            and w.stride(1) == 1 and w.data_ptr() % 16 == 0
             and w.stride(0) * w.element_size() % 16 == 0 and block_n <= 256 and block_k <= 256)
 
 
