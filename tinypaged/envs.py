@@ -166,7 +166,7 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "TINYPAGED_PDL": EnvVar(
         "bool", True,
         "0 stops the decode kernels (norms, GEMVs, rotary + KV store, decode attention) from "
-        "chaining by programmatic dependent launch at up to 16 rows (Hopper and later; "
+        "chaining by programmatic dependent launch at up to 64 rows (Hopper and later; "
         "kernels/pdl.py): the A/B switch",
         _is_not_zero,
     ),

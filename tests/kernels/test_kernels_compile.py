@@ -340,7 +340,7 @@ from tinypaged.kernels.gguf_format import row_bytes
 
 for module in (attention_decode, dense_gemv, fp8, fp8_act, fp8_rows, norm, rotary_kv_cache,
                gguf_gemv, gguf_rows, gguf_subdot):
-    module.pdl_enabled = lambda x: True  # what a CUDA tensor of <= 16 rows on an H200 gets
+    module.pdl_enabled = lambda x: True  # what a CUDA tensor of <= 64 rows on an H200 gets
 bf = torch.bfloat16
 x = torch.randn(1, 4096).to(bf)
 norm.rms_norm_triton(x, torch.ones(4096).to(bf), 1e-6, x.clone())

@@ -33,7 +33,7 @@ import torch
 
 from tinypaged import envs
 from tinypaged.kernels._triton import cdiv, dot_precision, jit, next_power_of_2, tl, use_triton
-from tinypaged.kernels.pdl import PDL_MAX_TOKENS, pdl_device
+from tinypaged.kernels.pdl import pdl_device
 
 
 def lora_segments(token_slots: torch.Tensor, num_slots: int):
@@ -79,16 +79,18 @@ def lora_tiles(num_tokens: int) -> tuple[int, ...]:
 # start early, and the expand does its index work and loads its B tile (neither depends on the
 # shrink) before it waits for the shrink's planes and the base output (`gdc_wait`). At decode,
 # where each kernel is a few dependent loads long, that hides most of the expand's head. It is
-# off unless TINYPAGED_LORA_PDL=1, and then only batches of up to PDL_MAX_TOKENS rows chain: on
+# off unless TINYPAGED_LORA_PDL=1, and then only batches of up to LORA_PDL_MAX_TOKENS rows chain: on
 # the H200 decode at batch 1 gained ~3.5% from it and batch 8 did not move, while the offline
 # run lost a quarter of its throughput with it on, even at up to 16 rows only (benchmarks/
-# RESULTS.md, Multi-LoRA).
+# RESULTS.md, Multi-LoRA). The bound is the one measured then, not the decode kernels' own
+# (pdl.PDL_MAX_TOKENS, since raised).
+LORA_PDL_MAX_TOKENS = 16
 
 
 def use_pdl(x: torch.Tensor) -> bool:
     """Whether the LoRA kernels over x [num_tokens, ...] chain by programmatic dependent launch
-    (PDL): on Hopper or later, for at most PDL_MAX_TOKENS rows."""
-    return (x.is_cuda and x.shape[0] <= PDL_MAX_TOKENS and envs.TINYPAGED_LORA_PDL
+    (PDL): on Hopper or later, for at most LORA_PDL_MAX_TOKENS rows."""
+    return (x.is_cuda and x.shape[0] <= LORA_PDL_MAX_TOKENS and envs.TINYPAGED_LORA_PDL
             and pdl_device(x.device.index or 0))
 
 

@@ -36,7 +36,10 @@ import torch
 from tinypaged import envs
 from tinypaged.kernels._triton import jit, tl
 
-PDL_MAX_TOKENS = 16  # rows (tokens) of a launch up to which the decode kernels chain by PDL
+# rows (tokens) of a launch up to which the decode kernels chain by PDL: 64 takes in a batch-8
+# speculative verification's 40 (k = 4) and decode batches to 64, where the chain measured
+# slightly faster than ordinary launches (benchmarks/RESULTS.md, Speculative decoding)
+PDL_MAX_TOKENS = 64
 
 
 @functools.cache
