@@ -1,11 +1,12 @@
 """GPU check of speculative decoding, run before timing it: greedy tokens with speculation equal
-the tokens without, for the n-gram and oracle proposers, with the k+1-token CUDA graphs, the
-piecewise graphs and eagerly (async scheduling, the default on a GPU), and with graphs
-synchronously, at batch 1 and 8 (fp32 tiny random models, so that no bf16
-near-tie between the decode and the verification kernels can flip a token); every KV block free
+the tokens without, for the n-gram, oracle and draft-model proposers (the draft: the target
+itself, every draft accepted; a one-layer model of other weights), with the k+1-token CUDA
+graphs, the piecewise graphs and eagerly (async scheduling, the default on a GPU), and with
+graphs synchronously, at batch 1 and 8 (fp32 tiny random models, so that no bf16 near-tie
+between the decode and the verification kernels can flip a token); every KV block free
 after. Prints one line per case and exits 1 on any mismatch.
 
-    PYTHONPATH=. python benchmarks/spec_decode_check.py [--kinds llama qwen3]
+    PYTHONPATH=. python benchmarks/spec_decode_check.py [--kinds llama qwen3] [--methods draft_model]
 
 `--heads-only` checks the draft heads instead (spec_decode/heads.py), with checkpoints written
 in their real formats (bench/tiny_heads.py): a random EAGLE-3 head on a 4-layer llama (every
@@ -37,6 +38,8 @@ from tinypaged.bench.tiny_models import save_tiny
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kinds", nargs="+", default=["llama", "qwen3"])
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="only these proposers (ngram, oracle, oracle_miss, draft_model)")
     parser.add_argument("--heads-only", action="store_true",
                         help="check the EAGLE-3 / EAGLE / MTP heads instead")
     args = parser.parse_args()
@@ -63,13 +66,20 @@ def main() -> int:
         del base_llm
         gc.collect()  # the engine's GPU memory goes back before the next one sizes its cache
         table = [[p, b] for p, b in zip(prompts, base)]
+        other = path.parent / f"{kind}-1layer"  # a draft with other weights: some drafts fail
+        other.mkdir()
+        save_tiny(kind, other, num_hidden_layers=1)
         configs = [
             {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
              "prompt_lookup_max": 3},
             {"method": "oracle", "num_speculative_tokens": 4, "oracle_token_ids": table},
             {"method": "oracle_miss", "num_speculative_tokens": 3, "oracle_token_ids": table},
+            {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4},
+            {"method": "draft_model", "model": str(other), "num_speculative_tokens": 3},
         ]
         for config in configs:
+            if args.methods and config["method"] not in args.methods:
+                continue
             for mode in ({}, {"cudagraph_mode": "FULL_DECODE_ONLY"}, {"enforce_eager": True},
                          {"async_scheduling": False}):
                 llm = LLM(str(path), speculative_config=config, **engine, **mode)
@@ -95,8 +105,12 @@ def acceptance(spec: dict) -> float:
 
 
 def report(llm, ok: bool, case: str, mode, rate: float) -> None:
-    """One line per case: OK or BAD, whether the k+1-token graphs ran, the acceptance."""
+    """One line per case: OK or BAD, whether the k+1-token graphs ran, how many drafting steps
+    a draft model replayed as full graphs, the acceptance."""
     graphs = "spec graphs" if llm.engine.runner.spec_graphs else "no spec graphs"
+    draft = getattr(llm.engine.spec.proposer, "runner", None)
+    if draft is not None:
+        graphs += f", draft graph replays {draft.graphs.num_runs if draft.graphs else 0}"
     print(f"{'OK ' if ok else 'BAD'} {case} {mode or 'graphs'} ({graphs}): "
           f"acceptance so far {100 * rate:.0f}%")
 

@@ -76,6 +76,9 @@ def programs_target(device: torch.device) -> int:
 
 
 SPLIT_K_WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+# workspaces outgrown by a larger one, kept: graphs captured before (a target's, when a draft
+# model with wider layers warms up after them) still read and re-zero them
+_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def split_k_workspace(device: torch.device, numel: int, blocks: int):
@@ -89,6 +92,8 @@ def split_k_workspace(device: torch.device, numel: int, blocks: int):
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("split-K GEMV: the workspace must be allocated before CUDA graph "
                                "capture; run one eager forward pass first")
+        if ws is not None:
+            _OUTGROWN.append(ws)
         ws = (torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device),
               torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device))
         SPLIT_K_WORKSPACE[device] = ws

@@ -47,7 +47,11 @@ class DraftModelProposer(Proposer):
             block_size=target.block_size, max_num_seqs=target.max_num_seqs,
             max_num_batched_tokens=target.max_num_batched_tokens,
             max_model_len=target.max_model_len, enable_prefix_caching=False,
-            num_kv_blocks=engine.runner.kv_cache_info.num_blocks, enforce_eager=True,
+            num_kv_blocks=engine.runner.kv_cache_info.num_blocks,
+            # CUDA graphs as the target's: drafting steps 2..k are one-token decodes (the full
+            # graphs), the first has the bonus token and the last draft (piecewise graphs);
+            # eager, a small draft's step is its host's launches, many times its GPU time
+            enforce_eager=target.enforce_eager, cudagraph_mode=target.cudagraph_mode,
             async_scheduling=False, skip_tokenizer_init=True, seed=target.seed,
             load_format=target.load_format, kernels=target.kernels,
         )
