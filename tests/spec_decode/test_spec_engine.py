@@ -183,9 +183,13 @@ def test_draft_model_greedy_equals_no_speculation(llama, tmp_path):
     batch = prompts(3, seed=7, hi=24)
     params = [greedy(12 + 3 * i) for i in range(len(batch))]
     base = run(LLM(llama, skip_tokenizer_init=True, **ENGINE), batch, params)
-    for draft, k in ((str(tmp_path), 3), (llama, 4)):
-        llm = LLM(llama, skip_tokenizer_init=True, **ENGINE,
+    for draft, k, graphs in ((str(tmp_path), 3, "FULL_AND_PIECEWISE"),
+                             (llama, 4, "FULL_DECODE_ONLY")):
+        llm = LLM(llama, skip_tokenizer_init=True, **ENGINE, cudagraph_mode=graphs,
                   speculative_config={"model": draft, "num_speculative_tokens": k})
+        # the draft's runner takes the target's CUDA-graph settings (graphs on a GPU)
+        draft_config = llm.engine.spec.proposer.executor.config
+        assert (draft_config.enforce_eager, draft_config.cudagraph_mode) == (False, graphs)
         assert run(llm, batch, params) == base
         spec = llm.engine.get_stats()["spec_decode"]
         assert spec["num_drafts"] > 0
