@@ -6,7 +6,7 @@ graphs synchronously, at batch 1 and 8 (fp32 tiny random models, so that no bf16
 between the decode and the verification kernels can flip a token); every KV block free
 after. Prints one line per case and exits 1 on any mismatch.
 
-    PYTHONPATH=. python benchmarks/spec_decode_check.py [--kinds llama qwen3] [--methods draft_model]
+    PYTHONPATH=. python benchmarks/spec_decode_check.py [--kinds llama qwen3] [--methods ...]
 
 `--heads-only` checks the draft heads instead (spec_decode/heads.py), with checkpoints written
 in their real formats (bench/tiny_heads.py): a random EAGLE-3 head on a 4-layer llama (every
